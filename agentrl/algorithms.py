@@ -1,0 +1,346 @@
+"""Advantages and losses, shared by every trainer (the plain-PyTorch one and Megatron).
+
+Shapes: the loss functions are elementwise over token tensors of any shape ([B, T] padded,
+or [N] packed); `mask` is the loss mask: 1 where the policy sampled the token, 0 for
+env/tool tokens and padding. Losses are token sums divided by `denom` (the trained-token
+count of the whole global batch), so micro-batches add up to the global token mean.
+
+Estimators (`--advantage-estimator`):
+
+- grpo: (r - group mean) / (group std + eps), one scalar per trajectory;
+- dr_grpo: r - group mean (Dr. GRPO: no std normalization);
+- gspo: GRPO's advantages with GSPO's sequence-level importance ratio in the loss;
+- rloo: r - mean of the other members of the group;
+- reinforce_plus_plus: per-token returns of the reward (at the last trained token) plus the
+  per-token KL penalty (`--kl-coef`), whitened over the batch's trained tokens;
+- reinforce_plus_plus_baseline: the same with r - group mean as the final reward;
+- ppo: GAE(gamma, lambda) over a critic's values, whitened; the critic learns the returns.
+
+Trajectories are sequences of *trained* tokens: env/tool tokens (mask 0) are context, not
+actions, so returns and GAE run over the trained tokens only and give the rest 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                        "ppo")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
+TOKEN_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+
+
+def check_algo(algo) -> None:
+    """Combinations of AlgoConfig fields that cannot work; raised at trainer construction."""
+    from agentrl.errors import ConfigError
+
+    if algo.kl_coef > 0 and algo.advantage_estimator not in TOKEN_ESTIMATORS:
+        raise ConfigError(f"--kl-coef puts a per-token KL penalty into the reward, which only token-level estimators "
+                          f"({', '.join(TOKEN_ESTIMATORS)}) use; with {algo.advantage_estimator} use --use-kl-loss "
+                          "--kl-loss-coef instead")
+    if algo.use_tis and algo.tis_clip <= algo.tis_clip_low:
+        raise ConfigError(f"--tis-clip ({algo.tis_clip}) must exceed --tis-clip-low ({algo.tis_clip_low})")
+
+
+def needs_reference(algo) -> bool:
+    return bool(algo.use_kl_loss and algo.kl_loss_coef > 0) or algo.kl_coef > 0
+
+
+# -- advantages --------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
+                     eps: float = 1e-6) -> torch.Tensor:
+    """One scalar per sample from its group's rewards.  rewards, group_ids: [B]
+
+    grpo, gspo: (r - mean) / (std + eps);  dr_grpo, reinforce_plus_plus_baseline: r - mean;
+    rloo: r - mean of the other members;  reinforce_plus_plus: r (no baseline).
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS or estimator == "ppo":
+        raise ValueError(f"unknown group advantage estimator {estimator!r}; choose from {GROUP_ESTIMATORS}")
+    if estimator == "reinforce_plus_plus":
+        return rewards.clone()
+    adv = torch.zeros_like(rewards)
+    for g in group_ids.unique():
+        idx = group_ids == g
+        r = rewards[idx]
+        n = r.numel()
+        if estimator == "rloo":
+            adv[idx] = (r - (r.sum() - r) / (n - 1)) if n > 1 else torch.zeros_like(r)
+            continue
+        centered = r - r.mean()
+        if estimator in ("grpo", "gspo"):
+            std = r.std(unbiased=True) if n > 1 else torch.tensor(0.0)
+            centered = centered / (std + eps)
+        adv[idx] = centered
+    return adv
+
+
+def discounted_returns(rewards: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = sum_k gamma^k r_{t+k} over a 1-D sequence of steps."""
+    out = torch.zeros_like(rewards)
+    running = 0.0
+    for t in range(rewards.numel() - 1, -1, -1):
+        running = rewards[t] + gamma * running
+        out[t] = running
+    return out
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over a 1-D sequence of steps (terminal after the last).
+    Returns (advantages, returns = advantages + values)."""
+    adv = torch.zeros_like(rewards)
+    last = 0.0
+    for t in range(rewards.numel() - 1, -1, -1):
+        next_value = values[t + 1] if t + 1 < values.numel() else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        last = delta + gamma * lam * last
+        adv[t] = last
+    return adv, adv + values
+
+
+def whiten(values: list[torch.Tensor], eps: float = 1e-8) -> list[torch.Tensor]:
+    """(x - mean) / std over all the given tensors' elements together."""
+    flat = torch.cat([v.flatten() for v in values]) if values else torch.zeros(0)
+    if flat.numel() < 2:
+        return [v - flat.mean() if flat.numel() else v for v in values]
+    mean, std = flat.mean(), flat.std(unbiased=False)
+    return [(v - mean) / (std + eps) for v in values]
+
+
+@dataclass
+class Advantages:
+    advantages: list[list[float]]  # per sample, per response token (0 where not trained)
+    returns: list[list[float]] | None = None  # ppo: the critic's targets, same layout
+
+
+def compute_advantages(samples, algo, *, old_logprobs: list[list[float]] | None = None,
+                       ref_logprobs: list[list[float]] | None = None,
+                       values: list[list[float]] | None = None) -> Advantages:
+    """Per-token advantages for each Sample (and returns for the critic under ppo).
+
+    old_logprobs / ref_logprobs: the policy's and the reference model's logprobs of each
+    response token (for the KL penalty in the reward, `--kl-coef`); values: the critic's
+    value of each response position (ppo).
+    """
+    est = algo.advantage_estimator
+    if est not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {est!r}; choose from {ADVANTAGE_ESTIMATORS}")
+    out = [[0.0] * s.response_length for s in samples]
+    idx = [i for i, s in enumerate(samples) if s.trainable]  # a failed trajectory neither gets nor gives signal
+    if not idx:
+        return Advantages(out, [list(r) for r in out] if est == "ppo" else None)
+    rewards = torch.tensor([samples[i].reward_value for i in idx], dtype=torch.float64)
+    if est in GROUP_ESTIMATORS or est == "reinforce_plus_plus":
+        groups = torch.tensor([samples[i].group_id for i in idx])
+        scalar = group_advantages(rewards, groups, est).tolist()
+    else:
+        scalar = rewards.tolist()
+    if est not in TOKEN_ESTIMATORS:
+        for i, a in zip(idx, scalar):
+            out[i] = [a if m else 0.0 for m in samples[i].loss_mask]
+        return Advantages(out)
+
+    if algo.kl_coef > 0 and (old_logprobs is None or ref_logprobs is None):
+        raise ValueError("--kl-coef needs the policy's and the reference model's logprobs")
+    gamma, lam = algo.gamma, algo.lambd
+    per_sample_adv, per_sample_ret, positions = [], [], []
+    for i, final in zip(idx, scalar):
+        s = samples[i]
+        pos = [t for t, m in enumerate(s.loss_mask) if m]  # the trained tokens, the steps of this trajectory
+        r = torch.zeros(len(pos), dtype=torch.float64)
+        if algo.kl_coef > 0:
+            lp = torch.tensor([old_logprobs[i][t] for t in pos], dtype=torch.float64)
+            ref = torch.tensor([ref_logprobs[i][t] for t in pos], dtype=torch.float64)
+            r -= algo.kl_coef * kl_penalty(lp, ref, algo.kl_reward_type)
+        r[-1] += final
+        if est == "ppo":
+            if values is None:
+                raise ValueError("ppo needs the critic's values")
+            v = torch.tensor([values[i][t] for t in pos], dtype=torch.float64)
+            a, ret = gae(r, v, gamma, lam)
+            per_sample_ret.append(ret)
+        else:
+            a = discounted_returns(r, gamma)
+        per_sample_adv.append(a)
+        positions.append(pos)
+    per_sample_adv = whiten(per_sample_adv)
+    returns = [[0.0] * s.response_length for s in samples] if est == "ppo" else None
+    for k, (i, pos) in enumerate(zip(idx, positions)):
+        for t, a in zip(pos, per_sample_adv[k].tolist()):
+            out[i][t] = a
+        if returns is not None:
+            for t, g in zip(pos, per_sample_ret[k].tolist()):
+                returns[i][t] = g
+    return Advantages(out, returns)
+
+
+def sample_advantages(samples, estimator: str) -> list[float]:
+    """Group advantages over the trainable members of each group of Samples; 0 for the rest."""
+    idx = [i for i, s in enumerate(samples) if s.trainable]
+    out = [0.0] * len(samples)
+    if idx:
+        rewards = torch.tensor([samples[i].reward_value for i in idx])
+        groups = torch.tensor([samples[i].group_id for i in idx])
+        for i, a in zip(idx, group_advantages(rewards, groups, estimator).tolist()):
+            out[i] = a
+    return out
+
+
+# -- KL ------------------------------------------------------------------------------------------
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token KL estimate of pi vs pi_ref from sampled tokens (elementwise).
+
+    k1: log r;  k2: (log r)^2 / 2;  k3 (low variance): exp(-log r) - 1 + log r, with
+    log r = logprobs - ref_logprobs.
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.pow(2)
+    if kind in ("k3", "low_var_kl"):
+        return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(max=10.0)
+    raise ValueError(f"unknown KL kind {kind!r}; choose k1, k2 or k3")
+
+
+# -- losses --------------------------------------------------------------------------------------
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, denom: float | torch.Tensor | None = None) -> torch.Tensor:
+    return (x * mask).sum() / (denom if denom is not None else mask.sum().clamp(min=1))
+
+
+def _segments(mask: torch.Tensor, seq_ids: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """Flat segment ids (one per sequence) for tensors of mask's shape."""
+    if seq_ids is None:
+        if mask.dim() != 2:
+            raise ValueError("sequence-level ratios need seq_ids for non-[B, T] inputs")
+        seq_ids = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+    seq_ids = seq_ids.reshape(-1).long()
+    return seq_ids, int(seq_ids.max().item()) + 1 if seq_ids.numel() else 0
+
+
+def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                       seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """GSPO's per-token log-ratio: the sequence's mean log-ratio over its trained tokens, as a
+    value, carrying each token's own gradient (GSPO-token: sg[s_i] * pi_t / sg[pi_t])."""
+    ids, n = _segments(mask, seq_ids)
+    lr = ((logprobs - old_logprobs) * mask).reshape(-1)
+    m = mask.reshape(-1).to(lr.dtype)
+    sums = torch.zeros(n, dtype=lr.dtype, device=lr.device).index_add(0, ids, lr.detach())
+    counts = torch.zeros(n, dtype=lr.dtype, device=lr.device).index_add(0, ids, m).clamp(min=1)
+    seq_mean = (sums / counts)[ids].reshape(mask.shape)
+    return seq_mean + logprobs - logprobs.detach()
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: torch.Tensor  # scalar: sum over trained tokens / denom
+    clipfrac: torch.Tensor  # scalar, detached: share of trained tokens whose ratio was clipped
+    ppo_kl: torch.Tensor  # scalar, detached: mean of old_logprobs - logprobs over trained tokens
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.2,
+                dual_clip_c: float | None = None, denom: float | None = None, ratio_level: str = "token",
+                seq_ids: torch.Tensor | None = None, token_weights: torch.Tensor | None = None) -> PolicyLossOutput:
+    """PPO clipped surrogate (GRPO and friends use it with their advantages).
+
+    ratio_level "sequence" is GSPO (see sequence_log_ratio). dual_clip_c bounds the loss of
+    negative advantages at -c * A. token_weights (TIS/MIS importance weights, detached)
+    scale each token's loss.
+    """
+    log_ratio = logprobs - old_logprobs
+    if ratio_level == "sequence":
+        log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask, seq_ids)
+    elif ratio_level != "token":
+        raise ValueError(f"ratio_level {ratio_level!r}: token or sequence")
+    ratio = torch.exp(log_ratio)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(pg1, pg2)
+    clipped = (pg2 > pg1).float()
+    if dual_clip_c is not None:
+        pg3 = -advantages * dual_clip_c
+        loss = torch.where(advantages < 0, torch.minimum(loss, pg3), loss)
+    if token_weights is not None:
+        loss = loss * token_weights.detach()
+    return PolicyLossOutput(
+        loss=masked_mean(loss, mask, denom),
+        clipfrac=masked_mean(clipped, mask, denom).detach(),
+        ppo_kl=masked_mean(-(logprobs - old_logprobs), mask, denom).detach(),
+    )
+
+
+def importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *,
+                       mode: str = "truncate", low: float = 0.0, high: float = 2.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rollout/training mismatch correction: w = pi_train_old / pi_rollout per token.
+
+    truncate (TIS): w clamped to [low, high];  mask (MIS): w where low <= w <= high, else 0.
+    Returns (weights, 1.0 where the weight was clamped or masked), both detached.
+    """
+    w = torch.exp(old_logprobs - rollout_logprobs).detach()
+    outside = ((w < low) | (w > high)).to(w.dtype)
+    if mode == "truncate":
+        weights = w.clamp(min=low, max=high)
+    elif mode == "mask":
+        weights = w * (1.0 - outside)
+    else:
+        raise ValueError(f"tis mode {mode!r}: truncate or mask")
+    return weights, outside
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
+               clip: float | None = 0.2, denom: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).
+    Returns (loss, clipfrac)."""
+    unclipped = (values - returns).pow(2)
+    if clip is None or clip <= 0:
+        return 0.5 * masked_mean(unclipped, mask, denom), torch.zeros(())
+    v_clipped = old_values + (values - old_values).clamp(-clip, clip)
+    clipped = (v_clipped - returns).pow(2)
+    loss = 0.5 * torch.maximum(unclipped, clipped)
+    return masked_mean(loss, mask, denom), masked_mean((clipped > unclipped).float(), mask, denom).detach()
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy.  [..., V] -> [...]"""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, denom: float, ref_logprobs: torch.Tensor | None = None,
+                     rollout_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                     seq_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The whole policy loss of one micro-batch, as configured: clipped surrogate (token or
+    sequence ratio, dual clip), TIS/MIS weights, KL loss, entropy bonus. Every stat is a
+    token sum / denom, so the global batch's stats are the sums over its micro-batches."""
+    weights = None
+    stats: dict[str, torch.Tensor] = {}
+    if algo.use_tis:
+        if rollout_logprobs is None:
+            raise ValueError("--use-tis needs the rollout logprobs")
+        weights, outside = importance_weights(old_logprobs, rollout_logprobs, mask, mode=algo.tis_mode,
+                                              low=algo.tis_clip_low, high=algo.tis_clip)
+        stats["tis_weight"] = masked_mean(weights, mask, denom)
+        stats["tis_clipfrac"] = masked_mean(outside, mask, denom)
+    clip_high = algo.eps_clip_high if algo.eps_clip_high is not None else algo.eps_clip
+    out = policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=algo.eps_clip, clip_high=clip_high,
+                      dual_clip_c=algo.dual_clip_c, denom=denom,
+                      ratio_level="sequence" if algo.advantage_estimator == "gspo" else "token",
+                      seq_ids=seq_ids, token_weights=weights)
+    loss = out.loss
+    stats.update(pg_loss=out.loss.detach(), clipfrac=out.clipfrac, ppo_kl=out.ppo_kl)
+    if algo.use_kl_loss and ref_logprobs is not None:
+        kl = masked_mean(kl_penalty(logprobs, ref_logprobs, algo.kl_loss_type), mask, denom)
+        loss = loss + algo.kl_loss_coef * kl
+        stats["kl_loss"] = kl.detach()
+    if entropy is not None:
+        ent = masked_mean(entropy, mask, denom)
+        if algo.entropy_coef > 0:
+            loss = loss - algo.entropy_coef * ent
+        stats["entropy"] = ent.detach()
+    stats["loss"] = loss.detach()
+    return loss, stats

@@ -1,0 +1,150 @@
+"""`agentrl` command line. Parses first, imports torch and friends only when needed."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from agentrl.errors import AgentRLError
+
+USAGE = """usage: agentrl COMMAND [ARGS]
+
+commands:
+  train     train on an env (agentrl train --env target-token; --help lists every flag)
+  eval      evaluate a model or checkpoint on eval sets, no training (same flags as train)
+  envs      list registered envs (envs list) or describe one (envs show NAME)
+  sandbox   build the sandbox image, list or reap sandboxes (agentrl sandbox --help)
+  tools     list or call the tools of an MCP server (agentrl tools --help)
+  inspect   write a self-contained HTML report of a run (agentrl inspect RUN_DIR)
+"""
+
+
+def _env_defaults(env_name: str, env_modules: list[str]) -> dict:
+    from agentrl.registry import get_spec, import_env_module
+
+    for module in env_modules:
+        import_env_module(module)
+    return dict(getattr(get_spec(env_name).load(), "default_config", {}) or {})
+
+
+def cmd_train(argv: list[str]) -> int:
+    from agentrl.config import parse_config
+
+    cfg, ns = parse_config(argv, env_defaults_for=_env_defaults)
+    if getattr(ns, "dry_run", False):
+        import yaml
+
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        return 0
+    from agentrl.train import train
+
+    train(cfg)
+    return 0
+
+
+def cmd_eval(argv: list[str]) -> int:
+    """agentrl eval --env NAME [--model DIR | --load CKPT] [--prompt-data F | --eval-prompt-data NAME F ...]
+    [--eval-limit N]: the same flags as train; no training."""
+    from agentrl.config import parse_config
+
+    limit = None
+    if "--eval-limit" in argv:
+        i = argv.index("--eval-limit")
+        limit, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
+    cfg, _ = parse_config(argv, env_defaults_for=_env_defaults)
+    from agentrl.train import evaluate_checkpoint
+
+    evaluate_checkpoint(cfg, limit=limit)
+    return 0
+
+
+def cmd_envs(argv: list[str]) -> int:
+    import argparse
+
+    from agentrl.registry import get_spec, import_env_module, list_envs
+
+    parser = argparse.ArgumentParser(prog="agentrl envs")
+    parser.add_argument("action", choices=["list", "show"])
+    parser.add_argument("name", nargs="?")
+    parser.add_argument("--env-module", action="append", default=[])
+    args = parser.parse_args(argv)
+    for module in args.env_module:
+        import_env_module(module)
+    if args.action == "list":
+        specs = list_envs()
+        width = max((len(s.name) for s in specs), default=4)
+        for spec in specs:
+            print(f"{spec.name:<{width}}  {spec.description}  [{spec.source}]")
+        return 0
+    if not args.name:
+        parser.error("envs show needs an env NAME")
+    spec = get_spec(args.name)
+    cls = spec.load()
+    import inspect
+
+    print(f"name:        {spec.name}")
+    print(f"class:       {spec.qualified_name}")
+    print(f"registered:  {spec.source}")
+    print(f"description: {spec.description or getattr(cls, 'description', '')}")
+    print(f"max turns:   {getattr(cls, 'max_turns', '?')}")
+    print(f"tool parser: {getattr(cls, 'tool_parser', None)}")
+    print(f"tools:       {', '.join(getattr(cls, 'tool_names', ()) or ()) or '(none declared statically)'}")
+    has_data = getattr(cls, "dataset", None) is not None and cls.dataset.__func__ is not _base_dataset()
+    print(f"dataset:     {'built-in task generator/dataset' if has_data else 'none: needs --prompt-data'}")
+    print(f"defaults:    {getattr(cls, 'default_config', {}) or '{}'}")
+    init = inspect.signature(cls.__init__) if inspect.isclass(cls) else inspect.signature(cls)
+    print(f"options:     {init}")
+    doc = inspect.getdoc(cls)
+    if doc:
+        print("\n" + doc)
+    return 0
+
+
+def _base_dataset():
+    from agentrl.env import Env
+
+    return Env.dataset.__func__
+
+
+def _delegate(module: str):
+    def run(argv: list[str]) -> int:
+        import importlib
+
+        return int(importlib.import_module(module).main(argv) or 0)
+
+    return run
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "eval": cmd_eval,
+    "envs": cmd_envs,
+    "sandbox": _delegate("agentrl.sandboxes.cli"),
+    "tools": _delegate("agentrl.tools.cli"),
+    "inspect": _delegate("agentrl.inspect"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # as a command: `agentrl ... | head` ends quietly, like any Unix tool
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"agentrl: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return command(argv[1:])
+    except AgentRLError as exc:
+        print(f"agentrl {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("agentrl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

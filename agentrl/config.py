@@ -1,0 +1,453 @@
+"""Typed configuration: a tree of pydantic models, one per component.
+
+Every field is also a command-line flag named after it with dashes (slime's names:
+``rollout_batch_size`` -> ``--rollout-batch-size``), plus a few aliases (``--model``).
+Layers, later wins: field defaults < the env's ``default_config`` < the YAML file
+(``--config``, keys flat or nested by section) < flags. Arguments the trainer does not own
+pass through: ``--sglang-*`` to SGLang servers, ``--router-*`` to sglang-router.
+The config is frozen once resolved; `resolve()` is the one place values are derived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentrl.errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(Section):
+    model: str | None = None
+    """Local HF causal-LM checkpoint folder; None builds the tiny default model offline."""
+    device: str = "auto"
+    """cpu, cuda, or auto (cuda when available)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Training and embedded-engine dtype."""
+
+
+class DataConfig(Section):
+    prompt_data: str | None = None
+    """JSONL or parquet file of prompts; None uses the env's own dataset or task generator."""
+    input_key: str = "prompt"
+    """Row key of the prompt (a string or a list of chat messages)."""
+    label_key: str = "label"
+    """Row key of the label the reward is computed against."""
+    metadata_key: str = "metadata"
+    """Row key of a dict passed to the env as task metadata."""
+    apply_chat_template: bool = True
+    """Render prompts and turns with the tokenizer's chat template (else plain concatenation)."""
+    rollout_shuffle: bool = True
+    """Shuffle the dataset each epoch (seeded)."""
+
+
+class RolloutConfig(Section):
+    num_rollout: int = Field(50, ge=1)
+    """Number of iterations (rollout + training step + weight sync)."""
+    rollout_batch_size: int = Field(16, ge=1)
+    """Prompts per iteration."""
+    n_samples_per_prompt: int = Field(8, ge=1)
+    """Trajectories per prompt (the GRPO group size)."""
+    rollout_max_response_len: int = Field(16, ge=1)
+    """Token budget of a trajectory's response (all turns, policy and env tokens)."""
+    rollout_max_tokens_per_turn: int | None = Field(None, ge=1)
+    """Cap on the tokens of one assistant turn; None: the remaining response budget."""
+    rollout_temperature: float = Field(1.0, ge=0)
+    rollout_top_p: float = Field(1.0, gt=0, le=1)
+    rollout_top_k: int = -1
+    max_turns: int | None = Field(None, ge=1)
+    """Turn limit; None uses the env's own max_turns."""
+    max_concurrency: int = Field(256, ge=1)
+    """Trajectories in flight at once."""
+    over_sampling_batch_size: int | None = Field(None, ge=1)
+    """Groups kept in flight while a batch fills (>= rollout_batch_size); None: rollout_batch_size."""
+    dynamic_sampling_filter_path: str | None = None
+    """Drop finished groups: "nonzero_std" (built-in: zero reward std carries no signal), or
+    "module.fn" / "file.py:fn" with fn(args, samples) -> bool | (bool, reason)."""
+    max_group_retries: int = Field(2, ge=0)
+    """A group with an infrastructure failure is re-run whole this many times, then dropped."""
+    async_rollout: bool = False
+    """--async: generate the next batch while the current one trains (one step off-policy)."""
+    max_staleness: int | None = Field(None, ge=0)
+    """Drop samples whose oldest token is more than K policy versions behind the trainer."""
+    partial_rollout: bool = False
+    """At a weight update, abort in-flight generations and resume them under the new weights."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """With --partial-rollout: train only on tokens sampled by the newest policy of each sample."""
+    rollout_engine: Literal["embedded", "sglang"] = "embedded"
+    """Which engine serves generation: the embedded HF engine (CPU, tests) or SGLang servers
+    (GPU; every SGLang server argument passes through as --sglang-ARG)."""
+    rollout_engine_urls: list[str] = []
+    """Attach to engines already running at these URLs instead of launching any (repeatable or comma-separated)."""
+    num_engines: int | None = Field(None, ge=1)
+    """Engines to launch; None: one embedded engine, or rollout_num_gpus / rollout_num_gpus_per_engine SGLang ones."""
+    rollout_num_gpus: int | None = Field(None, ge=1)
+    """GPUs the SGLang engines use; None: every visible GPU. More engines than GPUs share them."""
+    rollout_num_gpus_per_engine: int = Field(1, ge=1)
+    """GPUs of one SGLang engine (its --tp-size)."""
+    use_router: Literal["auto", "always", "never"] = "auto"
+    """sglang-router in front of the engines (--router-* flags pass through); auto: with two or more engines."""
+    engine_startup_timeout_s: float = Field(900.0, gt=0)
+    """How long an engine (or the router) may take to become healthy."""
+    engine_restart: bool = True
+    """Restart engines this run launched when they die; they rejoin the router once they hold the current weights."""
+    engine_num_threads: int = Field(0, ge=0)
+    """CPU threads of the embedded engine process (0: torch's default)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Timeout of one /generate call."""
+
+
+class AlgoConfig(Section):
+    advantage_estimator: Literal["grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus",
+                                 "reinforce_plus_plus_baseline", "ppo"] = "grpo"
+    """grpo, dr_grpo (no std normalization), gspo (sequence-level ratio; use small clips such as
+    --eps-clip 3e-4 --eps-clip-high 4e-4), rloo, reinforce_plus_plus(_baseline), ppo (critic + GAE)."""
+    eps_clip: float = Field(0.2, ge=0)
+    """PPO clip range (low side, and high side unless eps_clip_high is set)."""
+    eps_clip_high: float | None = Field(None, ge=0)
+    dual_clip_c: float | None = Field(None, gt=1)
+    use_kl_loss: bool = False
+    """Add a KL(pi || pi_ref) loss against the initial model."""
+    kl_loss_coef: float = Field(0.0, ge=0)
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty in the reward, per trained token, against the initial model (token-level
+    estimators: reinforce_plus_plus(_baseline), ppo)."""
+    kl_reward_type: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator of the reward penalty (--kl-coef)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount over trained tokens (reinforce_plus_plus, ppo)."""
+    lambd: float = Field(1.0, ge=0, le=1)
+    """GAE lambda (ppo)."""
+    value_clip: float = Field(0.2, ge=0)
+    """PPO value-loss clip range around the old values (0 disables)."""
+    critic_lr: float | None = Field(None, gt=0)
+    """Critic learning rate (ppo); default: the policy's --lr."""
+    use_tis: bool = False
+    """Correct the rollout/training mismatch with importance weights pi_old(train) / pi(rollout)."""
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """truncate (TIS): clamp the weights to [--tis-clip-low, --tis-clip]; mask (MIS): drop tokens outside."""
+    tis_clip: float = Field(2.0, gt=0)
+    tis_clip_low: float = Field(0.0, ge=0)
+    custom_rm_path: str | None = None
+    """Reward function overriding the env's: "module.fn" or "file.py:fn" with slime's signature
+    `async def rm(args, sample) -> float | dict` (args is the resolved Config)."""
+
+
+class TrainConfig(Section):
+    trainer: Literal["torch", "megatron"] = "torch"
+    """torch: the HF model in plain PyTorch; megatron: megatron-core with TP/PP/SP (Megatron flags pass through)."""
+    global_batch_size: int = Field(32, ge=1)
+    """Samples per optimizer step."""
+    num_steps_per_rollout: int | None = Field(None, ge=1)
+    """Optimizer steps per iteration; derived from the batch sizes when not given."""
+    micro_batch_size: int = Field(32, ge=1)
+    """Samples per forward/backward (gradient accumulation within a global batch)."""
+    lr: float | None = Field(None, gt=0)
+    """Learning rate; default 3e-3 for the built-in tiny model, 1e-6 for a --model checkpoint."""
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    clip_grad: float = Field(1.0, ge=0)
+    """Gradient-norm clip (0 disables)."""
+    weight_sync_bucket_mb: float = Field(64.0, gt=0)
+    """Size of one weight-sync bucket sent to the engine."""
+    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    """Megatron: form micro-batches by token budget (packed sequences) instead of --micro-batch-size."""
+    save_hf: str | None = None
+    """Megatron: also write an HF checkpoint here at every save ({rollout_id} is filled in)."""
+
+
+class RunConfig(Section):
+    env: str = "target-token"
+    """Registered env name (see `agentrl envs list`)."""
+    env_module: list[str] = []
+    """Modules or .py files to import before the env is looked up (repeatable)."""
+    env_kwargs: dict[str, Any] = {}
+    """Keyword arguments for the env's constructor (JSON on the command line)."""
+    sandbox: Literal["docker", "local", "auto"] | None = None
+    """Sandbox backend for envs with tools; one bounded, warm pool serves the run. None: the env's own choice."""
+    sandbox_max_active: int = Field(32, ge=1)
+    """Sandboxes alive at once (the pool's bound, so the Docker daemon is never flooded)."""
+    mcp_server: list[str] = []
+    """External MCP servers for envs with tools: NAME=COMMAND ARGS... or NAME=URL (repeatable)."""
+    output_dir: str | None = None
+    """Run folder; default runs/<env>-<timestamp>."""
+    save: str | None = None
+    """Checkpoint folder; default <output_dir>/checkpoints."""
+    save_interval: int | None = Field(None, ge=1)
+    """Save every N iterations (and at the end); None: only at the end."""
+    load: str | None = None
+    """Resume from this checkpoint folder (latest iteration inside it)."""
+    ray_address: str | None = None
+    """Join a Ray cluster (HOST:PORT, started with `ray start --head`); None: start Ray locally."""
+    colocate: bool = False
+    """Trainer and engines time-share the same GPUs (engine memory released during training,
+    trainer offloaded during rollout); without it they get disjoint GPUs."""
+    actor_num_nodes: int = Field(1, ge=1)
+    """Nodes for the trainer."""
+    actor_num_gpus_per_node: int = Field(1, ge=1)
+    """GPUs per trainer node (used when the device is cuda)."""
+    debug_rollout_only: bool = False
+    """Generate and save rollouts; no training, the weights never change."""
+    debug_train_only: bool = False
+    """Train on saved rollouts (--load-debug-rollout-data) without any engine."""
+    load_debug_rollout_data: str | None = None
+    """A run folder (or its trajectories/ folder) whose saved rollouts --debug-train-only replays."""
+    seed: int = 1234
+    progress: bool = True
+    """Show the live progress display."""
+
+
+class EvalConfig(Section):
+    eval_interval: int | None = Field(None, ge=1)
+    """Evaluate every N iterations (and after the last); None: no evaluation."""
+    eval_prompt_data: list[str] = []
+    """NAME PATH pairs (--eval-prompt-data aime aime.jsonl math500 m.jsonl); rows may name their env."""
+    n_samples_per_eval_prompt: int = Field(1, ge=1)
+    """Samples per eval prompt (pass@k is reported for k = this)."""
+    eval_temperature: float | None = Field(None, ge=0)
+    """None: the rollout temperature."""
+    eval_max_response_len: int | None = Field(None, ge=1)
+    """None: the rollout's."""
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig,
+    "algo": AlgoConfig, "train": TrainConfig, "run": RunConfig, "eval": EvalConfig,
+}
+PAIRED_LISTS = {"eval_prompt_data"}  # flags taking several values at once (slime's NAME PATH pairs)
+ALIASES = {"--hf-checkpoint": "model", "--model-path": "model", "--async": "async_rollout"}
+
+
+class Config(Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    train: TrainConfig = TrainConfig()
+    run: RunConfig = RunConfig()
+    eval: EvalConfig = EvalConfig()
+    sglang_args: dict[str, str | None] = {}
+    """--sglang-* flags, passed to SGLang servers without the prefix."""
+    router_args: dict[str, str | None] = {}
+    megatron_args: dict[str, Any] = {}
+    """Megatron's own flags (--tensor-model-parallel-size, --sequence-parallel, --recompute-*, ...),
+    by name without dashes, for the Megatron trainer."""
+    """--router-* flags, passed to sglang-router without the prefix."""
+
+    @property
+    def steps_per_rollout(self) -> int:
+        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt // self.train.global_batch_size
+
+    def dump(self, path: Path) -> None:
+        path.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+
+
+def _field_index() -> dict[str, str]:
+    """field name -> section; field names are unique across sections."""
+    index: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        for name in cls.model_fields:
+            assert name not in index, f"config field {name} appears in two sections"
+            index[name] = section
+    return index
+
+
+FIELDS = _field_index()
+
+
+def _flat_to_nested(flat: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    nested: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for key, value in flat.items():
+        name = key.replace("-", "_")
+        if name in SECTIONS and isinstance(value, dict):
+            for k, v in value.items():
+                k = k.replace("-", "_")
+                if k not in SECTIONS[name].model_fields:
+                    raise ConfigError(f"{where}: unknown key {name}.{k}")
+                nested[name][k] = v
+        elif name in FIELDS:
+            nested[FIELDS[name]][name] = value
+        elif name in ("sglang_args", "router_args", "megatron_args"):
+            nested.setdefault(name, {}).update(value)
+        else:
+            raise ConfigError(f"{where}: unknown key {key!r}")
+    return nested
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) and k in SECTIONS else v
+    return out
+
+
+def load_yaml(path: str) -> dict[str, dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise ConfigError(f"{where}: malformed YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+    return _flat_to_nested(data, path)
+
+
+def build_parser(prog: str = "agentrl train") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Train an LLM agent with RL on an env.",
+                                     argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", help="YAML file with config keys (flat or by section); flags override it")
+    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, and exit")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for name, info in cls.model_fields.items():
+            flags = ["--" + name.replace("_", "-")] + [a for a, f in ALIASES.items() if f == name]
+            help_text = (info.description or "") + f" (default: {info.default!r})"
+            kind = info.annotation
+            if kind is bool:
+                group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+            elif name in PAIRED_LISTS:
+                group.add_argument(*flags, dest=name, nargs="+", action="extend", help=help_text)
+            elif get_origin(kind) is list:
+                group.add_argument(*flags, dest=name, action="append", help=help_text + " [repeatable]")
+            elif get_origin(kind) is dict:
+                group.add_argument(*flags, dest=name, type=_json_dict(name), help=help_text + " [JSON]")
+            else:
+                group.add_argument(*flags, dest=name, help=help_text, metavar=_metavar(kind))
+    return parser
+
+
+def _metavar(kind) -> str:
+    if get_origin(kind) is Literal:
+        return "{" + ",".join(map(str, get_args(kind))) + "}"
+    return "VALUE"
+
+
+def _json_dict(name: str):
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}: not JSON: {exc}")
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}: expected a JSON object")
+        return value
+    return parse
+
+
+def _split_passthrough(argv: list[str]) -> tuple[list[str], dict[str, dict[str, str | None]]]:
+    from agentrl.trainers.megatron.flags import is_megatron_flag
+
+    rest, passthrough = [], {"sglang_args": {}, "router_args": {}, "megatron_args": {}}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg[2:].partition("=")[0].replace("-", "_")
+        if arg.startswith("--") and name not in FIELDS and arg.partition("=")[0] not in ALIASES \
+                and is_megatron_flag(name):  # Megatron's own flag, by name
+            _, eq, value = arg.partition("=")
+            if not eq:
+                value = None
+                if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    value, i = argv[i + 1], i + 1
+            passthrough["megatron_args"][name] = value
+            i += 1
+            continue
+        for prefix, key in (("--sglang-", "sglang_args"), ("--router-", "router_args")):
+            if arg.startswith(prefix):
+                name, eq, value = arg[len(prefix):].partition("=")
+                if not eq:
+                    value = None
+                    if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                        value, i = argv[i + 1], i + 1
+                passthrough[key][name] = value
+                break
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, passthrough
+
+
+def parse_config(argv: list[str], env_defaults_for=None) -> tuple[Config, argparse.Namespace]:
+    """argv -> resolved Config. `env_defaults_for(env_name, env_modules)` supplies the env's
+    default_config layer (the CLI passes a registry lookup; tests may pass None)."""
+    rest, passthrough = _split_passthrough(argv)
+    ns = build_parser().parse_args(rest)
+    flags = {k: v for k, v in vars(ns).items() if k in FIELDS}
+    layers: dict = {s: {} for s in SECTIONS}
+    if getattr(ns, "config", None):
+        layers = _merge(layers, load_yaml(ns.config))
+    layers = _merge(layers, _flat_to_nested(flags, "command line"))
+    env_name = layers["run"].get("env", RunConfig.model_fields["env"].default)
+    if env_defaults_for is not None:
+        env_layer = _flat_to_nested(env_defaults_for(env_name, layers["run"].get("env_module", [])),
+                                    f"default_config of env {env_name!r}")
+        layers = _merge(env_layer, layers)
+    layers["sglang_args"] = {**layers.get("sglang_args", {}), **passthrough["sglang_args"]}
+    layers["router_args"] = {**layers.get("router_args", {}), **passthrough["router_args"]}
+    layers["megatron_args"] = {**layers.get("megatron_args", {}), **passthrough["megatron_args"]}
+    return resolve(layers), ns
+
+
+TINY_MODEL_LR, CHECKPOINT_LR = 3e-3, 1e-6
+
+
+def resolve(layers: dict) -> Config:
+    layers = {**layers, "train": dict(layers.get("train", {}))}
+    if layers["train"].get("lr") is None:
+        has_model = bool(layers.get("model", {}).get("model"))
+        layers["train"]["lr"] = CHECKPOINT_LR if has_model else TINY_MODEL_LR
+    try:
+        cfg = Config(**layers)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"--{'.'.join(map(str, e['loc'][1:] or e['loc'])).replace('_', '-')}: {e['msg']} (got {e.get('input')!r})"
+            for e in exc.errors()
+        )
+        raise ConfigError(f"invalid config: {problems}") from None
+    total = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    if total % cfg.train.global_batch_size:
+        raise ConfigError(
+            f"batch sizes do not fit: rollout_batch_size ({cfg.rollout.rollout_batch_size}) x n_samples_per_prompt "
+            f"({cfg.rollout.n_samples_per_prompt}) = {total} samples per rollout, which is not a multiple of "
+            f"global_batch_size ({cfg.train.global_batch_size}). Choose --global-batch-size dividing {total}."
+        )
+    over = cfg.rollout.over_sampling_batch_size
+    if over is not None and over < cfg.rollout.rollout_batch_size:
+        raise ConfigError(f"--over-sampling-batch-size ({over}) must be at least --rollout-batch-size "
+                          f"({cfg.rollout.rollout_batch_size})")
+    if cfg.run.debug_train_only and not cfg.run.load_debug_rollout_data:
+        raise ConfigError("--debug-train-only needs --load-debug-rollout-data RUN_DIR (a run with saved trajectories)")
+    if cfg.run.debug_train_only and cfg.run.debug_rollout_only:
+        raise ConfigError("--debug-train-only and --debug-rollout-only exclude each other")
+    if len(cfg.eval.eval_prompt_data) % 2:
+        raise ConfigError(f"--eval-prompt-data takes NAME PATH pairs, got {cfg.eval.eval_prompt_data}")
+    if cfg.eval.eval_interval and not cfg.eval.eval_prompt_data:
+        raise ConfigError("--eval-interval needs --eval-prompt-data NAME PATH")
+    if cfg.run.colocate and cfg.rollout.async_rollout:
+        raise ConfigError("--colocate time-shares the GPUs between rollout and training; it cannot overlap them "
+                          "(--async): drop one of the two")
+    if cfg.rollout.mask_offpolicy_in_partial_rollout and not cfg.rollout.partial_rollout:
+        raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
+    steps = total // cfg.train.global_batch_size
+    if cfg.train.num_steps_per_rollout is not None and cfg.train.num_steps_per_rollout != steps:
+        raise ConfigError(
+            f"--num-steps-per-rollout {cfg.train.num_steps_per_rollout} contradicts the batch sizes: "
+            f"{cfg.rollout.rollout_batch_size} x {cfg.rollout.n_samples_per_prompt} / {cfg.train.global_batch_size} "
+            f"= {steps} steps per rollout"
+        )
+    return cfg

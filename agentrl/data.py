@@ -1,0 +1,129 @@
+"""Prompt sources and their position, so a resumed run continues where it stopped.
+
+A task is a dict ``{"prompt": str | list[message], "label": ..., "metadata": {...},
+"env": optional env name}``; it reaches the env as ``reset(options=task)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from agentrl.errors import DatasetError
+
+
+def _check_prompt(prompt: Any, where: str) -> None:
+    if isinstance(prompt, str) and prompt:
+        return
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                   for m in prompt):
+        return
+    raise DatasetError(f"{where}: the prompt must be a non-empty string or a list of chat messages, got {prompt!r:.80}")
+
+
+def iter_jsonl(path: str | Path, error: type[Exception] = DatasetError) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSONL file; a line that is not a
+    JSON object raises `error` naming file and line."""
+    with Path(path).open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise error(f"{path}:{lineno}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise error(f"{path}:{lineno}: a row must be a JSON object")
+            yield lineno, row
+
+
+def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
+              metadata_key: str = "metadata") -> list[dict[str, Any]]:
+    """Read a JSONL or parquet prompt file into tasks; a bad row names file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"--prompt-data {path}: no such file")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            raw = pq.read_table(p).to_pylist()
+        except Exception as exc:
+            raise DatasetError(f"{path}: cannot read parquet: {exc}") from exc
+        numbered = [(f"{path}: row {i + 1}", row) for i, row in enumerate(raw)]
+    else:
+        numbered = [(f"{path}:{lineno}", row) for lineno, row in iter_jsonl(p)]
+    tasks = []
+    for where, row in numbered:
+        if input_key not in row:
+            raise DatasetError(f"{where}: no {input_key!r} key (set --input-key); keys are {sorted(row)}")
+        _check_prompt(row[input_key], where)
+        metadata = row.get(metadata_key) or {}
+        if not isinstance(metadata, dict):
+            raise DatasetError(f"{where}: {metadata_key!r} must be an object")
+        task = {"prompt": row[input_key], "label": row.get(label_key), "metadata": metadata}
+        if row.get("env"):
+            task["env"] = row["env"]
+        tasks.append(task)
+    if not tasks:
+        raise DatasetError(f"{path}: no rows")
+    return tasks
+
+
+class PromptSource:
+    """Hands out batches of tasks; `state_dict()` is the data position for resume.
+
+    A finite list is shuffled per epoch with a seeded RNG; a generator factory (an env's
+    task generator, possibly infinite) is re-created and fast-forwarded on resume.
+    """
+
+    def __init__(self, tasks: list[dict] | None = None, *, generator: Callable[[], Iterator[dict]] | None = None,
+                 shuffle: bool = True, seed: int = 0):
+        if (tasks is None) == (generator is None):
+            raise ValueError("give exactly one of tasks or generator")
+        self.tasks, self.generator, self.shuffle, self.seed = tasks, generator, shuffle, seed
+        self.epoch, self.offset, self.consumed = 0, 0, 0
+        self._order: list[int] = []
+        self._iter: Iterator[dict] | None = None
+        if tasks is not None:
+            self._reshuffle()
+
+    def _reshuffle(self) -> None:
+        self._order = list(range(len(self.tasks)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(self._order)
+
+    def next_batch(self, n: int) -> list[dict]:
+        batch = []
+        for _ in range(n):
+            if self.tasks is not None:
+                if self.offset >= len(self._order):
+                    self.epoch, self.offset = self.epoch + 1, 0
+                    self._reshuffle()
+                batch.append(self.tasks[self._order[self.offset]])
+                self.offset += 1
+            else:
+                if self._iter is None:
+                    self._iter = itertools.islice(iter(self.generator()), self.consumed, None)
+                try:
+                    batch.append(next(self._iter))
+                except StopIteration:
+                    self._iter = iter(self.generator())  # a finite generator starts over
+                    self.epoch += 1
+                    batch.append(next(self._iter))
+            self.consumed += 1
+        for i, task in enumerate(batch):
+            _check_prompt(task.get("prompt"), f"task {self.consumed - len(batch) + i}")
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.offset, self.consumed = state["epoch"], state["offset"], state["consumed"]
+        if self.tasks is not None:
+            self._reshuffle()
+        self._iter = None

@@ -1,0 +1,675 @@
+"""The embedded engine: an HF transformers model behind SGLang's native HTTP protocol.
+
+It stands in for SGLang where there is no GPU (CPU, tests, laptops); the rollout code
+cannot tell the two apart, and sglang-router can sit in front of several of them.
+Concurrent /generate requests are batched: whatever is waiting when the model frees up
+is decoded together with one KV cache. Logprobs are those of the temperature-scaled
+distribution, as SGLang returns them, so the trainer recomputes them with logits / T.
+
+Prefix cache: the KV of recently finished sequences is kept (see prefix_cache.py); a
+request whose input_ids extend one of them prefills only the new suffix, and its reply's
+`meta_info.cached_tokens` says how many prompt tokens were reused, as SGLang's radix
+cache does. A batch lays each row out as [pad | cached prefix | pad | new suffix], with
+the pads masked out, so hits and misses decode together. /flush_cache and every weight
+update clear the cache.
+
+Identity: every reply carries the header `X-Agentrl-Engine: <engine id>` (sglang-router
+passes response headers through) and `meta_info.engine_id`, so the rollout side can tell
+which engine served each turn.
+
+Endpoints (SGLang 0.5.15 names, request fields and reply shapes): /generate, /health,
+/health_generate, /model_info, /get_model_info, /server_info, /flush_cache,
+/abort_request, /pause_generation, /continue_generation, /update_weights_from_tensor,
+/update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed,
+/destroy_weights_update_group, /update_weight_version, /get_weights_by_name,
+/release_memory_occupation, /resume_memory_occupation.
+
+`serialized_named_tensors` format: SGLang's own is a CUDA-IPC `MultiprocessingSerializer`
+pickle, which only works between processes sharing a GPU. The embedded engine takes one
+list element (for its single "TP rank") that is base64 of `torch.save([(name, tensor),
+...])` with CPU tensors (`encode_named_tensors` below); weight_sync picks the encoding by
+engine kind. Distributed updates rendezvous exactly like SGLang's (tcp:// store, a
+PrefixStore named after the group) and use gloo when the engine runs on CPU.
+
+Run: python -m agentrl.engines.embedded --model-path DIR --port 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from aiohttp import web
+
+from agentrl.engines.prefix_cache import PrefixCache, build_cache, layer_kv
+from agentrl.models import load_model, load_tokenizer
+
+log = logging.getLogger("agentrl.engine")
+
+ENGINE_HEADER = "X-Agentrl-Engine"
+ENGINE_KIND = "agentrl-embedded"
+_SCHEDULER = web.AppKey("scheduler", asyncio.Task)
+
+
+@dataclass
+class _Request:
+    rid: str
+    input_ids: list[int]
+    params: dict
+    return_logprob: bool
+    future: asyncio.Future
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: dict | None = None
+    cached_tokens: int = 0
+
+
+def _stop_strings(value) -> list[str]:
+    if not value:
+        return []
+    return [value] if isinstance(value, str) else [str(x) for x in value if x]
+
+
+def encode_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """The embedded engine's `serialized_named_tensors` element: base64 of torch.save."""
+    buf = io.BytesIO()
+    torch.save([(n, t.detach().cpu()) for n, t in named_tensors], buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def decode_named_tensors(data: str) -> list[tuple[str, torch.Tensor]]:
+    return torch.load(io.BytesIO(base64.b64decode(data)), weights_only=True)
+
+
+def _abort(message: str = "aborted") -> dict:
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
+class EmbeddedEngine:
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 256,
+                 seed: int = 0, engine_id: str = "embedded", prefix_cache_tokens: int = 65536):
+        self.model_path = model_path
+        self.device = device
+        self.dtype = dtype
+        self.engine_id = engine_id
+        self.model = load_model(model_path, device=device, dtype=dtype).eval()
+        self.tokenizer = load_tokenizer(model_path)
+        self.eos_ids = {self.tokenizer.eos_token_id}
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        self.eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        self.eos_ids.discard(None)
+        self.max_batch_size = max_batch_size
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.weight_version = "0"
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self.queue: asyncio.Queue[_Request] = asyncio.Queue()
+        self.aborted: set[str] = set()
+        self.abort_all = False
+        self.paused = asyncio.Event()
+        self.paused.set()  # set = running: the scheduler takes new batches
+        self.lock = asyncio.Lock()  # held while a batch decodes or weights change
+        # in-place pause: the decode thread parks between two steps until resumed
+        self._run = threading.Event()
+        self._run.set()
+        self._parked = threading.Event()
+        self._groups: dict[str, object] = {}  # weight-update process groups by name
+        self._cache_epoch = 0
+        self._rid = itertools.count()
+        self.stats = {"batches": 0, "requests": 0, "max_batch": 0}
+
+    # -- scheduling --------------------------------------------------------------------------
+    async def scheduler(self) -> None:
+        while True:
+            first = await self.queue.get()
+            await self.paused.wait()
+            batch = [first]
+            while not self.queue.empty() and len(batch) < self.max_batch_size:
+                batch.append(self.queue.get_nowait())
+            batch = [r for r in batch if not r.future.done()]
+            if not batch:
+                continue
+            self.stats["batches"] += 1
+            self.stats["requests"] += len(batch)
+            self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
+            async with self.lock:
+                try:
+                    await asyncio.to_thread(self._decode_batch, batch)
+                except Exception as exc:  # a failed batch fails its requests, not the server
+                    log.exception("batch failed")
+                    for r in batch:
+                        if not r.future.done():
+                            r.future.set_exception(exc)
+                    continue
+            for r in batch:
+                if not r.future.done():
+                    r.future.set_result(r)
+
+    def _prefill_inputs(self, batch: list[_Request]):
+        """Input ids, attention mask, positions and past KV for a batch whose rows may reuse
+        cached prefixes. Row i: [pad | cached c_i | pad | suffix s_i]; P = max c_i, S = max s_i."""
+        hits = []
+        for r in batch:
+            n, kv = self.prefix_cache.lookup(r.input_ids) if self.prefix_cache is not None else (0, None)
+            r.cached_tokens = n
+            hits.append(kv)
+        pad = self.tokenizer.pad_token_id or 0
+        P = max(r.cached_tokens for r in batch)
+        S = max(len(r.input_ids) - r.cached_tokens for r in batch)
+        ids = torch.full((len(batch), S), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), P + S), dtype=torch.long)
+        for i, r in enumerate(batch):
+            c, s = r.cached_tokens, len(r.input_ids) - r.cached_tokens
+            ids[i, S - s:] = torch.tensor(r.input_ids[c:])
+            mask[i, P - c:P] = 1
+            mask[i, P + S - s:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]
+        past = None
+        if P > 0:
+            ref = next(kv for kv in hits if kv is not None)
+            layers = []
+            for layer in range(len(ref)):
+                heads, _, dim = ref[layer][0].shape
+                ks = torch.zeros((len(batch), heads, P, dim), dtype=ref[layer][0].dtype, device=ref[layer][0].device)
+                vs = torch.zeros_like(ks)
+                for i, kv in enumerate(hits):
+                    if kv is not None:
+                        c = kv[layer][0].shape[1]
+                        ks[i, :, P - c:] = kv[layer][0]
+                        vs[i, :, P - c:] = kv[layer][1]
+                layers.append((ks, vs))
+            past = build_cache(layers)
+        return ids, mask, positions, past
+
+    @torch.no_grad()
+    def _decode_batch(self, batch: list[_Request]) -> None:
+        epoch = self._cache_epoch
+        ids, mask, positions, past = self._prefill_inputs(batch)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
+                         use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1].float()
+
+        temps = torch.tensor([float(r.params.get("temperature", 1.0)) for r in batch], device=self.device)
+        top_p = torch.tensor([float(r.params.get("top_p", 1.0)) for r in batch], device=self.device)
+        top_k = [int(r.params.get("top_k", -1) if r.params.get("top_k") is not None else -1) for r in batch]
+        max_new = [int(r.params.get("max_new_tokens", 128) if r.params.get("max_new_tokens") is not None else 128)
+                   for r in batch]
+        stops = [set(r.params.get("stop_token_ids") or []) | (set() if r.params.get("ignore_eos") else self.eos_ids)
+                 for r in batch]
+        stop_strs = [_stop_strings(r.params.get("stop")) for r in batch]
+        active = [True] * len(batch)
+        pos = positions[:, -1:]
+        for step in range(max(max_new)):
+            if not self._run.is_set():  # paused in place: park at this safe point
+                self._parked.set()
+                self._run.wait()
+                self._parked.clear()
+            greedy = temps <= 0
+            scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+            logprobs = torch.log_softmax(scaled, dim=-1)
+            probs = self._filter(logprobs.exp(), top_p, top_k)
+            sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            tokens = torch.where(greedy, logprobs.argmax(-1), sampled)
+            token_lp = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+            tokens_l, token_lp_l = tokens.tolist(), token_lp.tolist()
+            for i, r in enumerate(batch):
+                if not active[i]:
+                    continue
+                if self.abort_all or r.rid in self.aborted:
+                    r.finish, active[i] = _abort(), False
+                    continue
+                tok = tokens_l[i]
+                r.output_ids.append(tok)
+                r.logprobs.append(token_lp_l[i])
+                if tok in stops[i]:
+                    r.finish, active[i] = {"type": "stop", "matched": tok}, False
+                elif stop_strs[i] and (hit := self._ends_with_stop(r.output_ids, stop_strs[i])) is not None:
+                    r.finish, active[i] = {"type": "stop", "matched": hit}, False  # SGLang's `stop` strings
+                elif len(r.output_ids) >= max_new[i]:
+                    r.finish, active[i] = {"type": "length", "length": max_new[i]}, False
+            if not any(active):
+                break
+            mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=mask.dtype, device=self.device)], dim=1)
+            pos = pos + 1
+            out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos,
+                             past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1].float()
+        for r in batch:
+            self.aborted.discard(r.rid)
+        if self.prefix_cache is not None and epoch == self._cache_epoch:
+            self._remember(batch, mask, past)
+
+    def _remember(self, batch: list[_Request], mask: torch.Tensor, past) -> None:
+        """Put each finished row's KV in the prefix cache: its prompt and all but the last
+        output token (the last one was never fed back, so it has no KV of its own)."""
+        kv = layer_kv(past)
+        for i, r in enumerate(batch):
+            n = len(r.input_ids) + max(len(r.output_ids) - 1, 0)
+            cols = mask[i].nonzero().squeeze(-1)[:n]
+            self.prefix_cache.insert((r.input_ids + r.output_ids)[:n],
+                                     [(k[i].index_select(1, cols), v[i].index_select(1, cols)) for k, v in kv])
+
+    def _ends_with_stop(self, output_ids: list[int], stop: list[str]) -> str | None:
+        # A stop string spans at most as many tokens as it has characters (plus the token it
+        # ends inside): decode only that tail. Checked every step, so a hit is the first one.
+        tail = self.tokenizer.decode(output_ids[-(max(len(x) for x in stop) + 1):], skip_special_tokens=False)
+        return next((x for x in stop if x in tail), None)
+
+    @staticmethod
+    def _filter(probs: torch.Tensor, top_p: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+        if all(k <= 0 for k in top_k) and bool((top_p >= 1).all()):
+            return probs
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        k = torch.tensor([k if k > 0 else probs.shape[-1] for k in top_k], device=probs.device)[:, None]
+        keep = (ranks < k) & ((sorted_p.cumsum(-1) - sorted_p) < top_p[:, None])
+        sorted_p = sorted_p * keep
+        return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+
+    # -- generation ----------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        input_ids = body.get("input_ids")
+        if not input_ids or not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
+            return _error("input_ids must be a non-empty list of ints")
+        vocab = self.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in input_ids):
+            return _error(f"input_ids out of range [0, {vocab})")
+        if body.get("stream"):
+            return _error("streaming is not supported by the embedded engine")
+        rid = str(body.get("rid") or f"req-{next(self._rid)}")
+        req = _Request(rid=rid, input_ids=input_ids, params=body.get("sampling_params") or {},
+                       return_logprob=bool(body.get("return_logprob")),
+                       future=asyncio.get_running_loop().create_future())
+        started = time.perf_counter()
+        await self.queue.put(req)
+        await req.future
+        meta = {
+            "id": rid,
+            "finish_reason": req.finish,
+            "prompt_tokens": len(input_ids),
+            "weight_version": self.weight_version,  # as SGLang: the version when the reply is made
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "e2e_latency": time.perf_counter() - started,
+            "engine_id": self.engine_id,  # not SGLang's: which engine served this
+        }
+        if req.return_logprob:
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+            meta["output_token_logprobs_length"] = len(req.output_ids)
+        skip = req.params.get("skip_special_tokens", True)
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=skip)
+        return web.json_response({"text": text, "output_ids": req.output_ids, "meta_info": meta})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        req = _Request(rid=f"health-{next(self._rid)}", input_ids=[self.tokenizer.eos_token_id],
+                       params={"max_new_tokens": 1, "temperature": 0.0}, return_logprob=False,
+                       future=asyncio.get_running_loop().create_future())
+        await self.queue.put(req)
+        try:
+            await asyncio.wait_for(req.future, timeout=60)
+        except asyncio.TimeoutError:
+            return web.Response(status=503, text="generation did not answer within 60 s")
+        return web.Response(text="")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": getattr(self.model.config, "model_type", None),
+            "architectures": getattr(self.model.config, "architectures", None),
+            # not SGLang's: what the rollout side uses to pick the weight encoding
+            "engine": ENGINE_KIND, "engine_id": self.engine_id, "batching": self.stats,
+            "prefix_cache": self.prefix_cache_stats(),
+        })
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_path, "tp_size": 1, "dtype": self.dtype,
+                                  "version": ENGINE_KIND, "weight_version": self.weight_version})
+
+    def prefix_cache_stats(self) -> dict:
+        if self.prefix_cache is None:
+            return {"enabled": False}
+        return {"enabled": True, "entries": len(self.prefix_cache), "tokens": self.prefix_cache.num_tokens,
+                **self.prefix_cache.stats}
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        async with self._weights_guard():
+            self._clear_prefix_cache()
+        return web.Response(text="Cache flushed.\n")
+
+    # -- control -------------------------------------------------------------------------------
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        if body.get("abort_all"):
+            await self._abort_everything()
+        elif body.get("rid"):
+            rid = str(body["rid"])
+            self.aborted.add(rid)
+            self._abort_queued(lambda r: r.rid == rid)
+        return web.Response(status=200)
+
+    def _abort_queued(self, which) -> None:
+        """Queued requests matching `which` answer at once with an empty abort."""
+        keep = []
+        while not self.queue.empty():
+            r = self.queue.get_nowait()
+            if which(r) and not r.future.done():
+                r.finish = _abort()
+                r.future.set_result(r)
+            else:
+                keep.append(r)
+        for r in keep:
+            self.queue.put_nowait(r)
+
+    async def _abort_everything(self) -> None:
+        self.abort_all = True
+        self._abort_queued(lambda r: True)
+        self._run.set()  # a batch parked by an in-place pause must see the flag
+        while self.lock.locked():  # the running batch sees the flag and stops
+            await asyncio.sleep(0.01)
+        self.abort_all = False
+        if not self.paused.is_set():
+            self._run.clear()
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """SGLang's modes: "abort" (default) aborts what runs and waits; "in_place" and
+        "retract" keep running requests and park the decode loop between two steps (the
+        embedded engine treats retract as in_place). Weight updates are allowed while paused."""
+        body = await _json(request)
+        mode = body.get("mode") or "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            return _error(f"unknown pause mode {mode!r}")
+        self.paused.clear()
+        if mode == "abort":
+            await self._abort_everything()
+            self._run.clear()
+        else:
+            self._run.clear()
+            while self.lock.locked() and not self._parked.is_set():
+                await asyncio.sleep(0.01)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self._run.set()
+        self.paused.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    def _weights_guard(self):
+        """Exclusive access to the weights: the batch lock, unless the decode thread is
+        parked by an in-place pause (then it is at a safe point and holds the lock)."""
+        engine = self
+
+        class Guard:
+            async def __aenter__(self):
+                self.held = not engine._parked.is_set()
+                if self.held:
+                    await engine.lock.acquire()
+
+            async def __aexit__(self, *exc):
+                if self.held:
+                    engine.lock.release()
+
+        return Guard()
+
+    # -- weights -------------------------------------------------------------------------------
+    def _clear_prefix_cache(self) -> None:
+        self._cache_epoch += 1  # a batch parked across the clear must not put old KV back
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    def _loaded(self, body: dict, what: str) -> None:
+        # KV computed under the old weights is never reused, whatever `flush_cache` says
+        self._clear_prefix_cache()
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        log.info("weights updated (%s), version %s", what, self.weight_version)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        try:
+            if body.get("abort_all_requests"):
+                await self._abort_everything()
+            named = [nt for chunk in body["serialized_named_tensors"][:1] for nt in decode_named_tensors(chunk)]
+            async with self._weights_guard():
+                await asyncio.to_thread(self._load_named, named)
+                self._loaded(body, "tensor")
+        except Exception as exc:
+            return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"}, status=400)
+        return web.json_response({"success": True, "message": f"Succeeded to update {len(named)} tensors."})
+
+    def _load_named(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        params = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
+        unknown = [n for n, _ in named if n not in params]
+        if unknown:
+            raise KeyError(f"unknown weight names: {unknown[:5]}")
+        with torch.no_grad():
+            for name, tensor in named:
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+                params[name].copy_(tensor.to(params[name].dtype))
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        try:
+            if body.get("abort_all_requests"):
+                await self._abort_everything()
+            async with self._weights_guard():
+                fresh = await asyncio.to_thread(load_model, body["model_path"], device=self.device, dtype=self.dtype)
+                await asyncio.to_thread(self._load_named, list(fresh.state_dict().items()))
+                self.model_path = body["model_path"]
+                self._loaded(body, "disk")
+        except Exception as exc:
+            return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}",
+                                      "num_paused_requests": 0}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        from agentrl.engines.distributed import init_custom_process_group
+
+        body = await request.json()
+        name = body.get("group_name", "weight_update_group")
+        backend = body.get("backend", "nccl")
+        if self.device == "cpu" or not torch.cuda.is_available():
+            backend = "gloo"  # CPU tensors: nccl cannot carry them
+        try:
+            self._groups[name] = await asyncio.to_thread(
+                init_custom_process_group, backend=backend,
+                init_method=f"tcp://{body['master_address']}:{int(body['master_port'])}",
+                world_size=int(body["world_size"]), rank=int(body["rank_offset"]), group_name=name)
+        except Exception as exc:
+            return web.json_response({"success": False, "message": f"Failed to initialize custom process group: "
+                                                                   f"{type(exc).__name__}: {exc}."}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name = body.get("group_name", "weight_update_group")
+        if name not in self._groups:
+            return web.json_response({"success": False, "message": f"Group {name} not in {list(self._groups)}. "
+                                      "Please call `init_weights_update_group` first."}, status=400)
+        try:
+            if body.get("abort_all_requests"):
+                await self._abort_everything()
+            async with self._weights_guard():
+                named = await asyncio.to_thread(self._receive, body["names"], body["dtypes"], body["shapes"],
+                                                self._groups[name])
+                await asyncio.to_thread(self._load_named, named)
+                self._loaded(body, "distributed")
+        except Exception as exc:
+            return web.json_response({"success": False, "message": f"Failed to update parameter online: "
+                                                                   f"{type(exc).__name__}: {exc}"}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+    def _receive(self, names, dtypes, shapes, group) -> list[tuple[str, torch.Tensor]]:
+        import torch.distributed as dist
+
+        device = "cpu" if dist.get_backend(group) == "gloo" else self.device
+        out = []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            t = torch.empty(shape, dtype=getattr(torch, str(dtype).removeprefix("torch.")), device=device)
+            dist.broadcast(t, src=0, group=group)
+            out.append((name, t))
+        return out
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        import torch.distributed as dist
+
+        body = await _json(request)
+        name = body.get("group_name", "weight_update_group")
+        group = self._groups.pop(name, None)
+        if group is None:
+            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."},
+                                     status=400)
+        try:
+            dist.destroy_process_group(group)
+        except Exception as exc:  # the group is dropped either way
+            log.warning("destroying group %s: %r", name, exc)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("abort_all_requests", True):
+            await self._abort_everything()
+        self.weight_version = str(body["new_version"])
+        return web.json_response({"success": True, "message": f"Weight version updated to {self.weight_version}",
+                                  "new_version": self.weight_version})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        params = self.model.state_dict()
+        if body.get("name") not in params:
+            return _error(f"Get parameter by name failed: no parameter {body.get('name')!r}")
+        t = params[body["name"]]
+        return web.json_response(t[: int(body.get("truncate_size", 100))].float().cpu().tolist())
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        tags = body.get("tags") or ["weights", "kv_cache"]
+        async with self._weights_guard():
+            if "kv_cache" in tags:
+                self._clear_prefix_cache()
+            if "weights" in tags and self.device != "cpu":  # on CPU there is nothing to give back
+                self.model.to("cpu")
+            if self.device != "cpu":
+                torch.cuda.empty_cache()
+        return web.json_response(None)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        tags = body.get("tags") or ["weights", "kv_cache"]
+        if "weights" in tags and self.device != "cpu":
+            async with self._weights_guard():
+                self.model.to(self.device)
+        return web.json_response(None)
+
+    # -- app -----------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        @web.middleware
+        async def identify(request, handler):
+            resp = await handler(request)
+            resp.headers[ENGINE_HEADER] = self.engine_id
+            return resp
+
+        app = web.Application(client_max_size=1 << 31, middlewares=[identify])
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_server_info", self.server_info)
+        for method in (r.add_get, r.add_post):
+            method("/flush_cache", self.flush_cache)
+            method("/release_memory_occupation", self.release_memory)
+            method("/resume_memory_occupation", self.resume_memory)
+            method("/get_weights_by_name", self.get_weights_by_name)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/update_weight_version", self.update_weight_version)
+
+        async def start_scheduler(app):
+            app[_SCHEDULER] = asyncio.create_task(self.scheduler())
+
+        async def stop_scheduler(app):
+            self._run.set()
+            app[_SCHEDULER].cancel()
+
+        app.on_startup.append(start_scheduler)
+        app.on_cleanup.append(stop_scheduler)
+        return app
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+async def _json(request: web.Request) -> dict:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _drop_http2_probes(record: logging.LogRecord) -> bool:
+    """sglang-router probes each worker for gRPC (HTTP/2) too; aiohttp logs that as an error."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and "PRI/Upgrade" in str(exc))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="agentrl embedded engine (SGLang-compatible HTTP)")
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--engine-id", default=None, help="identity sent in X-Agentrl-Engine (default: host:port)")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=None,
+                        help="tokens of finished sequences whose KV is kept for reuse (0 disables the prefix cache; "
+                             "default 65536 on CPU, 1048576 on a GPU)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(_drop_http2_probes)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    engine = EmbeddedEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                            seed=args.seed, engine_id=args.engine_id or f"http://{args.host}:{args.port}",
+                            prefix_cache_tokens=args.prefix_cache_tokens if args.prefix_cache_tokens is not None
+                            else 65536 if args.device == "cpu" else 1 << 20)
+    log.info("embedded engine %s serving %s on %s:%d (%s)", engine.engine_id, args.model_path, args.host, args.port,
+             args.device)
+    web.run_app(engine.app(), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""The engines a run generates with, and the one URL rollouts talk to.
+
+`start_engines(cfg.rollout, ...)` gives an EngineGroup: `url` is where /generate goes (the
+router, or the only engine), `engine_urls` every engine (weight sync, flush, abort).
+
+- `--rollout-engine embedded` (default): `--num-engines N` embedded engines (CPU or one GPU).
+- `--rollout-engine sglang`: SGLang servers placed on GPUs (see sglang.py), every
+  `--sglang-*` argument passed through and validated against the installed SGLang.
+- `--rollout-engine-urls URL ...`: attach to engines already running; nothing is launched
+  (their kind, SGLang or embedded, is read from /model_info).
+- With two or more engines (or `--use-router always`), sglang-router runs in front of them
+  (see router.py) with session affinity on the trajectory id.
+
+Health: a monitor thread polls every engine. A dead one leaves the router's pool at once
+(the router's own health checks would also drop it, more slowly); an engine this run
+launched is restarted (same port and GPUs) when `--engine-restart` is on, and any engine
+that answers again rejoins the pool once it holds the weights the others serve (its
+/model_info weight_version equals theirs), so a restarted engine never serves stale
+weights. Engines and router stop at exit, on Ctrl-C and on SIGTERM (converted to
+SystemExit so cleanup runs); children also die with their parent (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentrl.config import RolloutConfig
+from agentrl.engines.launch import ServerProcess, free_port, launch_embedded_engine
+from agentrl.errors import ConfigError, EngineError
+
+log = logging.getLogger("agentrl.engines")
+
+MAX_RESTARTS = 3
+
+
+@dataclass
+class Engine:
+    url: str
+    kind: str  # "embedded" | "sglang"
+    server: ServerProcess | None = None  # None: attached, not ours to restart
+    gpus: list[int] = field(default_factory=list)
+    restart_argv: list[str] | None = None  # None: the command it was started with
+    state: str = "serving"  # serving | down | starting | catching_up | failed
+    failures: int = 0
+    since: float = 0.0
+
+
+@dataclass
+class EngineGroup:
+    url: str  # /generate goes here: the router, or the only engine
+    engine_urls: list[str]  # every engine: weight updates, flush, abort
+    servers: list[ServerProcess] = field(default_factory=list)  # processes this run started
+    engines: list[Engine] = field(default_factory=list)
+    router: object | None = None  # agentrl.engines.router.Router
+    kind: str = "embedded"
+    monitor: "EngineMonitor | None" = None
+
+    def stop(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.router is not None:
+            self.router.stop()
+        for server in reversed(self.servers):
+            server.stop()
+
+    def serving(self) -> list[str]:
+        return [e.url for e in self.engines if e.state == "serving"]
+
+    def live(self) -> list[str]:
+        """Engines that take weight updates: serving ones, and restarted ones catching up
+        (they rejoin the pool once they hold the version the others serve)."""
+        return [e.url for e in self.engines if e.state in ("serving", "catching_up")] or list(self.engine_urls)
+
+    def quarantine(self, url: str) -> None:
+        """An engine that missed a weight update leaves the pool until it catches up."""
+        for e in self.engines:
+            if e.url == url and e.state == "serving":
+                e.state = "catching_up"
+                if self.router is not None:
+                    self.router.remove_worker(url)
+
+
+def _split_urls(urls: list[str]) -> list[str]:
+    return [u.strip().rstrip("/") for entry in urls for u in entry.split(",") if u.strip()]
+
+
+def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int, log_dir: Path,
+                  sglang_args: dict | None = None, router_args: dict | None = None,
+                  dtype: str = "float32") -> EngineGroup:
+    sglang_args, router_args = dict(sglang_args or {}), dict(router_args or {})
+    attach = _split_urls(cfg.rollout_engine_urls)
+    if attach:
+        if sglang_args:
+            raise ConfigError("--sglang-* arguments configure engines agentrl launches; with --rollout-engine-urls "
+                              "nothing is launched (pass them to your SGLang servers)")
+        engines = [Engine(url=u, kind=detect_kind(u, timeout_s=cfg.engine_startup_timeout_s)) for u in attach]
+        servers: list[ServerProcess] = []
+    elif cfg.rollout_engine == "sglang":
+        engines, servers = _launch_sglang(cfg, model_path=model_path, seed=seed, log_dir=log_dir,
+                                          sglang_args=sglang_args)
+    else:
+        if sglang_args:
+            raise ConfigError("--sglang-* arguments need --rollout-engine sglang")
+        engines, servers = _launch_embedded(cfg, model_path=model_path, device=device, seed=seed, log_dir=log_dir,
+                                            dtype=dtype)
+    group = EngineGroup(url=engines[0].url, engine_urls=[e.url for e in engines], servers=list(servers),
+                        engines=engines, kind=engines[0].kind)
+    try:
+        if cfg.use_router == "always" or (cfg.use_router == "auto" and len(engines) > 1):
+            from agentrl.engines.router import launch_router
+
+            group.router = launch_router(group.engine_urls, router_args=router_args, log_dir=log_dir,
+                                         timeout_s=min(cfg.engine_startup_timeout_s, 300.0))
+            group.url = group.router.url
+        elif router_args:
+            log.warning("--router-* arguments given but no router runs (one engine; --use-router always starts one)")
+        if group.router is not None or (cfg.engine_restart and servers):
+            group.monitor = EngineMonitor(group, restart=cfg.engine_restart,
+                                          startup_timeout_s=cfg.engine_startup_timeout_s)
+            group.monitor.start()
+    except BaseException:
+        group.stop()
+        raise
+    _stop_on_sigterm()
+    return group
+
+
+def _launch_embedded(cfg: RolloutConfig, *, model_path: str, device: str, seed: int, log_dir: Path, dtype: str):
+    n = cfg.num_engines or 1
+    servers = []
+    try:
+        for i in range(n):  # all start at once (from this thread: PR_SET_PDEATHSIG follows it)
+            servers.append(launch_embedded_engine(model_path, device=device, seed=seed + i, log_dir=log_dir,
+                                                  num_threads=cfg.engine_num_threads, name=f"engine-{i}" if n > 1
+                                                  else "engine", dtype=dtype, wait=False))
+        for s in servers:
+            s.wait_healthy(cfg.engine_startup_timeout_s)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return [Engine(url=s.url, kind="embedded", server=s) for s in servers], servers
+
+
+def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: Path, sglang_args: dict):
+    from agentrl.engines.sglang import plan_engines, sglang_log_hint, validate_sglang_args, visible_gpus
+
+    argv = validate_sglang_args(sglang_args)
+    gpu_ids = visible_gpus()
+    n = cfg.num_engines or max(1, (cfg.rollout_num_gpus or len(gpu_ids)) // cfg.rollout_num_gpus_per_engine)
+    ports = [free_port(20000, 55000) for _ in range(n)]  # SGLang's gRPC port (port + 10000) must be < 65536
+    plans = plan_engines(num_engines=cfg.num_engines, num_gpus=cfg.rollout_num_gpus, gpus_per_engine=
+                         cfg.rollout_num_gpus_per_engine, gpu_ids=gpu_ids, ports=ports, model_path=model_path,
+                         sglang_argv=argv, seed=seed)
+    import os
+
+    servers: dict[int, ServerProcess] = {}
+    try:
+        pending = list(plans)
+        while pending:  # waves: engines that share a GPU start after the one before them is up
+            wave = [p for p in pending if p.start_after is None or p.start_after in servers]
+            for p in wave:
+                env = {**os.environ, **p.env}
+                servers[p.index] = ServerProcess(p.argv, url=p.url, name=f"sglang-{p.index}", env=env,
+                                                 log_dir=log_dir)
+                log.info("sglang engine %d on GPUs %s: %s", p.index, p.gpus, " ".join(p.argv))
+            for p in wave:
+                try:
+                    servers[p.index].wait_healthy(cfg.engine_startup_timeout_s)
+                except EngineError as exc:
+                    raise EngineError(f"{exc}{sglang_log_hint(servers[p.index].log_tail())}") from None
+            pending = [p for p in pending if p.index not in servers]
+    except BaseException:
+        for s in servers.values():
+            s.stop()
+        raise
+    ordered = [servers[p.index] for p in plans]
+    return [Engine(url=p.url, kind="sglang", server=servers[p.index], gpus=p.gpus, restart_argv=p.restart_argv)
+            for p in plans], ordered
+
+
+def _get_json(url: str, timeout: float = 5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        body = resp.read()
+    return json.loads(body) if body else None
+
+
+def _healthy(url: str, timeout: float = 10.0) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def detect_kind(url: str, timeout_s: float = 60.0) -> str:
+    """"embedded" or "sglang", from /model_info (the embedded engine names itself there)."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            info = _get_json(url + "/model_info")
+            return "embedded" if (info or {}).get("engine") == "agentrl-embedded" else "sglang"
+        except (OSError, ValueError) as exc:
+            last = exc
+            time.sleep(0.5)
+    raise EngineError(f"--rollout-engine-urls {url}: no engine answers /model_info after {timeout_s:.0f} s ({last!r})")
+
+
+def weight_version(url: str) -> str | None:
+    try:
+        return str(_get_json(url + "/model_info")["weight_version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class EngineMonitor:
+    """Keeps the router's pool to the engines that answer (see the module docstring)."""
+
+    def __init__(self, group: EngineGroup, *, restart: bool, startup_timeout_s: float, interval_s: float = 1.0,
+                 failures_to_down: int = 3):
+        self.group, self.restart, self.startup_timeout_s = group, restart, startup_timeout_s
+        self.interval_s, self.failures_to_down = interval_s, failures_to_down
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="agentrl-engine-monitor", daemon=True)
+        self.events: list[tuple[float, str, str]] = []  # (time, url, what): for logs and tests
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+    def _event(self, engine: Engine, what: str) -> None:
+        self.events.append((time.time(), engine.url, what))
+        log.warning("engine %s: %s", engine.url, what)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for engine in self.group.engines:
+                try:
+                    self._check(engine)
+                except Exception as exc:  # the monitor must outlive any one bad check
+                    log.warning("engine monitor: %s: %r", engine.url, exc)
+
+    def _check(self, e: Engine) -> None:
+        router = self.group.router
+        exited = e.server is not None and not e.server.alive()
+        if e.state == "serving":
+            ok = not exited and _healthy(e.url)
+            e.failures = 0 if ok else e.failures + 1
+            if exited or e.failures >= self.failures_to_down:
+                e.state, e.since = "down", time.monotonic()
+                self._event(e, "process exited" if exited else "not answering /health")
+                if router is not None:
+                    router.remove_worker(e.url)
+                    self._event(e, "removed from the router")
+        if e.state == "down":
+            if e.server is not None and self.restart and e.server.restarts < MAX_RESTARTS:
+                e.server.restart(e.restart_argv)
+                e.state, e.since = "starting", time.monotonic()
+                self._event(e, f"restarted ({e.server.restarts})")
+            elif e.server is None and _healthy(e.url):  # attached: someone else restarted it
+                e.state = "catching_up"
+        if e.state == "starting":
+            if _healthy(e.url):
+                e.state = "catching_up"
+            elif not e.server.alive() or time.monotonic() - e.since > self.startup_timeout_s:
+                e.state = "down" if e.server is not None and e.server.restarts < MAX_RESTARTS else "failed"
+                self._event(e, f"restart did not come up; last log lines:\n{e.server.log_tail(10)}")
+        if e.state == "catching_up":
+            others = {weight_version(o.url) for o in self.group.engines if o is not e and o.state == "serving"}
+            others.discard(None)
+            mine = weight_version(e.url)
+            if mine is not None and (not others or others == {mine}):
+                if router is not None:
+                    router.add_worker(e.url)
+                e.state, e.failures = "serving", 0
+                self._event(e, f"back in the pool (weight version {mine})")
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM -> SystemExit in the main thread, so `finally` blocks stop the engines."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))

@@ -1,0 +1,155 @@
+"""Start engine servers as child processes, wait for their health with a timeout, and stop
+them on exit. A failed start raises with the server's last log lines."""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from agentrl.errors import EngineError
+
+
+def free_port(low: int | None = None, high: int | None = None) -> int:
+    """A free TCP port: any (the kernel's pick), or one in [low, high) (SGLang derives other
+    ports from its --port, e.g. its gRPC port = port + 10000, which must stay below 65536)."""
+    if low is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    import random
+
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in [{low}, {high})")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel kills it when the parent dies, even by SIGKILL,
+    so a killed training run leaves no engine behind (Linux; elsewhere atexit must do).
+    The signal follows the *thread* that started the child: start servers from the main
+    thread (or a thread that lives as long as they should)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class ServerProcess:
+    """A child HTTP server with a log file, a health URL and a guaranteed stop."""
+
+    def __init__(self, argv: list[str], *, url: str, name: str, env: dict | None = None, log_dir: Path | None = None):
+        self.url, self.name, self.argv, self.env = url, name, argv, env
+        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="agentrl-logs-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{name}.log"
+        self.restarts = 0
+        self._start()
+        atexit.register(self.stop)
+
+    def _start(self) -> None:
+        self._log = open(self.log_path, "ab")
+        # A new process group, so stopping it also stops anything it spawned.
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        self._swept = False
+
+    def restart(self, argv: list[str] | None = None) -> None:
+        """Stop what is left of it and start it again with the same command (or `argv`; same
+        port, same GPUs); the caller waits for its health. Call from a thread that outlives
+        the child."""
+        self.stop()
+        if argv:
+            self.argv = argv
+        self.restarts += 1
+        self._log = open(self.log_path, "ab")
+        self._log.write(f"\n--- agentrl: restart {self.restarts} ---\n".encode())
+        self._log.close()
+        self._start()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_healthy(self, timeout_s: float = 300.0, path: str = "/health") -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineError(f"{self.name} exited with code {self.proc.returncode} while starting "
+                                  f"({' '.join(self.argv)}); last log lines:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise EngineError(f"{self.name} not healthy after {timeout_s:.0f} s at {self.url}{path}; "
+                          f"last log lines:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=timeout_s)
+            except ProcessLookupError:
+                pass
+        if not self._swept:  # what the server spawned may outlive it (SGLang's scheduler processes)
+            self._swept = True
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not self._log.closed:
+            self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once, as a crash would (tests)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+def launch_embedded_engine(model_path: str, *, port: int | None = None, device: str = "cpu", seed: int = 0,
+                           num_threads: int = 0, log_dir: Path | None = None, name: str = "engine",
+                           timeout_s: float = 300.0, dtype: str = "float32", prefix_cache_tokens: int | None = None,
+                           env: dict | None = None, wait: bool = True) -> ServerProcess:
+    """Start `python -m agentrl.engines.embedded`; its engine id is its URL. With wait=False
+    the caller waits for health (so several engines can start at once)."""
+    port = port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "agentrl.engines.embedded", "--model-path", str(model_path),
+            "--port", str(port), "--device", device, "--seed", str(seed), "--num-threads", str(num_threads),
+            "--dtype", dtype, "--engine-id", url]
+    if prefix_cache_tokens is not None:
+        argv += ["--prefix-cache-tokens", str(prefix_cache_tokens)]
+    server = ServerProcess(argv, url=url, name=name, log_dir=log_dir, env=env)
+    if wait:
+        server.wait_healthy(timeout_s)
+    return server

@@ -1,0 +1,154 @@
+"""sglang-router (PyPI `sglang-router`, checked with 0.3.2) in front of the engines.
+
+Started as `python -m sglang_router.launch_router --worker-urls URL... --policy manual ...`;
+every `--router-ARG` flag of agentrl passes through as `--ARG` and is checked against the
+router's own parser (`RouterArgs.add_cli_args`). agentrl's defaults, each overridable:
+
+  --policy manual                 sticky sessions on the X-SMG-Routing-Key header, which the
+                                  rollout client sets to the trajectory id: every turn of a
+                                  trajectory goes to one engine (its prefix cache stays warm);
+                                  a key is remapped only when its engine leaves the pool
+  --health-check-interval-secs 2  (router default 60) a dead engine is noticed in seconds
+  --health-failure-threshold 2
+  --log-level warn
+
+Worker API of sglang-router 0.3.2 (read off the running router; the older /add_worker and
+/remove_worker are gone): GET /workers -> {"workers": [{"id", "url", "is_healthy", ...}],
+"total", "stats"}; POST /workers {"url"} -> 202 {"status": "accepted", "worker_id", ...}
+(registration runs in the background: poll GET /workers); DELETE /workers/{worker_id} -> 202.
+The router also forwards each worker's response headers (agentrl's X-Agentrl-Engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from agentrl.engines.launch import ServerProcess, free_port
+from agentrl.errors import ConfigError, EngineError
+
+OWNED = {"worker-urls": "--rollout-engine-urls / --num-engines", "host": "", "port": "", "prometheus-port": "",
+         "pd-disaggregation": "", "prefill": "", "decode": ""}
+DEFAULTS = {"policy": "manual", "health-check-interval-secs": "2", "health-failure-threshold": "2",
+            "log-level": "warn"}
+
+
+def router_parser() -> argparse.ArgumentParser:
+    from sglang_router.router_args import RouterArgs
+
+    parser = argparse.ArgumentParser(prog="sglang_router.launch_router", add_help=False)
+    RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    return parser
+
+
+def validate_router_args(args: dict[str, str | None], parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """--router-* arguments (agentrl's defaults under them) -> router argv, checked against
+    the installed sglang-router's parser."""
+    parser = parser or router_parser()
+    actions = {s: a for a in parser._actions for s in a.option_strings}
+    merged = {**DEFAULTS, **{k.replace("_", "-").lstrip("-"): v for k, v in args.items()}}
+    argv: list[str] = []
+    for name, value in merged.items():
+        if name in OWNED:
+            how = f"; use {OWNED[name]}" if OWNED[name] else ""
+            raise ConfigError(f"--router-{name}: agentrl sets the router's --{name} itself{how}")
+        action = actions.get(f"--{name}")
+        if action is None:
+            close = difflib.get_close_matches(name, [s[2:] for s in actions if s.startswith("--")], n=3)
+            hint = f"; did you mean {', '.join('--router-' + c for c in close)}?" if close else ""
+            raise ConfigError(f"--router-{name}: sglang-router has no argument --{name}{hint}")
+        if action.nargs == 0:
+            if value is None or str(value).lower() in ("true", "1", "yes"):
+                argv.append(f"--{name}")
+            elif str(value).lower() not in ("false", "0", "no"):
+                raise ConfigError(f"--router-{name} is a switch and takes no value (got {value!r})")
+            continue
+        if value is None:
+            raise ConfigError(f"--router-{name} needs a value")
+        argv += [f"--{name}"] + (str(value).split() if action.nargs in ("+", "*") else [str(value)])
+    try:
+        parser.parse_args(argv)
+    except SystemExit:
+        raise ConfigError(f"invalid --router-* arguments: {' '.join(argv)} (the router's message is above)") from None
+    return argv
+
+
+class Router:
+    """A running sglang-router: its URL, and its worker API."""
+
+    def __init__(self, url: str, process: ServerProcess | None = None):
+        self.url = url.rstrip("/")
+        self.process = process
+
+    def _call(self, method: str, path: str, payload: dict | None = None, timeout: float = 10.0):
+        data = json.dumps(payload).encode() if payload is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"} if data else {})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+        return json.loads(body) if body else None
+
+    def workers(self) -> list[dict]:
+        return self._call("GET", "/workers")["workers"]
+
+    def healthy_urls(self) -> set[str]:
+        return {w["url"] for w in self.workers() if w.get("is_healthy")}
+
+    def add_worker(self, url: str) -> None:
+        if url not in {w["url"] for w in self.workers()}:
+            self._call("POST", "/workers", {"url": url})
+
+    def remove_worker(self, url: str) -> bool:
+        ids = [w["id"] for w in self.workers() if w["url"] == url]
+        for worker_id in ids:
+            try:
+                self._call("DELETE", f"/workers/{worker_id}")
+            except urllib.error.HTTPError as exc:
+                if exc.code != 404:
+                    raise
+        return bool(ids)
+
+    def wait_workers(self, urls: list[str], timeout_s: float) -> None:
+        """Until every URL is registered and healthy (registration runs in the background)."""
+        deadline = time.monotonic() + timeout_s
+        missing = set(urls)
+        while time.monotonic() < deadline:
+            try:
+                missing = set(urls) - self.healthy_urls()
+                if not missing:
+                    return
+            except (OSError, ValueError, KeyError):
+                pass
+            if self.process is not None and not self.process.alive():
+                raise EngineError(f"sglang-router exited with code {self.process.proc.returncode}; last log lines:\n"
+                                  f"{self.process.log_tail()}")
+            time.sleep(0.2)
+        tail = self.process.log_tail() if self.process else ""
+        raise EngineError(f"sglang-router at {self.url}: engines {sorted(missing)} not registered and healthy after "
+                          f"{timeout_s:.0f} s; last router log lines:\n{tail}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
+def launch_router(worker_urls: list[str], *, router_args: dict[str, str | None], log_dir: Path | None,
+                  timeout_s: float = 120.0) -> Router:
+    extra = validate_router_args(router_args)
+    port, prom = free_port(), free_port()
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+            "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prom)]
+    if "--prometheus-host" not in extra:
+        argv += ["--prometheus-host", "127.0.0.1"]
+    argv += extra
+    process = ServerProcess(argv, url=f"http://127.0.0.1:{port}", name="router", log_dir=log_dir)
+    process.wait_healthy(timeout_s)
+    router = Router(process.url, process)
+    router.wait_workers(worker_urls, timeout_s)
+    return router

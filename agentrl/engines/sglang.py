@@ -1,0 +1,206 @@
+"""SGLang servers for rollout: placement on GPUs, the command line, and its validation.
+
+Every SGLang server argument passes through with the `--sglang-` prefix
+(`--sglang-mem-fraction-static 0.8` -> `--mem-fraction-static 0.8`) and is checked
+against the installed SGLang's own argument parser (`ServerArgs.add_cli_args`), so new
+SGLang arguments need no change here and a misspelt one fails before anything starts.
+agentrl sets the arguments it owns itself: --model-path, --host, --port, --tp-size
+(from --rollout-num-gpus-per-engine), and --random-seed / --dtype unless given.
+
+Placement: engine i gets GPUs [(i * tp + j) % num_gpus for j < tp] through
+CUDA_VISIBLE_DEVICES (mapped through the parent's own CUDA_VISIBLE_DEVICES). With more
+engines than GPUs, engines share GPUs; they then start one after the other and engine k
+(1-based) of n on a GPU gets --mem-fraction-static k * F / n, where F is the fraction of
+the GPU all of them may take together (--sglang-mem-fraction-static, default 0.8): SGLang
+sizes its KV pool from the memory free when it starts, so each engine then ends up with
+about F / n of the GPU. An engine restarted there finds the others up, so it gets F.
+
+Engines are started through `python -m agentrl.engines.sglang_server`, which is SGLang's
+`python -m sglang.launch_server` plus one response header naming the engine (see there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from agentrl.errors import ConfigError
+
+# arguments agentrl sets from its own flags: giving them as --sglang-* is an error
+OWNED = {
+    "model-path": "--model (or --hf-checkpoint)",
+    "host": "(agentrl binds engines to 127.0.0.1)",
+    "port": "(agentrl picks free ports)",
+    "tp-size": "--rollout-num-gpus-per-engine",
+    "tensor-parallel-size": "--rollout-num-gpus-per-engine",
+    "tp": "--rollout-num-gpus-per-engine",
+    "base-gpu-id": "(agentrl places engines with CUDA_VISIBLE_DEVICES)",
+}
+DEFAULT_SHARED_MEM_FRACTION = 0.8
+
+
+@dataclass
+class EnginePlan:
+    index: int
+    port: int
+    gpus: list[int]  # physical GPU ids (after the parent's CUDA_VISIBLE_DEVICES)
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    start_after: int | None = None  # index of an engine that must be healthy first (shared GPU)
+    restart_argv: list[str] | None = None  # a restart on a shared GPU finds the others up: it takes F / n
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def sglang_parser() -> argparse.ArgumentParser:
+    """The installed SGLang's own server-argument parser."""
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError as exc:
+        raise ConfigError(
+            f"--rollout-engine sglang: SGLang is not importable here ({exc}). Install it on the GPU machine "
+            "(pip install 'agentrl[gpu]', i.e. sglang>=0.5.15), or attach to running servers with "
+            "--rollout-engine-urls URL ..."
+        ) from None
+    parser = argparse.ArgumentParser(prog="sglang serve", add_help=False)
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+@lru_cache(maxsize=1)
+def _installed_parser() -> argparse.ArgumentParser:
+    return sglang_parser()
+
+
+def normalize_args(args: dict[str, str | None]) -> dict[str, str | None]:
+    """YAML keys may use underscores; the command line uses dashes."""
+    return {k.replace("_", "-").lstrip("-"): v for k, v in args.items()}
+
+
+def validate_sglang_args(args: dict[str, str | None], parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """--sglang-* arguments -> SGLang argv, checked against SGLang's parser. Raises
+    ConfigError naming the flag (with close matches) for an unknown one, a flag given a
+    value it cannot take, or a value missing."""
+    parser = parser or _installed_parser()
+    actions = {s: a for a in parser._actions for s in a.option_strings}
+    argv: list[str] = []
+    for name, value in normalize_args(args).items():
+        if name in OWNED:
+            raise ConfigError(f"--sglang-{name}: agentrl sets --{name} itself; use {OWNED[name]}")
+        action = actions.get(f"--{name}")
+        if action is None:
+            known = [s[2:] for s in actions if s.startswith("--")]
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f"; did you mean {', '.join('--sglang-' + c for c in close)}?" if close else ""
+            raise ConfigError(f"--sglang-{name}: the installed SGLang has no server argument --{name}{hint}")
+        takes_value = action.nargs != 0
+        if value is None and takes_value and action.nargs not in ("?", "*"):
+            raise ConfigError(f"--sglang-{name}: SGLang's --{name} needs a value")
+        if value is not None and not takes_value:
+            if str(value).lower() in ("true", "1", "yes"):
+                value = None  # YAML `enable-memory-saver: true`
+            elif str(value).lower() in ("false", "0", "no"):
+                continue
+            else:
+                raise ConfigError(f"--sglang-{name}: SGLang's --{name} is a switch and takes no value (got {value!r})")
+        argv.append(f"--{name}")
+        if value is not None:
+            argv += str(value).split() if action.nargs in ("+", "*") else [str(value)]
+    try:  # SGLang's own checks of types and choices, without starting anything
+        parser.parse_args(["--model-path", "x"] + argv)
+    except SystemExit:
+        raise ConfigError(f"invalid --sglang-* arguments for the installed SGLang: {' '.join(argv)} "
+                          "(SGLang's message is printed above)") from None
+    return argv
+
+
+def visible_gpus() -> list[int]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [int(x) for x in env.split(",") if x.strip() != ""]
+    try:
+        import torch
+
+        return list(range(torch.cuda.device_count()))
+    except Exception:
+        return []
+
+
+def plan_engines(*, num_engines: int | None, num_gpus: int | None, gpus_per_engine: int, gpu_ids: list[int],
+                 ports: list[int], model_path: str, sglang_argv: list[str], seed: int, dtype: str | None = None,
+                 engine_ids: list[str] | None = None) -> list[EnginePlan]:
+    """Which GPUs and which command line each engine gets."""
+    num_gpus = num_gpus or len(gpu_ids)
+    if num_gpus < 1:
+        raise ConfigError("--rollout-engine sglang needs GPUs and none are visible (CUDA_VISIBLE_DEVICES / "
+                          "torch.cuda.device_count()); attach to running servers with --rollout-engine-urls instead")
+    if num_gpus > len(gpu_ids):
+        raise ConfigError(f"--rollout-num-gpus {num_gpus}: only {len(gpu_ids)} GPUs are visible ({gpu_ids})")
+    if num_gpus % gpus_per_engine and num_gpus > gpus_per_engine:
+        raise ConfigError(f"--rollout-num-gpus {num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
+                          f"{gpus_per_engine}")
+    if gpus_per_engine > num_gpus:
+        raise ConfigError(f"--rollout-num-gpus-per-engine {gpus_per_engine} > --rollout-num-gpus {num_gpus}")
+    n = num_engines or max(1, num_gpus // gpus_per_engine)
+    at = sglang_argv.index("--mem-fraction-static") if "--mem-fraction-static" in sglang_argv else None
+    shared_total = float(sglang_argv[at + 1]) if at is not None else DEFAULT_SHARED_MEM_FRACTION
+    placements = [[gpu_ids[(i * gpus_per_engine + j) % num_gpus] for j in range(gpus_per_engine)] for i in range(n)]
+    sharers: dict[int, list[int]] = {}
+    for i, gpus in enumerate(placements):
+        sharers.setdefault(gpus[0], []).append(i)
+    plans = []
+    for i, gpus in enumerate(placements):
+        argv = [sys.executable, "-m", "agentrl.engines.sglang_server", "--model-path", str(model_path),
+                "--host", "127.0.0.1", "--port", str(ports[i]), "--tp-size", str(gpus_per_engine)]
+        extra = list(sglang_argv)
+        if "--random-seed" not in extra:
+            extra += ["--random-seed", str(seed + i)]
+        if dtype and "--dtype" not in extra:
+            extra += ["--dtype", dtype]
+        group = sharers[gpus[0]]
+        start_after, restart_argv = None, None
+        if len(group) > 1:
+            k = group.index(i) + 1
+            fraction = round(k * shared_total / len(group), 4)
+            restart_argv = argv + _drop_flag(extra, "--mem-fraction-static") + [
+                "--mem-fraction-static", str(round(shared_total, 4))]
+            extra = _drop_flag(extra, "--mem-fraction-static") + ["--mem-fraction-static", str(fraction)]
+            start_after = group[k - 2] if k > 1 else None
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
+               "AGENTRL_ENGINE_ID": (engine_ids[i] if engine_ids else f"http://127.0.0.1:{ports[i]}")}
+        plans.append(EnginePlan(index=i, port=ports[i], gpus=gpus, argv=argv + extra, env=env, start_after=start_after,
+                                restart_argv=restart_argv))
+    return plans
+
+
+def _drop_flag(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for tok in argv:
+        if skip:
+            skip = False
+            continue
+        if tok == flag:
+            skip = True
+            continue
+        if tok.startswith(flag + "="):
+            continue
+        out.append(tok)
+    return out
+
+
+def sglang_log_hint(log_tail: str) -> str:
+    """A sentence for the commonest start failures."""
+    if "no GPU memory for the KV cache" in log_tail or "Not enough memory" in log_tail:
+        return ("\nhint: the GPU memory left is too small; lower the engines per GPU or raise "
+                "--sglang-mem-fraction-static (shared GPUs: it is their total).")
+    if "CUDA out of memory" in log_tail:
+        return "\nhint: CUDA out of memory: fewer engines per GPU, or a smaller --sglang-mem-fraction-static."
+    return ""
+

@@ -1,0 +1,67 @@
+"""`python -m sglang.launch_server`, plus one response header: `X-Agentrl-Engine: <id>`.
+
+Usage is SGLang's own: python -m agentrl.engines.sglang_server --model-path DIR --port N ...
+(every argument goes to SGLang unchanged); the engine id comes from $AGENTRL_ENGINE_ID
+(agentrl sets it to the engine's URL), else host:port.
+
+Why: to measure session affinity the rollout side must know which engine served each
+turn. SGLang's /generate reply does not say (meta_info has no server identity, and
+sglang-router adds no worker header), but the router passes a worker's response headers
+through, so a pure-ASGI middleware on SGLang's FastAPI app names the engine on every
+reply. It costs one header per response and touches nothing else. (With
+--tokenizer-worker-num > 1 SGLang re-imports its app in worker processes, which then
+answer without the header; affinity is then reported as unknown, not wrong.)
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+class EngineHeader:
+    """ASGI middleware: add X-Agentrl-Engine to every HTTP response."""
+
+    def __init__(self, app, engine_id: str):
+        self.app = app
+        self.value = engine_id.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message.get("type") == "http.response.start":
+                message["headers"] = list(message.get("headers") or []) + [(b"x-agentrl-engine", self.value)]
+            await send(message)
+
+        return await self.app(scope, receive, send_with_header)
+
+
+def _engine_id(argv: list[str]) -> str:
+    if os.environ.get("AGENTRL_ENGINE_ID"):
+        return os.environ["AGENTRL_ENGINE_ID"]
+    host, port = "127.0.0.1", "30000"
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "--host":
+            host = value
+        elif flag == "--port":
+            port = value
+    return f"http://{host}:{port}"
+
+
+def main() -> None:
+    engine_id = _engine_id(sys.argv[1:])
+    try:
+        from sglang.srt.entrypoints import http_server
+
+        http_server.app.add_middleware(EngineHeader, engine_id=engine_id)
+    except Exception as exc:  # serve anyway: only the affinity metric needs the header
+        print(f"agentrl: could not add the X-Agentrl-Engine header ({exc!r}); serving without it", file=sys.stderr)
+    sys.argv[0] = "sglang.launch_server"
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Models and tokenizers: a local HF checkpoint, or the built-in tiny default.
+
+The default (used when --model is not given) is a small Qwen2-architecture causal LM
+initialised from a fixed seed, with a byte-level BPE tokenizer trained offline on a
+corpus generated here and a Qwen-style chat template (tools supported). Nothing is
+downloaded; the result is cached under ~/.cache/agentrl/models/ and rebuilt only when
+the recipe changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+
+from agentrl.errors import ModelLoadError
+
+TINY_MODEL_RECIPE = {
+    "version": 2,
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "seed": 0,
+}
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Qwen2.5-style template. Tools are listed in the system turn; tool results come back as
+# `tool` role messages. Rendering is append-only: earlier turns never change, which the
+# agent loop's drift check relies on.
+CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\nYou may call one or more tools. Their signatures:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools>\nCall a tool as <tool_call>{\"name\": NAME, \"arguments\": ARGS}</tool_call>"
+    "<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if not (loop.first and message.role == 'system') %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her which or an be this are "
+    "it not have had were one all their there been has more who when will would can no out "
+    "what about up into only other new some could time these two may then do first any my now "
+    "such like our over man me even most made after also did many before must through back "
+    "years where much your way well down should because each just those people how too little "
+    "state good very make world still own see men work long get here between both life being "
+    "under never day same another know while last might us great old year off come since against "
+    "go came right used take three answer question search information think tool call result "
+    "python bash file read write list edit code test pass fail error true false none return def "
+    "import print if else elif for while in range len sum max min int str float dict set "
+    "city river mountain capital country born founded invented painter author year number "
+    "plus minus times divided equals total apple orange banana red green blue alpha beta gamma"
+).split()
+
+
+def _tokenizer_corpus(seed: int, n_lines: int = 4000) -> list[str]:
+    rng = random.Random(seed)
+    tags = ["<think>", "</think>", "<search>", "</search>", "<answer>", "</answer>",
+            "<information>", "</information>", "<tool_call>", "</tool_call>", "\\boxed{", "}"]
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 14))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), rng.choice(tags))
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 9999)))
+        if rng.random() < 0.15:
+            words.append(json.dumps({"name": rng.choice(_WORDS), "arguments": {"code": rng.choice(_WORDS)}}))
+        lines.append(" ".join(words) + rng.choice([".", "?", "!", ":", ",", ""]))
+    return lines
+
+
+def tiny_model_dir() -> Path:
+    digest = hashlib.sha1(json.dumps(TINY_MODEL_RECIPE, sort_keys=True).encode()).hexdigest()[:10]
+    root = Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl"))
+    return root / "models" / f"tiny-qwen2-{digest}"
+
+
+def build_tiny_model(path: Path | None = None) -> Path:
+    """Build (or reuse) the default tiny model and tokenizer; returns its folder."""
+    path = Path(path or tiny_model_dir())
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    r = TINY_MODEL_RECIPE
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=r["vocab_size"], special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(r["seed"]), trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+
+    torch.manual_seed(r["seed"])
+    config = Qwen2Config(
+        vocab_size=len(hf_tok), hidden_size=r["hidden_size"], intermediate_size=r["intermediate_size"],
+        num_hidden_layers=r["num_hidden_layers"], num_attention_heads=r["num_attention_heads"],
+        num_key_value_heads=r["num_key_value_heads"], max_position_embeddings=r["max_position_embeddings"],
+        tie_word_embeddings=True, eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id,
+        bos_token_id=None,
+    )
+    model = Qwen2ForCausalLM(config)
+    _quiet_transformers()
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    hf_tok.save_pretrained(tmp)
+    tmp.rename(path)  # atomic: a half-built folder is never mistaken for a model
+    return path
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """Fail early, naming what is missing, before any process tries to load the folder."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"--model {path}: no such folder")
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"--model {path}: no config.json; expected a Hugging Face causal-LM checkpoint folder")
+    tokenizer_files = ["tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"]
+    if not any((path / f).exists() for f in tokenizer_files):
+        raise ModelLoadError(
+            f"--model {path}: no tokenizer (looked for {', '.join(tokenizer_files)}); "
+            "copy the tokenizer files of the base model into this folder"
+        )
+    return path
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-shard bars would drown the run's own progress
+    hf_logging.set_verbosity_error()
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+
+    path = check_model_dir(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"--model {path}: cannot load its tokenizer: {exc}") from exc
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "float32"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    path = check_model_dir(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    except Exception as exc:
+        raise ModelLoadError(f"--model {path}: cannot load the model: {exc}") from exc
+    return model.to(device)

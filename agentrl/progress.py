@@ -1,0 +1,52 @@
+"""Live progress: a bar with iteration, reward and throughput on a terminal; one summary
+line per iteration otherwise (logs, CI)."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+
+class Progress:
+    def __init__(self, enabled: bool = True):
+        self.console = Console(stderr=True)
+        self.live = enabled and sys.stderr.isatty()
+        self._bar: RichProgress | None = None
+        self._task = None
+        self._samples = 0
+
+    def note(self, text: str) -> None:
+        self.console.print(f"[agentrl] {text}", highlight=False, markup=False)
+
+    def start(self, total: int, completed: int = 0) -> None:
+        if self.live:
+            self._bar = RichProgress(TextColumn("iteration"), MofNCompleteColumn(), BarColumn(),
+                                     TextColumn("{task.description}"), TimeElapsedColumn(), console=self.console)
+            self._bar.start()
+            self._task = self._bar.add_task("starting", total=total, completed=completed)
+
+    def advance_samples(self) -> None:
+        self._samples += 1
+        if self._bar is not None:
+            self._bar.update(self._task, description=f"rollout: {self._samples} trajectories done")
+
+    def iteration_done(self, m: dict) -> None:
+        self._samples = 0
+        line = (f"iter {m['rollout_id']}: reward {m['reward_mean']:.3f}  len {m['response_len_mean']:.1f}  "
+                f"turns {m['turns_mean']:.1f}  {m['tokens_per_s']:.0f} tok/s  "
+                f"rollout {m['rollout_s']:.1f}s train {m.get('train_s', 0.0):.1f}s sync {m.get('weight_sync_s', 0.0):.2f}s")
+        if m.get("status_failed"):
+            line += f"  failed {m['status_failed']}"
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, description=f"reward {m['reward_mean']:.3f}, "
+                                                                f"{m['tokens_per_s']:.0f} tok/s")
+            self._bar.console.print(line, highlight=False, markup=False)
+        else:
+            self.console.print(line, highlight=False, markup=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -1,0 +1,170 @@
+"""The env registry: a dict of EnvSpecs, filled three ways.
+
+1. ``@register_env("name")`` on an Env subclass or a factory function;
+2. the entry-point group ``agentrl.envs`` (``name = "package.module:Class"``), read lazily,
+   so pip-installed envs (and agentrl's own built-ins) need no import by hand;
+3. ``--env-module MODULE_OR_PATH``: imported before lookup, and recorded in the
+   ``AGENTRL_ENV_MODULES`` environment variable so subprocesses and Ray workers import the
+   same modules and resolve the same names (nothing is pickled from the parent).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from agentrl.errors import EnvNotFoundError, EnvRegistrationError
+
+ENTRY_POINT_GROUP = "agentrl.envs"
+ENV_MODULES_VAR = "AGENTRL_ENV_MODULES"
+
+
+@dataclass
+class EnvSpec:
+    name: str
+    entry_point: Any  # the class/factory, or "module:attr" not yet imported
+    source: str  # where it was registered: "file.py:line" or "entry point of <dist>"
+    description: str = ""
+
+    def load(self) -> Callable[..., Any]:
+        if isinstance(self.entry_point, str):
+            module_name, _, attr = self.entry_point.partition(":")
+            obj = importlib.import_module(module_name)  # an ImportError here is the user's to see
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+            self.entry_point = obj
+        return self.entry_point
+
+    @property
+    def qualified_name(self) -> str:
+        if isinstance(self.entry_point, str):
+            return self.entry_point
+        return f"{self.entry_point.__module__}:{self.entry_point.__qualname__}"
+
+
+_REGISTRY: dict[str, EnvSpec] = {}
+_entry_points_loaded = False
+
+
+def _add(spec: EnvSpec) -> None:
+    old = _REGISTRY.get(spec.name)
+    if old is not None and old.qualified_name != spec.qualified_name:
+        raise EnvRegistrationError(
+            f"env name {spec.name!r} is taken: {old.qualified_name} (registered at {old.source}) "
+            f"and {spec.qualified_name} (registered at {spec.source}); rename one of them"
+        )
+    if old is not None and isinstance(old.entry_point, str) and not isinstance(spec.entry_point, str):
+        old.entry_point = spec.entry_point  # same object: keep the loaded one
+        old.description = old.description or spec.description
+        return
+    if old is None:
+        _REGISTRY[spec.name] = spec
+
+
+def register_env(name: str, *, description: str | None = None):
+    """Decorator: register an `agentrl.Env` subclass or a factory returning one."""
+
+    def decorator(obj):
+        try:
+            source = f"{inspect.getsourcefile(obj)}:{inspect.getsourcelines(obj)[1]}"
+        except (OSError, TypeError):
+            source = getattr(obj, "__module__", "?")
+        desc = description or getattr(obj, "description", "") or (inspect.getdoc(obj) or "").split("\n")[0]
+        _add(EnvSpec(name=name, entry_point=obj, source=source, description=desc))
+        return obj
+
+    return decorator
+
+
+def load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist else "?"
+        _add(EnvSpec(name=ep.name, entry_point=ep.value, source=f"entry point of {dist}"))
+
+
+def import_env_module(module_or_path: str) -> None:
+    """Import a user's module (dotted name) or .py file, and remember it for child processes."""
+    path = Path(module_or_path)
+    if module_or_path.endswith(".py") or path.exists():
+        if not path.is_file():
+            raise EnvNotFoundError(f"--env-module {module_or_path}: no such file")
+        path = path.resolve()
+        # A stable name per path: importing the same file twice must not register twice.
+        mod_name = f"agentrl_user_env_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+        if mod_name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[mod_name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[mod_name]
+                raise
+        record = str(path)
+    else:
+        importlib.import_module(module_or_path)
+        record = module_or_path
+    known = [m for m in os.environ.get(ENV_MODULES_VAR, "").split(os.pathsep) if m]
+    if record not in known:
+        os.environ[ENV_MODULES_VAR] = os.pathsep.join(known + [record])
+
+
+def _import_recorded_modules() -> None:
+    for module in os.environ.get(ENV_MODULES_VAR, "").split(os.pathsep):
+        if module:
+            import_env_module(module)
+
+
+def list_envs() -> list[EnvSpec]:
+    load_entry_points()
+    _import_recorded_modules()
+    for spec in _REGISTRY.values():  # descriptions come from the loaded objects
+        if not spec.description:
+            try:
+                obj = spec.load()
+                spec.description = getattr(obj, "description", "") or (inspect.getdoc(obj) or "").split("\n")[0]
+            except Exception as exc:  # listing must not die on one broken env
+                spec.description = f"(cannot import: {exc})"
+    return sorted(_REGISTRY.values(), key=lambda s: s.name)
+
+
+def get_spec(name: str) -> EnvSpec:
+    load_entry_points()
+    _import_recorded_modules()
+    if name not in _REGISTRY:
+        known = sorted(_REGISTRY)
+        close = difflib.get_close_matches(name, known, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise EnvNotFoundError(
+            f"unknown env {name!r}.{hint} Known envs: {', '.join(known) or '(none)'}. "
+            "Register one with @agentrl.register_env, an 'agentrl.envs' entry point, or --env-module."
+        )
+    return _REGISTRY[name]
+
+
+def make(name: str, **kwargs):
+    """Build the env registered under `name`."""
+    from agentrl.env import Env
+
+    factory = get_spec(name).load()
+    try:
+        env = factory(**kwargs)
+    except Exception as exc:
+        exc.add_note(f"while building env {name!r} with kwargs {kwargs}")
+        raise
+    if not isinstance(env, Env):
+        raise TypeError(f"env {name!r} built a {type(env).__name__}, not an agentrl.Env")
+    return env

@@ -1,0 +1,167 @@
+"""One trajectory: env <-> engine, turn by turn, token-in / token-out.
+
+The policy's tokens are appended exactly as sampled (loss mask 1, logprobs kept). The env's
+messages are rendered by the chat template and only the new suffix is tokenized (loss
+mask 0): earlier tokens are never re-tokenized. Each time, the template's rendering of
+the whole conversation must extend the text the model saw; if it rewrote earlier turns
+(for example by dropping past <think> blocks), TemplateDriftError names the turn and the
+first differing tokens.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from agentrl.env import Action, Env, as_messages
+from agentrl.errors import TemplateDriftError
+from agentrl.rollout.client import EngineClient
+from agentrl.rollout.control import RolloutControl
+from agentrl.types import Sample, SampleStatus, TurnTiming
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    max_response_len: int  # token budget for all turns together (policy + env tokens)
+    max_turns: int
+    sampling_params: dict  # SGLang sampling params: temperature, top_p, top_k, stop_token_ids, ...
+    apply_chat_template: bool = True
+    max_tokens_per_turn: int | None = None  # None: a turn may use the whole remaining budget
+
+
+class Renderer:
+    """Renders a conversation to text, with the chat template or by plain concatenation."""
+
+    def __init__(self, tokenizer, apply_chat_template: bool = True):
+        self.tokenizer = tokenizer
+        self.apply_chat_template = apply_chat_template
+        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise TemplateDriftError("--apply-chat-template is set but the tokenizer has no chat template")
+
+    def render(self, messages: list[dict], tools: list[dict] | None) -> str:
+        if not self.apply_chat_template:
+            return "".join(str(m["content"]) for m in messages)
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def extension(self, sample: Sample, seen: str, messages: list[dict], tools: list[dict] | None,
+                  turn: int) -> tuple[list[int], str]:
+        """Tokens that extend `sample` (whose text is `seen`) to the rendering of `messages`,
+        and that rendering; TemplateDriftError if the rendering does not extend `seen`."""
+        rendered = self.render(messages, tools)
+        if not rendered.startswith(seen):
+            ours, theirs = sample.tokens, self.encode(rendered)
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise TemplateDriftError(
+                f"turn {turn}: the chat template re-rendered earlier tokens differently from what the model saw; "
+                f"first difference at token {at}: model saw {ours[at:at + 8]} ({self.decode(ours[at:at + 8])!r}), "
+                f"template now gives {theirs[at:at + 8]} ({self.decode(theirs[at:at + 8])!r}). "
+                "Use a chat template that only appends (e.g. keep past reasoning), or --no-apply-chat-template."
+            )
+        return self.encode(rendered[len(seen):]), rendered
+
+
+async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, client: EngineClient,
+                         settings: LoopSettings, trajectory_id: str, group_id: int, seed: int,
+                         env_name: str = "", control: RolloutControl | None = None) -> Sample:
+    """Play one episode. Never raises for env or engine failures: the Sample says FAILED."""
+    sample = Sample(prompt_tokens=[], trajectory_id=trajectory_id, group_id=group_id, env_name=env_name,
+                    metadata={"label": task.get("label"), **(task.get("metadata") or {})})
+    messages: list[dict] = []
+    total_reward = 0.0
+    reward_parts: dict[str, float] | None = None
+    try:
+        obs, info = await env.areset(seed=seed, options=task)
+        messages = as_messages(obs)
+        tools = info.get("tools")
+        seen = renderer.render(messages, tools)  # the text of every token so far
+        sample.prompt_tokens = renderer.encode(seen)
+        status = SampleStatus.TRUNCATED
+        for turn in range(settings.max_turns):
+            budget = settings.max_response_len - sample.response_length
+            if budget <= 0:
+                break
+            if settings.max_tokens_per_turn:
+                budget = min(budget, settings.max_tokens_per_turn)
+            timing = TurnTiming()
+            sample.turn_timings.append(timing)
+            sample.num_turns = turn + 1
+            out: list[int] = []  # this turn's tokens, across resumed generations
+            while True:
+                if control is not None:
+                    await control.wait()  # closed while the weights change
+                t0 = time.perf_counter()
+                result = await client.generate(sample.tokens, {**settings.sampling_params,
+                                                               "max_new_tokens": budget - len(out)},
+                                               session_id=trajectory_id, rid=f"{trajectory_id}-t{turn}-{len(out)}")
+                timing.generate_s += time.perf_counter() - t0
+                sample.append_generated(result.output_ids, result.logprobs, _version(result.weight_version))
+                seen += renderer.decode(result.output_ids)
+                out += result.output_ids
+                sample.metadata.setdefault("cached_tokens", []).append(result.cached_tokens)
+                sample.metadata.setdefault("turn_prompt_tokens", []).append(result.prompt_tokens)
+                resumable = control is not None and control.partial_rollout and len(out) < budget
+                if result.finish_reason == "abort" and resumable:
+                    sample.metadata["resumed"] = sample.metadata.get("resumed", 0) + 1
+                    continue  # a weight update interrupted it: go on under the new weights
+                break
+            if result.finish_reason == "abort":
+                status = SampleStatus.ABORTED
+                break
+            stops = set(settings.sampling_params.get("stop_token_ids") or []) | {renderer.tokenizer.eos_token_id}
+            content_ids = out[:-1] if result.finish_reason == "stop" and out and out[-1] in stops else out
+            action = Action.build(renderer.decode(content_ids), content_ids, renderer.decode)
+            messages.append({"role": "assistant", "content": str(action)})
+
+            t0 = time.perf_counter()
+            obs, reward, terminated, truncated, info = await env.astep(action)
+            timing.env_s = time.perf_counter() - t0
+            if isinstance(reward, dict):
+                reward_parts = {k: float(v) for k, v in reward.items()}
+                total_reward += float(reward.get("score", 0.0))
+            else:
+                total_reward += float(reward)
+            if terminated:
+                status = SampleStatus.COMPLETED
+                break
+            if truncated or sample.response_length >= settings.max_response_len or turn + 1 == settings.max_turns:
+                break
+            messages += as_messages(obs)
+            extra, rendered = renderer.extension(sample, seen, messages, tools, turn + 1)
+            if sample.response_length + len(extra) >= settings.max_response_len:
+                break  # no room left for the policy to answer: truncated
+            sample.append_observation(extra)
+            seen = rendered
+        sample.status = status
+        sample.reward = {**reward_parts, "score": total_reward} if reward_parts else total_reward
+    except TemplateDriftError:
+        raise  # a configuration bug, not a per-trajectory accident: stop the run loudly
+    except Exception as exc:  # infrastructure or env failure: masked, counted, run goes on
+        sample.status = SampleStatus.FAILED
+        sample.reward = 0.0
+        sample.metadata["error"] = f"{type(exc).__name__}: {exc}"
+        sample.metadata["traceback"] = traceback.format_exc()
+    finally:
+        try:
+            await env.aclose()
+        except Exception as exc:
+            sample.metadata["close_error"] = repr(exc)
+    sample.messages = messages
+    if sample.prompt_tokens:
+        sample.validate()
+    return sample
+
+
+def _version(weight_version: str) -> int:
+    try:
+        return int(weight_version)
+    except ValueError:
+        return 0

@@ -1,0 +1,168 @@
+"""Client of SGLang's native HTTP protocol (served by SGLang, the embedded engine, or
+sglang-router in front of either). Token ids in, token ids + logprobs out.
+
+Session affinity: `generate(..., session_id=trajectory_id)` sends the id as the routing
+key (`X-SMG-Routing-Key`, read by sglang-router's `manual` policy), so every turn of a
+trajectory lands on one engine and finds its prefix in that engine's cache.
+
+Failures: a /generate that fails on the way (connection refused or reset, timeout, HTTP
+5xx, e.g. the router's answer when the engine behind it died) is sent again, with
+exponential backoff, up to `retries` more times (a timeout only once more); the router meanwhile drops the dead
+engine and maps the trajectory to a surviving one. 4xx answers are not retried. A retried
+request is the same request: its trajectory is continued once, never duplicated.
+
+Each completed /generate is recorded in a TurnLog (which engine served it, prompt and
+cached tokens) for the router_affinity and prefix_cache_hit_rate metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+from multidict import CIMultiDict  # noqa: F401  (the type of reply headers)
+
+from agentrl.errors import EngineError
+from agentrl.rollout.affinity import TURN_LOG, Turn, TurnLog
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+ENGINE_HEADER = "X-Agentrl-Engine"
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]  # [num_new_tokens]
+    logprobs: list[float]  # [num_new_tokens]
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str
+    engine_id: str | None = None  # which engine served it (None: the engine did not say)
+
+
+class EngineClient:
+    """One aiohttp session to one base URL (an engine or a router)."""
+
+    def __init__(self, base_url: str, *, request_timeout_s: float = 600.0, max_connections: int = 1024,
+                 retries: int = 6, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
+                 turn_log: TurnLog | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.request_timeout_s = request_timeout_s
+        self.retries = retries
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.turn_log = TURN_LOG if turn_log is None else turn_log
+        self.retried = 0  # requests sent again after a failure (all calls of this client)
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._kind: str | None = None
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _delay(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
+
+    async def _post(self, path: str, payload: dict, headers: dict | None = None,
+                    retries: int | None = None) -> tuple[dict | str | None, "CIMultiDict"]:
+        """(body, response headers)."""
+        retries = self.retries if retries is None else retries
+        last: Exception | None = None
+        timeouts = 0
+        for attempt in range(retries + 1):
+            if attempt:
+                self.retried += 1
+            try:
+                async with self.session.post(self.base_url + path, json=payload, headers=headers) as resp:
+                    if resp.status >= 500 and attempt < retries:
+                        last = EngineError(f"POST {self.base_url}{path}: HTTP {resp.status} {(await resp.text())[:300]}")
+                        await asyncio.sleep(self._delay(attempt))
+                        continue
+                    if resp.status != 200:
+                        raise EngineError(f"POST {self.base_url}{path}: HTTP {resp.status}: {(await resp.text())[:500]}")
+                    # headers stay case-insensitive: sglang-router (hyper) sends them lower-cased
+                    if resp.content_type == "application/json":
+                        return await resp.json(), resp.headers.copy()
+                    return await resp.text(), resp.headers.copy()
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+                last = exc
+                if isinstance(exc, asyncio.TimeoutError):
+                    timeouts += 1
+                    if timeouts > 1:  # a request that timed out twice is not tried a third time
+                        break
+                if attempt < retries:
+                    await asyncio.sleep(self._delay(attempt))
+        raise EngineError(f"POST {self.base_url}{path} failed after {attempt + 1} tries: {last!r}")
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, *, session_id: str | None = None,
+                       rid: str | None = None) -> GenerateResult:
+        payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
+        if rid:
+            payload["rid"] = rid
+        headers = {ROUTING_KEY_HEADER: session_id} if session_id else None
+        body, resp_headers = await self._post("/generate", payload, headers)
+        try:
+            meta = body["meta_info"]
+            pairs = meta["output_token_logprobs"]
+            output_ids = [int(p[1]) for p in pairs]
+            if body.get("output_ids") is not None and list(body["output_ids"]) != output_ids:
+                raise EngineError("engine reply: output_ids and output_token_logprobs disagree")
+            finish = meta["finish_reason"]
+            result = GenerateResult(
+                output_ids=output_ids,
+                logprobs=[float(p[0]) for p in pairs],
+                finish_reason=finish["type"] if isinstance(finish, dict) else str(finish),
+                prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
+                cached_tokens=int(meta.get("cached_tokens") or 0),
+                weight_version=str(meta.get("weight_version", "0")),
+                engine_id=resp_headers.get(ENGINE_HEADER) or meta.get("engine_id"),
+            )
+        except (KeyError, TypeError, IndexError) as exc:
+            raise EngineError(f"malformed /generate reply from {self.base_url}: {exc!r}: {str(body)[:300]}") from exc
+        if session_id:
+            self.turn_log.record(session_id, Turn(result.engine_id, result.prompt_tokens, result.cached_tokens))
+        return result
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        try:
+            async with self.session.get(self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def get(self, path: str) -> dict | str | None:
+        async with self.session.get(self.base_url + path) as r:
+            if r.status != 200:
+                raise EngineError(f"GET {self.base_url}{path}: HTTP {r.status}: {(await r.text())[:300]}")
+            return await r.json() if r.content_type == "application/json" else await r.text()
+
+    async def kind(self) -> str:
+        """"embedded" (agentrl's engine) or "sglang", from /model_info (cached)."""
+        if self._kind is None:
+            info = await self.get("/model_info")
+            self._kind = "embedded" if isinstance(info, dict) and info.get("engine") == "agentrl-embedded" \
+                else "sglang"
+        return self._kind
+
+    async def post(self, path: str, payload: dict, *, retries: int | None = None) -> dict | str | None:
+        """Any other protocol call: /flush_cache, /abort_request, /update_weights_from_*, ...
+        (control calls retry less by default: 2 more tries)."""
+        body, _ = await self._post(path, payload, retries=2 if retries is None else retries)
+        return body

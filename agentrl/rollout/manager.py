@@ -1,0 +1,70 @@
+"""Runs groups (one prompt x n samples) as concurrent trajectories and returns Samples."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any, Awaitable, Callable
+
+from agentrl.env import Env
+from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory
+from agentrl.rollout.client import EngineClient
+from agentrl.rollout.control import RolloutControl
+from agentrl.types import Sample, SampleStatus
+
+
+def group_seed(run_seed: int, group_id: int) -> int:
+    """Every member of a group resets its env with the same seed: the same starting state."""
+    digest = hashlib.sha256(f"{run_seed}:{group_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+class GroupRunner:
+    """Plays the n trajectories of one group concurrently (bounded across all groups).
+
+    `make_env(task_env_name)` builds a fresh env per trajectory and says its name;
+    `settings_for(env)` gives the loop settings (the env may set max_turns); `reward_fn`,
+    if given, replaces the env's reward of every trajectory that did not fail."""
+
+    def __init__(self, *, make_env: Callable[[str | None], tuple[Env, str]], n_samples: int, renderer: Renderer,
+                 client: EngineClient, settings_for: Callable[[Env], LoopSettings], run_seed: int,
+                 max_concurrency: int, reward_fn: Callable[[Sample], Awaitable] | None = None,
+                 control: RolloutControl | None = None, on_done: Callable[[Sample], None] | None = None):
+        self.make_env, self.n_samples, self.renderer, self.client = make_env, n_samples, renderer, client
+        self.settings_for, self.run_seed, self.reward_fn = settings_for, run_seed, reward_fn
+        self.control, self.on_done = control, on_done
+        self.slots = asyncio.Semaphore(max_concurrency)
+
+    async def run_group(self, task: dict[str, Any], group_id: int, attempt: int = 0) -> list[Sample]:
+        return list(await asyncio.gather(*[self._one(task, group_id, k, attempt) for k in range(self.n_samples)]))
+
+    async def _one(self, task: dict, group_id: int, k: int, attempt: int) -> Sample:
+        async with self.slots:
+            traj_id = f"g{group_id}-s{k}" + (f"-a{attempt}" if attempt else "")
+            try:
+                env, env_name = self.make_env(task.get("env"))
+            except Exception as exc:  # an env that cannot be built fails its trajectory, visibly
+                sample = Sample(prompt_tokens=[], trajectory_id=traj_id, group_id=group_id,
+                                status=SampleStatus.FAILED, metadata={"error": f"building env: {exc!r}"})
+            else:
+                sample = await run_trajectory(env, task, renderer=self.renderer, client=self.client,
+                                              settings=self.settings_for(env), trajectory_id=traj_id,
+                                              group_id=group_id, seed=group_seed(self.run_seed, group_id),
+                                              env_name=env_name, control=self.control)
+                if self.reward_fn is not None and sample.status != SampleStatus.FAILED:
+                    try:
+                        sample.metadata["env_reward"] = sample.reward
+                        sample.reward = await self.reward_fn(sample)
+                    except Exception as exc:  # a broken reward function fails the trajectory, visibly
+                        sample.status = SampleStatus.FAILED
+                        sample.metadata["error"] = f"custom reward function: {exc!r}"
+            if self.on_done is not None:
+                self.on_done(sample)
+            return sample
+
+
+async def generate_rollout(tasks: list[dict[str, Any]], *, rollout_id: int = 0, **runner_kwargs) -> list[Sample]:
+    """One batch: every task as a group, all concurrently (tests and benchmarks use this)."""
+    runner = GroupRunner(**runner_kwargs)
+    groups = await asyncio.gather(*[runner.run_group(t, rollout_id * len(tasks) + g) for g, t in enumerate(tasks)])
+    return [s for group in groups for s in group]

@@ -1,0 +1,523 @@
+"""The RL loop, top to bottom. Per iteration: take prompts -> multi-turn rollouts through the
+engine over HTTP -> rewards -> advantages -> policy update -> weight sync -> next.
+
+This is the synchronous loop of the embedded default: one engine process, the plain
+PyTorch trainer, rollout and training taking turns. What it leaves out for now: async
+overlap and partial rollouts, Ray placement, SGLang engines and Megatron (see the open
+issues). On one GPU the same command runs with `--model /path/to/hf --device cuda`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import inspect
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agentrl.config import Config
+from agentrl.data import PromptSource, read_rows
+from agentrl.engines.group import EngineGroup, start_engines
+from agentrl.rollout.affinity import affinity_metrics
+from agentrl.errors import ConfigError
+from agentrl.metrics import RunLog
+from agentrl.plugins import load_function
+from agentrl.models import build_tiny_model, check_model_dir, load_tokenizer, tiny_model_dir
+from agentrl.progress import Progress
+from agentrl.registry import get_spec, import_env_module, make
+from agentrl.rollout.agent_loop import LoopSettings, Renderer
+from agentrl.rollout.client import EngineClient
+from agentrl.rollout.control import RolloutControl
+from agentrl.rollout.manager import GroupRunner
+from agentrl.rollout.producer import RolloutProducer, nonzero_std_filter
+from agentrl.types import Sample, SampleStatus
+from agentrl.orchestration import RemoteTrainer, start_ray, stop_ray
+
+
+log = logging.getLogger("agentrl.train")
+
+
+def train(cfg: Config) -> Path:
+    out = Path(cfg.run.output_dir or f"runs/{cfg.run.env}-{datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.dump(out / "config.yaml")
+    progress = Progress(enabled=cfg.run.progress)
+    seed_everything(cfg.run.seed)
+
+    env_cls = build_env_lookup(cfg)
+    tool_kwargs(cfg, env_cls, pool=None)  # a flag the env cannot take fails now, not per trajectory
+    source = build_prompt_source(cfg, env_cls)
+    reward_fn = build_reward_fn(cfg)
+    replay = load_debug_rollouts(cfg.run.load_debug_rollout_data) if cfg.run.debug_train_only else None
+    eval_sets = load_eval_sets(cfg)
+    model_path = resolve_model(cfg, progress)
+    device = "cuda" if cfg.model.device == "auto" and torch.cuda.is_available() else cfg.model.device.replace("auto", "cpu")
+
+    state = RunState()
+    if cfg.run.load:
+        ckpt = latest_checkpoint(Path(cfg.run.load))
+        state = RunState.read(ckpt)
+        source.load_state_dict(state.data)
+        model_path = ckpt / "model"
+        progress.note(f"resumed from {ckpt}: iteration {state.rollout_id}, data position {state.data}, "
+                      f"{len(state.pending_tasks)} launched tasks to re-run")
+    tokenizer = load_tokenizer(model_path)
+    save_dir = Path(cfg.run.save or out / "checkpoints")
+
+    start_ray(cfg)
+    engines, runlog = None, None
+    try:
+        trainer = None if cfg.run.debug_rollout_only else RemoteTrainer(cfg, model_path, device)
+        if trainer is not None and cfg.run.load:
+            trainer.load(latest_checkpoint(Path(cfg.run.load)))
+        if replay is None:
+            engines = start_engines(cfg.rollout, model_path=str(model_path), device=device, seed=cfg.run.seed,
+                                    log_dir=out / "logs", sglang_args=cfg.sglang_args, router_args=cfg.router_args,
+                                    dtype=cfg.model.dtype)
+        runlog = RunLog(out, tokenizer=tokenizer)
+        asyncio.run(_loop(cfg, trainer, tokenizer, source, engines, runlog, progress, state, save_dir, reward_fn,
+                          replay, eval_sets))
+    finally:
+        if engines is not None:
+            engines.stop()
+        if runlog is not None:
+            runlog.close()
+        progress.close()
+        stop_ray()
+    plot = runlog.plot()
+    progress.note(f"run folder: {out} (metrics.jsonl, tensorboard/, trajectories/, {plot.name}); checkpoints: {save_dir}")
+    return out
+
+
+async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: EngineGroup | None, runlog: RunLog,
+                progress: Progress, state: "RunState", save_dir: Path, reward_fn, replay, eval_sets) -> None:
+    r = cfg.rollout
+    control = RolloutControl()
+    control.partial_rollout = r.partial_rollout
+    pool = await start_sandbox_pool(cfg)
+    async with contextlib.AsyncExitStack() as stack:
+        if pool is not None:
+            stack.push_async_callback(pool.close)
+        producer, engine_clients = None, []
+        if engines is not None:
+            client = await stack.enter_async_context(EngineClient(engines.url, request_timeout_s=r.request_timeout_s))
+            engine_clients = [EngineClient(u, request_timeout_s=r.request_timeout_s) for u in engines.engine_urls]
+            for c in engine_clients:
+                stack.push_async_callback(c.close)
+            runner = build_group_runner(cfg, tokenizer, client, pool, reward_fn, control,
+                                        on_done=lambda s: progress.advance_samples())
+            producer = RolloutProducer(
+                source=source, run_group=runner.run_group,
+                over_sampling=r.over_sampling_batch_size or r.rollout_batch_size,
+                group_filter=build_group_filter(cfg), max_group_retries=r.max_group_retries,
+                keep_generating=r.async_rollout, first_group_id=state.next_group_id, pending=state.pending_tasks)
+            stack.push_async_callback(producer.aclose)
+            evaluator = None
+            if eval_sets:
+                e = cfg.eval
+                evaluator = build_group_runner(cfg, tokenizer, client, pool, reward_fn, control, on_done=None,
+                                               n_samples=e.n_samples_per_eval_prompt, temperature=e.eval_temperature,
+                                               max_response_len=e.eval_max_response_len)
+            if state.rollout_id > 0 and trainer is not None:  # engines loaded the checkpoint: name its version
+                await update_engines(cfg, control, engines, trainer, state.policy_version)
+
+        progress.start(total=r.num_rollout, completed=state.rollout_id)
+        for rollout_id in range(state.rollout_id, r.num_rollout):
+            t_start = t0 = time.perf_counter()
+            if producer is not None:
+                async with colocated(cfg, trainer, engine_clients):
+                    samples = await producer.next_batch(r.rollout_batch_size)
+            else:
+                samples = replay[rollout_id % len(replay)]
+            t_rollout = time.perf_counter() - t0
+
+            fresh, stale = split_stale(samples, state.policy_version, r.max_staleness)
+            masked = 0
+            if r.mask_offpolicy_in_partial_rollout:
+                masked = sum(s.mask_older_than(max(s.policy_versions, default=0)) for s in fresh)
+            train_metrics, t_train, sync = {}, 0.0, {}
+            if trainer is not None:
+                t0 = time.perf_counter()
+                # The trainer actor works while the event loop keeps driving rollouts (--async).
+                train_metrics = await trainer.train_rollout(fresh)
+                t_train = time.perf_counter() - t0
+                state.policy_version += 1
+                if engines is not None:
+                    sync = await update_engines(cfg, control, engines, trainer, state.policy_version)
+
+            metrics = (rollout_metrics(rollout_id, samples, t_rollout) | train_metrics | sync
+                       | {"train_s": t_train, "iteration_s": time.perf_counter() - t_start,
+                          "policy_version": state.policy_version, "stale_dropped": len(stale),
+                          "offpolicy_tokens_masked": masked})
+            if producer is not None:
+                metrics |= producer.stats()
+            last = rollout_id + 1 == r.num_rollout
+            interval = cfg.eval.eval_interval
+            if eval_sets and producer is not None and interval and (last or (rollout_id + 1) % interval == 0):
+                metrics |= await evaluate(evaluator, eval_sets)
+            if pool is not None:
+                metrics |= {f"sandbox/{k}": v for k, v in pool.metrics().items() if isinstance(v, (int, float))}
+            runlog.log(metrics)
+            runlog.save_trajectories(rollout_id, samples)
+            state.rollout_id = rollout_id + 1
+            if trainer is not None and (last or (cfg.run.save_interval and (rollout_id + 1) % cfg.run.save_interval == 0)):
+                state.data = source.state_dict()
+                if producer is not None:
+                    state.pending_tasks, state.next_group_id = producer.pending_tasks(), producer.next_id
+                trainer.save(save_dir / f"iter_{rollout_id + 1:06d}", state.to_dict())
+            progress.iteration_done(metrics)
+
+
+@contextlib.asynccontextmanager
+async def colocated(cfg: Config, trainer, clients: list[EngineClient]):
+    """--colocate: during rollout the engines hold the GPU and the trainer sits in host
+    memory; around training, the other way round."""
+    if not cfg.run.colocate or trainer is None:
+        yield
+        return
+    await trainer.offload()
+    await asyncio.gather(*[c.post("/resume_memory_occupation", {}) for c in clients])
+    try:
+        yield
+    finally:
+        await asyncio.gather(*[c.post("/release_memory_occupation", {"tags": ["kv_cache"]}) for c in clients])
+        await trainer.onload()
+
+
+async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGroup, trainer, version: int) -> dict:
+    """New weights into every live engine. The gate keeps agent loops from sending requests
+    and the engines pause in place, so no generation sees half-updated weights. With
+    --partial-rollout in-flight generations are aborted first and resume under the new
+    weights, so every token's policy version is exact; without it a generation paused in
+    place finishes under the new weights and carries the version it finished under (as
+    SGLang reports it). An engine that misses the update leaves the pool until it catches up."""
+    clients = [EngineClient(u, request_timeout_s=cfg.rollout.request_timeout_s) for u in engines.live()]
+    control.pause()
+    try:
+        if cfg.rollout.partial_rollout:
+            await _each(clients, "/abort_request", {"abort_all": True})
+        # SGLang's pause without a mode aborts; "in_place" keeps the requests to finish later.
+        await _each(clients, "/pause_generation", {"mode": "in_place"})
+        try:
+            out = await trainer.sync_weights([c.base_url for c in clients], version)
+        finally:
+            await _each(clients, "/continue_generation", {})
+        for url in out.pop("failed_engines", []):
+            engines.quarantine(url)
+            out["weight_sync_failed"] = out.get("weight_sync_failed", 0) + 1
+        return out
+    finally:
+        control.resume()
+        await asyncio.gather(*[c.close() for c in clients])
+
+
+async def _each(clients: list[EngineClient], path: str, payload: dict) -> None:
+    """A control call to every engine; one that is down is the monitor's business, not the loop's."""
+    results = await asyncio.gather(*[c.post(path, payload) for c in clients], return_exceptions=True)
+    for c, r in zip(clients, results):
+        if isinstance(r, Exception):
+            log.warning("%s %s failed: %r", c.base_url, path, r)
+
+
+def evaluate_checkpoint(cfg: Config, *, limit: int | None = None) -> dict[str, float]:
+    """`agentrl eval`: the model of --model (or --load) on the eval sets, with the same engines
+    as training and no trainer; prints a summary table and writes eval.json in the run folder.
+    Without --eval-prompt-data it evaluates --prompt-data (as "data") or the env's own tasks."""
+    out = Path(cfg.run.output_dir or f"runs/eval-{cfg.run.env}-{datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    progress = Progress(enabled=cfg.run.progress)
+    env_cls = build_env_lookup(cfg)
+    eval_sets = load_eval_sets(cfg)
+    if not eval_sets:
+        source = build_prompt_source(cfg, env_cls)
+        n = limit or (len(source.tasks) if source.tasks is not None else 32)
+        eval_sets = [("data" if cfg.data.prompt_data else cfg.run.env, source.next_batch(n))]
+    model_path = latest_checkpoint(Path(cfg.run.load)) / "model" if cfg.run.load else resolve_model(cfg, progress)
+    device = "cuda" if cfg.model.device == "auto" and torch.cuda.is_available() else cfg.model.device.replace("auto", "cpu")
+    tokenizer = load_tokenizer(model_path)
+    engines = start_engines(cfg.rollout, model_path=str(model_path), device=device, seed=cfg.run.seed,
+                            log_dir=out / "logs", sglang_args=cfg.sglang_args, router_args=cfg.router_args,
+                            dtype=cfg.model.dtype)
+
+    async def run() -> dict[str, float]:
+        pool = await start_sandbox_pool(cfg)
+        try:
+            async with EngineClient(engines.url, request_timeout_s=cfg.rollout.request_timeout_s) as client:
+                e = cfg.eval
+                runner = build_group_runner(cfg, tokenizer, client, pool, build_reward_fn(cfg), RolloutControl(),
+                                            on_done=None, n_samples=e.n_samples_per_eval_prompt,
+                                            temperature=e.eval_temperature, max_response_len=e.eval_max_response_len)
+                return await evaluate(runner, eval_sets)
+        finally:
+            if pool is not None:
+                await pool.close()
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        engines.stop()
+        progress.close()
+    (out / "eval.json").write_text(json.dumps({"model": str(model_path), **results}, indent=1) + "\n")
+    width = max(len(k) for k in results)
+    print(f"{'metric':<{width}}  value\n" + "\n".join(f"{k:<{width}}  {v:.4f}" for k, v in results.items()))
+    progress.note(f"model {model_path}; results in {out / 'eval.json'}")
+    return results
+
+
+EVAL_GROUP_BASE = 10**9  # eval groups get their own ids (and env seeds), the same at every evaluation
+
+
+async def evaluate(runner: GroupRunner, eval_sets: list[tuple[str, list[dict]]]) -> dict[str, float]:
+    """eval/<name>/reward_mean, response_len_mean and, with several samples per prompt,
+    pass@k (a sample passes when its reward is at least 1, as the envs' binary rewards)."""
+    out: dict[str, float] = {}
+    for name, tasks in eval_sets:
+        groups = await asyncio.gather(*[runner.run_group(t, EVAL_GROUP_BASE + i) for i, t in enumerate(tasks)])
+        done = [s for g in groups for s in g if s.status != SampleStatus.FAILED]
+        out[f"eval/{name}/reward_mean"] = float(np.mean([s.reward_value for s in done])) if done else 0.0
+        out[f"eval/{name}/response_len_mean"] = float(np.mean([s.response_length for s in done])) if done else 0.0
+        out[f"eval/{name}/failed"] = sum(len(g) for g in groups) - len(done)
+        k = runner.n_samples
+        if k > 1:
+            out[f"eval/{name}/pass@{k}"] = float(np.mean([any(s.reward_value >= 1.0 for s in g) for g in groups]))
+    return out
+
+
+def split_stale(samples: list[Sample], policy_version: int, max_staleness: int | None):
+    """(fresh, stale): a sample whose oldest policy token is more than K versions behind is not trained on."""
+    if max_staleness is None:
+        return samples, []
+    fresh, stale = [], []
+    for s in samples:
+        old = s.oldest_policy_version
+        (stale if old >= 0 and policy_version - old > max_staleness else fresh).append(s)
+    return fresh, stale
+
+
+@dataclass
+class RunState:
+    """What a checkpoint restores besides weights and optimizer: where the run was."""
+
+    rollout_id: int = 0  # the next iteration
+    policy_version: int = 0  # weight syncs so far; tokens record the version that sampled them
+    data: dict = field(default_factory=dict)  # PromptSource position
+    pending_tasks: list = field(default_factory=list)  # launched, not yet trained: re-run on resume
+    next_group_id: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def read(cls, ckpt: Path) -> "RunState":
+        raw = json.loads((ckpt / "trainer_state.json").read_text())
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+
+
+def rollout_metrics(rollout_id: int, samples: list[Sample], seconds: float) -> dict:
+    ok = [s for s in samples if s.status != SampleStatus.FAILED]
+    generated = sum(s.num_trained_tokens for s in samples)
+    rewards = [s.reward_value for s in ok] or [0.0]
+    status = {f"status_{st.value}": sum(s.status == st for s in samples) for st in SampleStatus}
+    gen_s = [t.generate_s for s in samples for t in s.turn_timings]
+    env_s = [t.env_s for s in samples for t in s.turn_timings]
+    return {
+        "rollout_id": rollout_id,
+        "reward_mean": float(np.mean(rewards)),
+        "reward_std": float(np.std(rewards)),
+        "response_len_mean": float(np.mean([s.response_length for s in ok])) if ok else 0.0,
+        "turns_mean": float(np.mean([s.num_turns for s in ok])) if ok else 0.0,
+        "num_samples": len(samples),
+        **status,
+        "rollout_s": seconds,
+        "generate_s_mean": float(np.mean(gen_s)) if gen_s else 0.0,
+        "env_s_mean": float(np.mean(env_s)) if env_s else 0.0,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+        **affinity_metrics(samples),  # router_affinity, prefix_cache_hit_rate (from the engines' replies)
+    }
+
+
+# -- setup steps -------------------------------------------------------------------------------
+def build_trainer(cfg: Config, model_path: Path, device: str):
+    if cfg.train.trainer == "megatron":
+        from agentrl.trainers.megatron import MegatronTrainer
+
+        return MegatronTrainer(str(model_path), train=cfg.train, algo=cfg.algo,
+                               temperature=cfg.rollout.rollout_temperature, device=device, dtype=cfg.model.dtype,
+                               megatron_args=cfg.megatron_args, seed=cfg.run.seed)
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+    return TorchTrainer(str(model_path), train=cfg.train, algo=cfg.algo, temperature=cfg.rollout.rollout_temperature,
+                        device=device, dtype=cfg.model.dtype)
+
+
+def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, reward_fn, control: RolloutControl,
+                       on_done, *, n_samples: int | None = None, temperature: float | None = None,
+                       max_response_len: int | None = None) -> GroupRunner:
+    """Trajectories of groups; the keyword overrides serve evaluation."""
+    r = cfg.rollout
+    sampling = {"temperature": r.rollout_temperature if temperature is None else temperature,
+                "top_p": r.rollout_top_p, "top_k": r.rollout_top_k}
+
+    def settings_for(env) -> LoopSettings:
+        params = {**sampling, "stop": list(env.stop)} if getattr(env, "stop", None) else sampling
+        return LoopSettings(max_response_len=max_response_len or r.rollout_max_response_len,
+                            max_turns=r.max_turns or env.max_turns,
+                            sampling_params=params, apply_chat_template=cfg.data.apply_chat_template,
+                            max_tokens_per_turn=r.rollout_max_tokens_per_turn)
+
+    def make_env(name: str | None):
+        name = name or cfg.run.env
+        kwargs = dict(cfg.run.env_kwargs) if name == cfg.run.env else {}
+        return make(name, **kwargs, **tool_kwargs(cfg, get_spec(name).load(), pool)), name
+
+    return GroupRunner(make_env=make_env, n_samples=n_samples or r.n_samples_per_prompt,
+                       renderer=Renderer(tokenizer, cfg.data.apply_chat_template), client=client,
+                       settings_for=settings_for, run_seed=cfg.run.seed, max_concurrency=r.max_concurrency,
+                       reward_fn=reward_fn, control=control, on_done=on_done)
+
+
+def build_group_filter(cfg: Config):
+    """--dynamic-sampling-filter-path: "nonzero_std" or a user fn(args, samples) -> bool | (bool, reason)."""
+    path = cfg.rollout.dynamic_sampling_filter_path
+    if path is None:
+        return None
+    if path == "nonzero_std":
+        return nonzero_std_filter
+    fn = load_function(path, flag="--dynamic-sampling-filter-path")
+
+    def group_filter(samples):
+        out = fn(cfg, samples)
+        if isinstance(out, tuple):
+            return bool(out[0]), str(out[1])
+        if hasattr(out, "keep"):
+            return bool(out.keep), str(getattr(out, "reason", None) or "filtered")
+        return bool(out), "filtered"
+
+    return group_filter
+
+
+def load_eval_sets(cfg: Config) -> list[tuple[str, list[dict]]]:
+    """--eval-prompt-data NAME PATH ...: read (and so check) every eval set before any work."""
+    d, pairs = cfg.data, cfg.eval.eval_prompt_data
+    sets = []
+    for name, path in zip(pairs[::2], pairs[1::2]):
+        tasks = read_rows(path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key)
+        for task in tasks:
+            if task.get("env"):
+                get_spec(task["env"])
+        sets.append((name, tasks))
+    return sets
+
+
+def load_debug_rollouts(path: str) -> list[list[Sample]]:
+    """Saved rollouts of a run (its trajectories/rollout_*.jsonl), one list per iteration."""
+    folder = Path(path)
+    folder = folder / "trajectories" if (folder / "trajectories").is_dir() else folder
+    files = sorted(folder.glob("rollout_*.jsonl"))
+    if not files:
+        raise ConfigError(f"--load-debug-rollout-data {path}: no trajectories/rollout_*.jsonl in it")
+    out = []
+    for f in files:
+        rows = []
+        for lineno, line in enumerate(f.read_text().splitlines(), 1):
+            try:
+                rows.append(Sample.from_dict(json.loads(line)))
+            except Exception as exc:
+                raise ConfigError(f"{f}:{lineno}: not a saved Sample: {exc}") from exc
+        out.append(rows)
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_env_lookup(cfg: Config):
+    for module in cfg.run.env_module:
+        import_env_module(module)
+    spec = get_spec(cfg.run.env)  # unknown name: the error lists the known ones
+    return spec.load()
+
+
+def build_prompt_source(cfg: Config, env_cls) -> PromptSource:
+    d = cfg.data
+    if d.prompt_data:
+        tasks = read_rows(d.prompt_data, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key)
+        for task in tasks:  # rows naming their env must name a known one, before any work starts
+            if task.get("env"):
+                get_spec(task["env"])
+        return PromptSource(tasks, shuffle=d.rollout_shuffle, seed=cfg.run.seed)
+    dataset = getattr(env_cls, "dataset", None)
+    if dataset is None or dataset(**cfg.run.env_kwargs) is None:
+        raise ConfigError(f"env {cfg.run.env!r} has no built-in dataset: give --prompt-data FILE.jsonl")
+    return PromptSource(generator=lambda: dataset(seed=cfg.run.seed, **cfg.run.env_kwargs), seed=cfg.run.seed)
+
+
+def tool_kwargs(cfg: Config, env_factory, pool) -> dict:
+    """--mcp-server and the run's sandbox pool, for envs whose constructor takes them."""
+    params = inspect.signature(env_factory).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    out = {}
+    if cfg.run.mcp_server:
+        if "mcp_servers" not in params and not takes_any:
+            raise ConfigError(f"--mcp-server: env {cfg.run.env!r} takes no MCP servers (subclass agentrl.tools.ToolEnv)")
+        out["mcp_servers"] = list(cfg.run.mcp_server)
+    if pool is not None and ("sandbox" in params or takes_any):
+        out["sandbox"] = pool
+    return out
+
+
+async def start_sandbox_pool(cfg: Config):
+    """One warm, bounded pool of sandboxes for the run's tool servers (--sandbox)."""
+    if cfg.run.sandbox is None:
+        return None
+    from agentrl.sandboxes import SandboxPool
+    from agentrl.tools.spec import tool_sandbox_options
+
+    mounts, env = await asyncio.to_thread(tool_sandbox_options)
+    pool = SandboxPool(cfg.run.sandbox, warm=min(4, cfg.run.sandbox_max_active), max_active=cfg.run.sandbox_max_active,
+                       mounts=mounts, env=env)
+    return await pool.start()
+
+
+def build_reward_fn(cfg: Config):
+    """--custom-rm-path: slime's `async def rm(args, sample)` (a sync function works too)."""
+    if not cfg.algo.custom_rm_path:
+        return None
+    rm = load_function(cfg.algo.custom_rm_path, flag="--custom-rm-path")
+
+    async def reward_fn(sample):
+        out = rm(cfg, sample)
+        return await out if inspect.isawaitable(out) else out
+
+    return reward_fn
+
+
+def resolve_model(cfg: Config, progress: Progress) -> Path:
+    if cfg.model.model:
+        return check_model_dir(cfg.model.model)
+    fresh = not (tiny_model_dir() / "config.json").exists()
+    path = build_tiny_model()
+    progress.note(f"no --model given: using the built-in tiny model (Qwen2 architecture, random init from a fixed "
+                  f"seed, tokenizer trained offline; nothing downloaded) {'built at' if fresh else 'from'} {path}")
+    return path
+
+
+def latest_checkpoint(folder: Path) -> Path:
+    if (folder / "trainer_state.json").exists():
+        return folder
+    found = sorted(folder.glob("iter_*/trainer_state.json"))
+    if not found:
+        raise ConfigError(f"--load {folder}: no checkpoint (iter_*/trainer_state.json) in it")
+    return found[-1].parent

@@ -1,0 +1,191 @@
+"""Send the trainer's weights to the engines, bucketed, after every training step.
+
+Three paths, the same for SGLang and the embedded engine (they speak one protocol):
+
+- from tensors (`sync_weights_from_tensor`, colocated): POST /update_weights_from_tensor
+  per bucket. The encoding of `serialized_named_tensors` depends on the engine, read from
+  its /model_info: SGLang gets its own `MultiprocessingSerializer` pickle (CUDA IPC
+  handles: the tensors must live on a GPU of the same machine; one copy per TP rank), the
+  embedded engine base64 of torch.save with CPU tensors (see agentrl.engines.embedded).
+- from a process group (`WeightUpdateGroup`, disaggregated): /init_weights_update_group
+  once, then per bucket /update_weights_from_distributed while rank 0 (the trainer)
+  broadcasts each tensor; NCCL for GPU tensors, gloo for CPU ones (the embedded engine).
+- from disk (`sync_weights_from_disk`): the trainer writes an HF checkpoint, every engine
+  loads it with /update_weights_from_disk.
+
+Every path sends to all engines at once and gives the last request `weight_version` and
+`flush_cache` (a prefix cache built under old weights is never reused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Iterable, Iterator
+
+import torch
+
+from agentrl.engines.embedded import encode_named_tensors
+from agentrl.errors import EngineError
+from agentrl.rollout.client import EngineClient
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket, size = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+async def _tp_size(client: EngineClient) -> int:
+    if await client.kind() == "embedded":
+        return 1
+    info = await client.get("/server_info")
+    return int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
+
+
+def sglang_serialize(chunk: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
+    """SGLang's colocated encoding: MultiprocessingSerializer over CUDA tensors, once per TP rank."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError as exc:
+        raise EngineError(f"weights to SGLang from tensors need sglang importable in the trainer ({exc}); "
+                          "use the disk or distributed path") from None
+    try:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()  # CUDA IPC by device UUID, as SGLang's receiver expects
+    except ImportError:
+        pass
+    if any(not t.is_cuda for _, t in chunk):
+        raise EngineError("weights to SGLang from tensors travel as CUDA IPC handles: the trainer's tensors must be "
+                          "on a GPU of this machine (colocated); use the disk or distributed path otherwise")
+    data = MultiprocessingSerializer.serialize([(n, t.detach()) for n, t in chunk], output_str=True)
+    return [data] * tp_size
+
+
+async def _encoder(client: EngineClient) -> tuple[tuple, callable]:
+    """(a key naming the encoding, the encoder): engines sharing a key share one encoding."""
+    if await client.kind() == "embedded":
+        return ("embedded",), lambda chunk: [encode_named_tensors(chunk)]
+    tp = await _tp_size(client)
+    return ("sglang", tp), lambda chunk: sglang_serialize(chunk, tp)
+
+
+async def _all(clients: list[EngineClient], path: str, payloads: list[dict]) -> None:
+    replies = await asyncio.gather(*[c.post(path, p) for c, p in zip(clients, payloads)])
+    for client, reply in zip(clients, replies):
+        if not (isinstance(reply, dict) and reply.get("success")):
+            raise EngineError(f"{path} rejected by {client.base_url}: {reply}")
+
+
+async def sync_weights_from_tensor(clients: list[EngineClient], named: Iterable[tuple[str, torch.Tensor]], *,
+                                   version: int, bucket_bytes: int) -> dict[str, float]:
+    """POST /update_weights_from_tensor per bucket to every engine (each in its own encoding);
+    the last bucket carries the new weight_version and flushes the cache. Returns timing and size."""
+    t0 = time.perf_counter()
+    total = 0
+    encoders = [await _encoder(c) for c in clients]
+    chunks = list(buckets(named, bucket_bytes))
+    for i, chunk in enumerate(chunks):
+        total += sum(t.numel() * t.element_size() for _, t in chunk)
+        last = i == len(chunks) - 1
+        payloads = []
+        encoded: dict[tuple, list[str]] = {}  # each encoding is made once per bucket, whatever the engine count
+        for key, enc in encoders:
+            if key not in encoded:
+                encoded[key] = enc(chunk)
+            payload = {"serialized_named_tensors": encoded[key], "load_format": None, "flush_cache": last}
+            if last:
+                payload["weight_version"] = str(version)
+            payloads.append(payload)
+        await _all(clients, "/update_weights_from_tensor", payloads)
+    seconds = time.perf_counter() - t0
+    return {"weight_sync_s": seconds, "weight_sync_mb": total / 2**20, "weight_sync_buckets": len(chunks)}
+
+
+async def sync_weights_from_disk(clients: list[EngineClient], model_path: str, *, version: int) -> dict[str, float]:
+    """Every engine loads the HF checkpoint at `model_path` (the trainer has written it)."""
+    t0 = time.perf_counter()
+    payload = {"model_path": str(model_path), "weight_version": str(version), "flush_cache": True}
+    await _all(clients, "/update_weights_from_disk", [payload] * len(clients))
+    return {"weight_sync_s": time.perf_counter() - t0}
+
+
+class WeightUpdateGroup:
+    """The trainer as rank 0 of a process group with every engine (SGLang's protocol:
+    engine i's ranks start at rank_offset = 1 + the TP sizes of the engines before it)."""
+
+    def __init__(self, clients: list[EngineClient], *, backend: str | None = None, master_address: str = "127.0.0.1",
+                 master_port: int | None = None, group_name: str = "weight_update_group", timeout_s: float = 300.0):
+        from agentrl.engines.launch import free_port
+
+        self.clients, self.backend, self.group_name = clients, backend, group_name
+        self.master_address, self.master_port = master_address, master_port or free_port()
+        self.timeout_s = timeout_s
+        self.group = None
+
+    async def init(self, device: str = "cpu") -> None:
+        from agentrl.engines.distributed import init_custom_process_group
+
+        self.backend = self.backend or ("nccl" if str(device).startswith("cuda") else "gloo")
+        tps = [await _tp_size(c) for c in self.clients]
+        world = 1 + sum(tps)
+        offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
+        init_method = f"tcp://{self.master_address}:{self.master_port}"
+        local = asyncio.create_task(asyncio.to_thread(
+            init_custom_process_group, backend=self.backend, init_method=init_method, world_size=world, rank=0,
+            group_name=self.group_name, timeout_s=self.timeout_s))
+        payloads = [{"master_address": self.master_address, "master_port": self.master_port, "rank_offset": off,
+                     "world_size": world, "group_name": self.group_name, "backend": self.backend} for off in offsets]
+        try:
+            await _all(self.clients, "/init_weights_update_group", payloads)
+        except BaseException:
+            local.cancel()
+            raise
+        self.group = await local
+
+    async def sync(self, named: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                   bucket_bytes: int) -> dict[str, float]:
+        import torch.distributed as dist
+
+        if self.group is None:
+            raise EngineError("WeightUpdateGroup.sync before init()")
+        t0 = time.perf_counter()
+        total, chunks = 0, list(buckets(named, bucket_bytes))
+        for i, chunk in enumerate(chunks):
+            if self.backend == "gloo":
+                chunk = [(n, t.detach().cpu()) for n, t in chunk]
+            total += sum(t.numel() * t.element_size() for _, t in chunk)
+            last = i == len(chunks) - 1
+            payload = {"names": [n for n, _ in chunk], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in chunk],
+                       "shapes": [list(t.shape) for _, t in chunk], "group_name": self.group_name,
+                       "flush_cache": last}
+            if last:
+                payload["weight_version"] = str(version)
+            posts = asyncio.create_task(_all(self.clients, "/update_weights_from_distributed",
+                                             [payload] * len(self.clients)))
+
+            def send(chunk=chunk):
+                for _, t in chunk:
+                    dist.broadcast(t.detach().contiguous(), src=0, group=self.group)
+
+            await asyncio.to_thread(send)
+            await posts
+        return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_mb": total / 2**20,
+                "weight_sync_buckets": len(chunks)}
+
+    async def close(self) -> None:
+        from agentrl.engines.distributed import destroy
+
+        if self.group is not None:
+            await asyncio.gather(*[c.post("/destroy_weights_update_group", {"group_name": self.group_name})
+                                   for c in self.clients], return_exceptions=True)
+            destroy(self.group)
+            self.group = None

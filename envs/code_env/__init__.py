@@ -1,0 +1,180 @@
+"""code: a sandboxed code agent graded by hidden tests in a fresh sandbox.
+
+A task is a problem statement plus hidden tests. Per trajectory the agent gets a sandbox
+(agentrl.sandboxes, backend "auto": docker when an engine answers, else bubblewrap) with
+the `python`, `bash` and `files` MCP tools running inside it; it works over several turns
+(hermes tool calls) and writes its solution to ``solution.py``; a reply without a tool call
+ends the episode. The grader then copies the solution file(s) -- only those -- into a NEW
+sandbox the agent never touched and runs the hidden tests there (envs/code_env/grader.py);
+reward = share of tests passed, or 1/0 with ``all_or_nothing=True``.
+
+Task files (JSONL), MBPP- or HumanEval-shaped: ``text`` or ``prompt`` (the statement),
+``test_list`` or ``test`` (the hidden tests), ``entry_point``, optional ``test_setup_code``
+/ ``test_imports``. Use one with ``--env-kwargs '{"tasks": "mbpp.jsonl"}'`` (keeps every
+field), or ``--prompt-data mbpp.jsonl --input-key text --label-key test_list``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+from agentrl.envs.code_env.grader import GradeResult, HiddenTests, grade, hidden_tests
+from agentrl.registry import register_env
+from agentrl.tools.env import ToolEnv
+
+DATA_DIR = Path(__file__).with_name("data")
+DEFAULT_TASKS = DATA_DIR / "tasks.jsonl"
+
+SYSTEM_PROMPT = (
+    "You are a careful Python programmer working in a sandbox. Tools: `python` (a persistent interpreter), "
+    "`bash` (shell commands in the working directory), and `read_file` / `write_file` / `edit_file` / "
+    "`list_files`. Write your solution to the file {solution_file} in the working directory, test it with the "
+    "tools, and when you are done reply with a short final message without any tool call. Your file is then "
+    "graded by hidden tests in a fresh environment."
+)
+CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+
+
+def normalize_task(row: dict[str, Any]) -> dict[str, Any]:
+    """An MBPP/HumanEval-shaped row -> an agentrl task {prompt, label, metadata}."""
+    statement = row.get("text") or row.get("prompt") or row.get("question")
+    if not statement:
+        raise ValueError(f"code task {row.get('task_id', '?')}: no statement (text / prompt)")
+    tests = row.get("test_list") or row.get("tests") or row.get("test")
+    if not tests:
+        raise ValueError(f"code task {row.get('task_id', '?')}: no tests (test_list / test)")
+    meta = {k: row[k] for k in ("task_id", "entry_point", "test_setup_code", "test_imports") if row.get(k)}
+    if "entry_point" not in meta and isinstance(row.get("prompt"), str):
+        from agentrl.envs.code_env.grader import entry_point_from_prompt
+
+        entry = entry_point_from_prompt(row["prompt"])
+        if entry:
+            meta["entry_point"] = entry
+    hidden_tests(tests, meta, statement)  # fail early on a task the grader could not run
+    return {"prompt": statement, "label": tests, "metadata": meta}
+
+
+def read_tasks(path: str | Path) -> list[dict[str, Any]]:
+    tasks = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                tasks.append(normalize_task(json.loads(line)))
+            except (ValueError, KeyError) as exc:
+                raise ValueError(f"{path}:{lineno}: {exc}") from None
+    if not tasks:
+        raise ValueError(f"{path}: no tasks")
+    return tasks
+
+
+@register_env("code")
+class CodeEnv(ToolEnv):
+    """Sandboxed code agent: python/bash/files tools in a sandbox; hidden tests run in a fresh sandbox.
+
+    kwargs: ``tasks`` (JSONL of MBPP/HumanEval-shaped tasks; default the 20 built-in ones),
+    ``sandbox`` ("auto" | "docker" | "local"; where the agent works), ``grader_sandbox``
+    (where the tests run; default: same backend as ``sandbox``), ``all_or_nothing`` (False:
+    reward = share of tests passed), ``solution_files`` (["solution.py"]: what is copied to the
+    grader; the first is the module the tests load), ``answer_in_message`` (True: with no
+    solution file, the last ```python block of the final message is graded), ``show_example``
+    (True: show the first test as an example), ``max_turns`` (8), ``test_timeout`` (s per test)."""
+
+    description = "Sandboxed code agent (python/bash/files tools); hidden tests run in a fresh sandbox."
+    builtin_tools = ("python", "bash", "files")
+    sandbox = "auto"
+    sandbox_limits = {"memory_mb": 1024, "cpus": 1.0}
+    max_turns = 8
+    tool_timeout = 60.0
+    max_tool_output = 4000
+    default_config = {"rollout_max_response_len": 2048, "rollout_max_tokens_per_turn": 512}
+
+    def __init__(self, tasks: str | None = None, sandbox: str = "auto", grader_sandbox: str | None = "same",
+                 all_or_nothing: bool = False, solution_files: list[str] | tuple[str, ...] = ("solution.py",),
+                 answer_in_message: bool = True, show_example: bool = True, max_turns: int | None = None,
+                 test_timeout: int = 10, system_prompt: str | None = None, **tool_env_kwargs):
+        super().__init__(system_prompt=system_prompt, **tool_env_kwargs)
+        self.sandbox = sandbox
+        self.grader_sandbox = sandbox if grader_sandbox == "same" else grader_sandbox
+        self.all_or_nothing = all_or_nothing
+        self.solution_files = [str(f) for f in solution_files]
+        for f in self.solution_files:
+            if f.startswith("/") or ".." in Path(f).parts or not f.endswith(".py"):
+                raise ValueError(f"code: solution file {f!r} must be a relative .py path inside the workdir")
+        self.answer_in_message = answer_in_message
+        self.show_example = show_example
+        if max_turns is not None:
+            self.max_turns = int(max_turns)
+        self.test_timeout = int(test_timeout)
+        if system_prompt is None:
+            self.system_prompt = SYSTEM_PROMPT.format(solution_file=self.solution_files[0])
+        self.spec: HiddenTests | None = None
+        self.tool_calls = 0
+
+    @classmethod
+    def dataset(cls, seed: int = 0, tasks: str | None = None, **_) -> Iterator[dict]:
+        rows = read_tasks(tasks or DEFAULT_TASKS)
+        epoch = 0
+        while True:
+            order = list(range(len(rows)))
+            random.Random(f"{seed}-{epoch}").shuffle(order)
+            for i in order:
+                yield rows[i]
+            epoch += 1
+
+    # -- episode ---------------------------------------------------------------------------------
+    async def setup(self, task):
+        self.spec = hidden_tests(task.get("label"), task.get("metadata"), task.get("prompt"))
+        self.tool_calls = 0
+
+    def initial_messages(self, task):
+        prompt = task.get("prompt", "")
+        if isinstance(prompt, str):
+            parts = [prompt.strip()]
+            entry = self.spec.entry_point if self.spec else None
+            if entry:
+                parts.append(f"Define `{entry}` in {self.solution_files[0]}.")
+            if self.show_example and self.spec and self.spec.tests and not self.spec.tests[0].startswith("check("):
+                parts.append(f"For example, this must hold:\n```python\n{self.spec.tests[0]}\n```")
+            task = {**task, "prompt": "\n\n".join(parts)}
+        return super().initial_messages(task)
+
+    async def astep(self, action):
+        obs, reward, terminated, truncated, info = await super().astep(action)
+        self.tool_calls += info.get("tool_calls", 0)
+        return obs, reward, terminated, truncated, info
+
+    async def collect_solution(self, action: str) -> tuple[dict[str, str], str]:
+        """The solution files from the agent's sandbox ({path: text}) and where they came from."""
+        files: dict[str, str] = {}
+        for path in self.solution_files:
+            try:
+                data = await self.read_file(path)
+            except (OSError, ValueError):  # missing, a directory, or too large: not a solution
+                continue
+            files[path] = data.decode("utf-8", errors="replace")
+        if self.solution_files[0] in files:
+            return files, "file"
+        if self.answer_in_message:
+            blocks = CODE_BLOCK_RE.findall(str(action))
+            if blocks:
+                return {**files, self.solution_files[0]: blocks[-1]}, "message"
+        return {}, "none"
+
+    async def final_answer(self, action):
+        files, source = await self.collect_solution(str(action))
+        info: dict[str, Any] = {"tool_calls": self.tool_calls, "solution_from": source}
+        if not files:
+            info["error"] = f"no {self.solution_files[0]} written and no ```python block in the final message"
+            return [], 0.0, True, False, info
+        result: GradeResult = await grade(files, self.spec, main=self.solution_files[0], backend=self.grader_sandbox,
+                                          test_timeout=self.test_timeout)
+        info.update(passed=result.passed, total=result.total,
+                    test_errors=[d.get("error") for d in result.details if not d.get("passed")][:5])
+        if result.error:
+            info["error"] = result.error
+        reward = float(result.passed == result.total) if self.all_or_nothing else result.fraction
+        return [], reward, True, False, info

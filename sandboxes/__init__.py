@@ -1,0 +1,188 @@
+"""agentrl.sandboxes — isolated environments where agent code, tool servers and graders run.
+
+Quick use::
+
+    from agentrl.sandboxes import create, SandboxLimits
+
+    async with create(backend="auto", limits=SandboxLimits(memory_mb=512)) as sb:
+        await sb.write_file("main.py", "print(6 * 7)")
+        r = await sb.exec("python3 main.py", timeout=10)
+        r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated   # 0, "42\n", "", False, False
+
+    # sync scripts
+    with create_sync(backend="local") as sb:
+        print(sb.exec("echo hi").stdout)
+
+Backends (`resolve_backend(name)` maps the CLI's `--sandbox docker|local|auto`):
+  * "docker": a container per sandbox via the Docker SDK. Needs an engine and the base
+    image (no registry: build it once with `agentrl sandbox build`, cached).
+  * "local": bubblewrap namespaces on the host (apt-get install bubblewrap).
+  * "auto": docker when an engine answers (and the CLI is there), else local; logged.
+
+Isolation defaults (both backends): no network (`network=True` to opt in), read-only root,
+private writable /work (size-capped) and /tmp, memory / CPU / pids / wall-time / output
+limits (`SandboxLimits`), uid 1000 (never root), all capabilities dropped,
+no-new-privileges, a clean environment (nothing of the host's env leaks in). Processes a
+command leaves behind are killed when `exec` returns.
+
+Failures: a failing command is an `ExecResult`; a broken sandbox raises `SandboxError`
+(mark the trajectory failed, don't score it). A missing image raises `ImageNotFoundError`.
+
+Tool servers inside the sandbox: `proc = await sb.spawn(["python3", "-m", "agentrl.tools.python_server"],
+env={"PYTHONPATH": "/opt/agentrl"})` returns an asyncio Process with stdin/stdout pipes;
+`sb.spawn_argv(argv)` is the equivalent host command line (for an MCP stdio client). To
+make the agentrl sources importable inside, mount them read-only:
+`create(..., mounts={os.path.dirname(agentrl.__path__[0]): "/opt/agentrl"})` — the package
+folders must then be importable from there (see `agentrl_source_mounts()`).
+
+Graders: mount the grader's files read-only (`mounts={host_dir: "/grader"}`); the agent
+cannot change them. Run the grader in a fresh sandbox (or on the host) for full trust.
+
+Pool: `SandboxPool` keeps warm sandboxes, bounds concurrency, resets state per
+trajectory and gives every member of a GRPO group the same starting files.
+
+Cleanup: sandboxes are labelled with run id and owner pid; `reap()` removes those whose
+owner is gone (run automatically at the first sandbox of a process, and at exit for its
+own). CLI: `agentrl.sandboxes.cli:main(["build" | "ls" | "reap" ...])`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Mapping
+
+from .base import (RUN_ID, ExecResult, ImageNotFoundError, Sandbox, SandboxError, SandboxLimits,
+                   SyncSandbox, run_sync)
+from .docker_backend import DEFAULT_IMAGE, DockerSandbox, engine_available
+from .local_backend import LocalSandbox, local_available
+from .pool import SandboxPool
+
+__all__ = ["create", "create_sync", "resolve_backend", "reap", "agentrl_source_mounts",
+           "Sandbox", "SyncSandbox", "SandboxLimits", "ExecResult", "SandboxError",
+           "ImageNotFoundError", "SandboxPool", "DEFAULT_IMAGE", "RUN_ID"]
+
+log = logging.getLogger("agentrl.sandboxes")
+BACKENDS = ("docker", "local", "auto")
+_auto_choice: str | None = None
+
+
+def resolve_backend(name: str = "auto") -> str:
+    """"docker" | "local" | "auto" -> "docker" or "local". Raises SandboxError when the
+    named backend cannot work here; "auto" picks docker if an engine answers, else local,
+    and logs which (once per process)."""
+    global _auto_choice
+    if name not in BACKENDS:
+        raise SandboxError(f"unknown sandbox backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    if name == "docker":
+        ok, why = engine_available()
+        if not ok:
+            raise SandboxError(f"--sandbox docker: no Docker engine answers ({why}). Start dockerd "
+                               "or set DOCKER_HOST, or use --sandbox local / auto.")
+        return "docker"
+    if name == "local":
+        ok, why = local_available()
+        if not ok:
+            raise SandboxError(f"--sandbox local: {why}")
+        return "local"
+    if _auto_choice is None:
+        ok, why = engine_available()
+        if ok:
+            log.warning("sandbox backend auto -> docker (engine %s)", why)
+            _auto_choice = "docker"
+        else:
+            ok_local, how = local_available()
+            if not ok_local:
+                raise SandboxError(f"--sandbox auto: no Docker engine ({why}) and no local "
+                                   f"sandbox ({how})")
+            log.warning("sandbox backend auto -> local %s: no Docker engine answers (%s)", how, why)
+            _auto_choice = "local"
+    return _auto_choice
+
+
+def create(backend: str = "auto", image: str | None = None, limits: SandboxLimits | None = None, *,
+           network: bool = False, mounts: Mapping[str, str] | None = None,
+           env: Mapping[str, str] | None = None, **limit_fields) -> Sandbox:
+    """A new sandbox (not started yet): `async with create(...) as sb` or `sb = await create(...)`.
+
+    backend: "docker" | "local" | "auto". image: docker image tag (default the base image;
+    ignored by local). limits: SandboxLimits, or its fields as keywords (memory_mb=512, ...).
+    network: allow network. mounts: {host_path: path_inside}, always read-only.
+    env: extra environment variables inside (the host's environment never leaks in).
+    """
+    limits = limits or SandboxLimits()
+    if limit_fields:
+        from dataclasses import replace
+        limits = replace(limits, **limit_fields)
+    kind = resolve_backend(backend)
+    cls = DockerSandbox if kind == "docker" else LocalSandbox
+    return cls(image=image or (DEFAULT_IMAGE if kind == "docker" else None), limits=limits,
+               network=network, mounts=mounts, env=env)
+
+
+def create_sync(backend: str = "auto", image: str | None = None,
+                limits: SandboxLimits | None = None, **kw) -> SyncSandbox:
+    """Blocking variant of create(): a started SyncSandbox, usable as a context manager."""
+    sb = create(backend, image, limits, **kw)
+    run_sync(sb.start(), sb.start_timeout_s + 120)
+    return SyncSandbox(sb)
+
+
+def reap(everything: bool = False) -> dict[str, list[str]]:
+    """Remove the sandboxes of dead owner processes on every available backend."""
+    from . import docker_backend, local_backend
+    out = {"local": local_backend.reap(everything)}
+    if engine_available()[0]:
+        out["docker"] = docker_backend.reap(everything)
+    return out
+
+
+def agentrl_source_mounts(inside: str = "/opt/agentrl", site_packages: bool = True
+                          ) -> tuple[dict[str, str], dict[str, str]]:
+    """(mounts, env) that make the host's agentrl package importable inside a sandbox
+    (`python3 -m agentrl.tools.python_server`). The installed package, design-card folders
+    included (agentrl.tools is the repo's tools/), is copied once into a content-addressed
+    staging dir (sources only), mounted read-only at `inside`; PYTHONPATH points there.
+    `import agentrl` needs the core's dependencies (gymnasium, ...): with site_packages=True
+    the host interpreter's site-packages is mounted read-only too (at `inside`-siteN, on
+    PYTHONPATH, so ahead of the image's own packages). That works when the sandbox's python3 has the host's
+    minor version and libc (the base image: Debian bookworm, python 3.11)."""
+    import hashlib
+    import shutil
+    import agentrl
+    from .local_backend import state_root
+    parts = {"agentrl": Path(agentrl.__path__[0]).resolve()}
+    for sub in ("envs", "tools", "sandboxes", "trainers"):
+        try:
+            mod = __import__(f"agentrl.{sub}", fromlist=["_"])
+        except Exception:
+            continue
+        src = Path(mod.__path__[0]).resolve()
+        if src.parent != parts["agentrl"]:
+            parts[f"agentrl/{sub}"] = src
+    files = sorted((dest, f) for dest, src in parts.items() for f in src.rglob("*.py"))
+    h = hashlib.sha256()
+    for dest, f in files:
+        st = f.stat()
+        h.update(f"{dest}:{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+    stage = state_root().parent / f"agentrl-sandbox-src-{h.hexdigest()[:16]}"
+    if not stage.is_dir():
+        tmp = stage.with_name(stage.name + f".{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        for dest, src in parts.items():
+            shutil.copytree(src, tmp / dest, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".*"))
+        os.chmod(tmp, 0o755)
+        try:
+            tmp.rename(stage)
+        except OSError:  # another process staged it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    mounts, path = {str(stage): inside}, [inside]
+    if site_packages:
+        import sysconfig
+        for key in ("purelib", "platlib"):
+            site = str(Path(sysconfig.get_paths()[key]).resolve())
+            if site not in mounts and Path(site).is_dir():
+                mounts[site] = f"{inside}-site{len(path)}"
+                path.append(mounts[site])
+    return mounts, {"PYTHONPATH": ":".join(path)}

@@ -1,0 +1,435 @@
+"""Types shared by the sandbox backends: limits, results, errors and the `Sandbox` base class.
+
+A `Sandbox` is a long-lived isolated environment (a docker container, or a set of
+bubblewrap namespaces) with a private writable workdir (`Sandbox.workdir`, "/work").
+At start it launches a tiny exec server inside (see `_server.py`); `exec`, `write_file`
+and `read_file` are JSON requests to it, so a warm exec costs about one fork+exec.
+
+Failures come in two kinds:
+  * the command failed (non-zero exit, timed out, output truncated): an `ExecResult`;
+  * the sandbox itself failed (cannot start, container died, engine gone): `SandboxError`,
+    which the trainer turns into a failed trajectory (masked out of the loss).
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import base64
+import json
+import logging
+import os
+import shlex
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Coroutine, Mapping, Sequence
+
+from agentrl.errors import AgentRLError
+
+log = logging.getLogger("agentrl.sandboxes")
+
+SANDBOX_UID = 1000  # the uid commands run as inside every sandbox (never root)
+WORKDIR = "/work"
+SERVER_SOURCE = (Path(__file__).parent / "_server.py").read_text()
+# the server's source goes in through stdin (one base64 line), so `ps` shows a short command
+SERVER_BOOT = ("import sys, base64; exec(compile(base64.b64decode(sys.stdin.buffer.readline()), "
+               "'agentrl-sandbox-server', 'exec'))")
+RUN_ID = os.environ.get("AGENTRL_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
+
+
+class SandboxError(AgentRLError):
+    """Infrastructure failure: the sandbox cannot start, died, or its engine is gone.
+    Not a failed command (that is an `ExecResult` with a non-zero exit code)."""
+
+
+class ImageNotFoundError(SandboxError):
+    """The docker image is not present (there is no registry to pull from)."""
+
+
+@dataclass
+class SandboxLimits:
+    """Resource limits of one sandbox. Every field is enforced by both backends, except
+    where the local backend runs unprivileged (no cgroups): then memory is an address-space
+    rlimit, pids an RLIMIT_NPROC shared by the uid, cpus unenforced, and the workdir size a
+    per-file size rlimit."""
+    memory_mb: int = 1024        # RAM of all processes together (tmpfs pages included)
+    cpus: float = 1.0            # CPU share (cores)
+    pids: int = 256              # processes + threads
+    workdir_mb: int = 512        # size of the private writable /work
+    tmp_mb: int = 128            # size of /tmp
+    timeout_s: float = 60.0      # default wall-time of one exec
+    output_bytes: int = 1 << 20  # per stream (stdout, stderr) kept of one exec; the rest is dropped
+    nofile: int = 1024           # open files per process
+
+
+@dataclass
+class ExecResult:
+    """What one command did. `exit_code` is 128+N when killed by signal N (137: SIGKILL,
+    which is what a timeout, the OOM killer or the pids limit usually leads to)."""
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    truncated: bool = False
+    duration_s: float = 0.0
+    stdout_bytes: bytes = field(default=b"", repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (guards against pid reuse)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(b")") + 2:].split()[19])
+
+
+def owner_alive(pid: int, start: int | None) -> bool:
+    now = process_start_time(pid)
+    return now is not None and (start is None or now == start)
+
+
+OWNER_PID = os.getpid()
+OWNER_START = process_start_time(OWNER_PID)
+
+_live: dict[str, "Sandbox"] = {}  # this process's open sandboxes, closed at exit
+
+
+class Sandbox:
+    """One isolated environment. Use `async with create(...) as sb:` or `sb = await create(...)`.
+
+    Methods (all async): exec, write_file, read_file, spawn, reset, close.
+    `spawn_argv(argv)` gives the host command line that runs argv inside with piped stdio
+    (hand it to an MCP stdio client). Concurrent calls on one sandbox are serialized.
+    """
+    backend = "base"
+    workdir = WORKDIR
+
+    def __init__(self, *, limits: SandboxLimits | None = None, network: bool = False,
+                 mounts: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+                 start_timeout_s: float = 60.0):
+        self.id = f"sbx-{uuid.uuid4().hex[:12]}"
+        self.limits = limits or SandboxLimits()
+        self.network = network
+        self.mounts = {str(Path(h).resolve()): s for h, s in (mounts or {}).items()}
+        for host, inside in self.mounts.items():
+            if not Path(host).exists():
+                raise SandboxError(f"mount source {host} (for {inside}) does not exist")
+        self.env = {"HOME": WORKDIR, "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
+                    "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
+        self.start_timeout_s = start_timeout_s
+        self.started = False
+        self.closed = False
+        self.shell = "/bin/sh"
+        self._chan: asyncio.subprocess.Process | None = None
+        self._lock: asyncio.Lock | None = None
+        self._spawned: list[asyncio.subprocess.Process] = []
+        self._req = 0
+
+    # ---- backend hooks -------------------------------------------------------------
+    async def _boot(self) -> None:
+        """Create the environment (container, dirs, cgroups)."""
+        raise NotImplementedError
+
+    def spawn_argv(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
+                   cwd: str | None = None) -> list[str]:
+        """Host command line that runs `argv` inside this sandbox, stdin/stdout piped."""
+        raise NotImplementedError
+
+    async def _alive(self) -> bool:
+        raise NotImplementedError
+
+    async def _destroy(self) -> None:
+        raise NotImplementedError
+
+    def _destroy_sync(self) -> None:
+        """Best-effort synchronous teardown (interpreter exit)."""
+        raise NotImplementedError
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def __await__(self):
+        return self.start().__await__()
+
+    async def __aenter__(self) -> "Sandbox":
+        if not self.started:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> "Sandbox":
+        if self.started:
+            return self
+        self._lock = asyncio.Lock()
+        _live[self.id] = self
+        try:
+            await self._boot()
+            await self._start_server()
+        except BaseException:
+            await self.close()
+            raise
+        self.started = True
+        return self
+
+    async def close(self) -> None:
+        """Kill everything in the sandbox and remove it. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for proc in [self._chan, *self._spawned]:
+            await _kill_proc(proc)
+        self._chan = None
+        try:
+            await asyncio.wait_for(self._destroy(), 60)
+        except Exception as e:  # the reaper will get it later
+            log.warning("sandbox %s: teardown failed: %s", self.id, e)
+        _live.pop(self.id, None)
+
+    async def _start_server(self) -> None:
+        argv = self.spawn_argv(["python3", "-c", SERVER_BOOT])
+        limit = 8 * self.limits.output_bytes + (64 << 20)  # bounded response line
+        try:
+            self._chan = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, limit=limit, start_new_session=True)
+            self._chan.stdin.write(base64.b64encode(SERVER_SOURCE.encode()) + b"\n")
+            line = await asyncio.wait_for(self._chan.stdout.readline(), self.start_timeout_s)
+            hello = json.loads(line) if line else {}
+        except (OSError, asyncio.TimeoutError, ValueError) as e:
+            hello = {"error": repr(e)}
+        if not hello.get("ready"):
+            err = await self._chan_stderr()
+            hint = ""
+            if "python3" in err and ("not found" in err or "No such file" in err):
+                hint = " (the image has no python3: the sandbox needs it; build from the base image)"
+            raise SandboxError(f"{self.backend} sandbox {self.id}: exec server did not start{hint}: "
+                               f"{hello.get('error', '')} {err.strip()[-2000:]}")
+        self.shell = "/bin/bash"  # the base image and Debian hosts have it; fall back below
+        res = await self._request({"op": "exec", "argv": ["/bin/sh", "-c", "command -v bash"],
+                                   "timeout": 10}, 20)
+        if not res or res.get("exit_code") != 0:
+            self.shell = "/bin/sh"
+
+    async def _chan_stderr(self) -> str:
+        if self._chan is None:
+            return ""
+        await _kill_proc(self._chan)
+        try:
+            return (await asyncio.wait_for(self._chan.stderr.read(1 << 16), 5)).decode(errors="replace")
+        except Exception:
+            return ""
+
+    async def _request(self, req: dict, timeout: float) -> dict | None:
+        """One request/answer with the server; None when the channel broke or hung."""
+        assert self._lock is not None
+        async with self._lock:
+            if self._chan is None or self._chan.returncode is not None:
+                return None
+            self._req += 1
+            req["id"] = self._req
+            try:
+                self._chan.stdin.write(json.dumps(req).encode() + b"\n")
+                await asyncio.wait_for(self._chan.stdin.drain(), timeout)
+                while True:
+                    line = await asyncio.wait_for(self._chan.stdout.readline(), timeout)
+                    if not line:
+                        return None
+                    resp = json.loads(line)
+                    if resp.get("id") == req["id"]:
+                        return resp
+            except (OSError, asyncio.TimeoutError, ValueError, asyncio.LimitOverrunError) as e:
+                log.warning("sandbox %s: exec channel broke: %r", self.id, e)
+                await _kill_proc(self._chan)
+                return None
+
+    async def _recover(self, what: str) -> None:
+        """The server is gone. If the sandbox still runs, restart it; else SandboxError."""
+        if self.closed:
+            raise SandboxError(f"sandbox {self.id} is closed")
+        await _kill_proc(self._chan)
+        if not await self._alive():
+            raise SandboxError(f"{self.backend} sandbox {self.id} died during {what}")
+        log.warning("sandbox %s: exec server died during %s; restarting it", self.id, what)
+        try:
+            await self._start_server()
+        except SandboxError as e:
+            raise SandboxError(f"sandbox {self.id}: cannot restart after {what}: {e}") from None
+
+    def _check_open(self) -> None:
+        if not self.started or self.closed:
+            raise SandboxError(f"sandbox {self.id} is {'closed' if self.closed else 'not started'}")
+
+    # ---- API -----------------------------------------------------------------------
+    async def exec(self, cmd: str | Sequence[str], timeout: float | None = None, *,
+                   stdin: bytes | str | None = None, env: Mapping[str, str] | None = None,
+                   cwd: str | None = None, output_limit: int | None = None) -> ExecResult:
+        """Run `cmd` (a shell string for bash, or an argv list) in the workdir. Processes it
+        leaves behind are killed when it returns. Never raises for a failing command;
+        raises SandboxError when the sandbox itself is broken."""
+        self._check_open()
+        timeout = float(timeout if timeout is not None else self.limits.timeout_s)
+        argv = [self.shell, "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
+        if isinstance(stdin, str):
+            stdin = stdin.encode()
+        req = {"op": "exec", "argv": argv, "timeout": timeout, "cwd": cwd or WORKDIR,
+               "limit": output_limit or self.limits.output_bytes, "env": dict(env or {}),
+               "stdin": base64.b64encode(stdin).decode() if stdin else ""}
+        t0 = time.perf_counter()
+        resp = await self._request(req, timeout + 30)
+        if resp is None:
+            await self._recover(f"exec of {shlex.join(argv)[:200]!r}")
+            return ExecResult(137, "", "sandbox: the command killed the sandbox's exec server "
+                              "(it was restarted)\n", duration_s=time.perf_counter() - t0)
+        if "error" in resp:
+            raise SandboxError(f"sandbox {self.id}: exec server error: {resp['error']}")
+        out = base64.b64decode(resp["stdout"])
+        return ExecResult(resp["exit_code"], out.decode(errors="replace"),
+                          base64.b64decode(resp["stderr"]).decode(errors="replace"),
+                          resp["timed_out"], resp["truncated"], time.perf_counter() - t0, out)
+
+    async def ping(self) -> None:
+        """Check the sandbox answers; SandboxError if it is dead (restarts a killed server)."""
+        self._check_open()
+        if await self._request({"op": "ping"}, 20) is None:
+            await self._recover("ping")
+
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        """Write a file (parents created); relative paths are under the workdir.
+        Raises OSError when the sandbox refuses (read-only path, full disk)."""
+        self._check_open()
+        if isinstance(data, str):
+            data = data.encode()
+        resp = await self._request({"op": "write", "path": self._abs(path), "mode": mode,
+                                    "data": base64.b64encode(data).decode()}, 60)
+        if resp is None:
+            await self._recover("write_file")
+            raise SandboxError(f"sandbox {self.id}: exec server died during write_file")
+        if "error" in resp:
+            raise OSError(f"sandbox write_file({path!r}): {resp['error']}")
+
+    async def read_file(self, path: str, max_bytes: int = 64 << 20) -> bytes:
+        """Read a file from the sandbox. FileNotFoundError/OSError if it cannot be read,
+        ValueError if it is larger than max_bytes."""
+        self._check_open()
+        resp = await self._request({"op": "read", "path": self._abs(path), "limit": max_bytes}, 60)
+        if resp is None:
+            await self._recover("read_file")
+            raise SandboxError(f"sandbox {self.id}: exec server died during read_file")
+        if "error" in resp:
+            err = resp["error"]
+            cls = FileNotFoundError if err.startswith("FileNotFoundError") else OSError
+            raise cls(f"sandbox read_file({path!r}): {err}")
+        if resp["truncated"]:
+            raise ValueError(f"sandbox read_file({path!r}): larger than max_bytes={max_bytes}")
+        return base64.b64decode(resp["data"])
+
+    async def spawn(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+                    cwd: str | None = None, stderr: int | None = asyncio.subprocess.PIPE
+                    ) -> asyncio.subprocess.Process:
+        """Start a long-running process inside (e.g. an MCP stdio tool server) and return an
+        asyncio Process whose stdin/stdout are its pipes. It survives `exec` calls and is
+        killed by `close()`."""
+        self._check_open()
+        proc = await asyncio.create_subprocess_exec(
+            *self.spawn_argv(argv, env, cwd), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=stderr, start_new_session=True)
+        self._spawned.append(proc)
+        return proc
+
+    async def reset(self) -> bool:
+        """Wipe the writable state (/work, /tmp, /dev/shm) for the next trajectory.
+        False if the sandbox could not be brought back to empty (then discard it)."""
+        self._check_open()
+        for proc in self._spawned:
+            await _kill_proc(proc)
+        self._spawned.clear()
+        script = ("for d in /work /tmp /dev/shm; do [ -d $d ] || continue; chmod -R u+rwX $d 2>/dev/null; "
+                  "find $d -mindepth 1 -delete 2>/dev/null; done; "
+                  "[ -z \"$(ls -A /work /tmp 2>/dev/null | grep -v :)\" ]")
+        res = await self.exec(["/bin/sh", "-c", script], timeout=60)
+        return res.exit_code == 0
+
+    def _abs(self, path: str) -> str:
+        return path if path.startswith("/") else f"{WORKDIR}/{path}"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} {'closed' if self.closed else 'open'}>"
+
+
+async def _kill_proc(proc: asyncio.subprocess.Process | None) -> None:
+    if proc is None or proc.returncode is not None:
+        return
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        return
+    try:
+        await asyncio.wait_for(proc.wait(), 10)
+    except asyncio.TimeoutError:
+        log.warning("process %s did not exit after SIGKILL", proc.pid)
+
+
+# ---- sync use ----------------------------------------------------------------------
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def run_sync(coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+    """Run a coroutine on the sandboxes' background event loop (a daemon thread), so sync
+    code, and code already inside another event loop, can use sandboxes."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="agentrl-sandboxes", daemon=True).start()
+    return asyncio.run_coroutine_threadsafe(coro, _loop).result(timeout)
+
+
+class SyncSandbox:
+    """Blocking wrapper: `with create_sync(backend="local") as sb: sb.exec("ls")`."""
+
+    def __init__(self, sandbox: Sandbox):
+        self.sandbox = sandbox
+        self.id, self.backend, self.workdir = sandbox.id, sandbox.backend, sandbox.workdir
+
+    def exec(self, cmd, timeout: float | None = None, **kw) -> ExecResult:
+        budget = (timeout or self.sandbox.limits.timeout_s) + 120
+        return run_sync(self.sandbox.exec(cmd, timeout, **kw), budget)
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        run_sync(self.sandbox.write_file(path, data, mode), 180)
+
+    def read_file(self, path: str, max_bytes: int = 64 << 20) -> bytes:
+        return run_sync(self.sandbox.read_file(path, max_bytes), 180)
+
+    def reset(self) -> bool:
+        return run_sync(self.sandbox.reset(), 180)
+
+    def spawn_argv(self, argv, env=None, cwd=None) -> list[str]:
+        return self.sandbox.spawn_argv(argv, env, cwd)
+
+    def close(self) -> None:
+        run_sync(self.sandbox.close(), 180)
+
+    def __enter__(self) -> "SyncSandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for sb in list(_live.values()):
+        try:
+            sb._destroy_sync()
+        except Exception as e:
+            log.warning("sandbox %s: cleanup at exit failed: %s", sb.id, e)
+    _live.clear()

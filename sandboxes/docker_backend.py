@@ -1,0 +1,193 @@
+"""Docker backend: one container per sandbox, through the Docker SDK for Python.
+
+The container runs `sleep infinity` under docker-init as uid 65534, with a read-only
+root, all capabilities dropped, no-new-privileges, no network (unless asked), tmpfs
+/work (uid 1000, size-capped) and /tmp, and memory / CPU / pids limits. Commands run as
+uid 1000 through the exec server, started with `docker exec -i` (the docker CLI).
+Host directories are mounted read-only with `mounts={host_dir: path_inside}`; that needs
+the engine on this machine (the usual case).
+
+Every container carries labels (`agentrl.sandbox`, `agentrl.run_id`, `agentrl.owner_pid`,
+`agentrl.owner_start`, `agentrl.owner_host`) so `reap()` can remove the containers of
+processes that are gone, even after SIGKILL.
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import threading
+from typing import Mapping, Sequence
+
+from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, ImageNotFoundError,
+                   Sandbox, SandboxError, log, owner_alive)
+
+DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
+LABEL = "agentrl.sandbox"
+MAIN_UID = 65534  # the container's main process; not the agent's uid, so it cannot kill it
+HOST = socket.gethostname()
+
+_client = None
+_client_lock = threading.Lock()
+
+
+def docker_client(timeout: float = 60):
+    """The shared Docker SDK client; SandboxError if no engine answers."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            try:
+                import docker
+            except ImportError as e:
+                raise SandboxError("the docker backend needs the Docker SDK: pip install docker") from e
+            try:
+                client = docker.from_env(timeout=timeout, max_pool_size=32)
+                client.ping()
+            except Exception as e:
+                raise SandboxError(
+                    f"no Docker engine answers ({type(e).__name__}: {e}). Start dockerd, set "
+                    "DOCKER_HOST, or use the local backend (--sandbox local).") from None
+            _client = client
+        return _client
+
+
+def engine_available(timeout: float = 3.0) -> tuple[bool, str]:
+    """(True, version) if a Docker engine answers within `timeout` s, else (False, why)."""
+    try:
+        import docker
+        client = docker.from_env(timeout=timeout)
+        version = client.version().get("Version", "?")
+        client.close()
+    except Exception as e:
+        return False, f"{type(e).__name__}: {e}"
+    if shutil.which("docker") is None:
+        return False, "the docker CLI is not installed (apt-get install docker.io)"
+    return True, version
+
+
+class DockerSandbox(Sandbox):
+    backend = "docker"
+
+    def __init__(self, image: str = DEFAULT_IMAGE, **kw):
+        super().__init__(**kw)
+        self.image = image
+        self.container = None
+        if shutil.which("docker") is None:
+            raise SandboxError("the docker backend needs the docker CLI (apt-get install docker.io)")
+
+    async def _boot(self) -> None:
+        reap_once()
+        await asyncio.to_thread(self._create)
+
+    def _create(self) -> None:
+        import docker.errors
+        client = docker_client()
+        try:
+            client.images.get(self.image)
+        except docker.errors.ImageNotFound:
+            raise ImageNotFoundError(
+                f"docker image {self.image!r} not found and there is no registry to pull from. "
+                f"Build the base image with `agentrl sandbox build` (or `bash scripts/build_sandbox_image.sh`), "
+                f"or build your own with `agentrl sandbox build --dockerfile PATH --tag {self.image}`.") from None
+        lim = self.limits
+        labels = {LABEL: "1", "agentrl.run_id": RUN_ID, "agentrl.owner_pid": str(OWNER_PID),
+                  "agentrl.owner_start": str(OWNER_START), "agentrl.owner_host": HOST,
+                  "agentrl.sandbox_id": self.id}
+        from docker.types import Ulimit
+        try:
+            self.container = client.containers.run(
+                self.image, ["sleep", "infinity"], name=f"agentrl-{self.id}", detach=True,
+                init=True, user=f"{MAIN_UID}:{MAIN_UID}", labels=labels, hostname="sandbox",
+                read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges:true"],
+                network_mode="bridge" if self.network else "none",
+                mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m",
+                nano_cpus=int(lim.cpus * 1e9), pids_limit=lim.pids,
+                ulimits=[Ulimit(name="nofile", soft=lim.nofile, hard=lim.nofile),
+                         Ulimit(name="core", soft=0, hard=0)],
+                tmpfs={WORKDIR: f"size={lim.workdir_mb}m,uid={SANDBOX_UID},gid={SANDBOX_UID},mode=0755,exec",
+                       "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
+                shm_size=f"{min(lim.tmp_mb, 64)}m",
+                volumes={h: {"bind": s, "mode": "ro"} for h, s in self.mounts.items()},
+                environment=self.env, working_dir=WORKDIR)
+        except docker.errors.APIError as e:
+            raise SandboxError(f"docker sandbox {self.id}: cannot start a container of "
+                               f"{self.image!r}: {e.explanation or e}") from None
+
+    def spawn_argv(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
+                   cwd: str | None = None) -> list[str]:
+        if self.container is None:
+            raise SandboxError(f"sandbox {self.id} has no container")
+        flags = ["-i", "-u", f"{SANDBOX_UID}:{SANDBOX_UID}", "-w", cwd or WORKDIR]
+        for k, v in (env or {}).items():
+            flags += ["-e", f"{k}={v}"]
+        return ["docker", "exec", *flags, self.container.id, *argv]
+
+    async def _alive(self) -> bool:
+        if self.container is None:
+            return False
+        try:
+            await asyncio.to_thread(self.container.reload)
+        except Exception:
+            return False
+        return self.container.status == "running"
+
+    async def _destroy(self) -> None:
+        await asyncio.to_thread(self._destroy_sync)
+
+    def _destroy_sync(self) -> None:
+        if self.container is None:
+            return
+        import docker.errors
+        try:
+            self.container.remove(force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as e:
+            if "already in progress" not in str(e):
+                raise
+        self.container = None
+
+
+def list_containers(all_runs: bool = True) -> list:
+    """Containers made by agentrl (of every run, or of this run only)."""
+    filters = {"label": [LABEL] if all_runs else [LABEL, f"agentrl.run_id={RUN_ID}"]}
+    return docker_client().containers.list(all=True, filters=filters)
+
+
+def reap(everything: bool = False) -> list[str]:
+    """Remove agentrl containers whose owner process (on this host) is gone. With
+    everything=True, remove all agentrl containers except this process's own."""
+    removed = []
+    for c in list_containers():
+        lb = c.labels
+        if lb.get("agentrl.owner_host") != HOST and not everything:
+            continue
+        pid, start = int(lb.get("agentrl.owner_pid", 0)), lb.get("agentrl.owner_start")
+        if pid == OWNER_PID and str(OWNER_START) == start:
+            continue
+        if not everything and owner_alive(pid, int(start) if start and start != "None" else None):
+            continue
+        try:
+            c.remove(force=True)
+            removed.append(c.name)
+        except Exception as e:
+            log.warning("reap: cannot remove %s: %s", c.name, e)
+    if removed:
+        log.info("reaped %d docker sandbox(es) of dead runs: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+_reaped = False
+
+
+def reap_once() -> None:
+    """Reap dead runs' containers once per process (at the first sandbox)."""
+    global _reaped
+    if not _reaped:
+        _reaped = True
+        try:
+            reap()
+        except SandboxError:
+            raise
+        except Exception as e:
+            log.warning("reaping dead docker sandboxes failed: %s", e)

@@ -1,0 +1,323 @@
+"""Local backend (no Docker engine): bubblewrap namespaces on the host.
+
+Each sandbox is a state directory `$AGENTRL_SANDBOX_DIR/<id>` (default
+/tmp/agentrl-sandboxes) holding `owner.json` and `fs/{work,tmp}`, bound at /work and /tmp
+inside. Every process (the exec server, `spawn`s) is started as:
+
+    sh -c 'join cgroups' -> prlimit (rlimits) -> setpriv (drop to uid 65534, root only)
+       -> bwrap (new user/pid/net/ipc/uts/cgroup namespaces, read-only /usr /etc ...,
+                 private /proc /dev, clean env, no capabilities, uid 1000 inside)
+
+so `spawn_argv()` is a self-contained command line. The root is the host's /usr, /etc
+and /bin... mounted read-only (nothing else of the host: no /home, /root, /tmp, /var).
+
+Limits: run as root, the workdir and /tmp share a size-capped tmpfs and the sandbox gets
+memory / pids / cpu cgroups (v1 or v2). Unprivileged, the limits fall back to rlimits
+(address space, RLIMIT_NPROC of the uid, per-file size), which is weaker: prefer docker.
+When the owner process dies, bwrap dies with it (--die-with-parent) and the kernel kills
+the rest of the sandbox's pid namespace; `reap()` then removes the state dir, the tmpfs
+and the cgroups.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
+                   log, owner_alive)
+
+HOST_UID = 65534  # what sandboxed processes are on the host when we are root
+CGROOT = Path("/sys/fs/cgroup")
+
+
+def state_root() -> Path:
+    return Path(os.environ.get("AGENTRL_SANDBOX_DIR", "/tmp/agentrl-sandboxes"))
+
+
+def local_available() -> tuple[bool, str]:
+    """(True, how) if bubblewrap can make a sandbox here, else (False, why)."""
+    missing = [t for t in ("bwrap", "prlimit", "python3") if shutil.which(t) is None]
+    if missing:
+        return False, (f"{', '.join(missing)} not found: apt-get install bubblewrap util-linux python3")
+    return True, "bubblewrap (cgroups)" if cgroup_mode() and os.geteuid() == 0 else "bubblewrap (rlimits)"
+
+
+def cgroup_mode() -> str | None:
+    if os.geteuid() != 0:
+        return None
+    if (CGROOT / "cgroup.controllers").exists():
+        return "v2"
+    if (CGROOT / "memory" / "memory.limit_in_bytes").exists():
+        return "v1"
+    return None
+
+
+def _cgroup_dirs(sid: str) -> dict[str, Path]:
+    mode = cgroup_mode()
+    if mode == "v2":
+        return {"unified": CGROOT / "agentrl" / sid}
+    if mode == "v1":
+        return {c: CGROOT / c / "agentrl" / sid for c in ("memory", "pids", "cpu")
+                if (CGROOT / c).is_dir()}
+    return {}
+
+
+def _write(path: Path, value: str) -> None:
+    path.write_text(value)
+
+
+def _rootfs_args() -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        p = Path(d)
+        if p.is_symlink():
+            args += ["--symlink", os.readlink(p), d]
+        elif p.is_dir():
+            args += ["--ro-bind", d, d]
+    return args
+
+
+class LocalSandbox(Sandbox):
+    backend = "local"
+
+    def __init__(self, image: str | None = None, **kw):
+        super().__init__(**kw)
+        if image:
+            log.info("local sandbox: image %r ignored (the local backend uses the host's /usr)", image)
+        ok, why = local_available()
+        if not ok:
+            raise SandboxError(f"local sandbox backend unavailable: {why}")
+        self.root = state_root() / self.id
+        self.fs = self.root / "fs"
+        self.cgroups: dict[str, Path] = {}
+        self.mounted = False
+
+    async def _boot(self) -> None:
+        reap_once()
+        await asyncio.to_thread(self._setup)
+
+    def _setup(self) -> None:
+        lim = self.limits
+        self.root.mkdir(parents=True, mode=0o711)
+        (self.root / "owner.json").write_text(json.dumps(
+            {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id}))
+        self.fs.mkdir(mode=0o700)
+        root = os.geteuid() == 0
+        if root:
+            size = (lim.workdir_mb + lim.tmp_mb) << 20
+            subprocess.run(["mount", "-t", "tmpfs", "-o",
+                            f"size={size},mode=0700,uid={HOST_UID},gid={HOST_UID},nosuid,nodev",
+                            f"agentrl-{self.id}", str(self.fs)], check=True, capture_output=True, timeout=30)
+            self.mounted = True
+        for sub in ("work", "tmp"):
+            (self.fs / sub).mkdir(mode=0o700)
+            if root:
+                os.chown(self.fs / sub, HOST_UID, HOST_UID)
+        if root:
+            self._stage_mounts()
+        self.cgroups = _cgroup_dirs(self.id)
+        try:
+            for ctl, d in self.cgroups.items():
+                if ctl == "unified":
+                    parent = d.parent
+                    parent.mkdir(exist_ok=True)
+                    _write(CGROOT / "cgroup.subtree_control", "+memory +pids +cpu")
+                    _write(parent / "cgroup.subtree_control", "+memory +pids +cpu")
+                    d.mkdir()
+                    _write(d / "memory.max", str(lim.memory_mb << 20))
+                    if (d / "memory.swap.max").exists():
+                        _write(d / "memory.swap.max", "0")
+                    _write(d / "pids.max", str(lim.pids))
+                    _write(d / "cpu.max", f"{int(lim.cpus * 100000)} 100000")
+                else:
+                    d.mkdir(parents=True)
+                    if ctl == "memory":
+                        _write(d / "memory.limit_in_bytes", str(lim.memory_mb << 20))
+                        if (d / "memory.memsw.limit_in_bytes").exists():
+                            _write(d / "memory.memsw.limit_in_bytes", str(lim.memory_mb << 20))
+                    elif ctl == "pids":
+                        _write(d / "pids.max", str(lim.pids))
+                    elif ctl == "cpu":
+                        _write(d / "cpu.cfs_period_us", "100000")
+                        _write(d / "cpu.cfs_quota_us", str(int(lim.cpus * 100000)))
+        except OSError as e:
+            log.warning("local sandbox %s: cgroups unavailable (%s); using rlimits", self.id, e)
+            _remove_cgroups(self.cgroups)
+            self.cgroups = {}
+
+    def _stage_mounts(self) -> None:
+        """As root, bwrap runs as uid 65534, which may not reach a mount source (a root-only
+        parent dir): bind each one read-only into the state dir first, so only the source's
+        own permissions matter."""
+        staged = {}
+        for i, (host, inside) in enumerate(self.mounts.items()):
+            target = self.root / "mnt" / str(i)
+            target.parent.mkdir(exist_ok=True, mode=0o711)
+            if Path(host).is_dir():
+                target.mkdir()
+            else:
+                target.touch()
+            for opts in (["--bind"], ["-o", "remount,bind,ro"]):
+                r = subprocess.run(["mount", *opts, host, str(target)] if opts == ["--bind"]
+                                   else ["mount", *opts, str(target)], capture_output=True, timeout=30)
+                if r.returncode != 0:
+                    raise SandboxError(f"local sandbox {self.id}: cannot mount {host}: "
+                                       f"{r.stderr.decode().strip()}")
+            staged[str(target)] = inside
+        self.mounts = staged
+
+    def spawn_argv(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
+                   cwd: str | None = None) -> list[str]:
+        lim = self.limits
+        procs_files = [str(d / "cgroup.procs") for d in self.cgroups.values()]
+        # Fail closed: a process that cannot join its cgroups (removed by a reap) must not run.
+        join = 'for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f" || exit 125; shift; done; exec "$@"'
+        rlimits = [f"--nofile={lim.nofile}", "--core=0",
+                   f"--fsize={(lim.workdir_mb + lim.tmp_mb) << 20}"]
+        if not self.cgroups:
+            rlimits += [f"--as={max(lim.memory_mb, 256) << 20}", f"--nproc={lim.pids}"]
+        demote = []
+        if os.geteuid() == 0:
+            demote = ["setpriv", f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups"]
+        bwrap = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
+                 "--cap-drop", "ALL", *_rootfs_args(), "--proc", "/proc", "--dev", "/dev",
+                 "--bind", str(self.fs / "work"), WORKDIR, "--bind", str(self.fs / "tmp"), "/tmp"]
+        if self.network:
+            bwrap += ["--share-net", "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
+        for host, inside in self.mounts.items():
+            bwrap += ["--ro-bind", host, inside]
+        bwrap += ["--remount-ro", "/", "--clearenv"]
+        for k, v in {**self.env, **(env or {})}.items():
+            bwrap += ["--setenv", k, v]
+        bwrap += ["--chdir", cwd or WORKDIR, "--", *argv]
+        return ["env", "-i", "PATH=/usr/bin:/bin:/usr/sbin:/sbin", "/bin/sh", "-c", join, "sh", *procs_files, "--",
+                "prlimit", *rlimits, *demote, *bwrap]
+
+    async def _alive(self) -> bool:
+        return self.fs.is_dir() and not self.closed
+
+    async def _destroy(self) -> None:
+        await asyncio.to_thread(self._destroy_sync)
+
+    def _destroy_sync(self) -> None:
+        cleanup_dir(self.root)
+
+
+def _remove_cgroups(cgroups: dict[str, Path], timeout_s: float = 15.0) -> None:
+    """Kill what runs in the cgroups and remove them, retrying until both hold. A spawn whose
+    owner was killed mid-start may join its cgroup after a first look found it empty; the join
+    fails once the cgroup is gone (the spawn then exits), or it joined before and makes rmdir
+    fail with EBUSY, and the next round kills it. On a loaded machine dying takes a while."""
+    left = dict(cgroups)
+    deadline = time.monotonic() + timeout_s
+    while left and time.monotonic() < deadline:
+        for ctl, d in list(left.items()):
+            try:
+                pids = {int(p) for p in (d / "cgroup.procs").read_text().split()}
+            except FileNotFoundError:
+                del left[ctl]
+                continue
+            except OSError:
+                pids = set()
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            try:
+                d.rmdir()
+                del left[ctl]
+            except FileNotFoundError:
+                del left[ctl]
+            except OSError:
+                pass  # still busy: processes dying or a late joiner
+        if left:
+            time.sleep(0.02)
+    if left:
+        log.warning("sandbox cgroups still busy after %.0f s of SIGKILL: %s", timeout_s,
+                    ", ".join(str(d) for d in left.values()))
+
+
+def cleanup_dir(root: Path) -> None:
+    """Kill what runs in a local sandbox and remove its cgroups, tmpfs and state dir."""
+    sid = root.name
+    _remove_cgroups(_cgroup_dirs(sid))
+    for mnt in _mounts_under(root):
+        r = subprocess.run(["umount", "-l", mnt], capture_output=True, timeout=30)
+        if r.returncode != 0:
+            log.warning("local sandbox %s: umount %s failed: %s", sid, mnt, r.stderr.decode().strip())
+    if _mounts_under(root):  # never rm -rf through a host bind mount
+        log.warning("local sandbox %s: mounts remain under %s; not removing it", sid, root)
+        return
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _mounts_under(root: Path) -> list[str]:
+    """Mount points at or below `root`, deepest first (from /proc/self/mountinfo)."""
+    prefix = str(root.resolve()) if root.exists() else str(root)
+    out = []
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        mnt = line.split()[4].replace("\\040", " ")
+        if mnt == prefix or mnt.startswith(prefix + "/"):
+            out.append(mnt)
+    return sorted(set(out), key=len, reverse=True)
+
+
+def list_dirs() -> list[tuple[Path, dict]]:
+    out = []
+    base = state_root()
+    if not base.is_dir():
+        return out
+    for d in sorted(base.iterdir()):
+        try:
+            owner = json.loads((d / "owner.json").read_text())
+        except (OSError, ValueError):
+            owner = {}
+        out.append((d, owner))
+    return out
+
+
+def reap(everything: bool = False) -> list[str]:
+    """Remove local sandboxes whose owner process is gone (all but ours with everything)."""
+    removed = []
+    for d, owner in list_dirs():
+        pid, start = owner.get("pid", 0), owner.get("start")
+        if pid == OWNER_PID and start == OWNER_START:
+            continue
+        if not owner:
+            # half-created: its owner may still be writing owner.json
+            if time.time() - d.stat().st_mtime < 60 and not everything:
+                continue
+        elif not everything and owner_alive(pid, start):
+            continue
+        cleanup_dir(d)
+        removed.append(d.name)
+    if removed:
+        log.info("reaped %d local sandbox(es) of dead runs: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+_reaped = False
+
+
+def reap_once() -> None:
+    global _reaped
+    if not _reaped:
+        _reaped = True
+        try:
+            reap()
+        except Exception as e:
+            log.warning("reaping dead local sandboxes failed: %s", e)
+

@@ -1,0 +1,242 @@
+"""SandboxPool: warm sandboxes, bounded concurrency, a clean start for every trajectory.
+
+    pool = SandboxPool(backend="auto", warm=4, max_active=16, limits=SandboxLimits(...))
+    await pool.start()
+    async with pool.acquire(group_id="prompt-17", setup_files={"task.py": src}) as sb:
+        ...                                  # the trajectory's sandbox
+    pool.metrics()   # {"active": .., "warm": .., "acquire_s_p50": .., ...}
+    await pool.close()
+
+* At most `max_active` sandboxes are handed out at once (acquire waits, with a timeout)
+  and at most `max_creating` are being created at once, so the Docker daemon is never
+  flooded. `warm` idle sandboxes are kept ready.
+* A released sandbox is reset (/work, /tmp, /dev/shm wiped, its processes killed) and goes
+  back to the warm set; if the reset fails, or `reuse=False`, it is destroyed and a fresh
+  one is made in the background.
+* Every member of a GRPO group starts from the same state: the first acquire of a
+  `group_id` writes `setup_files` and runs `setup_cmd`, then snapshots /work (a tar);
+  later members of the group get that snapshot unpacked, byte for byte, whatever
+  setup_cmd would have done the second time. Snapshots of the last `max_groups` groups
+  are kept (`forget_group()` drops one).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections import OrderedDict
+from typing import AsyncIterator, Mapping
+
+from .base import Sandbox, SandboxError, SandboxLimits, log
+
+
+class SandboxPool:
+    def __init__(self, backend: str = "auto", *, warm: int = 2, max_active: int = 8,
+                 max_creating: int = 4, image: str | None = None,
+                 limits: SandboxLimits | None = None, network: bool = False,
+                 mounts: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+                 reuse: bool = True, acquire_timeout_s: float = 600.0, max_groups: int = 256,
+                 snapshot_max_bytes: int = 64 << 20):
+        from . import resolve_backend
+        self.backend = resolve_backend(backend)
+        self.warm_target = warm
+        self.max_active = max_active
+        self.kw = dict(image=image, limits=limits, network=network, mounts=mounts, env=env)
+        self.reuse = reuse
+        self.acquire_timeout_s = acquire_timeout_s
+        self.max_groups = max_groups
+        self.snapshot_max_bytes = snapshot_max_bytes
+        self._idle: list[Sandbox] = []
+        self._active: set[Sandbox] = set()
+        self._slots = asyncio.Semaphore(max_active)
+        self._creating = asyncio.Semaphore(max_creating)
+        self._groups: OrderedDict[str, tuple[bytes, Mapping | None, str | None]] = OrderedDict()
+        self._bg: set[asyncio.Task] = set()
+        self._acquire_s: list[float] = []
+        self._counts = {"created": 0, "reused": 0, "destroyed": 0, "reset_failures": 0,
+                        "create_failures": 0, "acquired": 0}
+        self.closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------
+    async def start(self) -> "SandboxPool":
+        """Create the warm sandboxes (concurrently, bounded by max_creating)."""
+        need = self.warm_target - len(self._idle)
+        made = await asyncio.gather(*[self._new() for _ in range(need)], return_exceptions=True)
+        for sb in made:
+            if isinstance(sb, BaseException):
+                raise sb
+            self._idle.append(sb)
+        return self
+
+    async def __aenter__(self) -> "SandboxPool":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self.closed = True
+        for t in list(self._bg):
+            t.cancel()
+        await asyncio.gather(*self._bg, return_exceptions=True)
+        doomed = self._idle + list(self._active)
+        self._idle, self._active = [], set()
+        await asyncio.gather(*[sb.close() for sb in doomed], return_exceptions=True)
+
+    async def _new(self) -> Sandbox:
+        from . import create
+        async with self._creating:
+            try:
+                sb = await create(self.backend, **self.kw)
+            except Exception:
+                self._counts["create_failures"] += 1
+                raise
+        self._counts["created"] += 1
+        return sb
+
+    def _refill(self) -> None:
+        if self.closed or len(self._idle) + len(self._bg) >= self.warm_target:
+            return
+
+        async def one():
+            try:
+                sb = await self._new()
+            except Exception as e:
+                log.warning("sandbox pool: warming a sandbox failed: %s", e)
+                return
+            if self.closed:
+                await sb.close()
+            else:
+                self._idle.append(sb)
+        task = asyncio.get_running_loop().create_task(one())
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    # ---- acquire / release ---------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def acquire(self, group_id: str | None = None,
+                      setup_files: Mapping[str, bytes | str] | None = None,
+                      setup_cmd: str | None = None) -> AsyncIterator[Sandbox]:
+        """A clean sandbox for one trajectory, released (reset or destroyed) on exit.
+        Members of one group_id start from identical /work contents (see module doc).
+        Raises SandboxError if none can be had within acquire_timeout_s."""
+        sb = await self.get(group_id, setup_files, setup_cmd)
+        try:
+            yield sb
+        finally:
+            await self.release(sb)
+
+    async def get(self, group_id: str | None = None,
+                  setup_files: Mapping[str, bytes | str] | None = None,
+                  setup_cmd: str | None = None) -> Sandbox:
+        """acquire() without the context manager: pair with release()."""
+        if self.closed:
+            raise SandboxError("sandbox pool is closed")
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.acquire_timeout_s)
+        except asyncio.TimeoutError:
+            raise SandboxError(f"no sandbox free within {self.acquire_timeout_s}s "
+                               f"({len(self._active)} active, max_active={self.max_active})") from None
+        sb = None
+        try:
+            for attempt in (1, 2):
+                warm = bool(self._idle)
+                sb = self._idle.pop() if warm else await asyncio.wait_for(
+                    self._new(), self.acquire_timeout_s)
+                self._active.add(sb)
+                self._refill()
+                try:
+                    if warm:
+                        await sb.ping()
+                    await self._prepare(sb, group_id, setup_files, setup_cmd)
+                    break
+                except SandboxError as e:
+                    if not warm or attempt == 2:
+                        raise
+                    # a warm sandbox that died while idle: replace it once
+                    log.warning("sandbox pool: idle sandbox %s is broken (%s); replacing it", sb.id, e)
+                    self._active.discard(sb)
+                    await sb.close()
+                    self._counts["destroyed"] += 1
+                    sb = None
+        except BaseException:
+            if sb is not None:
+                self._active.discard(sb)
+                await sb.close()
+            self._slots.release()
+            raise
+        self._acquire_s.append(time.perf_counter() - t0)
+        del self._acquire_s[:-1000]
+        self._counts["acquired"] += 1
+        return sb
+
+    async def _prepare(self, sb: Sandbox, group_id, setup_files, setup_cmd) -> None:
+        snap = self._groups.get(group_id) if group_id is not None else None
+        if snap is not None:
+            data, files0, cmd0 = snap
+            if (setup_files is not None and setup_files != files0) or (setup_cmd is not None and setup_cmd != cmd0):
+                raise ValueError(f"group {group_id!r} was set up with different setup_files/setup_cmd")
+            self._groups.move_to_end(group_id)
+            if data:
+                r = await sb.exec(["tar", "-C", sb.workdir, "-xf", "-"], stdin=data, timeout=120)
+                if not r.ok:
+                    raise SandboxError(f"restoring group {group_id!r} snapshot failed: {r.stderr[-500:]}")
+            return
+        for path, content in (setup_files or {}).items():
+            await sb.write_file(path, content)
+        if setup_cmd:
+            r = await sb.exec(setup_cmd, timeout=sb.limits.timeout_s)
+            if not r.ok:
+                raise SandboxError(f"setup_cmd failed (exit {r.exit_code}): {r.stderr[-1000:]}")
+        if group_id is not None:
+            data = b""
+            if setup_files or setup_cmd:
+                r = await sb.exec(["tar", "-C", sb.workdir, "-cf", "-", "."], timeout=120,
+                                  output_limit=self.snapshot_max_bytes)
+                if not r.ok or r.truncated:
+                    raise SandboxError(f"snapshot of group {group_id!r} failed or is larger than "
+                                       f"{self.snapshot_max_bytes} bytes: {r.stderr[-500:]}")
+                data = r.stdout_bytes
+            self._groups[group_id] = (data, setup_files, setup_cmd)
+            while len(self._groups) > self.max_groups:
+                self._groups.popitem(last=False)
+
+    def forget_group(self, group_id: str) -> None:
+        self._groups.pop(group_id, None)
+
+    async def release(self, sb: Sandbox) -> None:
+        """Give a sandbox back: reset and keep it warm, or destroy it."""
+        if sb not in self._active:
+            return
+        self._active.discard(sb)
+        try:
+            keep = False
+            if self.reuse and not self.closed and not sb.closed and len(self._idle) < self.warm_target:
+                try:
+                    keep = await sb.reset()
+                except SandboxError:
+                    keep = False
+                if not keep:
+                    self._counts["reset_failures"] += 1
+            if keep:
+                self._idle.append(sb)
+                self._counts["reused"] += 1
+            else:
+                await sb.close()
+                self._counts["destroyed"] += 1
+                self._refill()
+        finally:
+            self._slots.release()
+
+    def metrics(self) -> dict:
+        """Pool state for logging: active/idle counts, acquire latency, lifetime counters."""
+        times = sorted(self._acquire_s)
+        out = {"active": len(self._active), "warm": len(self._idle), "max_active": self.max_active,
+               "creating": len(self._bg), "backend": self.backend, **self._counts}
+        if times:
+            out.update(acquire_s_p50=statistics.median(times),
+                       acquire_s_p99=times[min(len(times) - 1, int(0.99 * len(times)))],
+                       acquire_s_mean=statistics.fmean(times), acquire_s_last=self._acquire_s[-1])
+        return out

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install everything (scripts/setup.sh) and run the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# The docker sandbox image (cached: a no-op when current); tests skip docker cases without it.
+if docker info >/dev/null 2>&1; then bash scripts/build_sandbox_image.sh; fi
+exec .venv/bin/python -m pytest -q -ra "$@"

@@ -1,0 +1,28 @@
+from pathlib import Path
+
+import pytest
+
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from agentrl.models import build_tiny_model
+
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from agentrl.models import load_tokenizer
+
+    return load_tokenizer(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model, tmp_path_factory):
+    """One embedded engine process on the tiny model, shared by the session."""
+    from agentrl.engines.launch import launch_embedded_engine
+
+    server = launch_embedded_engine(str(tiny_model), log_dir=tmp_path_factory.mktemp("engine-logs"), num_threads=1)
+    yield server
+    server.stop()

@@ -1,0 +1,92 @@
+"""Weights into engines from a process group (SGLang's distributed protocol, gloo on CPU),
+and pause/continue with SGLang's semantics (abort by default; in place keeps requests)."""
+
+import asyncio
+
+import torch
+from aiohttp.test_utils import TestServer
+
+from agentrl.engines.embedded import EmbeddedEngine, encode_named_tensors
+from agentrl.models import load_model
+from agentrl.rollout.client import EngineClient
+from agentrl.weight_sync import WeightUpdateGroup, sync_weights_from_disk
+from contract_helpers import RecordingClient, check_reply, check_request
+
+
+def test_weights_from_a_process_group(engine, tiny_model):
+    model = load_model(tiny_model)
+    named = [(n, p.detach() * 1.5) for n, p in model.named_parameters()]
+
+    async def go():
+        client = RecordingClient(engine.url)
+        group = WeightUpdateGroup([client])
+        await group.init(device="cpu")
+        sync = await group.sync(named, version=9, bucket_bytes=1 << 18)
+        after = await client.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 4})
+        gen = await client.generate([5, 6, 7, 8], {"max_new_tokens": 2, "temperature": 0.0})
+        await group.close()
+        await sync_weights_from_disk([client], str(tiny_model), version=0)  # as it was, for the other tests
+        back = await client.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 4})
+        await client.close()
+        return client.calls, sync, after, gen, back
+
+    calls, sync, after, gen, back = asyncio.run(go())
+    assert sync["weight_sync_buckets"] > 1 and sync["weight_sync_mb"] > 0
+    norm = model.model.norm.weight.detach()
+    assert torch.allclose(torch.tensor(after), norm[:4] * 1.5) and torch.allclose(torch.tensor(back), norm[:4])
+    assert gen.weight_version == "9"
+    paths = [c[0] for c in calls]
+    assert paths.count("/init_weights_update_group") == 1 and "/destroy_weights_update_group" in paths
+    assert paths.count("/update_weights_from_distributed") == sync["weight_sync_buckets"]
+    for path, payload, status, ctype, body in calls:
+        if path != "/get_weights_by_name":
+            check_request(path, payload)
+            if path in ("/init_weights_update_group", "/update_weights_from_distributed",
+                        "/destroy_weights_update_group", "/update_weights_from_disk"):
+                check_reply(path, status, ctype, body)
+    last = [p for path, p, *_ in calls if path == "/update_weights_from_distributed"][-1]
+    assert last["weight_version"] == "9" and last["flush_cache"] is True
+
+
+def test_pause_in_place_keeps_requests_and_pause_abort_ends_them(tiny_model):
+    torch.set_num_threads(1)
+    eng = EmbeddedEngine(str(tiny_model))
+    norm = eng.model.model.norm.weight.detach().clone()
+
+    async def go():
+        server = TestServer(eng.app())
+        await server.start_server()
+        url = str(server.make_url("")).rstrip("/")
+        try:
+            async with EngineClient(url) as c:
+                params = {"max_new_tokens": 300, "ignore_eos": True}
+                running = asyncio.create_task(c.generate([5, 6, 7], params))
+                await asyncio.sleep(0.3)
+                await c.post("/pause_generation", {"mode": "in_place"})
+                parked = eng._parked.is_set()
+                await asyncio.sleep(0.3)
+                held = not running.done()
+                reply = await c.post("/update_weights_from_tensor", {  # allowed while parked
+                    "serialized_named_tensors": [encode_named_tensors([("model.norm.weight", norm)])],
+                    "weight_version": "4"})
+                await c.post("/continue_generation", {})
+                kept = await asyncio.wait_for(running, 60)
+
+                running = asyncio.create_task(c.generate([5, 6, 7], params))
+                await asyncio.sleep(0.3)
+                await c.post("/pause_generation", {})  # SGLang's default mode: abort
+                aborted = await asyncio.wait_for(running, 30)
+                waiting = asyncio.create_task(c.generate([9, 9], {"max_new_tokens": 2}))
+                await asyncio.sleep(0.5)
+                queued = not waiting.done()  # paused: new requests wait
+                await c.post("/continue_generation", {})
+                served = await asyncio.wait_for(waiting, 30)
+            return parked, held, reply, kept, aborted, queued, served
+        finally:
+            await server.close()
+
+    parked, held, reply, kept, aborted, queued, served = asyncio.run(go())
+    assert parked and held and reply["success"]
+    assert kept.finish_reason == "length" and len(kept.output_ids) == 300 and kept.weight_version == "4"
+    assert aborted.finish_reason == "abort" and len(aborted.output_ids) < 300
+    assert queued and served.finish_reason == "length"

@@ -1,0 +1,271 @@
+"""search-r1: the retrieval backends, the MCP search server over its transports, the env driven
+by hand-written turns, and one training iteration via the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from aiohttp import web
+
+import agentrl
+from agentrl.data import read_rows
+from agentrl.envs.search_r1 import (DATA_DIR, INVALID, SearchError, SearchR1Env, exact_match, f1_score,
+                                    gold_answers, normalize_answer, parse_action)
+from agentrl.envs.search_r1.make_data import build
+from agentrl.tools.retrieval import BM25Retriever, Passage, RemoteRetriever, RetrievalError, format_passages
+
+from envtest_helpers import assert_iteration_ok, ROOT, train_one_iteration
+
+TASK = {"prompt": "Who founded Vrokath Works?", "label": ["Lomaerk Deloth", "Deloth"], "metadata": {}}
+
+
+# -- scoring ---------------------------------------------------------------------------------------
+def test_normalization_em_f1():
+    assert normalize_answer("  The  Eiffel-Tower! ") == "eiffeltower"
+    assert normalize_answer("An apple, a day") == "apple day"
+    assert exact_match("the beekeeper.", ["a beekeeper"]) == 1.0
+    assert exact_match("beekeepers", ["beekeeper"]) == 0.0
+    assert exact_match("Deloth", ["Lomaerk Deloth", "Deloth"]) == 1.0  # any gold answer
+    assert f1_score("Lomaerk", ["Lomaerk Deloth"]) == pytest.approx(2 / 3)
+    assert f1_score("nothing", ["Lomaerk Deloth"]) == 0.0
+    assert gold_answers({"target": ["a", "b"]}) == ["a", "b"]
+    assert gold_answers("Paris") == ["Paris"] and gold_answers('["x", "y"]') == ["x", "y"]
+    assert parse_action("<think>hm</think> <search> q1 </search> <answer>x</answer>") == ("search", "q1")
+    assert parse_action("<answer>\nParis\n</answer>") == ("answer", "Paris")
+    assert parse_action("<search> unclosed") == (None, "")
+
+
+# -- the env, by hand --------------------------------------------------------------------------------
+def test_search_then_correct_answer(run_async):
+    async def episode():
+        env = agentrl.make("search-r1")
+        try:
+            obs, info = await env.areset(seed=0, options=TASK)
+            assert "<search> query </search>" in obs and obs.endswith("Question: Who founded Vrokath Works?\n")
+            obs, reward, terminated, truncated, info = await env.astep(
+                "<think>I do not know this company.</think>\n<search> Vrokath Works founder </search>")
+            assert (reward, terminated, truncated) == (0.0, False, False)
+            assert len(obs) == 1 and obs[0]["role"] == "user"
+            text = obs[0]["content"]
+            assert text.startswith("<information>Doc 1(Title: Vrokath Works)") and text.endswith("</information>")
+            assert "Vrokath Works was founded by Lomaerk Deloth." in text
+            assert text.count("Doc ") == 3  # topk=3
+            assert info == {"query": "Vrokath Works founder", "searches": 1}
+            obs, reward, terminated, truncated, info = await env.astep(
+                "<think>The passage says it.</think> <answer> Lomaerk Deloth </answer>")
+            assert (obs, reward, terminated, truncated) == ([], 1.0, True, False)
+            assert info["em"] == 1.0 and info["searches"] == 1
+        finally:
+            await env.aclose()
+
+    run_async(episode())
+
+
+def test_wrong_answer_and_f1(run_async):
+    env = SearchR1Env()
+    env.reset(options=TASK)
+    obs, reward, terminated, _, info = env.step("<answer> Lomaerk </answer>")
+    assert (obs, reward, terminated) == ([], 0.0, True) and info["f1"] == pytest.approx(2 / 3)
+    f1_env = SearchR1Env(reward="f1")
+    f1_env.reset(options=TASK)
+    assert f1_env.step("<answer> Lomaerk </answer>")[1] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError):
+        SearchR1Env(reward="accuracy")
+
+
+def test_malformed_actions_get_the_invalid_message():
+    env = SearchR1Env(topk=1)
+    env.reset(options=TASK)
+    for bad in ("I think it is Deloth.", "<search> Vrokath Works", "<search>   </search>", "<answer>Deloth"):
+        obs, reward, terminated, truncated, info = env.step(bad)
+        assert obs == [{"role": "user", "content": INVALID}]
+        assert (reward, terminated, truncated) == (0.0, False, False) and info["invalid"]
+    obs, *_ = env.step("<search>Vrokath Works founded</search>")  # sync step, topk=1
+    assert obs[0]["content"].count("Doc ") == 1
+
+
+def test_nq_shaped_data_and_formatted_prompts(tmp_path):
+    nq = tmp_path / "nq.jsonl"
+    nq.write_text(json.dumps({"id": "q1", "question": "who founded vrokath works",
+                              "golden_answers": ["Lomaerk Deloth"]}) + "\n")
+    (task,) = read_rows(str(nq), input_key="question", label_key="golden_answers")
+    env = SearchR1Env()
+    obs, _ = env.reset(options=task)
+    assert obs.endswith("Question: who founded vrokath works?\n")  # Search-R1 adds the "?"
+    assert env.step("<answer>lomaerk deloth</answer>")[1] == 1.0
+    messages = [{"role": "user", "content": "Q? Use <search> and <answer>."}]
+    assert env.reset(options={"prompt": messages, "label": {"target": ["x"]}})[0] == messages
+    with pytest.raises(ValueError):
+        env.reset(options={"prompt": "q", "label": None})
+
+
+def test_builtin_dataset_and_generator_is_deterministic():
+    corpus, questions = build()
+    assert len(corpus) == 300 and len(questions) == 200
+    on_disk = [json.loads(line) for line in (DATA_DIR / "corpus.jsonl").read_text().splitlines()]
+    assert on_disk == corpus, "envs/search_r1/data/ is stale: rerun python -m agentrl.envs.search_r1.make_data"
+    train = [json.loads(line) for line in (DATA_DIR / "train.jsonl").read_text().splitlines()]
+    assert train == questions[:180]
+    a = [t for t, _ in zip(SearchR1Env.dataset(seed=5), range(200))]
+    assert a == [t for t, _ in zip(SearchR1Env.dataset(seed=5), range(200))]
+    assert {t["metadata"]["id"] for t in a[:180]} == {q["id"] for q in train}  # an epoch is a permutation
+    test_ids = {q["id"] for q in questions[180:]}
+    assert {t["metadata"]["id"] for t, _ in zip(SearchR1Env.dataset(split="test"), range(20))} == test_ids
+
+
+def test_answers_are_retrievable():
+    """The questions need the corpus: for most one-hop questions BM25's top 3 holds the answer."""
+    retriever = BM25Retriever(DATA_DIR / "corpus.jsonl")
+    questions = [json.loads(line) for line in (DATA_DIR / "train.jsonl").read_text().splitlines()]
+    one_hop = [q for q in questions if q["hops"] == 1]
+    results = retriever.search_sync([q["question"] for q in one_hop], 3)
+    found = sum(any(normalize_answer(a) in normalize_answer(p.contents) for a in q["golden_answers"] for p in hits)
+                for q, hits in zip(one_hop, results))
+    assert found / len(one_hop) > 0.9
+
+
+# -- retrieval backends ----------------------------------------------------------------------------
+def test_bm25_index_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "contents": f'"T{i}"\n{text}'}) + "\n" for i, text in
+                              enumerate(["red apples grow on trees", "the blue whale is large", "apples and pears"])))
+    first = BM25Retriever(corpus)
+    assert (first.index_dir / "params.index.json").exists() and str(first.index_dir).startswith(str(tmp_path))
+    second = BM25Retriever(corpus)  # loads the cached index
+    hits = second.search_sync(["apples", "whale", "zebra"], topk=5)
+    assert [p.id for p in hits[0]] and set(p.id for p in hits[0]) == {"d0", "d2"}
+    assert [p.id for p in hits[1]] == ["d1"] and hits[2] == []
+    assert format_passages(hits[1]) == "Doc 1(Title: T1) the blue whale is large\n"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\n')
+    with pytest.raises(RetrievalError, match="contents"):
+        BM25Retriever(bad)
+
+
+async def _retrieval_service(fail: bool = False):
+    """A stand-in for Search-R1's retrieval server: POST /retrieve."""
+    seen = []
+
+    async def retrieve(request):
+        body = await request.json()
+        seen.append(body)
+        if fail:
+            return web.Response(status=500, text="index not loaded")
+        result = [[{"document": {"id": f"{q}-{i}", "contents": f'"Title {i}"\nAbout {q}: passage {i}.'},
+                    "score": 10.0 - i} for i in range(body["topk"])] for q in body["queries"]]
+        return web.json_response({"result": result})
+
+    app = web.Application()
+    app.router.add_post("/retrieve", retrieve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}/retrieve", seen
+
+
+def test_remote_retriever_and_env_over_it(run_async):
+    async def main():
+        runner, url, seen = await _retrieval_service()
+        try:
+            hits = await RemoteRetriever(url).search(["alpha", "beta"], topk=2)
+            assert seen[0] == {"queries": ["alpha", "beta"], "topk": 2, "return_scores": True}
+            assert hits[1] == [Passage("beta-0", '"Title 0"\nAbout beta: passage 0.', 10.0),
+                               Passage("beta-1", '"Title 1"\nAbout beta: passage 1.', 9.0)]
+            env = SearchR1Env(retriever_url=url, topk=2)
+            await env.areset(options=TASK)
+            obs, *_ = await env.astep("<search>gamma</search>")
+            await env.aclose()
+            assert obs[0]["content"] == ("<information>Doc 1(Title: Title 0) About gamma: passage 0.\n"
+                                         "Doc 2(Title: Title 1) About gamma: passage 1.</information>")
+            assert seen[-1]["queries"] == ["gamma"] and seen[-1]["topk"] == 2
+        finally:
+            await runner.cleanup()
+
+    run_async(main())
+
+
+def test_retrieval_outage_fails_the_trajectory_not_the_answer(run_async):
+    async def main():
+        runner, url, seen = await _retrieval_service(fail=True)
+        try:
+            with pytest.raises(RetrievalError, match="HTTP 500"):
+                await RemoteRetriever(url, retries=1).search(["q"])
+            assert len(seen) == 2  # retried once
+            env = SearchR1Env(retriever_url=url)
+            await env.areset(options=TASK)
+            with pytest.raises(SearchError, match="HTTP 500"):
+                await env.astep("<search>q</search>")
+            await env.aclose()
+        finally:
+            await runner.cleanup()
+        with pytest.raises(RetrievalError, match="failed"):  # nobody listening
+            await RemoteRetriever(url, retries=0, timeout_s=2).search(["q"])
+
+    run_async(main())
+
+
+# -- the MCP search server over stdio and streamable HTTP --------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_search_server_stdio_and_http(run_async):
+    async def episode(server: str):
+        env = SearchR1Env(search_server=server, topk=2)
+        await env.areset(options=TASK)
+        try:
+            obs, *_ = await env.astep("<search>Vrokath Works founder</search>")
+            obs2, *_ = await env.astep("<search>Lomaerk Deloth born</search>")  # the same connection
+        finally:
+            await env.aclose()
+        return obs[0]["content"], obs2[0]["content"]
+
+    first, second = run_async(episode("stdio"))
+    assert "founded by Lomaerk Deloth" in first and first.count("Doc ") == 2 and "Lomaerk Deloth" in second
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl.tools.search_server", "--corpus",
+                             str(DATA_DIR / "corpus.jsonl"), "--transport", "streamable-http", "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+                assert time.time() < deadline, "the search server did not start"
+                time.sleep(0.2)
+        over_http, _ = run_async(episode(f"http://127.0.0.1:{port}/mcp"))
+        assert over_http == first
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_search_server_cli_rejects_a_missing_corpus(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "agentrl.tools.search_server", "--corpus", str(tmp_path / "no.jsonl")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
+# -- one training iteration --------------------------------------------------------------------------
+def test_train_one_iteration(tmp_path):
+    out = tmp_path / "run"
+    # Short budgets keep the tiny random model's turns quick; several turns still happen.
+    rows = train_one_iteration("search-r1", out, "--rollout-max-response-len", "160",
+                               "--rollout-max-tokens-per-turn", "40")
+    assert_iteration_ok(out, rows)
+    assert rows[0]["turns_mean"] >= 1

@@ -1,0 +1,268 @@
+"""The sandbox API for both backends: exec/files/spawn, the pool, cleanup after SIGKILL,
+and the errors on bad input."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import agentrl.sandboxes as sbx
+from agentrl.sandboxes import (ExecResult, ImageNotFoundError, SandboxError, SandboxLimits,
+                               SandboxPool, create, create_sync, resolve_backend)
+from sbx_helpers import SMALL, backend_or_skip, run, sandbox
+
+
+def test_exec_and_files(backend):
+    async def go():
+        async with sandbox(backend) as sb:
+            assert sb.workdir == "/work"
+            r = await sb.exec("echo out; echo err >&2; exit 3")
+            assert (r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated) == (3, "out\n", "err\n", False, False)
+            r = await sb.exec(["python3", "-c", "import sys; print(sys.stdin.read()[::-1])"], stdin="abc")
+            assert r.stdout == "cba\n" and r.ok
+            r = await sb.exec("pwd; echo $FOO", env={"FOO": "bar"}, cwd="/tmp")
+            assert r.stdout == "/tmp\nbar\n"
+            blob = bytes(range(256)) * 1000
+            await sb.write_file("d/e/blob.bin", blob)
+            assert await sb.read_file("/work/d/e/blob.bin") == blob
+            await sb.write_file("run.sh", "#!/bin/sh\necho ran\n", mode=0o755)
+            assert (await sb.exec("./run.sh")).stdout == "ran\n"
+            with pytest.raises(FileNotFoundError):
+                await sb.read_file("missing.txt")
+            with pytest.raises(ValueError):
+                await sb.read_file("d/e/blob.bin", max_bytes=10)
+            r = await sb.exec(["no-such-binary"])
+            assert r.exit_code == 127
+            # state persists between execs; the workdir is private per sandbox
+            await sb.exec("echo 1 > /work/state")
+            async with sandbox(backend) as other:
+                assert (await other.exec("cat /work/state")).exit_code != 0
+            assert (await sb.exec("cat /work/state")).stdout == "1\n"
+    run(go())
+
+
+def test_reset_wipes_state(backend):
+    async def go():
+        async with sandbox(backend) as sb:
+            await sb.exec("mkdir -p /work/a/b && touch /work/a/b/c /tmp/t /work/.hidden && chmod 000 /work/a/b")
+            assert await sb.reset()
+            r = await sb.exec("ls -A /work /tmp")
+            assert r.stdout.split() == ["/tmp:", "/work:"], r
+    run(go())
+
+
+def test_spawn_long_running_process(backend):
+    server = "import sys\nfor line in sys.stdin:\n    print('echo:' + line.strip(), flush=True)\n"
+
+    async def go():
+        async with sandbox(backend) as sb:
+            await sb.write_file("srv.py", server)
+            proc = await sb.spawn(["python3", "srv.py"], env={"X": "1"})
+            proc.stdin.write(b"one\n")
+            await proc.stdin.drain()
+            assert await asyncio.wait_for(proc.stdout.readline(), 20) == b"echo:one\n"
+            r = await sb.exec("echo between")  # an exec does not kill the spawned server
+            assert r.ok
+            proc.stdin.write(b"two\n")
+            await proc.stdin.drain()
+            assert await asyncio.wait_for(proc.stdout.readline(), 20) == b"echo:two\n"
+            argv = sb.spawn_argv(["python3", "-c", "print('hi')"])
+            p2 = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+            out, _ = await asyncio.wait_for(p2.communicate(), 30)
+            assert out == b"hi\n"
+        assert await asyncio.wait_for(proc.wait(), 20) is not None  # close() killed it
+    run(go())
+
+
+def test_agentrl_source_mount(backend):
+    mounts, env = sbx.agentrl_source_mounts()
+
+    async def go():
+        async with sandbox(backend, mounts=mounts, env=env) as sb:
+            r = await sb.exec(["python3", "-c", "import agentrl.sandboxes._server as s, agentrl.errors; "
+                               "print(s.__file__)"])
+            assert r.ok and r.stdout.startswith("/opt/agentrl/agentrl/sandboxes/"), r
+            assert (await sb.exec("touch /opt/agentrl/x")).exit_code != 0
+    run(go())
+
+
+def test_sync_wrapper():
+    backend = backend_or_skip("local")
+    with create_sync(backend, limits=SMALL) as sb:
+        r = sb.exec("echo hi")
+        assert isinstance(r, ExecResult) and r.stdout == "hi\n"
+        sb.write_file("x", b"1")
+        assert sb.read_file("x") == b"1"
+    assert sb.sandbox.closed
+
+
+def test_pool_groups_and_metrics(backend):
+    async def go():
+        pool = SandboxPool(backend, warm=2, max_active=3, limits=SMALL, acquire_timeout_s=60)
+        async with pool:
+            assert pool.metrics()["warm"] == 2
+            seen = []
+            # members of a group start identical, even though setup_cmd is random
+            for _ in range(3):
+                async with pool.acquire(group_id="g1", setup_files={"task.txt": "solve"},
+                                        setup_cmd="head -c 16 /dev/urandom | od -An -tx1 > rnd") as sb:
+                    seen.append((await sb.exec("cat task.txt rnd")).stdout)
+                    await sb.exec("echo dirt > dirt; sleep 1000 &")
+            assert len(set(seen)) == 1 and seen[0].startswith("solve"), seen
+            async with pool.acquire() as sb:  # a reused sandbox is clean
+                assert (await sb.exec("ls -A /work")).stdout == ""
+            with pytest.raises(ValueError):
+                async with pool.acquire(group_id="g1", setup_files={"task.txt": "other"}):
+                    pass
+            # the concurrency bound: a 4th concurrent acquire waits for a release
+            held = [await pool.get() for _ in range(3)]
+            assert pool.metrics()["active"] == 3
+            waiter = asyncio.ensure_future(pool.get())
+            await asyncio.sleep(0.5)
+            assert not waiter.done()
+            await pool.release(held.pop())
+            held.append(await asyncio.wait_for(waiter, 60))
+            for sb in held:
+                await pool.release(sb)
+            m = pool.metrics()
+            assert m["active"] == 0 and m["acquired"] == 8 and m["acquire_s_p50"] > 0, m
+        assert pool.metrics()["warm"] == 0
+    run(go(), timeout=240)
+
+
+CHILD = textwrap.dedent("""
+    import asyncio, sys
+    from agentrl.sandboxes import create, SandboxLimits
+    async def main():
+        boxes = [await create(sys.argv[1], limits=SandboxLimits(memory_mb=128)) for _ in range(2)]
+        for sb in boxes:
+            await sb.exec("true")
+        await boxes[0].spawn(["sleep", sys.argv[2]])
+        print("READY", flush=True)
+        await asyncio.sleep(600)
+    asyncio.run(main())
+""")
+
+
+def test_no_sandbox_survives_sigkill(backend, tmp_path):
+    run_id = f"sigkill-test-{os.getpid()}-{time.time_ns()}"
+    # A duration no other test uses, so `ps` finds this sandbox's process and nothing else's.
+    marker = f"1000.{time.time_ns() % 10**6:06d}"
+    env = {**os.environ, "AGENTRL_RUN_ID": run_id}
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, backend, marker], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "READY", proc.stderr.read() if proc.poll() is not None else line
+        assert len(_sandboxes_of(backend, run_id)) == 2
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    sbx.reap()  # what every start-up does
+    deadline = time.monotonic() + 20
+    while _sandboxes_of(backend, run_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _sandboxes_of(backend, run_id) == []
+    # nothing of it runs any more (container processes show in the host's ps too)
+    deadline = time.monotonic() + 10
+    while (left := _processes_with(f"sleep {marker}")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], left
+    if backend == "local":  # nothing stays mounted
+        assert "agentrl-sandboxes" not in Path("/proc/self/mountinfo").read_text()
+
+
+def _processes_with(text: str) -> list[str]:
+    """pid, state and cgroups of each live process whose command line contains `text`."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or text not in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                continue
+            state = (d / "stat").read_text().split(")")[-1].split()[0]
+            if state != "Z":
+                found.append(f"{d.name} {state} {(d / 'cgroup').read_text().split()}")
+        except OSError:
+            pass
+    return found
+
+
+def _sandboxes_of(backend: str, run_id: str) -> list[str]:
+    if backend == "docker":
+        from agentrl.sandboxes.docker_backend import docker_client
+        return [c.name for c in docker_client().containers.list(
+            all=True, filters={"label": f"agentrl.run_id={run_id}"})]
+    from agentrl.sandboxes.local_backend import list_dirs
+    return [d.name for d, owner in list_dirs() if owner.get("run_id") == run_id]
+
+
+def test_missing_image_says_how_to_build():
+    backend_or_skip("docker")
+    with pytest.raises(ImageNotFoundError, match="agentrl sandbox build"):
+        run(create("docker", image="agentrl-no-such-image:v0").start())
+
+
+def test_no_engine_errors_and_auto_falls_back(monkeypatch, caplog):
+    backend_or_skip("local")
+    from agentrl.sandboxes import docker_backend
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    monkeypatch.setattr(docker_backend, "_client", None)
+    monkeypatch.setattr(sbx, "_auto_choice", None)
+    with pytest.raises(SandboxError, match="no Docker engine answers"):
+        resolve_backend("docker")
+    with pytest.raises(SandboxError, match="no Docker engine answers"):
+        docker_backend.docker_client()
+    with caplog.at_level(logging.INFO, logger="agentrl.sandboxes"):
+        assert resolve_backend("auto") == "local"
+    assert "auto -> local" in caplog.text
+    with pytest.raises(SandboxError, match="unknown sandbox backend"):
+        resolve_backend("vm")
+
+
+def test_cli(capsys):
+    backend_or_skip("local")
+    from agentrl.sandboxes.cli import main
+    assert main(["check", "--sandbox", "local"]) == 0
+    assert "exit 0" in capsys.readouterr().out
+    assert main(["ls"]) == 0
+    assert main(["reap"]) == 0
+
+
+def test_cli_build_is_cached():
+    backend_or_skip("docker")  # builds the image on demand if missing
+    from agentrl.sandboxes.cli import main
+    t0 = time.monotonic()
+    assert main(["build"]) == 0
+    assert time.monotonic() - t0 < 10, "an up-to-date image must not be rebuilt"
+
+
+def test_dead_container_is_a_sandbox_error():
+    backend_or_skip("docker")
+
+    async def go():
+        async with sandbox("docker") as sb:
+            await asyncio.to_thread(sb.container.kill)
+            with pytest.raises(SandboxError):
+                await sb.exec("echo hi")
+    run(go())
+
+
+def test_pool_replaces_a_dead_warm_sandbox():
+    backend_or_skip("docker")
+
+    async def go():
+        async with SandboxPool("docker", warm=1, max_active=1, limits=SMALL) as pool:
+            idle = pool._idle[0]
+            await asyncio.to_thread(idle.container.kill)
+            async with pool.acquire() as sb:
+                assert sb is not idle and (await sb.exec("echo 1")).stdout == "1\n"
+    run(go())

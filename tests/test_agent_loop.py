@@ -1,0 +1,132 @@
+"""Multi-turn token-in/token-out: masks, continuity, template drift, failures."""
+
+import asyncio
+import copy
+
+import pytest
+
+import agentrl
+from agentrl.errors import EngineError, TemplateDriftError
+from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory
+from agentrl.rollout.client import GenerateResult
+from agentrl.types import SampleStatus
+
+
+class ScriptedClient:
+    """Answers /generate with scripted texts (ending in EOS), recording what it was sent."""
+
+    def __init__(self, tokenizer, replies, fail_at=None):
+        self.tok, self.replies, self.fail_at = tokenizer, list(replies), fail_at
+        self.calls = []
+
+    async def generate(self, input_ids, sampling_params, *, session_id=None, rid=None):
+        self.calls.append((list(input_ids), session_id))
+        if self.fail_at is not None and len(self.calls) - 1 == self.fail_at:
+            raise EngineError("engine died")
+        ids = self.tok.encode(self.replies.pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
+        ids = ids[: sampling_params["max_new_tokens"]]
+        finish = "stop" if ids[-1] == self.tok.eos_token_id else "length"
+        return GenerateResult(ids, [-0.5] * len(ids), finish, len(input_ids), 0, "3")
+
+
+class CountEnv(agentrl.Env):
+    """Multi-turn: asks for three answers, rewards the count of 'yes'."""
+
+    max_turns = 3
+
+    def reset(self, *, seed=None, options=None):
+        self.turn, self.score = 0, 0
+        return [{"role": "system", "content": "be brief"}, {"role": "user", "content": options["prompt"]}], {}
+
+    def step(self, action):
+        self.turn += 1
+        self.score += action.strip() == "yes"
+        done = self.turn == 3
+        return f"turn {self.turn} noted", self.score / 3 if done else 0.0, done, False, {}
+
+
+def play(env, client, tokenizer, max_len=200, max_turns=3, **kw):
+    renderer = Renderer(tokenizer, True)
+    settings = LoopSettings(max_response_len=max_len, max_turns=max_turns, sampling_params={"temperature": 1.0})
+    return asyncio.run(run_trajectory(env, {"prompt": "answer yes"}, renderer=renderer, client=client,
+                                      settings=settings, trajectory_id="traj-1", group_id=0, seed=0, **kw))
+
+
+def test_multi_turn_masks_and_token_continuity(tokenizer):
+    client = ScriptedClient(tokenizer, ["yes", "no", "yes"])
+    s = play(CountEnv(), client, tokenizer)
+    assert s.status == SampleStatus.COMPLETED and s.num_turns == 3 and s.reward == pytest.approx(2 / 3)
+    # Every turn's request extends the previous one exactly: nothing re-tokenized.
+    for (prev, _), (cur, _) in zip(client.calls, client.calls[1:]):
+        assert cur[: len(prev)] == prev
+    assert all(key == "traj-1" for _, key in client.calls)  # session id = trajectory id
+    # Policy tokens: mask 1 with their logprobs and version; env tokens: mask 0.
+    eos = tokenizer.eos_token_id
+    policy = [t for t, m in zip(s.response_tokens, s.loss_mask) if m]
+    assert policy == sum((tokenizer.encode(w) + [eos] for w in ["yes", "no", "yes"]), [])
+    assert all(lp == -0.5 for lp, m in zip(s.rollout_logprobs, s.loss_mask) if m)
+    assert all(v == 3 for v, m in zip(s.policy_versions, s.loss_mask) if m)
+    env_text = tokenizer.decode([t for t, m in zip(s.response_tokens, s.loss_mask) if not m])
+    assert "turn 1 noted" in env_text and "<|im_start|>assistant" in env_text
+    # The whole trajectory is exactly what the chat template renders for the conversation.
+    rendered = tokenizer.apply_chat_template(s.messages, tokenize=False)
+    assert tokenizer.decode(s.tokens) == rendered.rstrip("\n")
+    assert tokenizer.decode(s.prompt_tokens).endswith("<|im_start|>assistant\n")
+
+
+def test_template_that_rewrites_earlier_turns_is_reported(tokenizer):
+    drifting = copy.deepcopy(tokenizer)
+    # Like templates that drop past reasoning: earlier assistant turns lose their <think> block.
+    drifting.chat_template = tokenizer.chat_template.replace(
+        "{{ message.content }}",
+        "{% if message.role == 'assistant' %}{{ message.content.split('</think>')[-1] }}"
+        "{% else %}{{ message.content }}{% endif %}")
+    client = ScriptedClient(drifting, ["<think>hmm</think>yes", "yes", "yes"])
+    with pytest.raises(TemplateDriftError, match=r"turn 1: the chat template re-rendered earlier tokens.*first difference at token \d+"):
+        play(CountEnv(), client, drifting)
+
+
+def test_length_budget_truncates(tokenizer):
+    client = ScriptedClient(tokenizer, ["yes yes yes yes yes yes yes yes"] * 3)
+    s = play(CountEnv(), client, tokenizer, max_len=6)
+    assert s.status == SampleStatus.TRUNCATED and s.response_length == 6 and s.num_turns == 1
+
+
+def test_env_exception_marks_failed_with_traceback(tokenizer):
+    class Broken(CountEnv):
+        def step(self, action):
+            raise RuntimeError("env exploded")
+
+    s = play(Broken(), ScriptedClient(tokenizer, ["yes"]), tokenizer)
+    assert s.status == SampleStatus.FAILED and not s.trainable
+    assert "env exploded" in s.metadata["error"] and "Traceback" in s.metadata["traceback"]
+
+
+def test_engine_failure_marks_failed(tokenizer):
+    s = play(CountEnv(), ScriptedClient(tokenizer, ["yes", "yes"], fail_at=1), tokenizer)
+    assert s.status == SampleStatus.FAILED and "engine died" in s.metadata["error"]
+
+
+def test_async_env_is_awaited_and_sync_env_does_not_block_the_loop(tokenizer):
+    class SlowSync(CountEnv):
+        max_turns = 1
+
+        def step(self, action):
+            import time
+            time.sleep(0.5)
+            return [], 1.0, True, False, {}
+
+    async def go():
+        renderer = Renderer(tokenizer, True)
+        settings = LoopSettings(max_response_len=50, max_turns=1, sampling_params={})
+        jobs = [run_trajectory(SlowSync(), {"prompt": "x"}, renderer=renderer,
+                               client=ScriptedClient(tokenizer, ["yes"]), settings=settings,
+                               trajectory_id=f"t{i}", group_id=0, seed=0) for i in range(4)]
+        import time
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*jobs)
+        return out, time.perf_counter() - t0
+
+    out, seconds = asyncio.run(go())
+    assert all(s.reward == 1.0 for s in out)
+    assert seconds < 1.5  # four 0.5 s steps ran in threads, not one after another

@@ -1,0 +1,167 @@
+"""Issue-8 behaviour through `agentrl train`: async overlap and staleness, partial rollouts,
+over-sampling with a dynamic filter, whole-group retries, debug modes, and a SIGKILLed
+run that leaves no engine behind and resumes."""
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from collections import Counter
+
+from spine_helpers import agentrl_cli, run_env
+
+SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--no-progress"]
+
+
+def train(*args, timeout=600):
+    return subprocess.run([agentrl_cli(), "train", *args], capture_output=True, text=True, timeout=timeout,
+                          env=run_env())
+
+
+def metrics(folder):
+    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def trajectories(folder, i):
+    return [json.loads(x) for x in (folder / "trajectories" / f"rollout_{i:05d}.jsonl").read_text().splitlines()]
+
+
+def policy_versions(t):
+    return {v for v, m in zip(t["policy_versions"], t["loss_mask"]) if v >= 0}
+
+
+def test_sync_is_on_policy_and_async_is_one_version_behind_with_staleness_bound(tmp_path):
+    sync, asyn = tmp_path / "sync", tmp_path / "async"
+    proc = train("--num-rollout", "3", "--output-dir", str(sync), *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for i in range(3):
+        assert all(policy_versions(t) == {i} for t in trajectories(sync, i))
+    # --partial-rollout: a generation in flight at a weight update is cut there, so every
+    # token's version is exact (without it, SGLang-style in-place pausing labels a whole
+    # response with the version it finished under).
+    proc = train("--num-rollout", "3", "--async", "--partial-rollout", "--max-staleness", "0",
+                 "--output-dir", str(asyn), *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(asyn)
+    # Batch 1 was generated while batch 0 trained: by policy version 0, one behind the trainer.
+    assert any(0 in policy_versions(t) for t in trajectories(asyn, 1))
+    assert rows[0]["stale_dropped"] == 0 and rows[1]["stale_dropped"] > 0
+    assert [r["policy_version"] for r in rows] == [1, 2, 3]
+
+
+def test_partial_rollout_resumes_under_new_weights_and_masks_old_tokens(tmp_path):
+    out = tmp_path / "run"
+    proc = train("--num-rollout", "4", "--async", "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
+                 "--rollout-max-response-len", "400", "--rollout-temperature", "1.0", "--output-dir", str(out),
+                 *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = [t for i in (1, 2, 3) for t in trajectories(out, i) if t["metadata"].get("resumed")]
+    # Interrupted mid-decode: tokens of two policies in one response (a request still queued
+    # at the abort resumes with no old tokens).
+    mixed = [t for t in resumed if len({v for v in t["policy_versions"] if v >= 0}) >= 2]
+    assert mixed, "no generation was interrupted mid-decode by a weight update"
+    for t in resumed:
+        newest = max(t["policy_versions"])
+        trained = [v for v, m in zip(t["policy_versions"], t["loss_mask"]) if m]
+        assert trained and set(trained) == {newest}  # only the newest policy's tokens train
+    assert sum(r["offpolicy_tokens_masked"] for r in metrics(out)) > 0
+
+
+def test_over_sampling_with_nonzero_std_filter_keeps_only_useful_groups(tmp_path):
+    out = tmp_path / "run"
+    proc = train("--num-rollout", "2", "--over-sampling-batch-size", "6", "--dynamic-sampling-filter-path",
+                 "nonzero_std", "--output-dir", str(out), *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(out)
+    assert sum(r.get("dropped_zero_std", 0) for r in rows) > 0
+    for i in range(2):
+        groups = {}
+        for t in trajectories(out, i):
+            groups.setdefault(t["group_id"], []).append(t["reward"])
+        assert len(groups) == 2 and all(len(set(r)) > 1 for r in groups.values())
+
+
+def test_infra_failure_reruns_the_whole_group_nothing_lost_or_duplicated(tmp_path):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    (tmp_path / "flaky.py").write_text(textwrap.dedent(f'''
+        import os
+        import agentrl
+
+        @agentrl.register_env("flaky")
+        class Flaky(agentrl.Env):
+            """Fails the first trajectory of every group (as a dead sandbox would)."""
+            max_turns = 1
+
+            @classmethod
+            def dataset(cls, seed=0, **kw):
+                i = 0
+                while True:
+                    yield {{"prompt": f"task {{i}}", "label": i}}
+                    i += 1
+
+            def reset(self, *, seed=None, options=None):
+                marker = os.path.join({str(markers)!r}, str(seed))
+                try:
+                    fd = os.open(marker, os.O_CREAT | os.O_EXCL)
+                except FileExistsError:
+                    return options["prompt"], {{}}
+                os.close(fd)
+                raise RuntimeError("sandbox died")
+
+            def step(self, action):
+                return [], float(len(action) % 3), True, False, {{}}
+    '''))
+    out = tmp_path / "run"
+    proc = train("--env", "flaky", "--env-module", str(tmp_path / "flaky.py"), "--num-rollout", "2",
+                 "--output-dir", str(out), *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["groups_retried"] for r in rows] == [2, 4]  # cumulative: every group once
+    for i in range(2):
+        traj = trajectories(out, i)
+        assert all(t["status"] != "failed" for t in traj)
+        assert all(t["trajectory_id"].endswith("-a1") for t in traj)  # the retried attempt, whole
+        assert sorted(Counter(t["group_id"] for t in traj).values()) == [4, 4]
+        assert len({t["metadata"]["label"] for t in traj}) == 2
+
+
+def test_debug_rollout_only_then_train_only_replays(tmp_path):
+    a, b = tmp_path / "rollouts", tmp_path / "replay"
+    proc = train("--num-rollout", "2", "--debug-rollout-only", "--output-dir", str(a), *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (a / "checkpoints").exists()
+    assert all(policy_versions(t) == {0} for i in range(2) for t in trajectories(a, i))
+    proc = train("--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", str(a),
+                 "--output-dir", str(b), *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (b / "logs" / "engine.log").exists()  # no engine started
+    assert all("loss" in r for r in metrics(b))
+    assert trajectories(b, 1) == trajectories(a, 1)
+
+
+def test_sigkilled_run_leaves_no_engine_and_resumes_from_its_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([agentrl_cli(), "train", "--num-rollout", "50", "--save-interval", "1",
+                             "--output-dir", str(out), *SMALL], env=run_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoints" / "iter_000002" / "trainer_state.json").exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    time.sleep(1.0)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(out / "logs") not in ps and "agentrl.engines.embedded" not in ps.replace(
+        "agentrl.engines.embedded --model-path", "") or not [l for l in ps.splitlines()
+                                                           if "agentrl.engines.embedded" in l and str(out) in l]
+    ckpt = sorted((out / "checkpoints").glob("iter_*/trainer_state.json"))[-1].parent
+    done = json.loads((ckpt / "trainer_state.json").read_text())["rollout_id"]
+    resumed = tmp_path / "resumed"
+    proc2 = train("--num-rollout", str(done + 1), "--load", str(out / "checkpoints"), "--output-dir", str(resumed),
+                  *SMALL)
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    assert [r["rollout_id"] for r in metrics(resumed)] == [done]

@@ -1,0 +1,65 @@
+import pytest
+
+from agentrl.config import parse_config
+from agentrl.errors import ConfigError
+
+
+def test_slime_flags_map_onto_the_tree():
+    cfg, _ = parse_config([
+        "--num-rollout", "7", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
+        "--prompt-data", "x.jsonl", "--input-key", "q", "--label-key", "a", "--no-apply-chat-template",
+        "--rollout-max-response-len", "64", "--rollout-temperature", "0.7", "--advantage-estimator", "dr_grpo",
+        "--use-kl-loss", "--kl-loss-coef", "0.01", "--lr", "1e-5", "--save", "ck", "--save-interval", "2",
+        "--load", "old", "--seed", "3", "--env-module", "a.py", "--env-module", "b", "--env-kwargs", '{"topk": 2}',
+        "--sglang-mem-fraction-static", "0.8", "--router-policy=manual", "--sglang-enable-memory-saver",
+    ])
+    assert cfg.rollout.num_rollout == 7 and cfg.rollout.rollout_batch_size == 4
+    assert cfg.data.prompt_data == "x.jsonl" and cfg.data.input_key == "q" and not cfg.data.apply_chat_template
+    assert cfg.rollout.rollout_temperature == 0.7 and cfg.algo.advantage_estimator == "dr_grpo"
+    assert cfg.algo.use_kl_loss and cfg.algo.kl_loss_coef == 0.01 and cfg.train.lr == 1e-5
+    assert cfg.run.save == "ck" and cfg.run.load == "old" and cfg.run.seed == 3
+    assert cfg.run.env_module == ["a.py", "b"] and cfg.run.env_kwargs == {"topk": 2}
+    assert cfg.sglang_args == {"mem-fraction-static": "0.8", "enable-memory-saver": None}
+    assert cfg.router_args == {"policy": "manual"}
+    assert cfg.steps_per_rollout == 2
+
+
+def test_yaml_gives_the_same_keys_and_flags_override(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("num_rollout: 5\nrollout:\n  n_samples_per_prompt: 4\nglobal-batch-size: 16\nlr: 0.1\n")
+    cfg, _ = parse_config(["--config", str(path), "--num-rollout", "9"])
+    assert cfg.rollout.num_rollout == 9 and cfg.rollout.n_samples_per_prompt == 4
+    assert cfg.train.global_batch_size == 16 and cfg.train.lr == 0.1
+
+
+def test_env_default_config_sits_under_yaml_and_flags():
+    cfg, _ = parse_config(["--num-rollout", "2"], env_defaults_for=lambda name, mods: {
+        "num_rollout": 99, "rollout_max_response_len": 321})
+    assert cfg.rollout.num_rollout == 2 and cfg.rollout.rollout_max_response_len == 321
+
+
+def test_lr_default_depends_on_the_model():
+    assert parse_config([])[0].train.lr == 3e-3
+    assert parse_config(["--model", "/some/ckpt"])[0].train.lr == 1e-6
+
+
+def test_impossible_batch_sizes_are_named():
+    with pytest.raises(ConfigError, match=r"rollout_batch_size \(3\) x n_samples_per_prompt \(8\) = 24"):
+        parse_config(["--rollout-batch-size", "3", "--global-batch-size", "5"])
+    with pytest.raises(ConfigError, match="--num-steps-per-rollout 3 contradicts"):
+        parse_config(["--num-steps-per-rollout", "3"])
+
+
+def test_bad_values_and_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="--rollout-batch-size: .*got 'many'"):
+        parse_config(["--rollout-batch-size", "many"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num_rollout: 3\nnot_a_key: 1\n")
+    with pytest.raises(ConfigError, match="bad.yaml: unknown key 'not_a_key'"):
+        parse_config(["--config", str(bad)])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("a: [1,\nb: 2\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml:\d+: malformed YAML"):
+        parse_config(["--config", str(broken)])
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_config(["--config", str(tmp_path / "missing.yaml")])

@@ -1,0 +1,64 @@
+"""Evaluation during training: --eval-interval with several eval sets, pass@k, bad input."""
+
+import json
+import subprocess
+
+from spine_helpers import agentrl_cli, run_env
+
+SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-progress"]
+
+
+def train(*args):
+    return subprocess.run([agentrl_cli(), "train", *args], capture_output=True, text=True, timeout=600, env=run_env())
+
+
+def test_eval_sets_are_scored_every_interval_and_at_the_end(tmp_path):
+    easy = tmp_path / "easy.jsonl"
+    easy.write_text("".join(json.dumps({"prompt": f"Repeat the word: {w}", "label": w}) + "\n"
+                            for w in ("the", "and", "of")))
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"prompt": "Repeat the word: in", "label": "in"}) + "\n")
+    out = tmp_path / "run"
+    proc = train("--num-rollout", "3", "--eval-interval", "2", "--eval-prompt-data", "easy", str(easy), "other",
+                 str(other), "--n-samples-per-eval-prompt", "3", "--eval-temperature", "0.7", "--output-dir", str(out),
+                 *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r["rollout_id"] for r in rows if "eval/easy/reward_mean" in r]
+    assert evaluated == [1, 2]  # every 2 iterations, and after the last
+    for r in rows[1:]:
+        assert 0.0 <= r["eval/easy/reward_mean"] <= 1.0 and r["eval/easy/failed"] == 0
+        assert "eval/easy/pass@3" in r and "eval/other/reward_mean" in r
+    tb = list((out / "tensorboard").glob("events.*"))
+    assert tb and b"eval/easy/reward_mean" in tb[0].read_bytes()
+
+
+def test_bad_eval_flags_are_named(tmp_path):
+    proc = train("--eval-prompt-data", "only-a-name", "--output-dir", str(tmp_path / "a"), *SMALL)
+    assert proc.returncode == 2 and "NAME PATH pairs" in proc.stderr
+    proc = train("--eval-interval", "2", "--output-dir", str(tmp_path / "b"), *SMALL)
+    assert proc.returncode == 2 and "--eval-prompt-data" in proc.stderr
+    proc = train("--eval-interval", "1", "--eval-prompt-data", "x", str(tmp_path / "missing.jsonl"),
+                 "--output-dir", str(tmp_path / "c"), *SMALL)
+    assert proc.returncode == 2 and "missing.jsonl: no such file" in proc.stderr
+
+
+def test_agentrl_eval_scores_a_checkpoint_without_training(tmp_path, tiny_model):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Repeat the word: {w}", "label": w}) + "\n" for w in ("the", "of")))
+    out = tmp_path / "eval"
+    proc = subprocess.run([agentrl_cli(), "eval", "--env", "target-token", "--model", str(tiny_model),
+                           "--eval-prompt-data", "tt", str(data), "--n-samples-per-eval-prompt", "2",
+                           "--output-dir", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=600, env=run_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "eval.json").read_text())
+    assert 0.0 <= result["eval/tt/reward_mean"] <= 1.0 and "eval/tt/pass@2" in result
+    assert "eval/tt/reward_mean" in proc.stdout  # the summary table
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+    # the env's own tasks when no data is given
+    proc = subprocess.run([agentrl_cli(), "eval", "--env", "target-token", "--eval-limit", "4",
+                           "--output-dir", str(tmp_path / "own"), "--no-progress"],
+                          capture_output=True, text=True, timeout=600, env=run_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval/target-token/reward_mean" in json.loads((tmp_path / "own" / "eval.json").read_text())

@@ -1,0 +1,94 @@
+"""Ray placement on one machine: quiet local start (no auth file), joining a running
+cluster with --ray-address, and --colocate's offload/reload path."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+
+import pytest
+
+from spine_helpers import BIN, agentrl_cli, run_env
+
+SMALL = ["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size",
+         "4", "--no-progress"]
+
+
+def train(*args, env=None):
+    return subprocess.run([agentrl_cli(), "train", *args], capture_output=True, text=True, timeout=600,
+                          env=env or run_env())
+
+
+def test_local_ray_is_quiet_and_leaves_no_auth_file(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copytree(os.path.expanduser("~/.cache/agentrl"), home / ".cache" / "agentrl")  # the tiny model
+    env = {**run_env(), "HOME": str(home)}
+    env.pop("RAY_AUTH_MODE", None)
+    proc = train("--output-dir", str(tmp_path / "run"), *SMALL, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (home / ".ray").exists()
+    assert "Token authentication" not in proc.stderr and "dashboard" not in proc.stderr.lower()
+
+
+def test_colocate_runs_and_trains(tmp_path):
+    out = tmp_path / "run"
+    proc = train("--colocate", "--output-dir", str(out), *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["policy_version"] == 1 and "loss" in row
+    proc = train("--colocate", "--async", "--output-dir", str(out), *SMALL)
+    assert proc.returncode == 2 and "--colocate" in proc.stderr
+
+
+def test_joins_a_running_cluster_with_ray_address(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**run_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    ray = str(BIN / "ray")
+    temp = f"/tmp/ray-t{port}"  # short (socket paths) and ours alone, so only our cluster is stopped
+    start = subprocess.run([ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                            "--temp-dir", temp,
+                            "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"],
+                           capture_output=True, text=True, timeout=180, env=env)
+    if start.returncode != 0:
+        pytest.skip(f"ray start failed here: {start.stderr[-500:]}")
+    try:
+        out = tmp_path / "run"
+        proc = train("--ray-address", f"127.0.0.1:{port}", "--output-dir", str(out), *SMALL, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (out / "metrics.jsonl").exists()
+        # The cluster outlives the run: the run only joined it.
+        status = subprocess.run([ray, "status", "--address", f"127.0.0.1:{port}"], capture_output=True, text=True,
+                                timeout=60, env=env)
+        assert status.returncode == 0, status.stderr[-500:]
+    finally:
+        _stop_cluster(temp)
+
+
+def _stop_cluster(temp: str) -> None:
+    """Stop the processes of this cluster only (`ray stop` would stop every Ray on the machine)."""
+    import signal
+    import time
+
+    def ours():
+        pids = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if temp in cmd or f"ray-t{temp.rsplit('ray-t', 1)[1]}" in cmd:
+                pids.append(int(pid))
+        return pids
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in ours():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(2)
+    shutil.rmtree(temp, ignore_errors=True)

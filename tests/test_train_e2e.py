@@ -1,0 +1,94 @@
+"""`agentrl train` end to end through the real CLI: learning, run outputs, resume, bad input."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from spine_helpers import agentrl_cli, run_env
+
+SMALL = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--no-progress"]
+
+
+def train(*args, timeout=600):
+    return subprocess.run([agentrl_cli(), "train", *args], capture_output=True, text=True, timeout=timeout,
+                          env=run_env())
+
+
+def metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_target_token_reward_rises_from_scratch(tmp_path):
+    out = tmp_path / "run"
+    proc = train("--env", "target-token", "--num-rollout", "40", "--seed", "1", "--no-progress",
+                 "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "built-in tiny model" in proc.stderr
+    rows = metrics(out)
+    assert [r["rollout_id"] for r in rows] == list(range(40))
+    first = sum(r["reward_mean"] for r in rows[:5]) / 5
+    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    print(f"target-token reward: first 5 iterations {first:.4f}, last 5 {last:.4f}")
+    assert last > 0.05 and last > 4 * first, (first, last)
+    for key in ("reward_mean", "response_len_mean", "turns_mean", "rollout_s", "train_s", "weight_sync_s",
+                "tokens_per_s", "ppo_kl", "loss"):
+        assert key in rows[-1]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    traj = [json.loads(x) for x in (out / "trajectories" / "rollout_00039.jsonl").read_text().splitlines()]
+    assert len(traj) == 128 and {"response_tokens", "loss_mask", "rollout_logprobs", "reward", "status",
+                                 "response_text"} <= set(traj[0])
+    assert (out / "reward.png").stat().st_size > 1000
+    assert (out / "checkpoints" / "iter_000040" / "model" / "config.json").exists()
+
+
+def test_resume_continues_at_the_same_data_position(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    proc = train("--num-rollout", "4", "--save-interval", "2", "--output-dir", str(a), *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = train("--num-rollout", "4", "--load", str(a / "checkpoints" / "iter_000002"), "--output-dir", str(b),
+                 *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "iteration 2" in proc.stderr
+    assert [r["rollout_id"] for r in metrics(b)] == [2, 3]
+
+    def prompts(folder, i):
+        rows = (folder / "trajectories" / f"rollout_{i:05d}.jsonl").read_text().splitlines()
+        return [json.loads(r)["prompt_text"] for r in rows]
+
+    for i in (2, 3):
+        assert prompts(b, i) == prompts(a, i)
+    state = json.loads((b / "checkpoints" / "iter_000004" / "trainer_state.json").read_text())
+    assert state["rollout_id"] == 4 and state["data"]["consumed"] == 16 and state["version"] == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--env", "nope"], "unknown env 'nope'. Known envs: "),
+    (["--rollout-batch-size", "3", "--global-batch-size", "5"], "batch sizes do not fit"),
+    (["--prompt-data", "{bad}"], ":2: not valid JSON"),
+    (["--model", "{empty_model}"], "no tokenizer"),
+    (["--load", "{empty_model}"], "no checkpoint"),
+])
+def test_bad_input_gets_a_clear_error(tmp_path, args, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": oops}\n')
+    empty = tmp_path / "model"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    args = [a.format(bad=bad, empty_model=empty) for a in args]
+    proc = train(*args, "--output-dir", str(tmp_path / "out"), timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_model_folder_and_plain_prompts(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    proc = train("--model", str(tiny_model), "--no-apply-chat-template", "--num-rollout", "1",
+                 "--output-dir", str(out), *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "built-in tiny model" not in proc.stderr
+    cfg = (out / "config.yaml").read_text()
+    assert "lr: 1.0e-06" in cfg
+    traj = json.loads((out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()[0])
+    assert traj["prompt_text"].startswith("Repeat the word:")  # no chat template around it

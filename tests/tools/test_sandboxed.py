@@ -1,0 +1,105 @@
+"""The built-in servers inside sandboxes (agentrl.sandboxes): stdio through bubblewrap
+(local) or `docker exec -i` (docker), with the agentrl sources and the host's site-packages
+mounted read-only. Skipped, with the reason, where a backend cannot run here."""
+import json
+
+import pytest
+
+from agentrl.tools import ToolEnv
+from tools_fixtures import arun  # noqa: F401 (fixtures)
+
+
+def _skip_unless(backend: str) -> None:
+    try:
+        from agentrl.sandboxes import resolve_backend
+    except ImportError as e:
+        pytest.skip(f"agentrl.sandboxes is not importable: {e}")
+    try:
+        resolve_backend(backend)
+    except Exception as e:
+        pytest.skip(f"{backend} sandbox unavailable: {e}")
+    if backend == "docker":
+        from agentrl.sandboxes import DEFAULT_IMAGE
+        from agentrl.sandboxes.image import image_recipe
+        if image_recipe(DEFAULT_IMAGE) is None:
+            pytest.skip(f"docker image {DEFAULT_IMAGE} is not built (agentrl sandbox build)")
+
+
+class SandboxedEnv(ToolEnv):
+    builtin_tools = ("python", "bash", "files")
+    sandbox_limits = {"memory_mb": 1024}
+
+
+LIST_PROCS = """import os
+for p in os.listdir('/proc'):
+    try:
+        print(open('/proc/%s/cmdline' % p, 'rb').read().replace(b'\\0', b' ').decode())
+    except OSError:
+        pass
+"""
+
+
+def call(name, **arguments) -> str:
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_builtin_servers_in_sandbox(arun, backend):
+    _skip_unless(backend)
+    env = SandboxedEnv(sandbox=backend)
+    try:
+        _, info = arun(env.areset(options={"prompt": "hi"}))
+        assert env.sandbox_instance is not None and env.sandbox_instance.backend == backend
+        assert env.workdir == "/work"
+        obs, *_ = arun(env.astep(call("python", code="import os, sys\nn = 5\n(os.getcwd(), os.getuid(), sys.path[1:2])")))
+        cwd, uid, _ = eval(obs[0]["content"])
+        assert (cwd, uid) == ("/work", 1000)
+        obs, *_ = arun(env.astep(call("python", code="n * 2")))  # state persists inside the sandbox
+        assert obs[0]["content"] == "10"
+        # the model's code does not see the mounts that make the server run
+        obs, *_ = arun(env.astep(call("python", code="import importlib.util\nimportlib.util.find_spec('mcp') is None")))
+        assert obs[0]["content"] == "True"
+        arun(env.write_file("data.txt", "from the env\n"))
+        obs, *_ = arun(env.astep(call("bash", command="cat data.txt; touch /etc/x 2>/dev/null || echo read-only root")
+                                 + call("read_file", path="/work/data.txt")))
+        assert obs[0]["content"] == "from the env\nread-only root\n[exit code: 0]"
+        assert obs[1]["content"] == "from the env\n"
+        obs, *_ = arun(env.astep(call("python", code="import time\ntime.sleep(20)", timeout=1)))
+        assert "TimeoutError" in obs[0]["content"]
+        obs, *_ = arun(env.astep(call("python", code="'back'")))
+        assert obs[0]["content"] == "'back'"
+        # stopping the tools leaves no server or interpreter process behind in the sandbox (docker:
+        # one pid namespace, where `docker exec` would not pass a kill on; local: each spawn has its
+        # own pid namespace, which dies with its bwrap)
+        sb = env.sandbox_instance
+        arun(env.toolset.close())
+        ps = arun(sb.exec(["python3", "-c", LIST_PROCS]))
+        assert "agentrl.tools" not in ps.stdout and "_python_worker" not in ps.stdout, ps.stdout
+    finally:
+        arun(env.aclose())
+    assert env.sandbox_instance is None
+
+
+def test_env_takes_sandboxes_from_a_pool(arun):
+    _skip_unless("local")
+    from agentrl.sandboxes import SandboxPool
+    from agentrl.tools.spec import tool_sandbox_options
+
+    class PythonEnv(ToolEnv):
+        builtin_tools = ("python",)
+
+    assert PythonEnv.tool_names == ("python",) and SandboxedEnv.tool_names[:3] == ("python", "bash", "read_file")
+    mounts, env_vars = tool_sandbox_options()
+    pool = SandboxPool("local", warm=1, max_active=2, mounts=mounts, env=env_vars)
+    arun(pool.start())
+    try:
+        env = PythonEnv(sandbox=pool)
+        for _ in range(2):  # a reused env: a fresh sandbox and interpreter per trajectory
+            arun(env.areset(options={"prompt": "hi"}))
+            obs, *_ = arun(env.astep(call("python", code="import os\nprint(sorted(os.listdir('.')))\nopen('f', 'w')")))
+            assert obs[0]["content"].startswith("[]")
+            arun(env.aclose())
+            assert env.sandbox_instance is None
+        assert pool.metrics()["active"] == 0
+    finally:
+        arun(pool.close())

@@ -1,0 +1,94 @@
+"""Shared by the Megatron tests and their worker processes: deterministic toy rollouts and
+launching N CPU ranks (gloo) of megatron_worker.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def make_samples(n: int = 6, vocab: int = 500, seed: int = 0):
+    """Multi-turn toy trajectories: prompt, policy tokens, env tokens, policy tokens; two groups,
+    rewards alternating 0/1, rollout logprobs slightly off the trainer's (so TIS has work)."""
+    import torch
+
+    from agentrl.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        s = Sample(prompt_tokens=torch.randint(3, vocab, (5 + i,), generator=g).tolist(), group_id=i // 3,
+                   reward=float(i % 2), trajectory_id=f"t{i}")
+        s.append_generated(torch.randint(3, vocab, (4,), generator=g).tolist(), [-6.0] * 4, 0)
+        s.append_observation(torch.randint(3, vocab, (3,), generator=g).tolist())
+        s.append_generated(torch.randint(3, vocab, (2 + i,), generator=g).tolist(), [-6.2] * (2 + i), 0)
+        s.validate()
+        out.append(s)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, args: list[str], out: Path, timeout: float = 240) -> dict:
+    """Start `world` gloo ranks of megatron_worker.py; return rank 0's JSON result."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "megatron_worker.py"), "--out", str(out), *args],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def tiny_family_model(folder: Path, family: str, tokenizer_from: Path | None = None) -> Path:
+    """A random tiny HF checkpoint of another family (Qwen3: qk-norm, tied, explicit head_dim;
+    Llama 3: llama3 RoPE scaling, untied), saved with safetensors."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(1)
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, tie_word_embeddings=True))
+    elif family == "llama":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False, rope_parameters=rope))
+    else:
+        raise ValueError(family)
+    with torch.no_grad():  # norms away from 1 so a missed mapping would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    if tokenizer_from is not None:
+        for f in tokenizer_from.glob("tokenizer*"):
+            shutil.copy(f, folder / f.name)
+        for f in ("special_tokens_map.json", "chat_template.jinja"):
+            if (tokenizer_from / f).exists():
+                shutil.copy(tokenizer_from / f, folder / f)
+    return folder

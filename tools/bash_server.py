@@ -1,0 +1,102 @@
+"""MCP tool server `bash`: run a shell command in the workdir.
+
+    python -m agentrl.tools.bash_server [--workdir DIR] [--timeout 30]
+
+Tool ``bash(command, timeout=None)``: runs ``bash -c command`` (``sh`` without bash) in the
+workdir with stdin from /dev/null; returns stdout and stderr interleaved, then the exit
+code. On a timeout the command's process group is killed and the output so far is
+returned with a note. Processes a command leaves in the background are killed when it
+returns. Each call is a fresh shell (cd / export do not carry over); the files persist.
+Confinement is the sandbox's job, not this server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from pathlib import Path
+
+from mcp.server.mcpserver import MCPServer
+
+from agentrl.tools._common import base_argparser, child_env, clip, new_server, resolve_workdir
+
+
+async def run_command(command: str, cwd: Path, timeout: float, max_output: int) -> tuple[int | None, str, bool]:
+    """(exit code or None on timeout, output, timed_out)."""
+    shell = shutil.which("bash") or "/bin/sh"
+    proc = await asyncio.create_subprocess_exec(
+        shell, "-c", command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, cwd=str(cwd), env=child_env(), start_new_session=True)
+    chunks, size = [], 0
+
+    async def reader():
+        nonlocal size
+        while True:
+            data = await proc.stdout.read(65536)
+            if not data:
+                return
+            size += len(data)
+            if sum(len(c) for c in chunks) < 4 * max_output:  # keep a bounded amount
+                chunks.append(data)
+
+    read_task = asyncio.create_task(reader())
+    timed_out = False
+    try:
+        await asyncio.wait_for(proc.wait(), timeout)
+    except asyncio.TimeoutError:
+        timed_out = True
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the command on timeout; its leftovers otherwise
+    except (ProcessLookupError, PermissionError):
+        pass
+    await proc.wait()
+    try:
+        await asyncio.wait_for(read_task, 5)
+    except asyncio.TimeoutError:  # a leftover in another process group still holds the pipe
+        read_task.cancel()
+    out = b"".join(chunks).decode("utf-8", errors="replace")
+    if size > len(b"".join(chunks)):
+        out += f"\n[... {size - len(b''.join(chunks))} more bytes of output dropped ...]"
+    return (None if timed_out else proc.returncode), out, timed_out
+
+
+def add_bash_tool(server: MCPServer, workdir: Path | str | None = None, timeout: float = 30.0,
+                  max_timeout: float = 600.0, max_output: int = 64 * 1024) -> None:
+    root = resolve_workdir(workdir)
+
+    @server.tool(name="bash", structured_output=False)
+    async def bash(command: str, timeout: float | None = None) -> str:
+        """Run a shell command (bash -c) in the task's working directory and return its output
+        (stdout and stderr together) and exit code. Each call starts a fresh shell; files persist.
+
+        Args:
+            command: the command line to run.
+            timeout: seconds before the command is killed.
+        """
+        limit = min(float(timeout or default_timeout), max_timeout)
+        code, out, timed_out = await run_command(command, root, limit, max_output)
+        out = clip(out.rstrip("\n"), max_output)
+        status = (f"[timed out after {limit:g} s: the command was killed]" if timed_out
+                  else f"[exit code: {code}]")
+        return f"{out}\n{status}" if out else status
+
+    default_timeout = timeout
+
+
+def build_server(workdir: Path | str | None = None, **kw) -> MCPServer:
+    server = new_server("bash", "Run shell commands in the task's working directory with `bash`.")
+    add_bash_tool(server, workdir, **kw)
+    return server
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = base_argparser("python -m agentrl.tools.bash_server", __doc__).parse_args(argv)
+    workdir = resolve_workdir(args.workdir)
+    os.chdir(workdir)
+    build_server(workdir, timeout=args.timeout, max_timeout=args.max_timeout, max_output=args.max_output).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""`ToolEnv`: the base class of envs whose model calls tools.
+
+    @register_env("calc")
+    class CalcEnv(ToolEnv):
+        builtin_tools = ("python",)            # MCP server(s) run per trajectory
+        function_tools = (lookup,)             # plain Python functions, in-process
+        sandbox = "auto"                       # where the built-in servers run (None: host)
+        max_turns = 6
+
+        async def final_answer(self, action):  # the model answered without a tool call
+            return [], float(self.task["label"] in action), True, False, {}
+
+Per trajectory (`areset`) it starts a `ToolSet` (and a sandbox, when `sandbox` names a
+backend) and returns ``info["tools"]``; each `astep` parses the action with the env's
+`tool_parser`, runs the calls concurrently and returns the ``tool`` messages; an action
+with no tool call goes to `final_answer`. `aclose` stops the servers and the sandbox.
+External MCP servers join through the constructor (``mcp_servers=["name=cmd ..."]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from agentrl.env import Env, Message
+from agentrl.tools.client import ToolResult, ToolSet
+from agentrl.tools.parsers import get_parser, parse_tool_calls
+from agentrl.tools.spec import MCPServerSpec, as_spec, builtin_spec, tool_sandbox_options
+
+__all__ = ["ToolEnv"]
+log = logging.getLogger("agentrl.tools")
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+class ToolEnv(Env):
+    """Base class of envs with tools (MCP servers and plain functions). Async only."""
+
+    max_turns = 8
+    tool_parser = "hermes"
+    #: built-in tools ("python", "bash", "files"), served by one MCP server per trajectory
+    builtin_tools: Sequence[str] = ()
+    #: MCP servers: MCPServerSpec or "--mcp-server" strings ("NAME=COMMAND ARGS", "NAME=http://...")
+    mcp_servers: Sequence[MCPServerSpec | str] = ()
+    #: plain Python functions (or FunctionTool) offered as tools, run in-process
+    function_tools: Sequence[Callable] = ()
+    #: where the built-in servers run: None (host subprocesses in a temp workdir), an
+    #: agentrl.sandboxes backend ("local", "docker", "auto": a sandbox per trajectory), a
+    #: started Sandbox, or a SandboxPool (one sandbox from it per trajectory, released at
+    #: aclose). Pools and sandboxes given in must have `tool_sandbox_options()` mounts.
+    sandbox: Any = None
+    #: agentrl.sandboxes.SandboxLimits fields for the sandbox this env creates
+    sandbox_limits: dict[str, Any] = {}
+    #: prepended as a system message at reset, if set
+    system_prompt: str | None = None
+    tool_timeout: float = 60.0       # seconds per call (client side; servers have their own limits too)
+    max_tool_output: int = 16000     # characters per tool result; the rest is cut with a note
+    max_tool_calls_per_turn: int = 16  # calls beyond it are not run; the model is told
+
+    toolset: ToolSet | None = None
+    sandbox_instance: Any = None
+    task: dict[str, Any] = {}
+    _own_sandbox: Any = False  # False, True (close it), or the pool to release it to
+
+    class _ToolNames:
+        """Names of the tools known without starting anything (`agentrl envs info`)."""
+
+        def __get__(self, obj, cls) -> tuple[str, ...]:
+            from agentrl.tools.spec import BUILTIN_TOOL_NAMES
+            from agentrl.tools.functions import function_tool
+            src = obj if obj is not None else cls
+            names = [n for b in src.builtin_tools for n in BUILTIN_TOOL_NAMES.get(b, (b,))]
+            names += [function_tool(f).name for f in src.function_tools]
+            return tuple(names + [f"{as_spec(s).name}:*" for s in src.mcp_servers])
+
+    tool_names = _ToolNames()
+
+    def __init__(self, *, mcp_servers: Sequence[MCPServerSpec | str] | None = None,
+                 builtin_tools: Sequence[str] | None = None, function_tools: Sequence[Callable] | None = None,
+                 sandbox: Any = None, tool_parser: str | None = None, tool_timeout: float | None = None,
+                 max_tool_output: int | None = None, system_prompt: str | None = None):
+        """mcp_servers are added to the class's (external servers: ``--mcp-server``);
+        builtin_tools / function_tools replace the class's; sandbox: a backend name, or a
+        started Sandbox to use (not closed by the env; create it with
+        `agentrl.tools.spec.tool_sandbox_options()` mounts)."""
+        if mcp_servers:
+            self.mcp_servers = [*type(self).mcp_servers, *(as_spec(s) for s in mcp_servers)]
+        if builtin_tools is not None:
+            self.builtin_tools = tuple(builtin_tools)
+        if function_tools is not None:
+            self.function_tools = tuple(function_tools)
+        if sandbox is not None:
+            self.sandbox = sandbox
+        if tool_parser is not None:
+            get_parser(tool_parser)
+            self.tool_parser = tool_parser
+        if tool_timeout is not None:
+            self.tool_timeout = tool_timeout
+        if max_tool_output is not None:
+            self.max_tool_output = max_tool_output
+        if system_prompt is not None:
+            self.system_prompt = system_prompt
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def server_specs(self) -> list[MCPServerSpec]:
+        specs = [builtin_spec(*self.builtin_tools)] if self.builtin_tools else []
+        return specs + [as_spec(s) for s in self.mcp_servers]
+
+    async def start_tools(self) -> ToolSet:
+        specs = self.server_specs()
+        if hasattr(self.sandbox, "get") and hasattr(self.sandbox, "release"):  # a SandboxPool
+            self.sandbox_instance, self._own_sandbox = await self.sandbox.get(), self.sandbox
+        elif self.sandbox is not None and not isinstance(self.sandbox, str):
+            self.sandbox_instance, self._own_sandbox = self.sandbox, False
+        elif self.sandbox and any(s.in_sandbox for s in specs):
+            from agentrl.sandboxes import SandboxLimits, create
+            mounts, env = await asyncio.to_thread(tool_sandbox_options)
+            sb = create(self.sandbox, limits=SandboxLimits(**self.sandbox_limits), mounts=mounts, env=env)
+            await sb.start()
+            self.sandbox_instance, self._own_sandbox = sb, True
+        elif not self.sandbox and {"python", "bash"} & set(self.builtin_tools):
+            _warn_once(f"{type(self).__name__}: the built-in python/bash tools run on the host, unconfined (no "
+                       "sandbox); set `sandbox = \"auto\"` (or local / docker) to confine the model's code")
+        self.toolset = ToolSet(specs, self.function_tools, sandbox=self.sandbox_instance,
+                               call_timeout=self.tool_timeout, max_output_chars=self.max_tool_output)
+        try:
+            await self.toolset.start()
+        except BaseException:
+            await self.close_tools()
+            raise
+        return self.toolset
+
+    async def close_tools(self) -> None:
+        toolset, self.toolset = self.toolset, None
+        sb, own = self.sandbox_instance, self._own_sandbox
+        self.sandbox_instance, self._own_sandbox = None, False
+        try:
+            if toolset is not None:
+                await toolset.close()
+        finally:
+            if sb is not None and own is True:
+                await sb.close()
+            elif sb is not None and own:
+                await own.release(sb)
+
+    async def aclose(self) -> None:
+        await self.close_tools()
+
+    # ---- the episode ------------------------------------------------------------------------
+    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        await self.close_tools()  # a reused env starts each trajectory with fresh tool state
+        self.task = dict(options or {})
+        toolset = await self.start_tools()
+        await self.setup(self.task)
+        return self.initial_messages(self.task), {"tools": toolset.schemas}
+
+    async def setup(self, task: dict[str, Any]) -> None:
+        """Hook after the tools started, before the first turn (e.g. write the task's files)."""
+
+    def initial_messages(self, task: dict[str, Any]) -> list[Message]:
+        prompt = task.get("prompt", "")
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        if isinstance(prompt, list):
+            return messages + list(prompt)
+        return messages + [{"role": "user", "content": str(prompt)}]
+
+    async def astep(self, action: str):
+        if self.toolset is None:
+            raise RuntimeError(f"{type(self).__name__}.astep before areset: the tools are not started")
+        calls = parse_tool_calls(action, self.tool_parser, self.toolset.input_schemas)
+        if not calls:
+            return await self.final_answer(action)
+        extra = calls[self.max_tool_calls_per_turn:]
+        results = await self.toolset.call_many(calls[:self.max_tool_calls_per_turn])
+        results += [ToolResult(c.name or "tool_call", f"Error: not run: at most {self.max_tool_calls_per_turn} tool "
+                               "calls per turn", is_error=True, call_id=c.id) for c in extra]
+        info = {"tool_calls": len(results), "tool_errors": sum(r.is_error for r in results),
+                "tool_names": [r.name for r in results]}
+        return self.tool_observation(results), 0.0, False, False, info
+
+    def tool_observation(self, results: list[ToolResult]) -> list[Message]:
+        return [r.message() for r in results]
+
+    async def final_answer(self, action: str) -> tuple[Any, float, bool, bool, dict]:
+        """The model answered without calling a tool: score it. Default: end with reward 0."""
+        return [], 0.0, True, False, {}
+
+    # ---- helpers for setup and grading --------------------------------------------------------
+    @property
+    def workdir(self) -> str | None:
+        """Where the built-in tools work: the sandbox's workdir, or the host temp dir."""
+        if self.sandbox_instance is not None:
+            return self.sandbox_instance.workdir
+        return self.toolset.workdir if self.toolset else None
+
+    async def write_file(self, path: str, content: str | bytes) -> None:
+        """Write a file where the tools see it (sandbox or host workdir)."""
+        if self.sandbox_instance is not None:
+            await self.sandbox_instance.write_file(path, content)
+            return
+        full = Path(self.workdir or ".") / path
+        full.parent.mkdir(parents=True, exist_ok=True)
+        full.write_bytes(content.encode() if isinstance(content, str) else content)
+
+    async def read_file(self, path: str) -> bytes:
+        if self.sandbox_instance is not None:
+            return await self.sandbox_instance.read_file(path)
+        return (Path(self.workdir or ".") / path).read_bytes()

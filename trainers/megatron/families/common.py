@@ -1,0 +1,213 @@
+"""The dense decoder layout shared by Qwen2/2.5, Qwen3 and Llama 3, and its HF <-> Megatron
+mapping.
+
+Megatron (local or Transformer Engine layer spec) fuses what HF keeps apart:
+
+- q/k/v -> `linear_qkv`, grouped by query group: for each of the `ng` KV heads, its
+  `nh/ng` query heads, then its key head, then its value head (rows of head_dim each).
+  Tensor parallelism splits the groups, so a TP shard is a contiguous slice of the rows.
+- gate/up -> `linear_fc1`: each TP rank holds [its slice of gate; its slice of up], so the
+  gathered tensor is [gate_0; up_0; gate_1; up_1; ...].
+- o_proj, down_proj are row-parallel (split on the input dim); embeddings and lm_head are
+  vocab-parallel (rows padded to a multiple of TP with zeros, cut off again on export).
+- Norms (and Qwen3's per-head q/k norms) are replicated.
+- With the TE spec the pre-attention and pre-MLP norms live inside the fused linears
+  (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`).
+
+`to_megatron_shard` and `to_hf` are exact inverses (pure reshapes and slices), so an
+HF -> Megatron -> HF round trip reproduces every tensor bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    qkv_bias: bool
+    qk_norm: bool
+
+
+def check_dense(hf_config) -> None:
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if getattr(hf_config, key, None):
+            raise NotImplementedError(f"{hf_config.model_type} with {key}={getattr(hf_config, key)}: MoE models are not "
+                                      "supported by the Megatron trainer yet (dense only)")
+
+
+def head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the mapping needs to know about a model and its parallel split."""
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    hidden: int
+    ffn: int
+    vocab: int
+    padded_vocab: int
+    tp: int
+    tied: bool
+    te_spec: bool = False
+
+    @classmethod
+    def from_hf(cls, hf_config, tp: int, padded_vocab: int, te_spec: bool = False) -> "Layout":
+        return cls(num_heads=hf_config.num_attention_heads, num_groups=hf_config.num_key_value_heads,
+                   head_dim=head_dim(hf_config), hidden=hf_config.hidden_size, ffn=hf_config.intermediate_size,
+                   vocab=hf_config.vocab_size, padded_vocab=padded_vocab, tp=tp,
+                   tied=bool(getattr(hf_config, "tie_word_embeddings", False)), te_spec=te_spec)
+
+
+# Megatron local-spec parameter names (layer index = global, 0-based) -> (kind, HF names).
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_TE_RENAMES = {  # TE spec name -> local spec name
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_LOCAL_TO_TE = {v: k for k, v in _TE_RENAMES.items()}
+
+
+def hf_sources(name: str, family: Family, layout: Layout) -> tuple[str, list[str]]:
+    """(kind, HF names) for one Megatron parameter named with its *global* layer index.
+    kind: replicated | column | row | vocab | qkv | qkv_bias | gate_up."""
+    if name == "embedding.word_embeddings.weight":
+        return "vocab", ["model.embed_tokens.weight"]
+    if name == "output_layer.weight":
+        return "vocab", ["model.embed_tokens.weight" if layout.tied else "lm_head.weight"]
+    if name == "decoder.final_layernorm.weight":
+        return "replicated", ["model.norm.weight"]
+    m = _LAYER.match(name)
+    if not m:
+        raise KeyError(f"no HF counterpart for Megatron parameter {name}")
+    i, rest = int(m.group(1)), m.group(2)
+    rest = _TE_RENAMES.get(rest, rest)
+    p = f"model.layers.{i}."
+    table = {
+        "input_layernorm.weight": ("replicated", [p + "input_layernorm.weight"]),
+        "pre_mlp_layernorm.weight": ("replicated", [p + "post_attention_layernorm.weight"]),
+        "self_attention.linear_qkv.weight": ("qkv", [p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+        "self_attention.linear_proj.weight": ("row", [p + "self_attn.o_proj.weight"]),
+        "mlp.linear_fc1.weight": ("gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+        "mlp.linear_fc2.weight": ("row", [p + "mlp.down_proj.weight"]),
+    }
+    if family.qkv_bias:
+        table["self_attention.linear_qkv.bias"] = ("qkv", [p + f"self_attn.{x}_proj.bias" for x in "qkv"])
+    if family.qk_norm:
+        table["self_attention.q_layernorm.weight"] = ("replicated", [p + "self_attn.q_norm.weight"])
+        table["self_attention.k_layernorm.weight"] = ("replicated", [p + "self_attn.k_norm.weight"])
+    if rest not in table:
+        raise KeyError(f"no HF counterpart for Megatron parameter {name} ({family.name})")
+    return table[rest]
+
+
+def megatron_names(num_layers: int, family: Family, layout: Layout, *, first: bool = True, last: bool = True,
+                   layers: range | None = None) -> list[str]:
+    """The Megatron parameter names (global layer indices) of one pipeline stage."""
+    names = ["embedding.word_embeddings.weight"] if first else []
+    for i in (layers if layers is not None else range(num_layers)):
+        p = f"decoder.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
+        if family.qkv_bias:
+            names.append(p + "self_attention.linear_qkv.bias")
+        if family.qk_norm:
+            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
+                  p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+    if last:
+        names.append("decoder.final_layernorm.weight")
+        if not layout.tied:
+            names.append("output_layer.weight")
+    return names
+
+
+def local_spec_name(name: str) -> str:
+    """A TE-spec parameter name in the local spec's terms (identity for local names)."""
+    m = _LAYER.match(name)
+    if m and m.group(2) in _TE_RENAMES:
+        return f"decoder.layers.{m.group(1)}.{_TE_RENAMES[m.group(2)]}"
+    return name
+
+
+def spec_name(name: str, layout: Layout) -> str:
+    """A local-spec name in the terms of the spec in use."""
+    if not layout.te_spec:
+        return name
+    m = _LAYER.match(name)
+    if m and m.group(2) in _LOCAL_TO_TE:
+        return f"decoder.layers.{m.group(1)}.{_LOCAL_TO_TE[m.group(2)]}"
+    return name
+
+
+# -- full HF tensors -> this TP rank's Megatron shard -----------------------------------------
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """HF q/k/v (weights [out, in] or biases [out]) -> Megatron's group-interleaved rows."""
+    ng, d = layout.num_groups, layout.head_dim
+    per = layout.num_heads // ng
+    tail = q.shape[1:]
+    fused = torch.cat([q.reshape(ng, per * d, *tail), k.reshape(ng, d, *tail), v.reshape(ng, d, *tail)], dim=1)
+    return fused.reshape(ng * (per + 2) * d, *tail)
+
+
+def split_qkv(fused: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ng, d = layout.num_groups, layout.head_dim
+    per = layout.num_heads // ng
+    tail = fused.shape[1:]
+    g = fused.reshape(ng, (per + 2) * d, *tail)
+    q, k, v = g.split([per * d, d, d], dim=1)
+    return (q.reshape(ng * per * d, *tail).contiguous(), k.reshape(ng * d, *tail).contiguous(),
+            v.reshape(ng * d, *tail).contiguous())
+
+
+def to_megatron_shard(kind: str, hf: list[torch.Tensor], layout: Layout, tp_rank: int) -> torch.Tensor:
+    tp = layout.tp
+    if kind == "replicated":
+        return hf[0]
+    if kind == "column":
+        return hf[0].chunk(tp, dim=0)[tp_rank]
+    if kind == "row":
+        return hf[0].chunk(tp, dim=1)[tp_rank]
+    if kind == "vocab":
+        w = hf[0]
+        if layout.padded_vocab > w.shape[0]:
+            w = torch.cat([w, w.new_zeros(layout.padded_vocab - w.shape[0], *w.shape[1:])])
+        return w.chunk(tp, dim=0)[tp_rank]
+    if kind == "qkv":
+        return fuse_qkv(*hf, layout).chunk(tp, dim=0)[tp_rank]
+    if kind == "gate_up":
+        gate, up = hf
+        return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
+    raise ValueError(kind)
+
+
+def gather_dim(kind: str) -> int | None:
+    """The dimension TP shards are concatenated along (None: replicated)."""
+    return {"replicated": None, "column": 0, "row": 1, "vocab": 0, "qkv": 0, "gate_up": 0}[kind]
+
+
+def to_hf(kind: str, full: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """A Megatron tensor with its TP shards concatenated (see gather_dim) -> the HF tensors."""
+    if kind in ("replicated", "column", "row"):
+        return [full]
+    if kind == "vocab":
+        return [full[:layout.vocab]]
+    if kind == "qkv":
+        return list(split_qkv(full, layout))
+    if kind == "gate_up":
+        tp = layout.tp
+        parts = full.reshape(tp, 2, full.shape[0] // (2 * tp), *full.shape[1:])
+        return [parts[:, 0].reshape(-1, *full.shape[1:]).contiguous(),
+                parts[:, 1].reshape(-1, *full.shape[1:]).contiguous()]
+    raise ValueError(kind)

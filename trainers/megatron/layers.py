@@ -1,0 +1,127 @@
+"""Local-spec modules used when Transformer Engine is absent: a fused attention core and an
+RMSNorm that supports sequence parallelism.
+
+SDPAttention: megatron's local `DotProductAttention` materialises the [b, h, s, s] score matrix, so its
+memory grows with S^2 (see shared/notes/megatron-on-device.md: 13% -> 31% MFU at 0.5B by
+swapping it out). This module takes the same constructor and forward arguments and calls
+PyTorch's fused kernels instead:
+
+- padded batches `[s, b, h, d]` -> `scaled_dot_product_attention(is_causal=True, enable_gqa=True)`
+  (flash / memory-efficient kernels on CUDA);
+- packed sequences (`PackedSeqParams`, qkv_format "thd", `[t, h, d]`) -> on CUDA
+  `torch.nn.attention.varlen.varlen_attn` (flash varlen) where this torch has it, else one
+  causal SDPA call per sequence (also the CPU path).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters)
+except Exception:  # older torch
+    _varlen_attn, _VARLEN_PARAMS = None, set()
+
+_varlen_broken = False  # set once if the varlen kernel refuses these inputs; then the loop is used
+
+
+class SDPAttention(torch.nn.Module):
+    """Drop-in for `submodules.self_attention.submodules.core_attention` (causal self-attention)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, **_ignored):
+        super().__init__()
+        self.config = config
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("context parallelism needs Transformer Engine's attention "
+                                      "(--transformer-impl transformer_engine); the SDPA core does not split sequences")
+        kv_channels = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else (
+            config.softmax_scale if getattr(config, "softmax_scale", None) else 1.0 / math.sqrt(kv_channels))
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **_ignored):
+        p = self.dropout if self.training else 0.0
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            out = self._packed(query, key, value, packed_seq_params, p)  # [t, h, d]
+            return out.reshape(out.shape[0], -1)
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        out = _sdpa(q, k, v, p, self.scale)  # [b, h, s, d]
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _packed(self, q, k, v, params, p: float):
+        global _varlen_broken
+        cu = params.cu_seqlens_q  # the sequences (cu_seqlens_q_padded may hold RoPE's one segment: see model.py)
+        if q.is_cuda and _varlen_attn is not None and not _varlen_broken and p == 0.0:
+            try:
+                return _varlen(q, k, v, cu, int(params.max_seqlen_q), self.scale)
+            except (RuntimeError, TypeError, NotImplementedError) as exc:  # no kernel for this dtype/arch
+                _varlen_broken = True
+                import warnings
+                warnings.warn(f"varlen_attn unavailable ({exc}); packed attention falls back to per-sequence SDPA")
+        bounds = cu.tolist()
+        outs = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            if e == s:
+                continue
+            qi, ki, vi = (x[s:e].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, h, L, d]
+            outs.append(_sdpa(qi, ki, vi, p, self.scale)[0].transpose(0, 1))  # [L, h, d]
+        return torch.cat(outs, dim=0)
+
+
+def _sdpa(q, k, v, p, scale):
+    if q.shape[1] != k.shape[1]:
+        try:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale, enable_gqa=True)
+        except (TypeError, RuntimeError):
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
+
+
+def _varlen(q, k, v, cu, max_len: int, scale: float):
+    cu = cu.to(torch.int32)
+    kwargs = {"scale": scale}
+    if "is_causal" in _VARLEN_PARAMS:
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kwargs["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm computed as HF's Qwen2/Qwen3/Llama RMSNorm does (in fp32, cast back, then scaled),
+    so logprobs match the HF model; on CUDA PyTorch's fused rms_norm (the same math in fp32,
+    rounded once at the end). Unlike megatron-core's WrappedTorchNorm it allows
+    sequence parallelism: the weight is tagged `sequence_parallel`, so
+    `finalize_model_grads` all-reduces its gradient over the TP group."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_ignored):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype,
+                                                    device="cpu" if config.use_cpu_initialization else None))
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x):
+        if x.is_cuda:  # one fused kernel (fp32 inside, one rounding instead of HF's two)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)

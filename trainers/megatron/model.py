@@ -1,0 +1,267 @@
+"""Build megatron-core GPTModels from a Hugging Face config (Qwen2/2.5, Qwen3, Llama 3; dense).
+
+Layer spec: Transformer Engine's when it is installed (and not turned off with
+`--transformer-impl local`), else megatron-core's local spec with two modules swapped
+(`layers.py`): the attention core for PyTorch's fused SDPA / varlen flash kernels, and the
+norms for an HF-exact RMSNorm that also allows sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import socket
+
+import torch
+import torch.nn.functional as F
+
+from agentrl.errors import ConfigError
+from agentrl.trainers.megatron.args import MegatronArgs
+from agentrl.trainers.megatron.families import family_for
+from agentrl.trainers.megatron.families.common import Family, Layout, head_dim, rope_theta
+
+
+def have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def use_te_spec(margs: MegatronArgs, device: str) -> bool:
+    impl = margs.trainer.get("transformer_impl")
+    if impl is None:
+        return device != "cpu" and have_te()
+    if impl not in ("local", "transformer_engine"):
+        raise ConfigError(f"--transformer-impl {impl!r}: choose local or transformer_engine")
+    if impl == "transformer_engine" and not have_te():
+        raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not installed")
+    return impl == "transformer_engine"
+
+
+# -- process groups ------------------------------------------------------------------------------
+def init_distributed(margs: MegatronArgs, device: str, seed: int = 1234) -> None:
+    """torch.distributed (torchrun's env, or a one-process group) and Megatron's parallel state."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    timeout = datetime.timedelta(minutes=int(margs.trainer.get("distributed_timeout_minutes", 30)))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                    timeout=timeout)
+    world = dist.get_world_size()
+    tp, pp, cp = margs.tp, margs.pp, margs.cp
+    if world % (tp * pp * cp):
+        raise ConfigError(f"world size {world} is not a multiple of TP {tp} x PP {pp} x CP {cp}")
+    if margs.transformer.get("virtual_pipeline_model_parallel_size"):
+        raise ConfigError("--virtual-pipeline-model-parallel-size: interleaved pipelines are not supported yet")
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_context_parallel_world_size())
+        if have != (tp, pp, cp):
+            raise ConfigError(f"Megatron's parallel state is already set up as TP/PP/CP {have}, not {(tp, pp, cp)}")
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     context_parallel_size=cp,
+                                     distributed_timeout_minutes=int(timeout.total_seconds() // 60))
+    if device.startswith("cuda"):
+        from megatron.core import tensor_parallel
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- config and model ----------------------------------------------------------------------------
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype: str, device: str, te: bool = False):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    params_dtype = DTYPES[dtype]
+    kw = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=family.qkv_bias,
+        qk_layernorm=family.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=device == "cpu",
+        perform_initialization=False,  # every weight is loaded from the checkpoint
+        variable_seq_lengths=True,  # packed micro-batches differ in length (pipeline p2p shapes)
+        moe_token_dispatcher_type="alltoall",  # (dense models; the default "allgather" refuses variable lengths)
+        bias_activation_fusion=device != "cpu",  # fused SwiGLU (megatron's jit-scripted kernel) on GPUs
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+    )
+    kw.update(margs.transformer)
+    kw["transformer_impl"] = "transformer_engine" if te else "local"
+    if kw.get("sequence_parallel") and kw.get("tensor_model_parallel_size", 1) == 1:
+        kw["sequence_parallel"] = False  # as megatron.training does
+    return TransformerConfig(**kw)
+
+
+def layer_spec(config, family: Family, te: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from agentrl.trainers.megatron.layers import RMSNorm, SDPAttention
+
+    if te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_norm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm")
+    sub = spec.submodules
+    norm = ModuleSpec(module=RMSNorm)
+    sub.input_layernorm = norm
+    sub.pre_mlp_layernorm = norm
+    attn = sub.self_attention.submodules
+    attn.core_attention = ModuleSpec(module=SDPAttention)
+    if family.qk_norm:
+        attn.q_layernorm = norm
+        attn.k_layernorm = norm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm)
+
+
+def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 1) -> int:
+    multiple = tp * max(1, divisible_by)
+    return -(-vocab // multiple) * multiple
+
+
+def build_gpt(hf_config, config, spec, *, padded_vocab: int, value_head: bool = False):
+    """One GPTModel for this pipeline stage (pre/post-process from the parallel state).
+    value_head=True builds the critic: the LM head replaced by a scalar head."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True, share_embeddings_and_output_weights=tied,
+        position_embedding_type="rope", rotary_percent=float(params.get("partial_rotary_factor", 1.0)),
+        rotary_base=int(rope_theta(hf_config)),
+    )
+    inv_freq, scaling = hf_inv_freq(hf_config)
+    if scaling != 1.0:
+        raise NotImplementedError(f"RoPE type {params.get('rope_type')!r} scales attention by {scaling}; "
+                                  "not supported by the Megatron trainer")
+    model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+    if value_head and model.post_process:
+        model.output_layer = ValueHead(config)
+    mark_tensor_parallel(model)
+    return model
+
+
+def enable_position_rope(model) -> None:
+    """Packed sequences without megatron's per-sequence RoPE loop.
+
+    For THD inputs megatron-core's RoPE splits q and k per sequence (a host sync and a
+    slice/concat per sequence, per layer). Instead, this makes the model's rotary module return
+    the frequencies of each packed token's own position (set per micro-batch in
+    `model.rotary_pos_emb.positions`), and the trainer passes `cu_seqlens_q_padded = [0, T]`,
+    so RoPE sees one segment whose frequencies are already per token. Attention reads the real
+    boundaries from `cu_seqlens_q` (SDPAttention). Local spec only: TE's attention reads the
+    padded boundaries."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None or getattr(rope, "positions", "unset") != "unset":
+        return
+    inner = rope.forward
+    rope.positions = None
+
+    def forward(max_seq_len, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if rope.positions is None or not packed_seq:
+            return inner(max_seq_len, offset, packed_seq, cp_group)
+        positions, longest = rope.positions
+        return inner(longest, 0, packed_seq, cp_group)[positions]  # [T, 1, 1, d]
+
+    rope.forward = forward
+
+
+def mark_tensor_parallel(model) -> None:
+    """Tag TP-sharded weights as megatron-core's initialisers would. With
+    perform_initialization=False (weights come from the checkpoint) megatron-core skips its
+    init functions and with them `tensor_model_parallel`/`partition_dim`, which the grad
+    norm, the distributed optimizer and checkpoint sharding rely on."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            set_tensor_model_parallel_attributes(weight, True, 0, 1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
+
+
+def hf_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies exactly as the HF model computes them (llama3 scaling etc.)."""
+    mt = hf_config.model_type
+    module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+    cls = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
+    with torch.device("cpu"):
+        rope = cls(config=hf_config)
+    return rope.inv_freq.float().clone(), float(getattr(rope, "attention_scaling", 1.0))
+
+
+class ValueHead(torch.nn.Module):
+    """The critic's head: hidden -> one value per token, replicated over TP. Called as
+    GPTModel calls its output layer; returns ([s, b, 1], None)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.sequence_parallel = bool(config.sequence_parallel)
+        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype,
+                                                     device="cpu" if config.use_cpu_initialization else None))
+        torch.nn.init.normal_(self.weight, std=1.0 / (config.hidden_size + 1) ** 0.5)
+        setattr(self.weight, "average_gradients_across_tp_domain", True)
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None, **_ignored):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return F.linear(hidden, self.weight), None
+
+
+def layout_for(hf_config, margs: MegatronArgs, te: bool) -> tuple[Family, Layout]:
+    family = family_for(hf_config)
+    divisible = int(margs.trainer.get("make_vocab_size_divisible_by", 1))
+    layout = Layout.from_hf(hf_config, margs.tp, padded_vocab_size(hf_config.vocab_size, margs.tp, divisible), te)
+    if layout.num_groups % margs.tp:
+        raise ConfigError(f"--tensor-model-parallel-size {margs.tp} must divide the {layout.num_groups} KV heads")
+    return family, layout

@@ -1,0 +1,497 @@
+"""The Megatron trainer: megatron-core GPTModel, DDP, optimizer and pipeline schedules, behind
+the same methods as the plain-PyTorch trainer (`train_rollout`, `compute_logprobs`,
+`named_tensors`, `save`, `load`, `.tokenizer`, `.version`).
+
+Parallelism comes from Megatron's own flags (Config.megatron_args): TP, PP, SP, recompute,
+distributed optimizer... One process per GPU; started by torchrun (or any launcher that
+sets RANK / WORLD_SIZE / LOCAL_RANK), every rank constructs the trainer and calls the same
+methods with the same whole rollout; with no launcher it runs as a one-process group.
+
+Per optimizer step (one global batch): the trained samples are split over data-parallel
+ranks (balanced by length), grouped into micro-batches by token budget
+(`--max-tokens-per-gpu`) or count (`--micro-batch-size`) and packed (THD), then Megatron's
+forward/backward schedule runs them; the loss is the shared `agentrl.algorithms` objective
+on the response tokens, normalised by the global batch's trained-token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from agentrl.algorithms import check_algo, compute_advantages, needs_reference, policy_objective, value_loss
+from agentrl.config import AlgoConfig, TrainConfig
+from agentrl.errors import ConfigError
+from agentrl.trainers.megatron.args import parse_megatron_args
+from agentrl.trainers.megatron.logprobs import fused_logprobs
+from agentrl.trainers.megatron.model import (DTYPES, build_gpt, enable_position_rope, init_distributed, layer_spec,
+                                             layout_for, transformer_config, use_te_spec)
+from agentrl.trainers.megatron.packing import PackedBatch, micro_batches
+from agentrl.trainers.megatron.weights import HFCheckpoint, export_hf, load_hf_weights
+from agentrl.types import Sample
+
+
+class MegatronTrainer:
+    def __init__(self, model_path: str, *, train: TrainConfig, algo: AlgoConfig, temperature: float,
+                 device: str = "cuda", dtype: str = "bfloat16", megatron_args: dict | None = None, seed: int = 1234):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        from agentrl.models import load_tokenizer
+
+        check_algo(algo)
+        self.train_cfg, self.algo = train, algo
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.model_path = str(model_path)
+        self.margs = parse_megatron_args(megatron_args or {})
+        if device == "cpu" and not _cpu_shim_active():
+            raise ConfigError("the Megatron trainer needs CUDA GPUs (on CPU use --trainer torch; tests set "
+                              "AGENTRL_MEGATRON_CPU_SHIM to tests/trainers/megatron_cpu_shim.py)")
+        if device.startswith("cuda") and device != "cuda":
+            device = "cuda"  # the rank's GPU comes from LOCAL_RANK
+        init_distributed(self.margs, device, seed)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self.dtype = DTYPES[dtype]
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        self.te = use_te_spec(self.margs, device)
+        self.family, self.layout = layout_for(self.hf_config, self.margs, self.te)
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        self.rank = dist.get_rank()
+        self.max_tokens = train.max_tokens_per_gpu
+        self.pad_to = self.margs.tp if self.margs.transformer.get("sequence_parallel") and self.margs.tp > 1 else 1
+        if self.max_tokens is not None and self.pad_to > 1:
+            self.max_tokens -= self.max_tokens % self.pad_to or 0
+        ckpt = HFCheckpoint(self.model_path)
+
+        self.model, self.ddp, self.optimizer, self.scheduler, self.config = self._build(ckpt, lr=train.lr)
+        self.ref_model, self.ref_path = None, self.model_path
+        if needs_reference(algo):  # frozen initial policy for --use-kl-loss / --kl-coef
+            cfg = transformer_config(self.hf_config, self.family, self.margs, dtype=dtype, device=device.split(":")[0],
+                                     te=self.te)
+            self.ref_model = build_gpt(self.hf_config, cfg, layer_spec(cfg, self.family, self.te),
+                                       padded_vocab=self.layout.padded_vocab).to(self.device)
+            if not self.te:
+                enable_position_rope(self.ref_model)
+            load_hf_weights(self.ref_model, ckpt, self.family, self.layout, self.tp_rank)
+            self.ref_model.eval().requires_grad_(False)
+        self.critic = self.critic_ddp = self.critic_optimizer = self.critic_scheduler = None
+        if algo.advantage_estimator == "ppo":
+            (self.critic, self.critic_ddp, self.critic_optimizer, self.critic_scheduler,
+             self.critic_config) = self._build(ckpt, lr=algo.critic_lr or train.lr, value_head=True)
+        self.version = 0
+        self.dtype_name = dtype
+
+    # -- construction --------------------------------------------------------------------------
+    def _build(self, ckpt: HFCheckpoint, *, lr: float, value_head: bool = False):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        device = "cpu" if self.device.type == "cpu" else "cuda"
+        config = transformer_config(self.hf_config, self.family, self.margs, dtype=self._dtype_name(), device=device,
+                                    te=self.te)
+        model = build_gpt(self.hf_config, config, layer_spec(config, self.family, self.te),
+                          padded_vocab=self.layout.padded_vocab, value_head=value_head).to(self.device)
+        if not self.te:
+            enable_position_rope(model)
+        load_hf_weights(model, ckpt, self.family, self.layout, self.tp_rank, value_head=value_head)
+        ddp_kw = {"grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "use_distributed_optimizer": False}
+        ddp_kw.update(self.margs.ddp)
+        ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp_kw), module=model)
+        t = self.train_cfg
+        opt_kw = dict(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                      adam_beta2=t.adam_beta2, adam_eps=1e-8, clip_grad=t.clip_grad, bf16=config.bf16,
+                      fp16=config.fp16, params_dtype=config.params_dtype,
+                      use_distributed_optimizer=ddp_kw["use_distributed_optimizer"])
+        opt_kw.update(self.margs.optimizer)
+        opt_kw["lr"] = lr
+        optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), [ddp])
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = ddp.no_sync
+        config.grad_scale_func = optimizer.scale_loss
+        scheduler = self._scheduler(optimizer, lr, opt_kw["min_lr"])
+        return model, ddp, optimizer, scheduler, config
+
+    def _dtype_name(self) -> str:
+        return {v: k for k, v in DTYPES.items()}[self.dtype]
+
+    def _scheduler(self, optimizer, lr: float, min_lr: float):
+        a = self.margs.trainer
+        if not any(k in a for k in ("lr_decay_style", "lr_warmup_iters", "lr_decay_iters")):
+            return None  # constant LR
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        warmup = int(a.get("lr_warmup_iters", 0))
+        decay = int(a.get("lr_decay_iters", 0) or max(warmup + 1, 10**9))
+        return OptimizerParamScheduler(optimizer, init_lr=float(a.get("lr_warmup_init", 0.0)), max_lr=lr, min_lr=min_lr,
+                                       lr_warmup_steps=warmup, lr_decay_steps=decay,
+                                       lr_decay_style=a.get("lr_decay_style", "constant"),
+                                       start_wd=self.train_cfg.weight_decay, end_wd=self.train_cfg.weight_decay,
+                                       wd_incr_steps=1, wd_incr_style="constant")
+
+    def _set_device(self) -> None:
+        if self.device.type == "cuda":  # train_rollout may run in a worker thread
+            torch.cuda.set_device(self.device)
+
+    # -- forward pieces ------------------------------------------------------------------------
+    def _batches(self, samples: list[Sample], indices: list[int]) -> list[PackedBatch]:
+        batches = micro_batches(samples, indices, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                max_tokens=self.max_tokens, micro_batch_size=self.train_cfg.micro_batch_size,
+                                pad_to=self.pad_to, pad_id=self.pad_id)
+        if not batches:  # fewer samples than data-parallel ranks: run one with zero weight so collectives match
+            batches = micro_batches(samples, indices[:1], dp_rank=0, dp_size=1, max_tokens=None,
+                                    micro_batch_size=1, pad_to=self.pad_to, pad_id=self.pad_id)
+            batches[0].dummy = True
+        return [b.to(self.device) for b in batches]
+
+    def _run(self, model, ddp_or_model, batches: list[PackedBatch], loss_fn, *, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, m):
+            mb = next(data_iterator)
+            gpt = getattr(m, "module", m)
+            by_position = not self.te and hasattr(gpt.rotary_pos_emb, "positions")
+            if by_position:
+                gpt.rotary_pos_emb.positions = (mb.position_ids[0], mb.max_seqlen)
+            out = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(by_position))
+            return out, partial(loss_fn, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp_or_model],
+            num_microbatches=len(batches), seq_length=max(b.num_tokens for b in batches), micro_batch_size=1,
+            forward_only=forward_only)
+
+    def _logprobs(self, logits: torch.Tensor, mb: PackedBatch, with_entropy: bool):
+        """Logprobs (and entropies) of mb's response tokens from vocab-parallel logits [1, T, V/tp]."""
+        return fused_logprobs(logits[0], mb.logit_index, mb.targets, temperature=self.temperature,
+                              vocab_size=self.layout.vocab, tp_group=self.tp_group, tp_rank=self.tp_rank,
+                              with_entropy=with_entropy)
+
+    def _gather_results(self, local: dict[int, list[float]]) -> dict[int, list[float]]:
+        """Per-sample results held by the last stage of each data-parallel rank -> every rank."""
+        import torch.distributed as dist
+        if self.dp_size > 1:
+            parts = [None] * self.dp_size
+            dist.all_gather_object(parts, local, group=self.dp_group)
+            local = {k: v for p in parts for k, v in p.items()}
+        if dist.get_world_size(self.pp_group) > 1:
+            obj = [local]
+            dist.broadcast_object_list(obj, src=dist.get_process_group_ranks(self.pp_group)[-1], group=self.pp_group)
+            local = obj[0]
+        return local
+
+    # -- log-probabilities and values ----------------------------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[Sample], model=None) -> list[list[float]]:
+        """Per-sample response logprobs under the policy (or `model`, e.g. the reference)."""
+        self._set_device()
+        model = model if model is not None else self.model
+        results: dict[int, list[float]] = {}
+
+        def loss_fn(mb, logits):
+            logp, _ = self._logprobs(logits, mb, with_entropy=False)
+            for i, row in zip(mb.indices, mb.split(logp)):
+                if not getattr(mb, "dummy", False):
+                    results[i] = row
+            return logits.new_zeros(()), {}
+
+        was_training = model.training
+        model.eval()
+        self._run(model, model, self._batches(samples, list(range(len(samples)))), loss_fn, forward_only=True)
+        model.train(was_training)
+        results = self._gather_results(results)
+        return [results[i] for i in range(len(samples))]
+
+    @torch.no_grad()
+    def compute_values(self, samples: list[Sample]) -> list[list[float]]:
+        self._set_device()
+        results: dict[int, list[float]] = {}
+
+        def loss_fn(mb, values):
+            v = values[0, :, 0].index_select(0, mb.logit_index).float()
+            for i, row in zip(mb.indices, mb.split(v)):
+                if not getattr(mb, "dummy", False):
+                    results[i] = row
+            return values.new_zeros(()), {}
+
+        self.critic.eval()
+        self._run(self.critic, self.critic, self._batches(samples, list(range(len(samples)))), loss_fn,
+                  forward_only=True)
+        self.critic.train()
+        results = self._gather_results(results)
+        return [results[i] for i in range(len(samples))]
+
+    # -- one iteration of training -------------------------------------------------------------
+    def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
+        """Advantages, then one optimizer step per global batch (policy, and the critic for ppo)."""
+        self._set_device()
+        old = self.compute_logprobs(samples)
+        ref = self.compute_logprobs(samples, self.ref_model) if self.ref_model is not None else None
+        values = self.compute_values(samples) if self.critic is not None else None
+        adv = compute_advantages(samples, self.algo, old_logprobs=old, ref_logprobs=ref, values=values)
+        gbs = self.train_cfg.global_batch_size
+        metrics: dict[str, list[float]] = {}
+        for start in range(0, len(samples), gbs):
+            idx = list(range(start, min(start + gbs, len(samples))))
+            step = self._policy_step(idx, samples, adv.advantages, old, ref)
+            if self.critic is not None:
+                step |= self._critic_step(idx, samples, values, adv.returns)
+            for k, v in step.items():
+                metrics.setdefault(k, []).append(v)
+        mismatch = [abs(a - b) for s, o in zip(samples, old) for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask)
+                    if m]
+        out = {k: float(np.mean(v)) for k, v in metrics.items()}
+        out["train_rollout_logprob_abs_diff"] = float(np.mean(mismatch)) if mismatch else 0.0
+        return out
+
+    def _step(self, model, ddp, optimizer, scheduler, samples, idx, make_loss) -> dict[str, float]:
+        """One optimizer step over the trained samples of idx; make_loss(mb, output, denom) ->
+        (loss, stats) with loss a token sum / denom."""
+        import torch.distributed as dist
+
+        trained = [i for i in idx if samples[i].trainable]
+        denom = float(sum(samples[i].num_trained_tokens for i in trained))
+        if not trained:
+            return {}
+        batches = self._batches(samples, trained)
+        sums: dict[str, torch.Tensor] = {}
+        scale = len(batches) * self.dp_size  # Megatron divides by the micro-batch count, DDP averages over DP
+
+        def loss_fn(mb, output):
+            loss, stats = make_loss(mb, output, denom)
+            if getattr(mb, "dummy", False):
+                loss, stats = loss * 0.0, {}
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v.detach().float()
+            return loss * scale, {}
+
+        model.train()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        self._run(model, ddp, batches, loss_fn, forward_only=False)
+        ok, grad_norm, _ = optimizer.step()
+        if scheduler is not None:
+            scheduler.step(increment=1)
+        keys = sorted(sums)
+        packed = torch.stack([sums[k].reshape(()) for k in keys]) if keys else torch.zeros(0)
+        if self.dp_size > 1 and keys:
+            packed = packed.to(self.device)
+            dist.all_reduce(packed, group=self.dp_group)
+        stats = dict(zip(keys, packed.tolist()))
+        if dist.get_world_size(self.pp_group) > 1:
+            obj = [stats]
+            dist.broadcast_object_list(obj, src=dist.get_process_group_ranks(self.pp_group)[-1], group=self.pp_group)
+            stats = obj[0]
+        stats["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        stats["update_skipped"] = 0.0 if ok else 1.0
+        return stats
+
+    def _policy_step(self, idx, samples, advantages, old, ref) -> dict[str, float]:
+        with_entropy = self.algo.entropy_coef > 0
+
+        def make_loss(mb: PackedBatch, logits, denom):
+            logp, entropy = self._logprobs(logits, mb, with_entropy)
+            dev = logp.device
+            return policy_objective(
+                self.algo, logprobs=logp, mask=mb.flat([s.loss_mask for s in samples], dev),
+                denom=denom, old_logprobs=mb.flat(old, dev), advantages=mb.flat(advantages, dev),
+                ref_logprobs=mb.flat(ref, dev) if ref is not None else None,
+                rollout_logprobs=mb.flat([s.rollout_logprobs for s in samples], dev), entropy=entropy,
+                seq_ids=mb.seq_ids)
+
+        stats = self._step(self.model, self.ddp, self.optimizer, self.scheduler, samples, idx, make_loss)
+        self.version += 1
+        return stats
+
+    def _critic_step(self, idx, samples, old_values, returns) -> dict[str, float]:
+        def make_loss(mb: PackedBatch, values, denom):
+            v = values[0, :, 0].index_select(0, mb.logit_index).float()
+            dev = v.device
+            mask = mb.flat([s.loss_mask for s in samples], dev)
+            loss, clipfrac = value_loss(v, mb.flat(old_values, dev), mb.flat(returns, dev), mask,
+                                        clip=self.algo.value_clip, denom=denom)
+            return loss, {"value_loss": loss.detach(), "value_clipfrac": clipfrac}
+
+        stats = self._step(self.critic, self.critic_ddp, self.critic_optimizer, self.critic_scheduler, samples, idx,
+                           make_loss)
+        return {("critic_" + k if k in ("grad_norm", "update_skipped") else k): v for k, v in stats.items()}
+
+    # -- weights ---------------------------------------------------------------------------------
+    def hf_buckets(self, bucket_bytes: int | None = None, dtype: torch.dtype | None = None
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The policy's weights in HF names and layout, bucketed (every rank gets every bucket,
+        on its own device): what tensor or NCCL weight sync sends."""
+        self._set_device()
+        size = bucket_bytes or int(self.train_cfg.weight_sync_bucket_mb * 2**20)
+        yield from export_hf(self.model, self.family, self.layout, bucket_bytes=size, tp_group=self.tp_group,
+                             pp_group=self.pp_group, dtype=dtype)
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Weights in HF names, as the engine loads them (tied weights once), streamed bucket by bucket."""
+        for bucket in self.hf_buckets():
+            yield from bucket
+
+    def save_hf(self, folder: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
+        """An HF checkpoint (safetensors shards, config, tokenizer) the engines can load;
+        written by global rank 0, every rank takes part in the export."""
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for bucket in self.hf_buckets(bucket_bytes=256 * 2**20):
+            if self.rank != 0:
+                continue
+            for name, t in bucket:
+                n = t.numel() * t.element_size()
+                if shards[-1] and size + n > max_shard_bytes:
+                    shards.append({})
+                    size = 0
+                shards[-1][name] = t.detach().to("cpu", copy=True).contiguous()
+                size += n
+        if self.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            for old in folder.glob("model*.safetensors*"):
+                old.unlink()
+            if len(shards) == 1:
+                save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+            else:
+                weight_map, total = {}, 0
+                for k, shard in enumerate(shards):
+                    fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                    save_file(shard, str(folder / fname), metadata={"format": "pt"})
+                    for name, t in shard.items():
+                        weight_map[name] = fname
+                        total += t.numel() * t.element_size()
+                (folder / "model.safetensors.index.json").write_text(
+                    json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+            config = self.hf_config.__class__.from_dict(self.hf_config.to_dict())
+            config.torch_dtype = self._dtype_name()
+            config.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+            gen = Path(self.model_path) / "generation_config.json"
+            if gen.exists():
+                shutil.copy(gen, folder / "generation_config.json")
+        if dist.is_initialized():
+            dist.barrier()
+        return folder
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def _sharded_state(self, is_loading: bool = False) -> dict:
+        state = {"model": self.model.sharded_state_dict()}
+        state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading=is_loading)
+        if self.critic is not None:
+            state["critic"] = self.critic.sharded_state_dict(prefix="critic.")
+            state["critic_optimizer"] = self.critic_optimizer.sharded_state_dict(state["critic"], is_loading=is_loading)
+        return state
+
+    def save(self, folder: Path, extra_state: dict) -> None:
+        """A Megatron distributed checkpoint (model, optimizer, critic) under folder/megatron, an HF
+        copy of the policy under folder/model (what the engines reload on resume; also
+        --save-hf), RNG states per rank, and trainer_state.json (version + the run's state)."""
+        import torch.distributed as dist
+        from megatron.core import dist_checkpointing
+
+        self._set_device()
+        folder = Path(folder)
+        dist_dir = folder / "megatron"
+        if self.rank == 0:
+            if dist_dir.exists():
+                shutil.rmtree(dist_dir)
+            dist_dir.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state(), str(dist_dir))
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+        if self.device.type == "cuda":
+            from megatron.core import tensor_parallel
+            rng["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+        torch.save(rng, dist_dir / f"rng_rank{self.rank:05d}.pt")
+        self.save_hf(folder / "model")
+        if self.train_cfg.save_hf:
+            self.save_hf(self.train_cfg.save_hf.format(rollout_id=extra_state.get("rollout_id", self.version)))
+        if self.rank == 0:
+            sched = {k: s.state_dict() for k, s in (("policy", self.scheduler), ("critic", self.critic_scheduler))
+                     if s is not None}
+            torch.save(sched, dist_dir / "schedulers.pt")
+            (folder / "trainer_state.json").write_text(json.dumps(
+                {"version": self.version, "ref_model_path": str(Path(self.ref_path).resolve()), **extra_state},
+                indent=1))
+        dist.barrier()
+
+    def load(self, folder: Path) -> dict:
+        import torch.distributed as dist
+        from megatron.core import dist_checkpointing
+
+        self._set_device()
+        folder = Path(folder)
+        dist_dir = folder / "megatron"
+        loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(dist_dir))
+        self.model.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        if self.critic is not None:
+            self.critic.load_state_dict({k.removeprefix("critic."): v for k, v in loaded["critic"].items()})
+            self.critic_optimizer.load_state_dict(loaded["critic_optimizer"])
+        rng_file = dist_dir / f"rng_rank{self.rank:05d}.pt"
+        if rng_file.exists():
+            rng = torch.load(rng_file, weights_only=False)
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+            if self.device.type == "cuda" and rng.get("cuda") is not None:
+                torch.cuda.set_rng_state(rng["cuda"])
+                from megatron.core import tensor_parallel
+                tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+        if (dist_dir / "schedulers.pt").exists():
+            sched = torch.load(dist_dir / "schedulers.pt", weights_only=False)
+            for key, s in (("policy", self.scheduler), ("critic", self.critic_scheduler)):
+                if s is not None and key in sched:
+                    s.load_state_dict(sched[key])
+        state = json.loads((folder / "trainer_state.json").read_text())
+        self.version = state["version"]
+        ref = state.get("ref_model_path")
+        if self.ref_model is not None and ref and Path(ref).resolve() != Path(self.ref_path).resolve():
+            # resumed from the checkpoint's HF copy: the reference is still the run's initial model
+            if not Path(ref).exists():
+                raise ConfigError(f"--load {folder}: the reference model {ref} (the run's initial weights) is gone")
+            load_hf_weights(self.ref_model, HFCheckpoint(ref), self.family, self.layout, self.tp_rank)
+            self.ref_path = ref
+        dist.barrier()
+        return state
+
+
+def _cpu_shim_active() -> bool:
+    """Megatron on CPU only with the test-only shim: applied already in this process, or named
+    by AGENTRL_MEGATRON_CPU_SHIM (a file path; how tests reach trainer processes they don't
+    start themselves, such as the Ray trainer actor)."""
+    import importlib.util
+    import os
+    import sys
+
+    shim = sys.modules.get("megatron_cpu_shim")
+    if getattr(shim, "_applied", False):
+        return True
+    path = os.environ.get("AGENTRL_MEGATRON_CPU_SHIM")
+    if not path:
+        return False
+    spec = importlib.util.spec_from_file_location("megatron_cpu_shim", path)
+    shim = importlib.util.module_from_spec(spec)
+    sys.modules["megatron_cpu_shim"] = shim
+    spec.loader.exec_module(shim)
+    shim.apply()
+    return True

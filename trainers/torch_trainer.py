@@ -1,0 +1,251 @@
+"""The plain-PyTorch trainer: the HF model itself, trained with the shared losses.
+
+Used by the embedded default (CPU or one GPU). The model is an ordinary nn.Module with no
+wrapper baked in, so FSDP2 (`torch.distributed.fsdp.fully_shard` per decoder layer, then
+the root) can shard it on several GPUs without touching the loss code; that launch path
+is not wired yet. The Megatron trainer will sit behind the same methods.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from agentrl.algorithms import (check_algo, compute_advantages, entropy_from_logits, needs_reference,
+                                policy_objective, value_loss)
+from agentrl.config import AlgoConfig, TrainConfig
+from agentrl.models import load_model, load_tokenizer
+from agentrl.types import Sample
+
+
+def pad_batch(samples: list[Sample], device: str, pad_id: int = 0):
+    """Right-padded token ids [B, L] and, over the response positions that predict a
+    response token, the index/mask tensors the loss needs."""
+    lengths = [len(s.tokens) for s in samples]
+    longest = max(lengths)
+    ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), longest), dtype=torch.long)
+    resp_len = max(s.response_length for s in samples)
+    mask = torch.zeros((len(samples), resp_len))
+    for i, s in enumerate(samples):
+        ids[i, :lengths[i]] = torch.tensor(s.tokens)
+        attn[i, :lengths[i]] = 1
+        mask[i, :s.response_length] = torch.tensor(s.loss_mask, dtype=torch.float)
+    return ids.to(device), attn.to(device), mask.to(device)
+
+
+class TorchTrainer:
+    def __init__(self, model_path: str, *, train: TrainConfig, algo: AlgoConfig, temperature: float,
+                 device: str = "cpu", dtype: str = "float32"):
+        self.train_cfg, self.algo, self.device = train, algo, device
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.model = load_model(model_path, device=device, dtype=dtype)
+        self.model.train()
+        self.tokenizer = load_tokenizer(model_path)
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        check_algo(algo)
+        self.ref_model, self.ref_path = None, str(model_path)
+        if needs_reference(algo):  # --use-kl-loss or --kl-coef: KL against the initial model
+            self.ref_model = load_model(model_path, device=device, dtype=dtype).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+                                           betas=(train.adam_beta1, train.adam_beta2))
+        self.critic = self.critic_optimizer = None
+        if algo.advantage_estimator == "ppo":  # the critic: the policy's backbone with a scalar head
+            self.critic = ValueModel(load_model(model_path, device=device, dtype=dtype)).to(device)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=algo.critic_lr or train.lr,
+                                                      weight_decay=train.weight_decay,
+                                                      betas=(train.adam_beta1, train.adam_beta2))
+        self.version = 0  # bumped at every optimizer step; the engine's weight_version follows it
+
+    # -- log-probabilities -------------------------------------------------------------------
+    def _response_logprobs(self, model, samples: list[Sample], with_entropy: bool = False):
+        """Logprobs of each response token under `model`, temperature-scaled like the engine's.
+        Returns ([B, T] logprobs, [B, T] mask, [B, T] entropy or None)."""
+        ids, attn, mask = pad_batch(samples, self.device, self.pad_id)
+        logits = model(input_ids=ids, attention_mask=attn).logits.float() / self.temperature  # [B, L, V]
+        T = mask.shape[1]
+        # The token at position p is predicted by the logits at p - 1.
+        index = torch.zeros((len(samples), T), dtype=torch.long, device=self.device)
+        for i, s in enumerate(samples):
+            p = len(s.prompt_tokens)
+            index[i, :s.response_length] = torch.arange(p - 1, p - 1 + s.response_length)
+        gathered = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, T, V]
+        targets = torch.zeros((len(samples), T), dtype=torch.long, device=self.device)
+        for i, s in enumerate(samples):
+            targets[i, :s.response_length] = torch.tensor(s.response_tokens)
+        logp = torch.log_softmax(gathered, dim=-1).gather(-1, targets[:, :, None]).squeeze(-1)
+        entropy = entropy_from_logits(gathered) if with_entropy else None
+        return logp, mask, entropy
+
+    def _response_values(self, samples: list[Sample]):
+        """The critic's value at each response position (the state before that token). [B, T]"""
+        ids, attn, mask = pad_batch(samples, self.device, self.pad_id)
+        v = self.critic(ids, attn)  # [B, L]
+        index = torch.zeros(mask.shape, dtype=torch.long, device=self.device)
+        for i, s in enumerate(samples):
+            p = len(s.prompt_tokens)
+            index[i, :s.response_length] = torch.arange(p - 1, p - 1 + s.response_length)
+        return v.gather(1, index), mask
+
+    @torch.no_grad()
+    def compute_values(self, samples: list[Sample]) -> list[list[float]]:
+        out: list[list[float]] = []
+        for chunk in _chunks(samples, self.train_cfg.micro_batch_size):
+            v, _ = self._response_values(chunk)
+            out += [v[i, :s.response_length].tolist() for i, s in enumerate(chunk)]
+        return out
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[Sample], model=None) -> list[list[float]]:
+        """Per-sample response logprobs (no grad), micro-batched."""
+        model = model or self.model
+        out: list[list[float]] = []
+        for chunk in _chunks(samples, self.train_cfg.micro_batch_size):
+            logp, _, _ = self._response_logprobs(model, chunk)
+            out += [logp[i, :s.response_length].tolist() for i, s in enumerate(chunk)]
+        return out
+
+    # -- one iteration of training -----------------------------------------------------------
+    def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
+        """Advantages, then the rollout split into global batches (one optimizer step each)."""
+        old = self.compute_logprobs(samples)
+        ref = self.compute_logprobs(samples, self.ref_model) if self.ref_model is not None else None
+        values = self.compute_values(samples) if self.critic is not None else None
+        adv = compute_advantages(samples, self.algo, old_logprobs=old, ref_logprobs=ref, values=values)
+        gbs = self.train_cfg.global_batch_size
+        metrics: dict[str, list[float]] = {}
+        for start in range(0, len(samples), gbs):
+            idx = list(range(start, min(start + gbs, len(samples))))
+            step = self._optimizer_step(idx, samples, adv.advantages, old, ref)
+            if self.critic is not None:
+                step |= self._critic_step(idx, samples, values, adv.returns)
+            for k, v in step.items():
+                metrics.setdefault(k, []).append(v)
+        mismatch = [abs(a - b) for s, o in zip(samples, old)
+                    for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask) if m]
+        out = {k: float(np.mean(v)) for k, v in metrics.items()}
+        out["train_rollout_logprob_abs_diff"] = float(np.mean(mismatch)) if mismatch else 0.0
+        return out
+
+    def _optimizer_step(self, idx, samples, advantages, old, ref) -> dict[str, float]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        trained = [i for i in idx if samples[i].trainable]
+        denom = float(sum(samples[i].num_trained_tokens for i in trained))
+        stats = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0, "entropy": 0.0, "clipfrac": 0.0, "ppo_kl": 0.0}
+        if not trained:
+            return stats
+        for chunk in _chunks(trained, self.train_cfg.micro_batch_size):
+            batch = [samples[i] for i in chunk]
+            logp, mask, entropy = self._response_logprobs(self.model, batch, with_entropy=self.algo.entropy_coef > 0)
+            loss, out = policy_objective(
+                self.algo, logprobs=logp, mask=mask, denom=denom,
+                old_logprobs=_padded([old[i] for i in chunk], logp.shape, self.device),
+                advantages=_padded([advantages[i] for i in chunk], logp.shape, self.device),
+                ref_logprobs=_padded([ref[i] for i in chunk], logp.shape, self.device) if ref is not None else None,
+                rollout_logprobs=_padded([samples[i].rollout_logprobs for i in chunk], logp.shape, self.device),
+                entropy=entropy)
+            loss.backward()
+            for k, v in out.items():  # token sums / denom: the global batch's means add up over micro-batches
+                stats[k] = stats.get(k, 0.0) + v.item()
+        if self.train_cfg.clip_grad > 0:
+            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.clip_grad))
+        self.optimizer.step()
+        self.version += 1
+        return stats
+
+    def _critic_step(self, idx, samples, old_values, returns) -> dict[str, float]:
+        self.critic.train()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        trained = [i for i in idx if samples[i].trainable]
+        denom = float(sum(samples[i].num_trained_tokens for i in trained))
+        stats = {"value_loss": 0.0, "value_clipfrac": 0.0}
+        if not trained:
+            return stats
+        for chunk in _chunks(trained, self.train_cfg.micro_batch_size):
+            v, _ = self._response_values([samples[i] for i in chunk])
+            mask = _padded([samples[i].loss_mask for i in chunk], v.shape, self.device)
+            loss, clipfrac = value_loss(v, _padded([old_values[i] for i in chunk], v.shape, self.device),
+                                        _padded([returns[i] for i in chunk], v.shape, self.device), mask,
+                                        clip=self.algo.value_clip, denom=denom)
+            loss.backward()
+            stats["value_loss"] += loss.item()
+            stats["value_clipfrac"] += float(clipfrac)
+        if self.train_cfg.clip_grad > 0:
+            stats["critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(),
+                                                                             self.train_cfg.clip_grad))
+        self.critic_optimizer.step()
+        return stats
+
+    # -- weights and checkpoints -------------------------------------------------------------
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Weights in HF names, as the engine loads them (tied weights once)."""
+        for name, param in self.model.named_parameters():
+            yield name, param.detach()
+
+    def save(self, folder: Path, extra_state: dict) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(folder / "model")
+        self.tokenizer.save_pretrained(folder / "model")
+        torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+        if self.critic is not None:
+            torch.save({"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},
+                       folder / "critic.pt")
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        torch.save(rng, folder / "rng.pt")
+        (folder / "trainer_state.json").write_text(json.dumps(
+            {"version": self.version, "ref_model_path": str(Path(self.ref_path).resolve()), **extra_state}, indent=1))
+
+    def load(self, folder: Path) -> dict:
+        fresh = load_model(folder / "model", device=self.device)
+        self.model.load_state_dict(fresh.state_dict())
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        if self.critic is not None and (folder / "critic.pt").exists():
+            critic = torch.load(folder / "critic.pt", weights_only=False)
+            self.critic.load_state_dict(critic["model"])
+            self.critic_optimizer.load_state_dict(critic["optimizer"])
+        rng = torch.load(folder / "rng.pt", weights_only=False)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        state = json.loads((folder / "trainer_state.json").read_text())
+        self.version = state["version"]
+        ref = state.get("ref_model_path")
+        if self.ref_model is not None and ref and Path(ref).exists() and Path(ref).resolve() != Path(self.ref_path).resolve():
+            # resumed from the checkpoint's copy: the KL reference stays the run's initial model
+            self.ref_model.load_state_dict(load_model(ref, device=self.device).state_dict())
+            self.ref_path = ref
+        return state
+
+
+class ValueModel(torch.nn.Module):
+    """PPO's critic: a causal LM's backbone (its decoder, without the LM head) and a scalar head."""
+
+    def __init__(self, causal_lm):
+        super().__init__()
+        self.backbone = causal_lm.model
+        hidden = causal_lm.config.hidden_size
+        param = next(causal_lm.parameters())
+        self.value_head = torch.nn.Linear(hidden, 1, bias=False, dtype=param.dtype, device=param.device)
+        torch.nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1) ** 0.5)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()  # [B, L]
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def _padded(rows: list[list[float]], shape, device) -> torch.Tensor:
+    out = torch.zeros(shape, device=device)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row)
+    return out
