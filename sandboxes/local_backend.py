@@ -6,7 +6,8 @@ inside. Every process (the exec server, `spawn`s) is started as:
 
     sh -c 'join cgroups' -> prlimit (rlimits) -> setpriv (drop to uid 65534, root only)
        -> bwrap (new user/pid/net/ipc/uts/cgroup namespaces, read-only /usr /etc ...,
-                 private /proc /dev, clean env, no capabilities, uid 1000 inside)
+                 private /proc /dev, clean env, no capabilities, uid 1000 inside,
+                 the seccomp filter of seccomp.py)
 
 so `spawn_argv()` is a self-contained command line. The root is the host's /usr, /etc
 and /bin... mounted read-only (nothing else of the host: no /home, /root, /tmp, /var).
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from . import seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
                    log, owner_alive)
 
@@ -109,6 +111,10 @@ class LocalSandbox(Sandbox):
         (self.root / "owner.json").write_text(json.dumps(
             {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id}))
         self.fs.mkdir(mode=0o700)
+        if seccomp.supported():
+            (self.root / "seccomp.bpf").write_bytes(seccomp.program())
+        else:
+            log.warning("local sandbox: no seccomp filter for %s (x86_64 and aarch64 only)", seccomp.machine())
         root = os.geteuid() == 0
         if root:
             size = (lim.workdir_mb + lim.tmp_mb) << 20
@@ -178,7 +184,10 @@ class LocalSandbox(Sandbox):
         lim = self.limits
         procs_files = [str(d / "cgroup.procs") for d in self.cgroups.values()]
         # Fail closed: a process that cannot join its cgroups (removed by a reap) must not run.
-        join = 'for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f" || exit 125; shift; done; exec "$@"'
+        # The seccomp program reaches bwrap as fd 3, opened by this script.
+        bpf = self.root / "seccomp.bpf"
+        join = ('for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f" || exit 125; shift; done; '
+                + ('exec "$@" 3<"$SECCOMP_BPF"' if bpf.exists() else 'exec "$@"'))
         rlimits = [f"--nofile={lim.nofile}", "--core=0",
                    f"--fsize={(lim.workdir_mb + lim.tmp_mb) << 20}"]
         if not self.cgroups:
@@ -188,7 +197,7 @@ class LocalSandbox(Sandbox):
             demote = ["setpriv", f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups"]
         bwrap = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
                  "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-                 "--cap-drop", "ALL", *_rootfs_args(), "--proc", "/proc", "--dev", "/dev",
+                 "--cap-drop", "ALL", *(["--seccomp", "3"] if bpf.exists() else []), *_rootfs_args(), "--proc", "/proc", "--dev", "/dev",
                  "--bind", str(self.fs / "work"), WORKDIR, "--bind", str(self.fs / "tmp"), "/tmp"]
         if self.network:
             bwrap += ["--share-net", "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
@@ -198,7 +207,7 @@ class LocalSandbox(Sandbox):
         for k, v in {**self.env, **(env or {})}.items():
             bwrap += ["--setenv", k, v]
         bwrap += ["--chdir", cwd or WORKDIR, "--", *argv]
-        return ["env", "-i", "PATH=/usr/bin:/bin:/usr/sbin:/sbin", "/bin/sh", "-c", join, "sh", *procs_files, "--",
+        return ["env", "-i", "PATH=/usr/bin:/bin:/usr/sbin:/sbin", f"SECCOMP_BPF={bpf}", "/bin/sh", "-c", join, "sh", *procs_files, "--",
                 "prlimit", *rlimits, *demote, *bwrap]
 
     async def _alive(self) -> bool:

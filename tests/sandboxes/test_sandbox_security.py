@@ -215,3 +215,52 @@ def test_workdir_size_capped(backend):
             assert "rc=0" not in r.stdout, r
             await _still_usable(sb)
     run(go())
+
+
+SYSCALL_PROBE = r"""
+import ctypes, os, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def call(name, *args):
+    r = getattr(libc, name)(*args)
+    return "ok" if r != -1 else os.strerror(ctypes.get_errno())
+print("unshare", call("unshare", 0x10000000))                  # CLONE_NEWUSER
+print("mount", call("mount", b"none", b"/work", b"tmpfs", 0, None))
+print("keyctl", call("syscall", 250 if os.uname().machine == "x86_64" else 219, 0, 0))
+print("ptrace", call("ptrace", 0, 0, None, None))               # PTRACE_TRACEME
+out = []
+t = threading.Thread(target=lambda: out.append(subprocess.run(["echo", "child"], capture_output=True, text=True).stdout))
+t.start(); t.join()
+print("threads+fork", out[0].strip())
+"""
+
+
+def test_dangerous_syscalls_refused(backend):
+    """The seccomp filter (local: sandboxes/seccomp.py; docker: its default profile): namespaces,
+    mounts and keyrings are refused while threads and child processes work as usual."""
+    async def go():
+        async with sandbox(backend) as sb:
+            r = await sb.exec(["python3", "-c", SYSCALL_PROBE], timeout=30)
+            got = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+            assert got["unshare"] == got["mount"] == got["keyctl"] == "Operation not permitted", r
+            assert got["threads+fork"] == "child", r
+            if backend == "local":  # Docker's default profile allows ptrace on current kernels
+                assert got["ptrace"] == "Operation not permitted", r
+            r = await sb.exec("unshare -Ur true && echo ESCAPED", timeout=10)
+            assert "ESCAPED" not in r.stdout and r.exit_code != 0, r
+            await _still_usable(sb)
+    run(go())
+
+
+def test_seccomp_table_matches_kernel_headers():
+    from agentrl.sandboxes import seccomp
+    header = Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h")
+    if not header.exists():
+        pytest.skip("kernel headers not installed (linux-libc-dev)")
+    numbers = {}
+    for line in header.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "#define" and parts[1].startswith("__NR_"):
+            numbers[parts[1][5:]] = int(parts[2])
+    table = seccomp.SYSCALLS["x86_64"]
+    assert {k: numbers.get(k) for k in table} == table
+    assert set(seccomp.DENIED) <= set(table)
