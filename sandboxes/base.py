@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Coroutine, Mapping, Sequence
+from typing import Any, Callable, Coroutine, Mapping, Sequence
 
 from agentrl.errors import AgentRLError
 
@@ -88,6 +88,22 @@ def process_start_time(pid: int) -> int | None:
     except OSError:
         return None
     return int(stat[stat.rfind(b")") + 2:].split()[19])
+
+
+_reaped: set[str] = set()
+
+
+def reap_once(backend: str, reap: Callable[[], object]) -> None:
+    """Reap dead runs' sandboxes of one backend, once per process (at its first sandbox)."""
+    if backend in _reaped:
+        return
+    _reaped.add(backend)
+    try:
+        reap()
+    except SandboxError:
+        raise
+    except Exception as e:
+        log.warning("reaping dead %s sandboxes failed: %s", backend, e)
 
 
 def owner_alive(pid: int, start: int | None) -> bool:

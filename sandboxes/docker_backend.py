@@ -20,7 +20,7 @@ import threading
 from typing import Mapping, Sequence
 
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, ImageNotFoundError,
-                   Sandbox, SandboxError, log, owner_alive)
+                   Sandbox, SandboxError, log, owner_alive, reap_once)
 
 DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
 LABEL = "agentrl.sandbox"
@@ -76,7 +76,7 @@ class DockerSandbox(Sandbox):
             raise SandboxError("the docker backend needs the docker CLI (apt-get install docker.io)")
 
     async def _boot(self) -> None:
-        reap_once()
+        reap_once("docker", reap)
         await asyncio.to_thread(self._create)
 
     def _create(self) -> None:
@@ -175,19 +175,3 @@ def reap(everything: bool = False) -> list[str]:
     if removed:
         log.info("reaped %d docker sandbox(es) of dead runs: %s", len(removed), ", ".join(removed))
     return removed
-
-
-_reaped = False
-
-
-def reap_once() -> None:
-    """Reap dead runs' containers once per process (at the first sandbox)."""
-    global _reaped
-    if not _reaped:
-        _reaped = True
-        try:
-            reap()
-        except SandboxError:
-            raise
-        except Exception as e:
-            log.warning("reaping dead docker sandboxes failed: %s", e)

@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 
 from . import seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
-                   log, owner_alive)
+                   log, owner_alive, reap_once)
 
 HOST_UID = 65534  # what sandboxed processes are on the host when we are root
 CGROOT = Path("/sys/fs/cgroup")
@@ -102,7 +102,7 @@ class LocalSandbox(Sandbox):
         self.mounted = False
 
     async def _boot(self) -> None:
-        reap_once()
+        reap_once("local", reap)
         await asyncio.to_thread(self._setup)
 
     def _setup(self) -> None:
@@ -316,17 +316,3 @@ def reap(everything: bool = False) -> list[str]:
     if removed:
         log.info("reaped %d local sandbox(es) of dead runs: %s", len(removed), ", ".join(removed))
     return removed
-
-
-_reaped = False
-
-
-def reap_once() -> None:
-    global _reaped
-    if not _reaped:
-        _reaped = True
-        try:
-            reap()
-        except Exception as e:
-            log.warning("reaping dead local sandboxes failed: %s", e)
-
