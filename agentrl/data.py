@@ -73,6 +73,17 @@ def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
     return tasks
 
 
+def shuffled_epochs(rows: list[dict], seed: int = 0) -> Iterator[dict]:
+    """`rows` endlessly, reshuffled every epoch with a seeded RNG: an env's task generator."""
+    epoch = 0
+    while True:
+        order = list(range(len(rows)))
+        random.Random(f"{seed}-{epoch}").shuffle(order)
+        for i in order:
+            yield rows[i]
+        epoch += 1
+
+
 class PromptSource:
     """Hands out batches of tasks; `state_dict()` is the data position for resume.
 

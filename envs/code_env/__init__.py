@@ -17,12 +17,12 @@ field), or ``--prompt-data mbpp.jsonl --input-key text --label-key test_list``.
 from __future__ import annotations
 
 import json
-import random
 import re
 from pathlib import Path
 from typing import Any, Iterator
 
 from agentrl.envs.code_env.grader import GradeResult, HiddenTests, grade, hidden_tests
+from agentrl.data import shuffled_epochs
 from agentrl.registry import register_env
 from agentrl.tools.env import ToolEnv
 
@@ -116,14 +116,7 @@ class CodeEnv(ToolEnv):
 
     @classmethod
     def dataset(cls, seed: int = 0, tasks: str | None = None, **_) -> Iterator[dict]:
-        rows = read_tasks(tasks or DEFAULT_TASKS)
-        epoch = 0
-        while True:
-            order = list(range(len(rows)))
-            random.Random(f"{seed}-{epoch}").shuffle(order)
-            for i in order:
-                yield rows[i]
-            epoch += 1
+        return shuffled_epochs(read_tasks(tasks or DEFAULT_TASKS), seed)
 
     # -- episode ---------------------------------------------------------------------------------
     async def setup(self, task):

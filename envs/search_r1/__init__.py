@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import re
 import string
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from agentrl.env import Env
+from agentrl.data import shuffled_epochs
 from agentrl.registry import register_env
 
 DATA_DIR = Path(__file__).with_name("data")
@@ -167,14 +167,7 @@ class SearchR1Env(Env):
     @classmethod
     def dataset(cls, seed: int = 0, data: str | None = None, split: str = "train", **_) -> Iterator[dict]:
         """The questions, reshuffled every epoch (seeded), endlessly."""
-        tasks = read_questions(data or DATA_DIR / f"{split}.jsonl")
-        epoch = 0
-        while True:
-            order = list(range(len(tasks)))
-            random.Random(f"{seed}-{epoch}").shuffle(order)
-            for i in order:
-                yield tasks[i]
-            epoch += 1
+        return shuffled_epochs(read_questions(data or DATA_DIR / f"{split}.jsonl"), seed)
 
     # -- episode ---------------------------------------------------------------------------------
     def _start(self, options: dict | None) -> tuple[Any, dict]:
