@@ -1,10 +1,9 @@
 """The RL loop, top to bottom. Per iteration: take prompts -> multi-turn rollouts through the
 engine over HTTP -> rewards -> advantages -> policy update -> weight sync -> next.
 
-This is the synchronous loop of the embedded default: one engine process, the plain
-PyTorch trainer, rollout and training taking turns. What it leaves out for now: async
-overlap and partial rollouts, Ray placement, SGLang engines and Megatron (see the open
-issues). On one GPU the same command runs with `--model /path/to/hf --device cuda`.
+The same loop drives every configuration: the embedded CPU engine or SGLang engines behind
+sglang-router, the plain-PyTorch or Megatron trainer (a Ray actor), rollout and training
+taking turns or overlapping (`--async`, with `--partial-rollout` and `--max-staleness`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from agentrl.config import Config
 from agentrl.data import PromptSource, read_rows
 from agentrl.engines.group import EngineGroup, start_engines
 from agentrl.rollout.affinity import affinity_metrics
-from agentrl.errors import ConfigError
+from agentrl.errors import ConfigError, EngineError
 from agentrl.metrics import RunLog
 from agentrl.plugins import load_function
 from agentrl.models import build_tiny_model, check_model_dir, load_tokenizer, tiny_model_dir
@@ -102,6 +101,7 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
     r = cfg.rollout
     control = RolloutControl()
     control.partial_rollout = r.partial_rollout
+    weights_lock = asyncio.Lock()  # held from a training step to the end of its weight sync
     pool = await start_sandbox_pool(cfg)
     async with contextlib.AsyncExitStack() as stack:
         if pool is not None:
@@ -128,6 +128,9 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
                                                max_response_len=e.eval_max_response_len)
             if state.rollout_id > 0 and trainer is not None:  # engines loaded the checkpoint: name its version
                 await update_engines(cfg, control, engines, trainer, state.policy_version)
+            if trainer is not None:  # a restarted engine gets the current weights before it serves
+                engines.catch_up = catch_up_fn(cfg, trainer, state, weights_lock)
+                stack.callback(setattr, engines, "catch_up", None)
 
         progress.start(total=r.num_rollout, completed=state.rollout_id)
         for rollout_id in range(state.rollout_id, r.num_rollout):
@@ -145,20 +148,21 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
                 masked = sum(s.mask_older_than(max(s.policy_versions, default=0)) for s in fresh)
             train_metrics, t_train, sync = {}, 0.0, {}
             if trainer is not None:
-                t0 = time.perf_counter()
-                # The trainer actor works while the event loop keeps driving rollouts (--async).
-                train_metrics = await trainer.train_rollout(fresh)
-                t_train = time.perf_counter() - t0
-                state.policy_version += 1
-                if engines is not None:
-                    sync = await update_engines(cfg, control, engines, trainer, state.policy_version)
+                async with weights_lock:
+                    t0 = time.perf_counter()
+                    # The trainer actor works while the event loop keeps driving rollouts (--async).
+                    train_metrics = await trainer.train_rollout(fresh)
+                    t_train = time.perf_counter() - t0
+                    state.policy_version += 1
+                    if engines is not None:
+                        sync = await update_engines(cfg, control, engines, trainer, state.policy_version)
 
             metrics = (rollout_metrics(rollout_id, samples, t_rollout) | train_metrics | sync
                        | {"train_s": t_train, "iteration_s": time.perf_counter() - t_start,
                           "policy_version": state.policy_version, "stale_dropped": len(stale),
                           "offpolicy_tokens_masked": masked})
             if producer is not None:
-                metrics |= producer.stats()
+                metrics |= producer.stats() | {"requests_retried": client.retried}
             last = rollout_id + 1 == r.num_rollout
             interval = cfg.eval.eval_interval
             if eval_sets and producer is not None and interval and (last or (rollout_id + 1) % interval == 0):
@@ -217,6 +221,23 @@ async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGr
     finally:
         control.resume()
         await asyncio.gather(*[c.close() for c in clients])
+
+
+def catch_up_fn(cfg: Config, trainer, state: "RunState", weights_lock: asyncio.Lock):
+    """For the engine monitor (another thread): url -> Future of pushing the current weights
+    to that engine and resuming it, done on this event loop between two weight updates."""
+    loop = asyncio.get_running_loop()
+
+    async def push(url: str) -> None:
+        async with weights_lock:
+            out = await trainer.sync_weights([url], state.policy_version)
+            if out.get("failed_engines"):
+                raise EngineError(f"{url}: catch-up weight push failed")
+            async with EngineClient(url, request_timeout_s=cfg.rollout.request_timeout_s) as c:
+                await c.post("/continue_generation", {})
+
+    return lambda url: asyncio.run_coroutine_threadsafe(asyncio.wait_for(push(url), cfg.rollout.request_timeout_s),
+                                                        loop)
 
 
 async def _each(clients: list[EngineClient], path: str, payload: dict) -> None:
