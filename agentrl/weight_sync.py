@@ -20,6 +20,7 @@ Every path sends to all engines at once and gives the last request `weight_versi
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Iterable, Iterator
 
@@ -135,6 +136,13 @@ class WeightUpdateGroup:
         from agentrl.engines.distributed import init_custom_process_group
 
         self.backend = self.backend or ("nccl" if str(device).startswith("cuda") else "gloo")
+        if self.backend == "nccl":
+            # SGLang runs with NCCL_CUMEM_ENABLE=0 unless told otherwise; a trainer on NCCL's default (cuMem
+            # on) fails the first broadcast in NCCL's P2P transport ("Cuda failure 'invalid argument'", seen
+            # on 2x H200, bench/results/weight_sync.md). NCCL reads it once per process, at its first
+            # communicator, and the Megatron trainer makes one when it is built: a trainer process must have
+            # it in its environment from the start. This line covers only a trainer with no NCCL yet.
+            os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         tps = [await _tp_size(c) for c in self.clients]
         world = 1 + sum(tps)
         offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
