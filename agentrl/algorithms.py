@@ -16,6 +16,8 @@ Estimators (`--advantage-estimator`):
 - reinforce_plus_plus_baseline: the same with r - group mean as the final reward;
 - ppo: GAE(gamma, lambda) over a critic's values, whitened; the critic learns the returns.
 
+`sft_loss` is the supervised warm start's loss (mean NLL of the assistant tokens).
+
 Trajectories are sequences of *trained* tokens: env/tool tokens (mask 0) are context, not
 actions, so returns and GAE run over the trained tokens only and give the rest 0.
 """
@@ -302,6 +304,16 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     clipped = (v_clipped - returns).pow(2)
     loss = 0.5 * torch.maximum(unclipped, clipped)
     return masked_mean(loss, mask, denom), masked_mean((clipped > unclipped).float(), mask, denom).detach()
+
+
+def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, denom: float | None = None
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised fine-tuning (`agentrl sft`): the negative log-likelihood of the trained tokens
+    (mask 1: the assistant's, end-of-turn token included), a token sum / denom like the policy
+    losses, so a global batch's micro-batches add up to its mean NLL per trained token.
+    logprobs at temperature 1."""
+    loss = masked_mean(-logprobs, mask, denom)
+    return loss, {"loss": loss.detach()}
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

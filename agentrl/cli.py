@@ -12,6 +12,7 @@ USAGE = """usage: agentrl COMMAND [ARGS]
 commands:
   train     train on an env (agentrl train --env target-token; --help lists every flag)
   eval      evaluate a model or checkpoint on eval sets, no training (same flags as train)
+  sft       supervised fine-tuning on chat data, loss on the assistant turns (agentrl sft --prompt-data F.jsonl)
   envs      list registered envs (envs list) or describe one (envs show NAME)
   sandbox   build the sandbox image, list or reap sandboxes (agentrl sandbox --help)
   tools     list or call the tools of an MCP server (agentrl tools --help)
@@ -36,9 +37,32 @@ def cmd_train(argv: list[str]) -> int:
 
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return 0
+    if cfg.train.loss_type == "sft_loss":  # slime's way to ask for SFT
+        from agentrl.sft import sft
+
+        sft(cfg)
+        return 0
     from agentrl.train import train
 
     train(cfg)
+    return 0
+
+
+def cmd_sft(argv: list[str]) -> int:
+    """agentrl sft --prompt-data FILE.jsonl [--model DIR] [--trainer torch|megatron] [--num-epoch N] ...:
+    the same flags as train; --input-key defaults to messages."""
+    from agentrl.config import parse_config
+    from agentrl.sft import SFT_DEFAULTS, sft_parser
+
+    cfg, ns = parse_config(argv, env_defaults_for=lambda env, modules: dict(SFT_DEFAULTS), parser=sft_parser())
+    if getattr(ns, "dry_run", False):
+        import yaml
+
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        return 0
+    from agentrl.sft import sft
+
+    sft(cfg)
     return 0
 
 
@@ -118,6 +142,7 @@ def _delegate(module: str):
 COMMANDS = {
     "train": cmd_train,
     "eval": cmd_eval,
+    "sft": cmd_sft,
     "envs": cmd_envs,
     "sandbox": _delegate("agentrl.sandboxes.cli"),
     "tools": _delegate("agentrl.tools.cli"),

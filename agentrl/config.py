@@ -47,6 +47,10 @@ class DataConfig(Section):
     """Render prompts and turns with the tokenizer's chat template (else plain concatenation)."""
     rollout_shuffle: bool = True
     """Shuffle the dataset each epoch (seeded)."""
+    tool_key: str = "tools"
+    """`agentrl sft`: row key of the tool JSON schemas given to the chat template (RL envs list their own tools)."""
+    num_epoch: int = Field(1, ge=1)
+    """`agentrl sft`: passes over --prompt-data (RL runs count iterations with --num-rollout)."""
 
 
 class RolloutConfig(Section):
@@ -144,6 +148,9 @@ class AlgoConfig(Section):
 
 
 class TrainConfig(Section):
+    loss_type: Literal["policy_loss", "sft_loss"] = "policy_loss"
+    """policy_loss: RL on env rollouts; sft_loss: supervised fine-tuning on the assistant turns of chat
+    data (what `agentrl sft` runs; `agentrl train --loss-type sft_loss` runs it too, as in slime)."""
     trainer: Literal["torch", "megatron"] = "torch"
     """torch: the HF model in plain PyTorch; megatron: megatron-core with TP/PP/SP (Megatron flags pass through)."""
     global_batch_size: int = Field(32, ge=1)
@@ -153,7 +160,7 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(32, ge=1)
     """Samples per forward/backward (gradient accumulation within a global batch)."""
     lr: float | None = Field(None, gt=0)
-    """Learning rate; default 3e-3 for the built-in tiny model, 1e-6 for a --model checkpoint."""
+    """Learning rate; default 3e-3 for the built-in tiny model, 1e-6 for a --model checkpoint (1e-5 for SFT)."""
     weight_decay: float = Field(0.0, ge=0)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -307,8 +314,9 @@ def load_yaml(path: str) -> dict[str, dict[str, Any]]:
     return _flat_to_nested(data, path)
 
 
-def build_parser(prog: str = "agentrl train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Train an LLM agent with RL on an env.",
+def build_parser(prog: str = "agentrl train", description: str = "Train an LLM agent with RL on an env."
+                 ) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", help="YAML file with config keys (flat or by section); flags override it")
     parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, and exit")
@@ -382,11 +390,12 @@ def _split_passthrough(argv: list[str]) -> tuple[list[str], dict[str, dict[str, 
     return rest, passthrough
 
 
-def parse_config(argv: list[str], env_defaults_for=None) -> tuple[Config, argparse.Namespace]:
+def parse_config(argv: list[str], env_defaults_for=None, parser: argparse.ArgumentParser | None = None
+                 ) -> tuple[Config, argparse.Namespace]:
     """argv -> resolved Config. `env_defaults_for(env_name, env_modules)` supplies the env's
     default_config layer (the CLI passes a registry lookup; tests may pass None)."""
     rest, passthrough = _split_passthrough(argv)
-    ns = build_parser().parse_args(rest)
+    ns = (parser or build_parser()).parse_args(rest)
     flags = {k: v for k, v in vars(ns).items() if k in FIELDS}
     layers: dict = {s: {} for s in SECTIONS}
     if getattr(ns, "config", None):
@@ -403,14 +412,15 @@ def parse_config(argv: list[str], env_defaults_for=None) -> tuple[Config, argpar
     return resolve(layers), ns
 
 
-TINY_MODEL_LR, CHECKPOINT_LR = 3e-3, 1e-6
+TINY_MODEL_LR, CHECKPOINT_LR, SFT_CHECKPOINT_LR = 3e-3, 1e-6, 1e-5
 
 
 def resolve(layers: dict) -> Config:
     layers = {**layers, "train": dict(layers.get("train", {}))}
     if layers["train"].get("lr") is None:
         has_model = bool(layers.get("model", {}).get("model"))
-        layers["train"]["lr"] = CHECKPOINT_LR if has_model else TINY_MODEL_LR
+        sft = layers["train"].get("loss_type") == "sft_loss"
+        layers["train"]["lr"] = (SFT_CHECKPOINT_LR if sft else CHECKPOINT_LR) if has_model else TINY_MODEL_LR
     try:
         cfg = Config(**layers)
     except ValidationError as exc:
@@ -419,6 +429,8 @@ def resolve(layers: dict) -> Config:
             for e in exc.errors()
         )
         raise ConfigError(f"invalid config: {problems}") from None
+    if cfg.train.loss_type == "sft_loss":
+        return cfg  # no rollouts: the RL batch-size rules below do not apply
     total = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     if total % cfg.train.global_batch_size:
         raise ConfigError(

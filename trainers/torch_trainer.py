@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from agentrl.algorithms import (check_algo, compute_advantages, entropy_from_logits, needs_reference,
-                                policy_objective, value_loss)
+                                policy_objective, sft_loss, value_loss)
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.models import load_model, load_tokenizer
 from agentrl.types import Sample
@@ -133,25 +133,41 @@ class TorchTrainer:
         return out
 
     def _optimizer_step(self, idx, samples, advantages, old, ref) -> dict[str, float]:
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        trained = [i for i in idx if samples[i].trainable]
-        denom = float(sum(samples[i].num_trained_tokens for i in trained))
-        stats = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0, "entropy": 0.0, "clipfrac": 0.0, "ppo_kl": 0.0}
-        if not trained:
-            return stats
-        for chunk in _chunks(trained, self.train_cfg.micro_batch_size):
-            batch = [samples[i] for i in chunk]
-            logp, mask, entropy = self._response_logprobs(self.model, batch, with_entropy=self.algo.entropy_coef > 0)
-            loss, out = policy_objective(
+        def make_loss(chunk, logp, mask, entropy, denom):
+            return policy_objective(
                 self.algo, logprobs=logp, mask=mask, denom=denom,
                 old_logprobs=_padded([old[i] for i in chunk], logp.shape, self.device),
                 advantages=_padded([advantages[i] for i in chunk], logp.shape, self.device),
                 ref_logprobs=_padded([ref[i] for i in chunk], logp.shape, self.device) if ref is not None else None,
                 rollout_logprobs=_padded([samples[i].rollout_logprobs for i in chunk], logp.shape, self.device),
                 entropy=entropy)
+
+        stats = {"loss": 0.0, "pg_loss": 0.0, "kl_loss": 0.0, "entropy": 0.0, "clipfrac": 0.0, "ppo_kl": 0.0}
+        return stats | self._step(idx, samples, make_loss, with_entropy=self.algo.entropy_coef > 0)
+
+    def train_sft(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step of supervised fine-tuning on `samples` (one global batch): the mean
+        NLL of their trained tokens (`algorithms.sft_loss`), at the trainer's temperature
+        (`agentrl sft` builds the trainer with temperature 1)."""
+        return self._step(list(range(len(samples))), samples,
+                          lambda chunk, logp, mask, entropy, denom: sft_loss(logp, mask, denom))
+
+    def _step(self, idx, samples, make_loss, *, with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step over the trainable samples of idx, micro-batched.
+        make_loss(chunk, logprobs, mask, entropy, denom) -> (loss, stats), each a token sum / denom
+        (denom: the trained tokens of the whole step), so micro-batches add up to the step's means."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        trained = [i for i in idx if samples[i].trainable]
+        denom = float(sum(samples[i].num_trained_tokens for i in trained))
+        stats: dict[str, float] = {}
+        if not trained:
+            return stats
+        for chunk in _chunks(trained, self.train_cfg.micro_batch_size):
+            logp, mask, entropy = self._response_logprobs(self.model, [samples[i] for i in chunk], with_entropy)
+            loss, out = make_loss(chunk, logp, mask, entropy, denom)
             loss.backward()
-            for k, v in out.items():  # token sums / denom: the global batch's means add up over micro-batches
+            for k, v in out.items():
                 stats[k] = stats.get(k, 0.0) + v.item()
         if self.train_cfg.clip_grad > 0:
             stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.clip_grad))

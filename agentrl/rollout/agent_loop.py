@@ -56,6 +56,12 @@ class Renderer:
                   turn: int) -> tuple[list[int], str]:
         """Tokens that extend `sample` (whose text is `seen`) to the rendering of `messages`,
         and that rendering; TemplateDriftError if the rendering does not extend `seen`."""
+        new = self.suffix(sample, seen, messages, tools, turn)
+        return self.encode(new), seen + new
+
+    def suffix(self, sample: Sample, seen: str, messages: list[dict], tools: list[dict] | None, turn: int) -> str:
+        """The text the rendering of `messages` adds after `seen` (the text of `sample`'s tokens);
+        TemplateDriftError if the rendering does not extend `seen`."""
         rendered = self.render(messages, tools)
         if not rendered.startswith(seen):
             ours, theirs = sample.tokens, self.encode(rendered)
@@ -66,7 +72,7 @@ class Renderer:
                 f"template now gives {theirs[at:at + 8]} ({self.decode(theirs[at:at + 8])!r}). "
                 "Use a chat template that only appends (e.g. keep past reasoning), or --no-apply-chat-template."
             )
-        return self.encode(rendered[len(seen):]), rendered
+        return rendered[len(seen):]
 
 
 async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, client: EngineClient,

@@ -1,5 +1,5 @@
 """The Megatron trainer: megatron-core GPTModel, DDP, optimizer and pipeline schedules, behind
-the same methods as the plain-PyTorch trainer (`train_rollout`, `compute_logprobs`,
+the same methods as the plain-PyTorch trainer (`train_rollout`, `train_sft`, `compute_logprobs`,
 `named_tensors`, `save`, `load`, `.tokenizer`, `.version`).
 
 Parallelism comes from Megatron's own flags (Config.megatron_args): TP, PP, SP, recompute,
@@ -27,7 +27,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from agentrl.algorithms import check_algo, compute_advantages, needs_reference, policy_objective, value_loss
+from agentrl.algorithms import check_algo, compute_advantages, needs_reference, policy_objective, sft_loss, value_loss
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.errors import ConfigError
 from agentrl.trainers.megatron.args import parse_megatron_args
@@ -314,6 +314,21 @@ class MegatronTrainer:
                 seq_ids=mb.seq_ids)
 
         stats = self._step(self.model, self.ddp, self.optimizer, self.scheduler, samples, idx, make_loss)
+        self.version += 1
+        return stats
+
+    def train_sft(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step of supervised fine-tuning on `samples` (one global batch, the same
+        on every rank): the mean NLL of their trained tokens (`algorithms.sft_loss`), at the
+        trainer's temperature (`agentrl sft` builds the trainer with temperature 1)."""
+        self._set_device()
+
+        def make_loss(mb: PackedBatch, logits, denom):
+            logp, _ = self._logprobs(logits, mb, with_entropy=False)
+            return sft_loss(logp, mb.flat([s.loss_mask for s in samples], logp.device), denom)
+
+        stats = self._step(self.model, self.ddp, self.optimizer, self.scheduler, samples, list(range(len(samples))),
+                           make_loss)
         self.version += 1
         return stats
 
