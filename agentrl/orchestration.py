@@ -1,5 +1,13 @@
-"""Ray placement: the trainer runs as a Ray actor on its own GPUs (or time-shares the
-engines' GPUs with --colocate); the driver holds the rollout loop.
+"""Ray placement: the trainer and every engine run as Ray actors placed in one placement
+group; the driver holds the rollout loop (and the router).
+
+`plan_placement` decides where: with GPUs, one bundle per GPU; trainer ranks take the first
+`--actor-num-nodes x --actor-num-gpus-per-node` GPUs and the engines the next
+`--rollout-num-gpus` (`--rollout-num-gpus-per-engine` each; more engines than that share
+them), disjoint; `--colocate` puts the engines on the trainer's GPUs (time-shared). On the
+CPU each actor gets a bundle with a sliver of a CPU. An engine actor (`EngineServer`) starts
+and supervises its server process (embedded or SGLang) on its bundle's GPUs; the engine
+monitor's restarts go through it.
 
 On one machine Ray starts locally and quietly: bound to 127.0.0.1, no dashboard, no
 token file written to ~/.ray (token auth is off for a loopback-only cluster), and the
@@ -13,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +48,225 @@ def stop_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+CPU_SLICE = 0.01  # what a bundle and an actor ask of a CPU: placed, never waiting for a core
+TIMEOUT_S = 120.0  # a call into an engine actor (the server's own health waits have theirs)
+
+
+@dataclass
+class Placement:
+    """Bundles of one placement group and who sits in which. With GPUs, bundle i is GPU slot
+    i; CPU-only actors get their own bundles after the GPU ones."""
+
+    bundles: list[dict[str, float]]
+    trainer_bundles: list[int]  # one per trainer rank
+    trainer_gpus: list[list[int]]  # GPU slots of each rank ([] on the CPU)
+    engine_bundles: list[int]  # one per engine: its first GPU's bundle
+    engine_gpus: list[list[int]]  # GPU slots of each engine ([] on the CPU)
+    pg: Any = None  # the reserved ray placement group
+    slot_gpu_ids: list[int] = field(default_factory=list)  # physical GPU id of each slot, once reserved
+
+    def shares(self, bundle: int) -> bool:
+        """Does a trainer rank share this bundle's GPU with an engine (--colocate)?"""
+        return any(bundle in gpus for gpus in self.engine_gpus)
+
+    def strategy(self, bundle: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
+
+    def rollout_gpu_ids(self) -> list[int]:
+        """Physical GPU ids of the engines' slots, in slot order (for SGLang's plan)."""
+        slots = sorted({g for gpus in self.engine_gpus for g in gpus})
+        return [self.slot_gpu_ids[g] for g in slots]
+
+    def release(self) -> None:
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+def plan_placement(*, gpus: int, trainer_ranks: int, trainer_on_gpu: bool, num_engines: int, gpus_per_engine: int,
+                   rollout_gpus: int | None, colocate: bool) -> Placement:
+    """Bundles for `trainer_ranks` trainer ranks and `num_engines` engines. `gpus`: the GPUs
+    there are (0: none); `gpus_per_engine` 0: engines on the CPU. Without colocate the trainer
+    gets slots [0, T) and the engines [T, T + R); with it the engines use the trainer's slots."""
+    t_gpu = trainer_ranks if trainer_on_gpu else 0
+    e_gpu = gpus_per_engine if num_engines else 0
+    if colocate:
+        r = rollout_gpus or max(t_gpu, e_gpu)
+        base, slots = 0, max(t_gpu, r)
+    else:
+        r = rollout_gpus or (max(gpus - t_gpu, e_gpu) if e_gpu else 0)
+        base, slots = t_gpu, t_gpu + (r if e_gpu else 0)
+    if slots > gpus:
+        raise ConfigError(f"placement needs {slots} GPUs (trainer {t_gpu}, engines {r if e_gpu else 0}"
+                          f"{', colocated' if colocate else ''}) but {gpus} are available: lower "
+                          "--rollout-num-gpus / --actor-num-gpus-per-node, or --colocate to share them")
+    if e_gpu and (r < e_gpu or r % e_gpu):
+        raise ConfigError(f"--rollout-num-gpus {r} is not a multiple of --rollout-num-gpus-per-engine {e_gpu}")
+    bundles: list[dict[str, float]] = [{"GPU": 1.0, "CPU": CPU_SLICE} for _ in range(slots)]
+    trainer_gpus = [[i] for i in range(t_gpu)]
+    trainer_bundles = list(range(t_gpu))
+    for _ in range(trainer_ranks - t_gpu):  # a trainer on the CPU
+        trainer_gpus.append([])
+        trainer_bundles.append(len(bundles))
+        bundles.append({"CPU": CPU_SLICE})
+    engine_gpus, engine_bundles = [], []
+    for i in range(num_engines):
+        if e_gpu:
+            engine_gpus.append([base + (i * e_gpu + j) % r for j in range(e_gpu)])
+            engine_bundles.append(engine_gpus[-1][0])
+        else:
+            engine_gpus.append([])
+            engine_bundles.append(len(bundles))
+            bundles.append({"CPU": CPU_SLICE})
+    return Placement(bundles, trainer_bundles, trainer_gpus, engine_bundles, engine_gpus)
+
+
+def engines_to_launch(cfg: Config, gpus: int, trainer_gpus: int) -> tuple[int, int]:
+    """(engines, GPUs per engine) this run launches: (0, 0) when it attaches to running ones."""
+    r = cfg.rollout
+    if r.rollout_engine_urls:
+        return 0, 0
+    if r.rollout_engine == "sglang":
+        avail = r.rollout_num_gpus or (gpus if cfg.run.colocate else gpus - trainer_gpus)
+        return r.num_engines or max(1, avail // r.rollout_num_gpus_per_engine), r.rollout_num_gpus_per_engine
+    return r.num_engines or 1, 0
+
+
+def reserve_placement(cfg: Config, device: str, *, trainer: bool, engines: bool,
+                      timeout_s: float = 300.0) -> Placement:
+    """The run's placement group, reserved (and each GPU slot's physical id probed)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    gpus = int(ray.available_resources().get("GPU", 0))
+    ranks = (cfg.run.actor_num_nodes * cfg.run.actor_num_gpus_per_node if device == "cuda" else 1) if trainer else 0
+    n, per = engines_to_launch(cfg, gpus, ranks if device == "cuda" else 0) if engines else (0, 0)
+    if n and device == "cuda" and cfg.rollout.rollout_engine == "embedded":
+        per = 1  # an embedded engine on the GPU: one each
+    colocate = cfg.run.colocate
+    if per and not colocate and cfg.rollout.rollout_engine == "embedded" and gpus < ranks + n:
+        colocate = True  # embedded engines on too few GPUs share the trainer's (as on one GPU)
+    plan = plan_placement(gpus=gpus, trainer_ranks=ranks, trainer_on_gpu=device == "cuda", num_engines=n,
+                          gpus_per_engine=per, rollout_gpus=cfg.rollout.rollout_num_gpus, colocate=colocate)
+    plan.pg = placement_group(plan.bundles, strategy="PACK")
+    try:
+        ray.get(plan.pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        plan.release()
+        raise ConfigError(f"Ray could not reserve the bundles {plan.bundles} within {timeout_s:.0f} s (cluster: "
+                          f"{ray.cluster_resources()})") from None
+    gpu_slots = sum(1 for b in plan.bundles if "GPU" in b)
+    if gpu_slots:  # which physical GPU each slot holds
+        probe = ray.remote(num_cpus=0, num_gpus=0.01)(lambda: int(ray.get_gpu_ids()[0]))
+        plan.slot_gpu_ids = ray.get([probe.options(scheduling_strategy=plan.strategy(i)).remote()
+                                     for i in range(gpu_slots)], timeout=timeout_s)
+    return plan
+
+
+class EngineServer:
+    """A Ray actor that owns one engine server process (agentrl.engines.launch.ServerProcess)
+    on its bundle's node: it starts it, reports on it, restarts and stops it."""
+
+    def __init__(self, argv: list[str], *, url: str, name: str, env: dict | None, log_dir: str):
+        from agentrl.engines.launch import ServerProcess
+
+        self.server = ServerProcess(argv, url=url, name=name, env={**os.environ, **(env or {})}, log_dir=Path(log_dir))
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        self.server.wait_healthy(timeout_s)
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def restart(self, argv: list[str] | None) -> int:
+        self.server.restart(argv)
+        return self.server.restarts
+
+    def log_tail(self, lines: int) -> str:
+        return self.server.log_tail(lines)
+
+    def pid(self) -> int:
+        return self.server.proc.pid
+
+    def kill(self) -> None:
+        self.server.kill()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class ActorServer:
+    """The driver's handle on an EngineServer actor, with ServerProcess's methods (what
+    start_engines and the engine monitor call), each call bounded by a timeout."""
+
+    def __init__(self, placement: Placement, index: int, argv: list[str], *, url: str, name: str,
+                 env: dict | None, log_dir: Path):
+        import ray
+
+        self.url, self.name, self.argv, self.restarts = url, name, list(argv), 0
+        gpus = placement.engine_gpus[index]
+        if gpus:  # the server runs on its slots' physical GPUs
+            env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ",".join(str(placement.slot_gpu_ids[g]) for g in gpus)}
+        actor_cls = ray.remote(num_cpus=0, num_gpus=0)(EngineServer)
+        self.actor = actor_cls.options(scheduling_strategy=placement.strategy(placement.engine_bundles[index]),
+                                       name=None).remote(self.argv, url=url, name=name, env=env, log_dir=str(log_dir))
+        self.alive()  # the actor (and so its server) started
+
+    def _call(self, method: str, *args, timeout: float = TIMEOUT_S):
+        import ray
+
+        return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> None:
+        self._call("wait_healthy", timeout_s, timeout=timeout_s + TIMEOUT_S)
+
+    def alive(self) -> bool:
+        import ray
+
+        try:
+            return self._call("alive")
+        except ray.exceptions.RayActorError:
+            return False
+
+    def restart(self, argv: list[str] | None = None) -> None:
+        if argv:
+            self.argv = list(argv)
+        self.restarts = self._call("restart", argv)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return self._call("log_tail", lines)
+        except Exception as exc:  # the actor itself is gone
+            return f"(no log: {exc!r})"
+
+    def pid(self) -> int:
+        return self._call("pid")
+
+    def kill(self) -> None:
+        self._call("kill")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        import ray
+
+        try:
+            self._call("stop", timeout=timeout_s + TIMEOUT_S)
+        except Exception:
+            pass
+        ray.kill(self.actor)
+
+
+def actor_launcher(placement: Placement):
+    """start_engines' `launcher`: engine i's server process owned by an actor in its bundle."""
+    def launch(index: int, argv: list[str], *, url: str, name: str, env: dict | None, log_dir: Path) -> ActorServer:
+        return ActorServer(placement, index, argv, url=url, name=name, env=env, log_dir=log_dir)
+
+    return launch
 
 
 class TrainerWorker:
@@ -72,9 +300,13 @@ class TrainerWorker:
     async def sync_weights(self, urls: list[str], version: int) -> dict[str, Any]:
         """Bucketed weights to every engine; an engine that fails is named in "failed_engines"
         (the others still got the update) instead of failing the run."""
+        import aiohttp
+
         from agentrl.errors import EngineError
         from agentrl.rollout.client import EngineClient
         from agentrl.weight_sync import sync_weights_from_tensor
+
+        unreachable = (EngineError, OSError, aiohttp.ClientError, asyncio.TimeoutError)  # e.g. killed meanwhile
 
         bucket = int(self.cfg.train.weight_sync_bucket_mb * 2**20)
         clients = [EngineClient(u, request_timeout_s=self.cfg.rollout.request_timeout_s) for u in urls]
@@ -83,13 +315,13 @@ class TrainerWorker:
                 out = await sync_weights_from_tensor(clients, self.trainer.named_tensors(), version=version,
                                                      bucket_bytes=bucket)
                 return {**out, "failed_engines": []}
-            except EngineError:
+            except unreachable:
                 failed, out = [], {}
                 for c in clients:  # find the failing ones; the rest get the weights
                     try:
                         out = await sync_weights_from_tensor([c], self.trainer.named_tensors(), version=version,
                                                              bucket_bytes=bucket)
-                    except EngineError:
+                    except unreachable:
                         failed.append(c.base_url)
                 if len(failed) == len(clients):
                     raise
@@ -121,16 +353,18 @@ class TrainerWorker:
 class RemoteTrainer:
     """The driver's handle on the trainer actor: the methods the loop calls, awaitable."""
 
-    def __init__(self, cfg: Config, model_path: Path, device: str):
+    def __init__(self, cfg: Config, model_path: Path, device: str, placement: Placement):
         import ray
 
         gpus = cfg.run.actor_num_nodes * cfg.run.actor_num_gpus_per_node if device == "cuda" else 0
         if gpus > 1:
             raise ConfigError("the plain-PyTorch trainer runs on one GPU; multi-GPU training needs --trainer megatron")
-        # Colocated, the trainer shares its GPU with an engine: ask for a fraction of it.
-        share = 0.4 if cfg.run.colocate and gpus else gpus
+        bundle = placement.trainer_bundles[0]
+        # Sharing its GPU with an engine (--colocate), the trainer asks for a fraction of it.
+        share = (0.4 if placement.shares(bundle) else 1.0) if gpus else 0
         actor_cls = ray.remote(num_cpus=0, num_gpus=share)(TrainerWorker)
-        self.actor = actor_cls.remote(cfg, str(model_path), device)
+        self.actor = actor_cls.options(scheduling_strategy=placement.strategy(bundle)).remote(cfg, str(model_path),
+                                                                                             device)
         self.cfg = cfg
 
     async def train_rollout(self, samples) -> dict[str, float]:

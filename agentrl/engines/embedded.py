@@ -278,6 +278,8 @@ class EmbeddedEngine:
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
         input_ids = body.get("input_ids")
+        if input_ids is None and isinstance(body.get("text"), str):  # as SGLang: text is tokenized here
+            input_ids = self.tokenizer.encode(body["text"])
         if not input_ids or not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
             return _error("input_ids must be a non-empty list of ints")
         vocab = self.model.config.vocab_size
@@ -657,6 +659,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-cache-tokens", type=int, default=None,
                         help="tokens of finished sequences whose KV is kept for reuse (0 disables the prefix cache; "
                              "default 65536 on CPU, 1048576 on a GPU)")
+    parser.add_argument("--start-paused", action="store_true",
+                        help="hold /generate requests until /continue_generation (a restarted engine waits for "
+                             "the current weights before it serves)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_drop_http2_probes)
@@ -666,6 +671,9 @@ def main(argv: list[str] | None = None) -> None:
                             seed=args.seed, engine_id=args.engine_id or f"http://{args.host}:{args.port}",
                             prefix_cache_tokens=args.prefix_cache_tokens if args.prefix_cache_tokens is not None
                             else 65536 if args.device == "cpu" else 1 << 20)
+    if args.start_paused:
+        engine.paused.clear()
+        engine._run.clear()
     log.info("embedded engine %s serving %s on %s:%d (%s)", engine.engine_id, args.model_path, args.host, args.port,
              args.device)
     web.run_app(engine.app(), host=args.host, port=args.port, print=None, access_log=None)

@@ -13,10 +13,12 @@ router, or the only engine), `engine_urls` every engine (weight sync, flush, abo
 
 Health: a monitor thread polls every engine. A dead one leaves the router's pool at once
 (the router's own health checks would also drop it, more slowly); an engine this run
-launched is restarted (same port and GPUs) when `--engine-restart` is on, and any engine
-that answers again rejoins the pool once it holds the weights the others serve (its
-/model_info weight_version equals theirs), so a restarted engine never serves stale
-weights. Engines and router stop at exit, on Ctrl-C and on SIGTERM (converted to
+launched is restarted (same port and GPUs) when `--engine-restart` is on. A restarted engine
+starts paused (embedded: --start-paused; SGLang: paused as soon as it answers), is given the
+current weights through `EngineGroup.catch_up` (set by the training loop; it pushes the
+trainer's weights and resumes the engine), and rejoins the pool once it holds the weights the
+others serve (its /model_info weight_version equals theirs): a restarted engine never
+serves stale weights, with or without a router. Events go to logs/engine_events.jsonl. Engines and router stop at exit, on Ctrl-C and on SIGTERM (converted to
 SystemExit so cleanup runs); children also die with their parent (PR_SET_PDEATHSIG).
 """
 
@@ -24,6 +26,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from concurrent.futures import Future
+from typing import Callable
 import signal
 import threading
 import time
@@ -32,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.config import RolloutConfig
-from agentrl.engines.launch import ServerProcess, free_port, launch_embedded_engine
+from agentrl.engines.launch import ServerProcess, embedded_argv, free_port
 from agentrl.errors import ConfigError, EngineError
 
 log = logging.getLogger("agentrl.engines")
@@ -50,6 +55,7 @@ class Engine:
     state: str = "serving"  # serving | down | starting | catching_up | failed
     failures: int = 0
     since: float = 0.0
+    pending: Future | None = None  # a catch-up weight push in flight
 
 
 @dataclass
@@ -61,6 +67,9 @@ class EngineGroup:
     router: object | None = None  # agentrl.engines.router.Router
     kind: str = "embedded"
     monitor: "EngineMonitor | None" = None
+    # url -> Future of a push of the current weights that also resumes the engine; None: the
+    # weights never change (eval, --debug-rollout-only), a restarted engine just resumes
+    catch_up: Callable[[str], Future] | None = None
 
     def stop(self) -> None:
         if self.monitor is not None:
@@ -93,8 +102,15 @@ def _split_urls(urls: list[str]) -> list[str]:
 
 def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int, log_dir: Path,
                   sglang_args: dict | None = None, router_args: dict | None = None,
-                  dtype: str = "float32") -> EngineGroup:
+                  dtype: str = "float32", placement=None) -> EngineGroup:
+    """`placement` (agentrl.orchestration.Placement, reserved): each engine's server process is
+    owned by a Ray actor in its bundle (as `agentrl train` runs them); None: by this process."""
     sglang_args, router_args = dict(sglang_args or {}), dict(router_args or {})
+    launch = _local_launcher
+    if placement is not None:
+        from agentrl.orchestration import actor_launcher
+
+        launch = actor_launcher(placement)
     attach = _split_urls(cfg.rollout_engine_urls)
     if attach:
         if sglang_args:
@@ -104,12 +120,13 @@ def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int
         servers: list[ServerProcess] = []
     elif cfg.rollout_engine == "sglang":
         engines, servers = _launch_sglang(cfg, model_path=model_path, seed=seed, log_dir=log_dir,
-                                          sglang_args=sglang_args)
+                                          sglang_args=sglang_args, launch=launch,
+                                          gpu_ids=placement.rollout_gpu_ids() if placement is not None else None)
     else:
         if sglang_args:
             raise ConfigError("--sglang-* arguments need --rollout-engine sglang")
         engines, servers = _launch_embedded(cfg, model_path=model_path, device=device, seed=seed, log_dir=log_dir,
-                                            dtype=dtype)
+                                            dtype=dtype, launch=launch)
     group = EngineGroup(url=engines[0].url, engine_urls=[e.url for e in engines], servers=list(servers),
                         engines=engines, kind=engines[0].kind)
     try:
@@ -123,7 +140,7 @@ def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int
             log.warning("--router-* arguments given but no router runs (one engine; --use-router always starts one)")
         if group.router is not None or (cfg.engine_restart and servers):
             group.monitor = EngineMonitor(group, restart=cfg.engine_restart,
-                                          startup_timeout_s=cfg.engine_startup_timeout_s)
+                                          startup_timeout_s=cfg.engine_startup_timeout_s, log_dir=log_dir)
             group.monitor.start()
     except BaseException:
         group.stop()
@@ -132,14 +149,21 @@ def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int
     return group
 
 
-def _launch_embedded(cfg: RolloutConfig, *, model_path: str, device: str, seed: int, log_dir: Path, dtype: str):
+def _local_launcher(index: int, argv: list[str], *, url: str, name: str, env: dict | None, log_dir: Path):
+    """Engine server processes owned by this process (started from this thread: PR_SET_PDEATHSIG follows it)."""
+    return ServerProcess(argv, url=url, name=name, env=env, log_dir=log_dir)
+
+
+def _launch_embedded(cfg: RolloutConfig, *, model_path: str, device: str, seed: int, log_dir: Path, dtype: str,
+                     launch=_local_launcher):
     n = cfg.num_engines or 1
     servers = []
     try:
-        for i in range(n):  # all start at once (from this thread: PR_SET_PDEATHSIG follows it)
-            servers.append(launch_embedded_engine(model_path, device=device, seed=seed + i, log_dir=log_dir,
-                                                  num_threads=cfg.engine_num_threads, name=f"engine-{i}" if n > 1
-                                                  else "engine", dtype=dtype, wait=False))
+        for i in range(n):  # all start at once
+            argv, url = embedded_argv(model_path, device=device, seed=seed + i, num_threads=cfg.engine_num_threads,
+                                      dtype=dtype)
+            servers.append(launch(i, argv, url=url, name=f"engine-{i}" if n > 1 else "engine", env=None,
+                                  log_dir=log_dir))
         for s in servers:
             s.wait_healthy(cfg.engine_startup_timeout_s)
     except BaseException:
@@ -149,18 +173,17 @@ def _launch_embedded(cfg: RolloutConfig, *, model_path: str, device: str, seed: 
     return [Engine(url=s.url, kind="embedded", server=s) for s in servers], servers
 
 
-def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: Path, sglang_args: dict):
+def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: Path, sglang_args: dict,
+                   launch=_local_launcher, gpu_ids: list[int] | None = None):
     from agentrl.engines.sglang import plan_engines, sglang_log_hint, validate_sglang_args, visible_gpus
 
     argv = validate_sglang_args(sglang_args)
-    gpu_ids = visible_gpus()
+    gpu_ids = visible_gpus() if gpu_ids is None else gpu_ids
     n = cfg.num_engines or max(1, (cfg.rollout_num_gpus or len(gpu_ids)) // cfg.rollout_num_gpus_per_engine)
     ports = [free_port(20000, 55000) for _ in range(n)]  # SGLang's gRPC port (port + 10000) must be < 65536
-    plans = plan_engines(num_engines=cfg.num_engines, num_gpus=cfg.rollout_num_gpus, gpus_per_engine=
+    plans = plan_engines(num_engines=n, num_gpus=cfg.rollout_num_gpus or len(gpu_ids), gpus_per_engine=
                          cfg.rollout_num_gpus_per_engine, gpu_ids=gpu_ids, ports=ports, model_path=model_path,
                          sglang_argv=argv, seed=seed)
-    import os
-
     servers: dict[int, ServerProcess] = {}
     try:
         pending = list(plans)
@@ -168,8 +191,8 @@ def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: P
             wave = [p for p in pending if p.start_after is None or p.start_after in servers]
             for p in wave:
                 env = {**os.environ, **p.env}
-                servers[p.index] = ServerProcess(p.argv, url=p.url, name=f"sglang-{p.index}", env=env,
-                                                 log_dir=log_dir)
+                servers[p.index] = launch(p.index, p.argv, url=p.url, name=f"sglang-{p.index}", env=env,
+                                          log_dir=log_dir)
                 log.info("sglang engine %d on GPUs %s: %s", p.index, p.gpus, " ".join(p.argv))
             for p in wave:
                 try:
@@ -214,6 +237,12 @@ def detect_kind(url: str, timeout_s: float = 60.0) -> str:
     raise EngineError(f"--rollout-engine-urls {url}: no engine answers /model_info after {timeout_s:.0f} s ({last!r})")
 
 
+def _post(url: str, payload: dict, timeout: float = 30.0) -> None:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        resp.read()
+
+
 def weight_version(url: str) -> str | None:
     try:
         return str(_get_json(url + "/model_info")["weight_version"])
@@ -225,8 +254,9 @@ class EngineMonitor:
     """Keeps the router's pool to the engines that answer (see the module docstring)."""
 
     def __init__(self, group: EngineGroup, *, restart: bool, startup_timeout_s: float, interval_s: float = 1.0,
-                 failures_to_down: int = 3):
+                 failures_to_down: int = 3, log_dir: Path | None = None):
         self.group, self.restart, self.startup_timeout_s = group, restart, startup_timeout_s
+        self.events_path = Path(log_dir) / "engine_events.jsonl" if log_dir is not None else None
         self.interval_s, self.failures_to_down = interval_s, failures_to_down
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="agentrl-engine-monitor", daemon=True)
@@ -243,6 +273,9 @@ class EngineMonitor:
     def _event(self, engine: Engine, what: str) -> None:
         self.events.append((time.time(), engine.url, what))
         log.warning("engine %s: %s", engine.url, what)
+        if self.events_path is not None:
+            with open(self.events_path, "a") as f:
+                f.write(json.dumps({"time": self.events[-1][0], "engine": engine.url, "event": what}) + "\n")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -255,29 +288,44 @@ class EngineMonitor:
     def _check(self, e: Engine) -> None:
         router = self.group.router
         exited = e.server is not None and not e.server.alive()
-        if e.state == "serving":
+        if e.state in ("serving", "catching_up"):
             ok = not exited and _healthy(e.url)
             e.failures = 0 if ok else e.failures + 1
             if exited or e.failures >= self.failures_to_down:
-                e.state, e.since = "down", time.monotonic()
+                e.state, e.since, e.pending = "down", time.monotonic(), None
                 self._event(e, "process exited" if exited else "not answering /health")
                 if router is not None:
                     router.remove_worker(e.url)
                     self._event(e, "removed from the router")
         if e.state == "down":
             if e.server is not None and self.restart and e.server.restarts < MAX_RESTARTS:
-                e.server.restart(e.restart_argv)
+                argv = e.restart_argv or e.server.argv
+                if e.kind == "embedded" and "--start-paused" not in argv:
+                    argv = [*argv, "--start-paused"]  # it waits for the current weights
+                e.server.restart(argv)
                 e.state, e.since = "starting", time.monotonic()
                 self._event(e, f"restarted ({e.server.restarts})")
             elif e.server is None and _healthy(e.url):  # attached: someone else restarted it
                 e.state = "catching_up"
         if e.state == "starting":
             if _healthy(e.url):
-                e.state = "catching_up"
+                if e.kind == "sglang":  # SGLang cannot start paused: pause it now, before it gets the weights
+                    _post(e.url + "/pause_generation", {"mode": "in_place"})
+                e.state, e.pending = "catching_up", None
             elif not e.server.alive() or time.monotonic() - e.since > self.startup_timeout_s:
                 e.state = "down" if e.server is not None and e.server.restarts < MAX_RESTARTS else "failed"
                 self._event(e, f"restart did not come up; last log lines:\n{e.server.log_tail(10)}")
         if e.state == "catching_up":
+            if self.group.catch_up is not None:  # the current weights, then resume (under the loop's weights lock)
+                if e.pending is None:
+                    e.pending = self.group.catch_up(e.url)
+                    return
+                if not e.pending.done():
+                    return
+                done, e.pending = e.pending, None
+                done.result(timeout=0)  # a failed push raises here (logged); the next check tries again
+            else:  # the weights never change: the engine as it started is current
+                _post(e.url + "/continue_generation", {})
             others = {weight_version(o.url) for o in self.group.engines if o is not e and o.state == "serving"}
             others.discard(None)
             mine = weight_version(e.url)

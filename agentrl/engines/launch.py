@@ -136,12 +136,9 @@ class ServerProcess:
         self.proc.wait(timeout=10)
 
 
-def launch_embedded_engine(model_path: str, *, port: int | None = None, device: str = "cpu", seed: int = 0,
-                           num_threads: int = 0, log_dir: Path | None = None, name: str = "engine",
-                           timeout_s: float = 300.0, dtype: str = "float32", prefix_cache_tokens: int | None = None,
-                           env: dict | None = None, wait: bool = True) -> ServerProcess:
-    """Start `python -m agentrl.engines.embedded`; its engine id is its URL. With wait=False
-    the caller waits for health (so several engines can start at once)."""
+def embedded_argv(model_path: str, *, port: int | None = None, device: str = "cpu", seed: int = 0,
+                  num_threads: int = 0, dtype: str = "float32", prefix_cache_tokens: int | None = None):
+    """(command line, URL) of an embedded engine server."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "agentrl.engines.embedded", "--model-path", str(model_path),
@@ -149,6 +146,17 @@ def launch_embedded_engine(model_path: str, *, port: int | None = None, device: 
             "--dtype", dtype, "--engine-id", url]
     if prefix_cache_tokens is not None:
         argv += ["--prefix-cache-tokens", str(prefix_cache_tokens)]
+    return argv, url
+
+
+def launch_embedded_engine(model_path: str, *, port: int | None = None, device: str = "cpu", seed: int = 0,
+                           num_threads: int = 0, log_dir: Path | None = None, name: str = "engine",
+                           timeout_s: float = 300.0, dtype: str = "float32", prefix_cache_tokens: int | None = None,
+                           env: dict | None = None, wait: bool = True) -> ServerProcess:
+    """Start `python -m agentrl.engines.embedded`; its engine id is its URL. With wait=False
+    the caller waits for health (so several engines can start at once)."""
+    argv, url = embedded_argv(model_path, port=port, device=device, seed=seed, num_threads=num_threads, dtype=dtype,
+                              prefix_cache_tokens=prefix_cache_tokens)
     server = ServerProcess(argv, url=url, name=name, log_dir=log_dir, env=env)
     if wait:
         server.wait_healthy(timeout_s)
