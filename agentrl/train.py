@@ -27,7 +27,7 @@ from agentrl.data import PromptSource, read_rows
 from agentrl.engines.group import EngineGroup, start_engines
 from agentrl.rollout.affinity import affinity_metrics
 from agentrl.errors import ConfigError, EngineError
-from agentrl.metrics import RunLog
+from agentrl.metrics import RunLog, eval_trajectories_path, start_wandb, write_trajectories
 from agentrl.plugins import load_function
 from agentrl.models import build_tiny_model, check_model_dir, load_tokenizer, tiny_model_dir
 from agentrl.progress import Progress
@@ -37,8 +37,9 @@ from agentrl.rollout.client import EngineClient
 from agentrl.rollout.control import RolloutControl
 from agentrl.rollout.manager import GroupRunner
 from agentrl.rollout.producer import RolloutProducer, nonzero_std_filter
+from agentrl.rollout.slime import DataSource, GenerateHook, RolloutHook, check_hooks, slime_args
 from agentrl.types import Sample, SampleStatus
-from agentrl.orchestration import RemoteTrainer, start_ray, stop_ray
+from agentrl.orchestration import RemoteTrainer, reserve_placement, start_ray, stop_ray
 
 
 log = logging.getLogger("agentrl.train")
@@ -55,6 +56,7 @@ def train(cfg: Config) -> Path:
     tool_kwargs(cfg, env_cls, pool=None)  # a flag the env cannot take fails now, not per trajectory
     source = build_prompt_source(cfg, env_cls)
     reward_fn = build_reward_fn(cfg)
+    check_hooks(cfg)  # slime's generate / rollout functions: loadable, with slime's arguments
     replay = load_debug_rollouts(cfg.run.load_debug_rollout_data) if cfg.run.debug_train_only else None
     eval_sets = load_eval_sets(cfg)
     model_path = resolve_model(cfg, progress)
@@ -72,16 +74,18 @@ def train(cfg: Config) -> Path:
     save_dir = Path(cfg.run.save or out / "checkpoints")
 
     start_ray(cfg)
-    engines, runlog = None, None
+    engines, runlog, placement = None, None, None
     try:
-        trainer = None if cfg.run.debug_rollout_only else RemoteTrainer(cfg, model_path, device)
+        # one placement group: trainer rank(s) and engines, each a Ray actor in its bundle
+        placement = reserve_placement(cfg, device, trainer=not cfg.run.debug_rollout_only, engines=replay is None)
+        trainer = None if cfg.run.debug_rollout_only else RemoteTrainer(cfg, model_path, device, placement)
         if trainer is not None and cfg.run.load:
             trainer.load(latest_checkpoint(Path(cfg.run.load)))
         if replay is None:
             engines = start_engines(cfg.rollout, model_path=str(model_path), device=device, seed=cfg.run.seed,
                                     log_dir=out / "logs", sglang_args=cfg.sglang_args, router_args=cfg.router_args,
-                                    dtype=cfg.model.dtype)
-        runlog = RunLog(out, tokenizer=tokenizer)
+                                    dtype=cfg.model.dtype, placement=placement)
+        runlog = RunLog(out, tokenizer=tokenizer, wandb_run=start_wandb(cfg.run, cfg.model_dump(mode="json"), out))
         asyncio.run(_loop(cfg, trainer, tokenizer, source, engines, runlog, progress, state, save_dir, reward_fn,
                           replay, eval_sets))
     finally:
@@ -90,6 +94,8 @@ def train(cfg: Config) -> Path:
         if runlog is not None:
             runlog.close()
         progress.close()
+        if placement is not None:
+            placement.release()
         stop_ray()
     plot = runlog.plot()
     progress.note(f"run folder: {out} (metrics.jsonl, tensorboard/, trajectories/, {plot.name}); checkpoints: {save_dir}")
@@ -106,7 +112,7 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
     async with contextlib.AsyncExitStack() as stack:
         if pool is not None:
             stack.push_async_callback(pool.close)
-        producer, engine_clients = None, []
+        producer, engine_clients, rollout_fn = None, [], None
         if engines is not None:
             client = await stack.enter_async_context(EngineClient(engines.url, request_timeout_s=r.request_timeout_s))
             engine_clients = [EngineClient(u, request_timeout_s=r.request_timeout_s) for u in engines.engine_urls]
@@ -120,12 +126,13 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
                 group_filter=build_group_filter(cfg), max_group_retries=r.max_group_retries,
                 keep_generating=r.async_rollout, first_group_id=state.next_group_id, pending=state.pending_tasks)
             stack.push_async_callback(producer.aclose)
+            rollout_fn = build_rollout_hook(cfg, tokenizer, client, source, runner)
             evaluator = None
             if eval_sets:
                 e = cfg.eval
                 evaluator = build_group_runner(cfg, tokenizer, client, pool, reward_fn, control, on_done=None,
                                                n_samples=e.n_samples_per_eval_prompt, temperature=e.eval_temperature,
-                                               max_response_len=e.eval_max_response_len)
+                                               max_response_len=e.eval_max_response_len, evaluation=True)
             if state.rollout_id > 0 and trainer is not None:  # engines loaded the checkpoint: name its version
                 await update_engines(cfg, control, engines, trainer, state.policy_version)
             if trainer is not None:  # a restarted engine gets the current weights before it serves
@@ -135,7 +142,10 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
         progress.start(total=r.num_rollout, completed=state.rollout_id)
         for rollout_id in range(state.rollout_id, r.num_rollout):
             t_start = t0 = time.perf_counter()
-            if producer is not None:
+            if rollout_fn is not None:  # --rollout-function-path: slime's generate_rollout fills the batch
+                async with colocated(cfg, trainer, engine_clients):
+                    samples = await rollout_fn.next_batch(rollout_id, state.policy_version)
+            elif producer is not None:
                 async with colocated(cfg, trainer, engine_clients):
                     samples = await producer.next_batch(r.rollout_batch_size)
             else:
@@ -165,8 +175,11 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
                 metrics |= producer.stats() | {"requests_retried": client.retried}
             last = rollout_id + 1 == r.num_rollout
             interval = cfg.eval.eval_interval
+            if rollout_fn is not None:
+                metrics |= rollout_fn.metrics
             if eval_sets and producer is not None and interval and (last or (rollout_id + 1) % interval == 0):
-                metrics |= await evaluate(evaluator, eval_sets)
+                metrics |= await evaluate(evaluator, eval_sets,
+                                          save=lambda name, s: runlog.save_eval_trajectories(name, rollout_id, s))
             if pool is not None:
                 metrics |= {f"sandbox/{k}": v for k, v in pool.metrics().items() if isinstance(v, (int, float))}
             runlog.log(metrics)
@@ -212,6 +225,7 @@ async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGr
         await _each(clients, "/pause_generation", {"mode": "in_place"})
         try:
             out = await trainer.sync_weights([c.base_url for c in clients], version)
+            control.policy_version = version
         finally:
             await _each(clients, "/continue_generation", {})
         for url in out.pop("failed_engines", []):
@@ -275,8 +289,10 @@ def evaluate_checkpoint(cfg: Config, *, limit: int | None = None) -> dict[str, f
                 e = cfg.eval
                 runner = build_group_runner(cfg, tokenizer, client, pool, build_reward_fn(cfg), RolloutControl(),
                                             on_done=None, n_samples=e.n_samples_per_eval_prompt,
-                                            temperature=e.eval_temperature, max_response_len=e.eval_max_response_len)
-                return await evaluate(runner, eval_sets)
+                                            temperature=e.eval_temperature, max_response_len=e.eval_max_response_len,
+                                            evaluation=True)
+                return await evaluate(runner, eval_sets, save=lambda name, s: write_trajectories(
+                    eval_trajectories_path(out, name, 0), s, tokenizer))
         finally:
             if pool is not None:
                 await pool.close()
@@ -296,12 +312,15 @@ def evaluate_checkpoint(cfg: Config, *, limit: int | None = None) -> dict[str, f
 EVAL_GROUP_BASE = 10**9  # eval groups get their own ids (and env seeds), the same at every evaluation
 
 
-async def evaluate(runner: GroupRunner, eval_sets: list[tuple[str, list[dict]]]) -> dict[str, float]:
+async def evaluate(runner: GroupRunner, eval_sets: list[tuple[str, list[dict]]], save=None) -> dict[str, float]:
     """eval/<name>/reward_mean, response_len_mean and, with several samples per prompt,
-    pass@k (a sample passes when its reward is at least 1, as the envs' binary rewards)."""
+    pass@k (a sample passes when its reward is at least 1, as the envs' binary rewards).
+    `save(name, samples)` keeps each set's trajectories."""
     out: dict[str, float] = {}
     for name, tasks in eval_sets:
         groups = await asyncio.gather(*[runner.run_group(t, EVAL_GROUP_BASE + i) for i, t in enumerate(tasks)])
+        if save is not None:
+            save(name, [s for g in groups for s in g])
         done = [s for g in groups for s in g if s.status != SampleStatus.FAILED]
         out[f"eval/{name}/reward_mean"] = float(np.mean([s.reward_value for s in done])) if done else 0.0
         out[f"eval/{name}/response_len_mean"] = float(np.mean([s.response_length for s in done])) if done else 0.0
@@ -382,8 +401,9 @@ def build_trainer(cfg: Config, model_path: Path, device: str):
 
 def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, reward_fn, control: RolloutControl,
                        on_done, *, n_samples: int | None = None, temperature: float | None = None,
-                       max_response_len: int | None = None) -> GroupRunner:
-    """Trajectories of groups; the keyword overrides serve evaluation."""
+                       max_response_len: int | None = None, evaluation: bool = False) -> GroupRunner:
+    """Trajectories of groups; the keyword overrides serve evaluation. With
+    --custom-generate-function-path, slime's generate plays each trajectory."""
     r = cfg.rollout
     sampling = {"temperature": r.rollout_temperature if temperature is None else temperature,
                 "top_p": r.rollout_top_p, "top_k": r.rollout_top_k}
@@ -400,10 +420,29 @@ def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, rewar
         kwargs = dict(cfg.run.env_kwargs) if name == cfg.run.env else {}
         return make(name, **kwargs, **tool_kwargs(cfg, get_spec(name).load(), pool)), name
 
-    return GroupRunner(make_env=make_env, n_samples=n_samples or r.n_samples_per_prompt,
-                       renderer=Renderer(tokenizer, cfg.data.apply_chat_template), client=client,
-                       settings_for=settings_for, run_seed=cfg.run.seed, max_concurrency=r.max_concurrency,
-                       reward_fn=reward_fn, control=control, on_done=on_done)
+    renderer = Renderer(tokenizer, cfg.data.apply_chat_template)
+    generate_fn = None
+    if r.custom_generate_function_path:
+        generate_fn = GenerateHook(r.custom_generate_function_path, renderer=renderer, sampling_params=sampling,
+                                   args=slime_args(cfg, engine_url=client.base_url, model_path=tokenizer.name_or_path),
+                                   max_new_tokens=max_response_len or r.rollout_max_response_len,
+                                   reward_fn=reward_fn, control=control, evaluation=evaluation)
+    return GroupRunner(make_env=make_env, n_samples=n_samples or r.n_samples_per_prompt, renderer=renderer,
+                       client=client, settings_for=settings_for, run_seed=cfg.run.seed,
+                       max_concurrency=r.max_concurrency, reward_fn=reward_fn, control=control, on_done=on_done,
+                       generate_fn=generate_fn)
+
+
+def build_rollout_hook(cfg: Config, tokenizer, client: EngineClient, source: PromptSource,
+                       runner: GroupRunner) -> RolloutHook | None:
+    """--rollout-function-path: slime's generate_rollout, fed by a slime-shaped data source."""
+    r = cfg.rollout
+    if not r.rollout_function_path:
+        return None
+    args = slime_args(cfg, engine_url=client.base_url, model_path=tokenizer.name_or_path)
+    return RolloutHook(r.rollout_function_path, args=args, renderer=runner.renderer, make_env=runner.make_env,
+                       data_source=DataSource(source, runner.renderer, r.n_samples_per_prompt),
+                       reward_fn=runner.reward_fn, run_seed=cfg.run.seed)
 
 
 def build_group_filter(cfg: Config):
