@@ -76,6 +76,12 @@ class RolloutConfig(Section):
     dynamic_sampling_filter_path: str | None = None
     """Drop finished groups: "nonzero_std" (built-in: zero reward std carries no signal), or
     "module.fn" / "file.py:fn" with fn(args, samples) -> bool | (bool, reason)."""
+    custom_generate_function_path: str | None = None
+    """slime's `async def generate(args, sample, sampling_params) -> Sample | list[Sample]` ("module.fn" or
+    "file.py:fn"), run for each sample of a group in place of the agent loop (see docs/slime.md)."""
+    rollout_function_path: str | None = None
+    """slime's `generate_rollout(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]`,
+    filling each training batch in place of agentrl's producer (see docs/slime.md)."""
     max_group_retries: int = Field(2, ge=0)
     """A group with an infrastructure failure is re-run whole this many times, then dropped."""
     async_rollout: bool = False
@@ -213,6 +219,14 @@ class RunConfig(Section):
     seed: int = 1234
     progress: bool = True
     """Show the live progress display."""
+    use_wandb: bool = False
+    """Also log metrics to Weights & Biases (tensorboard/ is always written)."""
+    wandb_project: str = "agentrl"
+    wandb_group: str | None = None
+    wandb_mode: Literal["offline", "online", "disabled"] | None = None
+    """None: online when WANDB_API_KEY is set, else offline (no network; `wandb sync DIR` uploads later)."""
+    wandb_dir: str | None = None
+    """wandb writes its run files under DIR/wandb/; default: the run folder (so <output_dir>/wandb/)."""
 
 
 class EvalConfig(Section):
@@ -453,6 +467,9 @@ def resolve(layers: dict) -> Config:
     if cfg.run.colocate and cfg.rollout.async_rollout:
         raise ConfigError("--colocate time-shares the GPUs between rollout and training; it cannot overlap them "
                           "(--async): drop one of the two")
+    if cfg.rollout.rollout_function_path and cfg.rollout.async_rollout:
+        raise ConfigError("--rollout-function-path fills each batch itself, between training steps; it cannot "
+                          "overlap them (--async): drop one of the two")
     if cfg.rollout.mask_offpolicy_in_partial_rollout and not cfg.rollout.partial_rollout:
         raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     steps = total // cfg.train.global_batch_size

@@ -9,7 +9,8 @@ metrics.jsonl as inline SVG, then the chosen iterations' trajectories turn by tu
 token decoded with the run's tokenizer and coloured by its loss mask (trained policy
 tokens vs masked prompt/env/tool/template tokens), its rollout logprob and policy version
 on hover, tool calls and results, reward, status and per-stage timings, with filters
-(status, reward range, iteration) and a search box.
+(status, reward range, iteration) and a search box. Evaluation trajectories
+(trajectories/eval_<name>_NNNNN.jsonl) are listed next to the iterations.
 
 The run's data is embedded as JSON in a non-executed <script type="application/json">
 block (with <, > and & escaped) and the page's own script inserts every piece of model
@@ -65,6 +66,22 @@ def trajectory_files(run_dir: Path) -> dict[int, Path]:
         except ValueError:
             continue
     return out
+
+
+def eval_trajectory_files(run_dir: Path) -> list[tuple[str, int, Path]]:
+    """(eval set, iteration, file) of trajectories/eval_<name>_NNNNN.jsonl, by iteration then name."""
+    out = []
+    for p in (run_dir / "trajectories").glob("eval_*.jsonl"):
+        name, _, it = p.stem[len("eval_"):].rpartition("_")
+        if name and it.isdigit():
+            out.append((name, int(it), p))
+    return sorted(out, key=lambda e: (e[1], e[0]))
+
+
+def pick_evals(evals: list[tuple[str, int, Path]], chosen: list[int]) -> list[tuple[str, int, Path]]:
+    """The evaluations after the chosen iterations, and the last evaluation."""
+    last = max((it for _, it, _ in evals), default=None)
+    return [e for e in evals if e[1] in chosen or e[1] == last]
 
 
 def read_trajectories(path: Path) -> tuple[list[dict], int]:
@@ -436,7 +453,8 @@ def collect(run_dir: Path, *, iterations: str | None = None, max_per_iteration: 
         raise InspectError(f"{run_dir}: no such run folder")
     metrics = read_metrics_rows(run_dir / "metrics.jsonl")
     files = trajectory_files(run_dir)
-    if not metrics and not files:
+    eval_files = eval_trajectory_files(run_dir)
+    if not metrics and not files and not eval_files:
         raise InspectError(f"{run_dir}: no metrics.jsonl and no trajectories/rollout_*.jsonl: not a run folder "
                            "(agentrl train --output-dir writes one)")
     config = read_config(run_dir)
@@ -447,8 +465,10 @@ def collect(run_dir: Path, *, iterations: str | None = None, max_per_iteration: 
     pieces: dict[int, str] = {}
     trajs: list[dict] = []
     its: list[dict] = []
-    for it in chosen:
-        rows, bad = read_trajectories(files[it])
+
+    def take(it, path: Path) -> dict:
+        """One file's trajectories into `trajs`; its entry for the iteration menu."""
+        rows, bad = read_trajectories(path)
         keep = pick_trajectories(rows, max_per_iteration)
         counts = {s: 0 for s in STATUSES}
         for r in rows:
@@ -464,8 +484,14 @@ def collect(run_dir: Path, *, iterations: str | None = None, max_per_iteration: 
                      "merges": {"p": [], "r": []}, "problems": [f"cannot show this row: {type(exc).__name__}: {exc}"]}
             kept_counts[t["status"]] = kept_counts.get(t["status"], 0) + 1
             trajs.append(t)
-        its.append({"it": it, "total": len(rows), "shown": len(keep), "bad_lines": bad, "counts": counts,
-                    "shown_counts": kept_counts})
+        return {"it": it, "total": len(rows), "shown": len(keep), "bad_lines": bad, "counts": counts,
+                "shown_counts": kept_counts}
+
+    for it in chosen:
+        its.append(take(it, files[it]))
+    # evaluations: trajectories/eval_<name>_NNNNN.jsonl, listed in the menu as "eval NAME @NNNNN"
+    evals = [take(f"eval {name} @{at}", path) | {"eval": name, "at": at}
+             for name, at, path in pick_evals(eval_files, chosen)]
 
     run = (config.get("run") or {})
     model = (config.get("model") or {}).get("model")
@@ -478,6 +504,7 @@ def collect(run_dir: Path, *, iterations: str | None = None, max_per_iteration: 
         "metrics": metrics,
         "available": sorted(files),
         "iterations": its,
+        "evals": evals,
         "max_per_iteration": max_per_iteration,
         "tokenizer": {"ok": decoder is not None, "source": tok_source},
         "vocab": {str(k): v for k, v in vocab.items()},
@@ -676,8 +703,8 @@ def render_html(data: dict) -> str:
     esc = html.escape
     main_charts, more_charts = charts_html(data["metrics"])
     its = data["iterations"]
-    total = sum(i["total"] for i in its)
-    shown = sum(i["shown"] for i in its)
+    total = sum(i["total"] for i in its + data["evals"])
+    shown = sum(i["shown"] for i in its + data["evals"])
     notes = []
     if not data["tokenizer"]["ok"]:
         notes.append(f'<p class="warn" id="tokenizer-note">No tokenizer could be loaded ({esc(data["tokenizer"]["source"])}): '
@@ -694,7 +721,10 @@ def render_html(data: dict) -> str:
                      '<code>--iterations 0,5,10</code> or <code>--iterations all</code>.</p>')
     if not data["available"]:
         notes.append('<p class="note">No trajectories/rollout_*.jsonl in the run folder.</p>')
-    bad = [i for i in its if i["bad_lines"]]
+    if data["evals"]:
+        notes.append('<p class="note" id="eval-note">Evaluation trajectories (pick them in the iteration menu): '
+                     + ", ".join(esc(f'{e["it"]} ({e["shown"]} of {e["total"]})') for e in data["evals"]) + ".</p>")
+    bad = [i for i in its + data["evals"] if i["bad_lines"]]
     if bad:
         notes.append('<p class="warn">Unreadable lines skipped: ' + ", ".join(
             f'iteration {i["it"]}: {i["bad_lines"]}' for i in bad) + "</p>")
@@ -786,8 +816,10 @@ def main(argv: list[str] | None = None) -> int:
     size = path.stat().st_size
     shown = sum(i["shown"] for i in data["iterations"])
     total = sum(i["total"] for i in data["iterations"])
+    evals = sum(i["shown"] for i in data["evals"])
     print(f"wrote {path} ({size / 2**20:.1f} MiB): {len(data['metrics'])} iterations of metrics, "
-          f"{shown} of {total} trajectories from iteration(s) {_ranges([i['it'] for i in data['iterations']]) or '-'}")
+          f"{shown} of {total} trajectories from iteration(s) {_ranges([i['it'] for i in data['iterations']]) or '-'}"
+          + (f", {evals} eval trajectories ({len(data['evals'])} evaluations)" if data["evals"] else ""))
     if not data["tokenizer"]["ok"]:
         print(f"note: no tokenizer ({data['tokenizer']['source']}): tokens are shown as ids", file=sys.stderr)
     print(f"open file://{path.resolve()}")
@@ -1135,7 +1167,7 @@ T.forEach(function (t, idx) {
 if (!T.length) list.appendChild(el("p", "muted", "No trajectories in this report."));
 
 var itSel = document.getElementById("iteration");
-(D.iterations || []).forEach(function (i) { var o = el("option", null, i.it + " (" + i.shown + (i.shown < i.total ? " of " + i.total : "") + ")"); o.value = String(i.it); itSel.appendChild(o); });
+(D.iterations || []).concat(D.evals || []).forEach(function (i) { var o = el("option", null, i.it + " (" + i.shown + (i.shown < i.total ? " of " + i.total : "") + ")"); o.value = String(i.it); itSel.appendChild(o); });
 
 function searchText(t) {
   if (t._text !== undefined) return t._text;

@@ -1,17 +1,22 @@
-"""What a run leaves behind: metrics.jsonl, tensorboard events, trajectories/*.jsonl and a
-PNG plot of reward and response length per iteration."""
+"""What a run leaves behind: metrics.jsonl, tensorboard events (and a wandb run with
+--use-wandb), trajectories/*.jsonl and a PNG plot of reward and response length per iteration."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 from agentrl.types import Sample
 
 
 class RunLog:
-    def __init__(self, output_dir: Path, tokenizer=None):
+    """`wandb_run` (from `start_wandb`), if given, gets the same scalars as tensorboard."""
+
+    def __init__(self, output_dir: Path, tokenizer=None, wandb_run=None):
         self.dir = output_dir
+        self.wandb = wandb_run
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "trajectories").mkdir(exist_ok=True)
         self.tokenizer = tokenizer
@@ -24,19 +29,19 @@ class RunLog:
         self._metrics.write(json.dumps(metrics) + "\n")
         self._metrics.flush()
         step = metrics["rollout_id"]
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and key != "rollout_id":
-                self.tb.add_scalar(key, value, step)
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "rollout_id"}
+        for key, value in scalars.items():
+            self.tb.add_scalar(key, value, step)
         self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
 
     def save_trajectories(self, rollout_id: int, samples: list[Sample]) -> None:
-        with open(self.dir / "trajectories" / f"rollout_{rollout_id:05d}.jsonl", "w") as f:
-            for s in samples:
-                row = s.to_dict()
-                if self.tokenizer is not None:
-                    row["prompt_text"] = self.tokenizer.decode(s.prompt_tokens)
-                    row["response_text"] = self.tokenizer.decode(s.response_tokens)
-                f.write(json.dumps(row) + "\n")
+        write_trajectories(self.dir / "trajectories" / f"rollout_{rollout_id:05d}.jsonl", samples, self.tokenizer)
+
+    def save_eval_trajectories(self, name: str, rollout_id: int, samples: list[Sample]) -> None:
+        """trajectories/eval_<name>_NNNNN.jsonl: one eval set's samples after iteration NNNNN."""
+        write_trajectories(eval_trajectories_path(self.dir, name, rollout_id), samples, self.tokenizer)
 
     def plot(self) -> Path:
         import matplotlib
@@ -60,6 +65,41 @@ class RunLog:
     def close(self) -> None:
         self._metrics.close()
         self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def write_trajectories(path: Path, samples: list[Sample], tokenizer=None) -> None:
+    """One `Sample.to_dict()` row per line, with the decoded prompt and response for reading."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for s in samples:
+            row = s.to_dict()
+            if tokenizer is not None:
+                row["prompt_text"] = tokenizer.decode(s.prompt_tokens)
+                row["response_text"] = tokenizer.decode(s.response_tokens)
+            f.write(json.dumps(row) + "\n")
+
+
+def eval_trajectories_path(run_dir: Path, name: str, rollout_id: int) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "eval"
+    return run_dir / "trajectories" / f"eval_{safe}_{rollout_id:05d}.jsonl"
+
+
+def start_wandb(run_cfg, config: dict, output_dir: Path):
+    """--use-wandb: a wandb run in --wandb-mode (default: online when WANDB_API_KEY is set, else
+    offline, which needs no network; `wandb sync` uploads an offline run later), writing under
+    --wandb-dir/wandb/ (default: the run folder). None without --use-wandb."""
+    if not run_cfg.use_wandb:
+        return None
+    import wandb
+
+    mode = run_cfg.wandb_mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    folder = Path(run_cfg.wandb_dir or output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=run_cfg.wandb_project, group=run_cfg.wandb_group, name=output_dir.name, mode=mode,
+                      dir=str(folder), config=config,
+                      settings=wandb.Settings(console="off", silent=True, disable_git=True, x_save_requirements=False))
 
 
 def read_metrics(path: Path) -> list[dict]:

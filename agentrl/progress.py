@@ -18,7 +18,7 @@ class Progress:
         self._samples = 0
 
     def note(self, text: str) -> None:
-        self.console.print(f"[agentrl] {text}", highlight=False, markup=False)
+        self.console.print(f"[agentrl] {text}", highlight=False, markup=False, soft_wrap=True)
 
     def start(self, total: int, completed: int = 0) -> None:
         if self.live:
@@ -39,12 +39,15 @@ class Progress:
                 f"rollout {m['rollout_s']:.1f}s train {m.get('train_s', 0.0):.1f}s sync {m.get('weight_sync_s', 0.0):.2f}s")
         if m.get("status_failed"):
             line += f"  failed {m['status_failed']}"
+        for key, value in m.items():  # eval/<name>/reward_mean, on the iterations that evaluated
+            if key.startswith("eval/") and key.endswith("/reward_mean"):
+                line += f"  eval {key[5:-12]} {value:.3f}"
         if self._bar is not None:
             self._bar.update(self._task, advance=1, description=f"reward {m['reward_mean']:.3f}, "
                                                                 f"{m['tokens_per_s']:.0f} tok/s")
-            self._bar.console.print(line, highlight=False, markup=False)
+            self._bar.console.print(line, highlight=False, markup=False, soft_wrap=True)
         else:
-            self.console.print(line, highlight=False, markup=False)
+            self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -3,9 +3,14 @@
 import json
 import subprocess
 
+from agentrl.inspect import collect
 from spine_helpers import agentrl_cli, run_env
 
 SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-progress"]
+
+
+def lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
 
 
 def train(*args):
@@ -31,6 +36,16 @@ def test_eval_sets_are_scored_every_interval_and_at_the_end(tmp_path):
         assert "eval/easy/pass@3" in r and "eval/other/reward_mean" in r
     tb = list((out / "tensorboard").glob("events.*"))
     assert tb and b"eval/easy/reward_mean" in tb[0].read_bytes()
+    # the eval trajectories are kept, in the rollouts' format, and the report lists them
+    for it in (1, 2):
+        easy = lines(out / "trajectories" / f"eval_easy_{it:05d}.jsonl")
+        assert len(easy) == 9 and all(r["response_tokens"] and "response_text" in r for r in easy)
+        mean = sum(r["reward"] for r in easy) / 9
+        assert abs(mean - rows[it]["eval/easy/reward_mean"]) < 1e-9
+        assert len(lines(out / "trajectories" / f"eval_other_{it:05d}.jsonl")) == 3
+    assert [e["it"] for e in collect(out)["evals"]] == ["eval easy @1", "eval other @1", "eval easy @2",
+                                                        "eval other @2"]
+    assert "  eval easy " in proc.stderr  # the iteration's console line has the eval reward
 
 
 def test_bad_eval_flags_are_named(tmp_path):
@@ -56,6 +71,8 @@ def test_agentrl_eval_scores_a_checkpoint_without_training(tmp_path, tiny_model)
     assert 0.0 <= result["eval/tt/reward_mean"] <= 1.0 and "eval/tt/pass@2" in result
     assert "eval/tt/reward_mean" in proc.stdout  # the summary table
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+    assert len(lines(out / "trajectories" / "eval_tt_00000.jsonl")) == 4
+    assert [e["total"] for e in collect(out)["evals"]] == [4]
     # the env's own tasks when no data is given
     proc = subprocess.run([agentrl_cli(), "eval", "--env", "target-token", "--eval-limit", "4",
                            "--output-dir", str(tmp_path / "own"), "--no-progress"],

@@ -196,6 +196,34 @@ def test_limits_and_defaults(run_dir, tmp_path):
     assert report.main([str(tmp_path / "missing")]) == 2
 
 
+def test_eval_trajectories_are_shown(tmp_path, tokenizer, tiny_model, capsys):
+    run = make_run(tmp_path, tokenizer, tiny_model)
+    for it in range(EVAL_EVERY - 1, NUM_ITERATIONS, EVAL_EVERY):  # as train writes them after iteration `it`
+        for name in ("gsm8k", "math_500"):
+            with open(run / "trajectories" / f"eval_{name}_{it:05d}.jsonl", "w") as f:
+                for row in _rows_for(tokenizer, it)[:3]:
+                    f.write(json.dumps(row) + "\n")
+    assert [(n, i) for n, i, _ in report.eval_trajectory_files(run)] == [
+        ("gsm8k", 1), ("math_500", 1), ("gsm8k", 3), ("math_500", 3), ("gsm8k", 5), ("math_500", 5)]
+    data = report.collect(run, iterations="0-1")  # the evaluations after the chosen iterations, and the last
+    assert [e["it"] for e in data["evals"]] == ["eval gsm8k @1", "eval math_500 @1", "eval gsm8k @5",
+                                                "eval math_500 @5"]
+    assert [e["total"] for e in data["evals"]] == [3] * 4
+    shown = [t for t in data["trajs"] if t["it"] == "eval math_500 @5"]
+    assert len(shown) == 3 and shown[0]["id"] == "r5-g0-s0" and shown[0]["resp"]
+    assert report.main([str(run), "--iterations", "0-1"]) == 0
+    assert "12 eval trajectories (4 evaluations)" in capsys.readouterr().out
+    page = (run / "report.html").read_text()
+    assert 'id="eval-note"' in page and "eval gsm8k @5 (3 of 3)" in page
+    assert [e["it"] for e in _embedded(page)["evals"]] == [e["it"] for e in data["evals"]]
+    # a folder of `agentrl eval`: eval trajectories only
+    only = tmp_path / "eval-only"
+    (only / "trajectories").mkdir(parents=True)
+    shutil.copy(run / "trajectories" / "eval_gsm8k_00001.jsonl", only / "trajectories" / "eval_gsm8k_00000.jsonl")
+    data = report.collect(only)
+    assert [e["it"] for e in data["evals"]] == ["eval gsm8k @0"] and len(data["trajs"]) == 3
+
+
 def test_no_tokenizer_falls_back_to_ids(tmp_path, tokenizer):
     run = make_run(tmp_path, tokenizer, None, iterations=1)
     path, data = report.build_report(run)

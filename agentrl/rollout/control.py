@@ -13,6 +13,7 @@ class RolloutControl:
         self._open.set()
         self.wait_timeout_s = wait_timeout_s
         self.partial_rollout = False  # resume aborted generations instead of ending the trajectory
+        self.policy_version = 0  # the engines' weights (set at each sync), for code that cannot ask them
 
     def pause(self) -> None:
         self._open.clear()

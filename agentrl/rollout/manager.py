@@ -24,43 +24,54 @@ class GroupRunner:
 
     `make_env(task_env_name)` builds a fresh env per trajectory and says its name;
     `settings_for(env)` gives the loop settings (the env may set max_turns); `reward_fn`,
-    if given, replaces the env's reward of every trajectory that did not fail."""
+    if given, replaces the env's reward of every trajectory that did not fail.
+    `generate_fn` (slime's --custom-generate-function-path, agentrl.rollout.slime.GenerateHook)
+    replaces the agent loop: it gets the env and the task, returns scored Samples (one or more)."""
 
     def __init__(self, *, make_env: Callable[[str | None], tuple[Env, str]], n_samples: int, renderer: Renderer,
                  client: EngineClient, settings_for: Callable[[Env], LoopSettings], run_seed: int,
                  max_concurrency: int, reward_fn: Callable[[Sample], Awaitable] | None = None,
-                 control: RolloutControl | None = None, on_done: Callable[[Sample], None] | None = None):
+                 control: RolloutControl | None = None, on_done: Callable[[Sample], None] | None = None,
+                 generate_fn: Callable[..., Awaitable[list[Sample]]] | None = None):
         self.make_env, self.n_samples, self.renderer, self.client = make_env, n_samples, renderer, client
         self.settings_for, self.run_seed, self.reward_fn = settings_for, run_seed, reward_fn
-        self.control, self.on_done = control, on_done
+        self.control, self.on_done, self.generate_fn = control, on_done, generate_fn
         self.slots = asyncio.Semaphore(max_concurrency)
 
     async def run_group(self, task: dict[str, Any], group_id: int, attempt: int = 0) -> list[Sample]:
-        return list(await asyncio.gather(*[self._one(task, group_id, k, attempt) for k in range(self.n_samples)]))
+        runs = await asyncio.gather(*[self._one(task, group_id, k, attempt) for k in range(self.n_samples)])
+        return [s for samples in runs for s in samples]  # a custom generate function may return several
 
-    async def _one(self, task: dict, group_id: int, k: int, attempt: int) -> Sample:
+    async def _one(self, task: dict, group_id: int, k: int, attempt: int) -> list[Sample]:
         async with self.slots:
             traj_id = f"g{group_id}-s{k}" + (f"-a{attempt}" if attempt else "")
+            seed = group_seed(self.run_seed, group_id)
             try:
                 env, env_name = self.make_env(task.get("env"))
             except Exception as exc:  # an env that cannot be built fails its trajectory, visibly
-                sample = Sample(prompt_tokens=[], trajectory_id=traj_id, group_id=group_id,
-                                status=SampleStatus.FAILED, metadata={"error": f"building env: {exc!r}"})
+                samples = [Sample(prompt_tokens=[], trajectory_id=traj_id, group_id=group_id,
+                                  status=SampleStatus.FAILED, metadata={"error": f"building env: {exc!r}"})]
             else:
-                sample = await run_trajectory(env, task, renderer=self.renderer, client=self.client,
-                                              settings=self.settings_for(env), trajectory_id=traj_id,
-                                              group_id=group_id, seed=group_seed(self.run_seed, group_id),
-                                              env_name=env_name, control=self.control)
-                if self.reward_fn is not None and sample.status != SampleStatus.FAILED:
-                    try:
-                        sample.metadata["env_reward"] = sample.reward
-                        sample.reward = await self.reward_fn(sample)
-                    except Exception as exc:  # a broken reward function fails the trajectory, visibly
-                        sample.status = SampleStatus.FAILED
-                        sample.metadata["error"] = f"custom reward function: {exc!r}"
+                if self.generate_fn is not None:
+                    samples = await self.generate_fn(env, task, trajectory_id=traj_id, group_id=group_id, index=k,
+                                                     seed=seed, env_name=env_name)
+                else:
+                    sample = await run_trajectory(env, task, renderer=self.renderer, client=self.client,
+                                                  settings=self.settings_for(env), trajectory_id=traj_id,
+                                                  group_id=group_id, seed=seed, env_name=env_name,
+                                                  control=self.control)
+                    if self.reward_fn is not None and sample.status != SampleStatus.FAILED:
+                        try:
+                            sample.metadata["env_reward"] = sample.reward
+                            sample.reward = await self.reward_fn(sample)
+                        except Exception as exc:  # a broken reward function fails the trajectory, visibly
+                            sample.status = SampleStatus.FAILED
+                            sample.metadata["error"] = f"custom reward function: {exc!r}"
+                    samples = [sample]
             if self.on_done is not None:
-                self.on_done(sample)
-            return sample
+                for sample in samples:
+                    self.on_done(sample)
+            return samples
 
 
 async def generate_rollout(tasks: list[dict[str, Any]], *, rollout_id: int = 0, **runner_kwargs) -> list[Sample]:

@@ -1,0 +1,411 @@
+"""slime's rollout hooks, run as they are: `--custom-generate-function-path` and
+`--rollout-function-path`.
+
+slime (THUDM/slime, slime/rollout/sglang_rollout.py) lets a user replace generation at
+two levels:
+
+    async def generate(args, sample, sampling_params) -> Sample | list[Sample]   # one member of a group
+    def generate_rollout(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]  # a batch
+
+Both work with slime's shapes, which this module provides: `args`, the run's settings as
+flat attributes under slime's names, with `sglang_router_ip` / `sglang_router_port`
+pointing at the router (or the one engine); and slime's `Sample`: the prompt text,
+`tokens` = prompt + response, `response_length`, `loss_mask` and `rollout_log_probs`
+over the response, `status`, `reward`, `label`, `metadata`. What the functions return is
+checked and turned into agentrl's `Sample`; a wrongly shaped return stops the run with
+an error naming the function.
+
+Rewards as in slime: a sample that comes back with `reward` set keeps it; otherwise
+--custom-rm-path scores it (agentrl's signature: it gets agentrl's Sample), else the env
+does: reset with the group's seed and the task, then one step with the response text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import inspect
+import time
+import traceback
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+from agentrl.env import Action, Env, as_messages
+from agentrl.errors import ConfigError, SampleInvariantError
+from agentrl.plugins import load_function
+from agentrl.rollout.agent_loop import Renderer
+from agentrl.rollout.control import RolloutControl
+from agentrl.rollout.manager import group_seed
+from agentrl.types import Sample as AgentSample, SampleStatus, TurnTiming
+
+GENERATE_FLAG = "--custom-generate-function-path"
+ROLLOUT_FLAG = "--rollout-function-path"
+
+
+@dataclass
+class Sample:
+    """slime's Sample (slime/utils/types.py): the fields its rollout hooks read and write."""
+
+    class Status(enum.Enum):
+        PENDING = "pending"
+        COMPLETED = "completed"
+        TRUNCATED = "truncated"
+        ABORTED = "aborted"
+        FAILED = "failed"
+
+    group_index: int | None = None
+    index: int | None = None
+    prompt: str | list[dict] = ""  # the prompt as text (chat template applied), as slime's Dataset gives it
+    tokens: list[int] = field(default_factory=list)  # [prompt + response]; the prompt's ids to start with
+    response: str = ""
+    response_length: int = 0
+    label: Any = None
+    reward: float | dict | None = None
+    loss_mask: list[int] | None = None  # [response_length]; 1 = trained on
+    weight_versions: list[str] = field(default_factory=list)  # one per engine reply
+    rollout_log_probs: list[float] | None = None  # [response_length]
+    remove_sample: bool = False  # True: kept for the group's baseline, not trained on
+    status: Status = Status.PENDING
+    metadata: dict = field(default_factory=dict)
+    session_id: str | None = None  # the routing key: agentrl's trajectory id
+    task: dict = field(default_factory=dict, repr=False)  # agentrl: the data row (prompt, label, metadata, env)
+
+    def append_response_tokens(self, args=None, *, tokens, log_probs=None, trainable: bool = True,
+                               meta_info: dict | None = None, text: str | None = None) -> None:
+        """Extend the response keeping tokens, loss_mask and rollout_log_probs aligned:
+        trainable tokens (the policy's) need their logprobs; others get mask 0, logprob 0."""
+        tokens = [int(t) for t in tokens]
+        if trainable and tokens and log_probs is None:
+            raise SampleInvariantError("append_response_tokens: trainable tokens need their rollout log_probs")
+        if trainable and log_probs is not None and len(log_probs) != len(tokens):
+            raise SampleInvariantError(f"append_response_tokens: {len(tokens)} tokens but {len(log_probs)} log_probs")
+        mask = self.loss_mask if self.loss_mask is not None else [1] * self.response_length
+        logprobs = self.rollout_log_probs if self.rollout_log_probs is not None else [0.0] * self.response_length
+        self.tokens = self.tokens + tokens
+        self.response_length += len(tokens)
+        self.loss_mask = mask + [int(trainable)] * len(tokens)
+        self.rollout_log_probs = logprobs + ([float(x) for x in log_probs] if trainable else [0.0] * len(tokens))
+        if text:
+            self.response += text
+        if meta_info:
+            self.update_from_meta_info(args, meta_info)
+
+    def update_from_meta_info(self, args, meta_info: dict) -> None:
+        """The engine reply's weight version and finish reason (length: truncated, abort:
+        aborted, stop: completed)."""
+        if "weight_version" in meta_info:
+            self.weight_versions.append(str(meta_info["weight_version"]))
+        finish = meta_info.get("finish_reason")
+        kind = finish.get("type") if isinstance(finish, dict) else finish
+        self.status = {"length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED,
+                       "stop": Sample.Status.COMPLETED}.get(kind, self.status)
+
+    @property
+    def effective_response_length(self) -> int:
+        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
+    def get_reward_value(self, args) -> float:
+        key = getattr(args, "reward_key", None)
+        return self.reward[key] if key else self.reward
+
+
+class SlimeArgs(SimpleNamespace):
+    """slime's `args`: the run's settings as flat attributes under slime's names. A slime
+    argument agentrl has no counterpart for raises AttributeError saying so
+    (`getattr(args, name, default)` works as usual)."""
+
+    def __getattr__(self, name: str):  # only reached when the attribute is missing
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"args.{name}: slime's argument {name!r} has no agentrl counterpart "
+                             "(docs/slime.md maps them)")
+
+
+def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
+    """Every config field under its own name (agentrl keeps slime's), the --sglang-*/--router-*
+    pass-through flags as `sglang_X`/`router_X`, and slime's names for the rest."""
+    from agentrl.config import SECTIONS
+
+    values: dict[str, Any] = {}
+    for section in SECTIONS:
+        values.update(getattr(cfg, section).model_dump())
+    for prefix, extra in (("sglang_", cfg.sglang_args), ("router_", cfg.router_args)):
+        for k, v in extra.items():
+            values[prefix + k.replace("-", "_")] = v
+    url = urlsplit(engine_url)
+    r = cfg.rollout
+    values.update(
+        hf_checkpoint=str(model_path), rollout_seed=cfg.run.seed,
+        sglang_router_ip=url.hostname, sglang_router_port=url.port,
+        sglang_server_concurrency=r.max_concurrency,
+        over_sampling_batch_size=r.over_sampling_batch_size or r.rollout_batch_size,
+        rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
+        rollout_global_dataset=True, group_rm=False, reward_key=None, eval_reward_key=None,
+        use_rollout_routing_replay=False, sglang_dp_size=values.get("sglang_dp_size"), ci_test=False,
+    )
+    return SlimeArgs(**values)
+
+
+def _check_signature(fn: Callable, spec: str, flag: str, names: tuple[str, ...]) -> bool:
+    """The function must take slime's positional arguments; returns whether it takes `evaluation`."""
+    try:
+        sig = inspect.signature(fn)
+        sig.bind(*names)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} {spec}: {getattr(fn, '__name__', fn)}{_sig(fn)} does not take slime's arguments "
+                          f"({', '.join(names)})") from None
+    params = sig.parameters
+    return "evaluation" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def _sig(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(?)"
+
+
+def _prompt_sample(task: dict, renderer: Renderer, *, group_index: int, index: int) -> Sample:
+    """A slime Sample of one data row, as slime's Dataset makes it: the prompt rendered by
+    the chat template (or concatenated), its token ids, label and metadata."""
+    text = renderer.render(as_messages(task["prompt"]), None)
+    return Sample(group_index=group_index, index=index, prompt=text, tokens=renderer.encode(text),
+                  label=task.get("label"), metadata=dict(task.get("metadata") or {}), task=task)
+
+
+_STATUS = {"PENDING": SampleStatus.COMPLETED, "COMPLETED": SampleStatus.COMPLETED,
+           "TRUNCATED": SampleStatus.TRUNCATED, "ABORTED": SampleStatus.ABORTED, "FAILED": SampleStatus.FAILED}
+
+
+def to_agentrl(s: Any, *, where: str, trajectory_id: str, group_id: int, env_name: str, version: int,
+               renderer: Renderer) -> AgentSample:
+    """slime Sample -> agentrl Sample, checking the arrays; ConfigError (naming `where`) if it
+    is not shaped like one. Tokens are the policy's (appended with their logprobs) where
+    loss_mask is 1, context elsewhere; each carries the last weight version the engine
+    reported to the function, else `version`."""
+    if not all(hasattr(s, a) for a in ("tokens", "response_length", "loss_mask", "rollout_log_probs", "status")):
+        raise ConfigError(f"{where} returned {type(s).__name__}, not a slime Sample (tokens, response_length, "
+                          "loss_mask, rollout_log_probs, status, reward)")
+    tokens, n = [int(t) for t in s.tokens], int(s.response_length)
+    if not 0 <= n < len(tokens):
+        raise ConfigError(f"{where}: sample {trajectory_id} has {len(tokens)} tokens and response_length {n}; "
+                          "tokens must be the prompt's ids followed by the response's")
+    mask = [int(m) for m in s.loss_mask] if s.loss_mask is not None else [1] * n
+    if len(mask) != n or any(m not in (0, 1) for m in mask):
+        raise ConfigError(f"{where}: sample {trajectory_id}: loss_mask has {len(mask)} entries (0/1), "
+                          f"response_length is {n}")
+    if s.rollout_log_probs is None and any(mask):
+        raise ConfigError(f"{where}: sample {trajectory_id} has no rollout_log_probs for its trained tokens: "
+                          "send return_logprob=True and keep meta_info['output_token_logprobs']")
+    logprobs = [0.0] * n if s.rollout_log_probs is None else [float(x) for x in s.rollout_log_probs]
+    if len(logprobs) != n:
+        raise ConfigError(f"{where}: sample {trajectory_id}: rollout_log_probs has {len(logprobs)} entries, "
+                          f"response_length is {n}")
+    status = _STATUS.get(str(getattr(s.status, "name", s.status)).upper())
+    if status is None:
+        raise ConfigError(f"{where}: sample {trajectory_id} has status {s.status!r}")
+    versions = [int(v) for v in (getattr(s, "weight_versions", None) or []) if str(v).lstrip("-").isdigit()]
+    version = versions[-1] if versions else version
+    metadata = {**(getattr(s, "metadata", None) or {}), "label": getattr(s, "label", None)}
+    if getattr(s, "remove_sample", False):
+        mask, metadata["remove_sample"] = [0] * n, True
+    task = getattr(s, "task", None) or {}
+    prompt, response = tokens[:len(tokens) - n], tokens[len(tokens) - n:]
+    text = getattr(s, "response", "") or renderer.decode(response)
+    out = AgentSample(prompt_tokens=prompt, trajectory_id=trajectory_id, group_id=group_id, env_name=env_name,
+                      status=status, num_turns=1, metadata=metadata,
+                      messages=(as_messages(task["prompt"]) if task.get("prompt") else [])
+                      + [{"role": "assistant", "content": text}])
+    start = 0
+    for end in range(1, n + 1):  # runs of equal mask: the policy's tokens, or context
+        if end == n or mask[end] != mask[start]:
+            if mask[start]:
+                out.append_generated(response[start:end], logprobs[start:end], version)
+            else:
+                out.append_observation(response[start:end])
+            start = end
+    reward = getattr(s, "reward", None)
+    if reward is not None:
+        out.reward = {k: float(v) for k, v in reward.items()} if isinstance(reward, dict) else float(reward)
+    out.validate()
+    return out
+
+
+async def score(sample: AgentSample, task: dict, *, env: Env, seed: int, reward_fn, renderer: Renderer) -> None:
+    """A sample without a reward: --custom-rm-path, else the env (reset with the group's seed,
+    one step with the response). A failure fails the sample (masked), as in the agent loop."""
+    try:
+        if reward_fn is not None:
+            sample.reward = await reward_fn(sample)
+            return
+        await env.areset(seed=seed, options=task)
+        ids = [t for t, m in zip(sample.response_tokens, sample.loss_mask) if m]
+        if ids and ids[-1] == renderer.tokenizer.eos_token_id:
+            ids = ids[:-1]
+        text = sample.response or renderer.decode(ids)
+        _, reward, *_ = await env.astep(Action.build(text, ids, renderer.decode))
+        sample.reward = {k: float(v) for k, v in reward.items()} if isinstance(reward, dict) else float(reward)
+    except Exception as exc:
+        sample.status, sample.reward = SampleStatus.FAILED, 0.0
+        sample.metadata["error"] = f"scoring the sample: {type(exc).__name__}: {exc}"
+        sample.metadata["traceback"] = traceback.format_exc()
+
+
+class GenerateHook:
+    """--custom-generate-function-path: slime's generate, called for each member of a group
+    in place of the agent loop (GroupRunner's `generate_fn`)."""
+
+    def __init__(self, spec: str, *, args: SlimeArgs, renderer: Renderer, sampling_params: dict,
+                 max_new_tokens: int, reward_fn, control: RolloutControl | None, evaluation: bool = False):
+        self.spec, self.fn = spec, load_function(spec, flag=GENERATE_FLAG)
+        self.takes_evaluation = _check_signature(self.fn, spec, GENERATE_FLAG, ("args", "sample", "sampling_params"))
+        self.args, self.renderer, self.reward_fn, self.control = args, renderer, reward_fn, control
+        self.sampling_params = {**sampling_params, "max_new_tokens": max_new_tokens}
+        self.evaluation = evaluation
+
+    async def __call__(self, env: Env, task: dict, *, trajectory_id: str, group_id: int, index: int, seed: int,
+                       env_name: str) -> list[AgentSample]:
+        where = f"{GENERATE_FLAG} {self.spec}"
+        try:
+            sample = _prompt_sample(task, self.renderer, group_index=group_id, index=index)
+            sample.session_id = trajectory_id
+            prompt_ids = list(sample.tokens)
+            if self.control is not None:
+                await self.control.wait()  # no trajectory starts while the weights change
+            version = self.control.policy_version if self.control is not None else 0
+            kwargs = {"evaluation": self.evaluation} if self.takes_evaluation else {}
+            t0 = time.perf_counter()
+            try:
+                out = self.fn(self.args, sample, dict(self.sampling_params), **kwargs)
+                out = await out if inspect.isawaitable(out) else out
+            except SampleInvariantError as exc:  # it misused Sample's methods: a bug, stop the run
+                raise ConfigError(f"{where}: {exc}") from exc
+            except Exception as exc:  # the function failed (engine, tools): this trajectory fails, visibly
+                failed = AgentSample(prompt_tokens=prompt_ids, trajectory_id=trajectory_id,
+                                     group_id=group_id, env_name=env_name, status=SampleStatus.FAILED,
+                                     metadata={"error": f"{where}: {type(exc).__name__}: {exc}",
+                                               "traceback": traceback.format_exc()})
+                return [failed]
+            elapsed = time.perf_counter() - t0
+            outs = out if isinstance(out, list) else [out]
+            if not outs:
+                raise ConfigError(f"{where} returned an empty list; expected a Sample or a list of Samples")
+            results = []
+            for j, s in enumerate(outs):
+                tid = trajectory_id if len(outs) == 1 else f"{trajectory_id}-{j}"
+                converted = to_agentrl(s, where=where, trajectory_id=tid, group_id=group_id, env_name=env_name,
+                                       version=version, renderer=self.renderer)
+                converted.turn_timings = [TurnTiming(generate_s=elapsed)]
+                if getattr(s, "reward", None) is None and converted.status != SampleStatus.FAILED:
+                    await score(converted, task, env=env, seed=seed, reward_fn=self.reward_fn,
+                                renderer=self.renderer)
+                results.append(converted)
+            return results
+        finally:
+            try:
+                await env.aclose()
+            except Exception:
+                pass
+
+
+class DataSource:
+    """slime's `data_source` for --rollout-function-path: `get_samples(n)` gives the next n
+    prompts as n groups of n_samples_per_prompt Samples; `add_samples(groups)` puts groups
+    back (they come out first next time)."""
+
+    def __init__(self, source, renderer: Renderer, n_samples_per_prompt: int):
+        self.source, self.renderer, self.n = source, renderer, n_samples_per_prompt
+        self.buffer: list[list[Sample]] = []
+        self.next_group = 0
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        groups, self.buffer = self.buffer[:num_samples], self.buffer[num_samples:]
+        for task in self.source.next_batch(num_samples - len(groups)):
+            g, self.next_group = self.next_group, self.next_group + 1
+            groups.append([_prompt_sample(task, self.renderer, group_index=g, index=g * self.n + k)
+                           for k in range(self.n)])
+        return groups
+
+    def add_samples(self, samples: list[list[Sample]]) -> None:
+        self.buffer += samples
+
+
+class RolloutHook:
+    """--rollout-function-path: slime's generate_rollout fills each training batch in place
+    of agentrl's producer. A plain function runs in a worker thread (slime's run their own
+    event loop), an `async def` on the loop."""
+
+    GROUP_BASE = 10**6  # group ids of iteration i: i * GROUP_BASE + position
+
+    def __init__(self, spec: str, *, args: SlimeArgs, data_source: DataSource, renderer: Renderer,
+                 make_env: Callable[[str | None], tuple[Env, str]], reward_fn, run_seed: int):
+        self.spec, self.fn = spec, load_function(spec, flag=ROLLOUT_FLAG)
+        self.takes_evaluation = _check_signature(self.fn, spec, ROLLOUT_FLAG, ("args", "rollout_id", "data_source"))
+        self.args, self.data_source, self.renderer = args, data_source, renderer
+        self.make_env, self.reward_fn, self.run_seed = make_env, reward_fn, run_seed
+        self.metrics: dict[str, float] = {}  # the last batch's metrics from the function, as rollout_fn/<key>
+
+    async def next_batch(self, rollout_id: int, version: int) -> list[AgentSample]:
+        """The function's groups as agentrl Samples, scored (the unscored ones)."""
+        where = f"{ROLLOUT_FLAG} {self.spec}"
+        kwargs = {"evaluation": False} if self.takes_evaluation else {}
+        call = functools.partial(self.fn, self.args, rollout_id, self.data_source, **kwargs)
+        out = await call() if inspect.iscoroutinefunction(self.fn) else await asyncio.to_thread(call)
+        if inspect.isawaitable(out):
+            out = await out
+        self.metrics = {}
+        if hasattr(out, "samples"):  # slime's RolloutFnTrainOutput(samples, metrics)
+            self.metrics = {f"rollout_fn/{k}": v for k, v in (getattr(out, "metrics", None) or {}).items()
+                            if isinstance(v, (int, float))}
+            out = out.samples
+        if not isinstance(out, list) or not out:
+            raise ConfigError(f"{where} returned {type(out).__name__}; expected slime's list[list[Sample]] "
+                              "(groups of samples), non-empty")
+        groups = out if all(isinstance(g, list) for g in out) else _chunk(out, self.args.n_samples_per_prompt, where)
+        samples, unscored = [], []
+        for g, group in enumerate(groups):
+            group_id = rollout_id * self.GROUP_BASE + g
+            for k, s in enumerate(group):
+                if isinstance(s, list):
+                    raise ConfigError(f"{where}: group {g} holds a list, not a Sample; expected list[list[Sample]]")
+                task = getattr(s, "task", None) or {"prompt": getattr(s, "prompt", ""),  # a Sample it made itself
+                                                    "label": getattr(s, "label", None),
+                                                    "metadata": getattr(s, "metadata", None) or {}}
+                converted = to_agentrl(s, where=where, trajectory_id=f"g{group_id}-s{k}", group_id=group_id,
+                                       env_name=task.get("env") or self.args.env, version=version,
+                                       renderer=self.renderer)
+                samples.append(converted)
+                if getattr(s, "reward", None) is None and converted.status != SampleStatus.FAILED:
+                    unscored.append(self._score(converted, task))
+        await asyncio.gather(*unscored)
+        return samples
+
+    async def _score(self, sample: AgentSample, task: dict) -> None:
+        env, _ = self.make_env(task.get("env"))
+        try:
+            await score(sample, task, env=env, seed=group_seed(self.run_seed, sample.group_id),
+                        reward_fn=self.reward_fn, renderer=self.renderer)
+        finally:
+            await env.aclose()
+
+
+def check_hooks(cfg) -> None:
+    """Load the configured hooks and check their signatures before anything starts."""
+    r = cfg.rollout
+    if r.custom_generate_function_path:
+        _check_signature(load_function(r.custom_generate_function_path, flag=GENERATE_FLAG),
+                         r.custom_generate_function_path, GENERATE_FLAG, ("args", "sample", "sampling_params"))
+    if r.rollout_function_path:
+        _check_signature(load_function(r.rollout_function_path, flag=ROLLOUT_FLAG), r.rollout_function_path,
+                         ROLLOUT_FLAG, ("args", "rollout_id", "data_source"))
+
+
+def _chunk(flat: list, n: int, where: str) -> list[list]:
+    """A flat list of samples, in groups of n consecutive ones (as slime normalises rewards)."""
+    if len(flat) % n:
+        raise ConfigError(f"{where} returned a flat list of {len(flat)} samples, not a multiple of "
+                          f"--n-samples-per-prompt ({n}); return list[list[Sample]], one list per group")
+    return [flat[i:i + n] for i in range(0, len(flat), n)]
