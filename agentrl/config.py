@@ -172,8 +172,16 @@ class TrainConfig(Section):
     adam_beta2: float = 0.999
     clip_grad: float = Field(1.0, ge=0)
     """Gradient-norm clip (0 disables)."""
-    weight_sync_bucket_mb: float = Field(64.0, gt=0)
-    """Size of one weight-sync bucket sent to the engine."""
+    weight_sync_bucket_mb: float = Field(512.0, gt=0)
+    """Size of one weight-sync bucket sent to the engine. Each bucket costs a few ms of fixed
+    overhead: 1.5B into SGLang on an H200 took 0.23 s with 64 MB buckets, 0.06 s with 1 GB
+    (bench/results/weight_sync.md)."""
+    weight_sync_mode: Literal["auto", "tensor", "distributed", "disk"] = "auto"
+    """How new weights reach the engines: `tensor` (POST the tensors; CUDA IPC handles for SGLang,
+    so the engine must share the trainer's GPUs: colocated), `distributed` (a process group with
+    the engines: NCCL broadcast to SGLang on other GPUs, gloo to CPU engines), `disk` (an HF
+    checkpoint every engine loads). `auto`: distributed for SGLang engines on GPUs of their own,
+    else tensor."""
     max_tokens_per_gpu: int | None = Field(None, ge=1)
     """Megatron: form micro-batches by token budget (packed sequences) instead of --micro-batch-size."""
     save_hf: str | None = None

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,6 +140,18 @@ def engines_to_launch(cfg: Config, gpus: int, trainer_gpus: int) -> tuple[int, i
     return r.num_engines or 1, 0
 
 
+def trainer_ranks(cfg: Config) -> int:
+    """Trainer ranks (one Ray actor each): --actor-num-nodes x --actor-num-gpus-per-node for the
+    Megatron trainer (on the CPU too: gloo ranks, as the tests run it); the plain-PyTorch
+    trainer has one."""
+    ranks = cfg.run.actor_num_nodes * cfg.run.actor_num_gpus_per_node
+    if ranks > 1 and cfg.train.trainer != "megatron":
+        raise ConfigError(f"--actor-num-nodes {cfg.run.actor_num_nodes} x --actor-num-gpus-per-node "
+                          f"{cfg.run.actor_num_gpus_per_node} asks for {ranks} trainer ranks, but the plain-PyTorch "
+                          "trainer runs on one device: use --trainer megatron, or leave both at 1")
+    return ranks if cfg.train.trainer == "megatron" else 1
+
+
 def reserve_placement(cfg: Config, device: str, *, trainer: bool, engines: bool,
                       timeout_s: float = 300.0) -> Placement:
     """The run's placement group, reserved (and each GPU slot's physical id probed)."""
@@ -145,7 +159,7 @@ def reserve_placement(cfg: Config, device: str, *, trainer: bool, engines: bool,
     from ray.util.placement_group import placement_group
 
     gpus = int(ray.available_resources().get("GPU", 0))
-    ranks = (cfg.run.actor_num_nodes * cfg.run.actor_num_gpus_per_node if device == "cuda" else 1) if trainer else 0
+    ranks = trainer_ranks(cfg) if trainer else 0
     n, per = engines_to_launch(cfg, gpus, ranks if device == "cuda" else 0) if engines else (0, 0)
     if n and device == "cuda" and cfg.rollout.rollout_engine == "embedded":
         per = 1  # an embedded engine on the GPU: one each
@@ -270,20 +284,25 @@ def actor_launcher(placement: Placement):
 
 
 class TrainerWorker:
-    """The trainer inside a Ray actor. Weight sync runs here too, so the weights go from
-    the trainer's memory straight to the engines, never through the driver."""
+    """The trainer inside a Ray actor (one per rank). Weight sync runs here too, so the weights
+    go from the trainer's memory straight to the engines, never through the driver.
+    `dist_env`: torch.distributed's variables for this rank (RemoteTrainer), set before the
+    trainer is built."""
 
-    def __init__(self, cfg: Config, model_path: str, device: str):
+    def __init__(self, cfg: Config, model_path: str, device: str, dist_env: dict[str, str] | None = None):
         import torch
 
         from agentrl.train import build_trainer, seed_everything
 
+        os.environ.update(dist_env or {})
         seed_everything(cfg.run.seed)
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("the trainer actor got no usable GPU")
         self.cfg = cfg
         self.trainer = build_trainer(cfg, Path(model_path), device)
         self.offloaded = False
+        self.groups: dict[str, Any] = {}  # engine url -> WeightUpdateGroup (--weight-sync-mode distributed)
+        self.group_count = 0
 
     def train_rollout(self, samples) -> dict[str, float]:
         return self.trainer.train_rollout(samples)
@@ -297,30 +316,41 @@ class TrainerWorker:
     def version(self) -> int:
         return self.trainer.version
 
-    async def sync_weights(self, urls: list[str], version: int) -> dict[str, Any]:
-        """Bucketed weights to every engine; an engine that fails is named in "failed_engines"
-        (the others still got the update) instead of failing the run."""
+    def lead(self, others: list) -> None:
+        """Rank 0 of several: the weight sync's exports run on every rank (LeadingRank)."""
+        self.trainer = LeadingRank(self.trainer, others)
+
+    def export(self, what: str, *args) -> None:
+        """A rank other than 0: its part in one of rank 0's exports (the same TP/PP collectives);
+        rank 0 alone sends the result to the engines."""
+        if what == "save_hf":
+            self.trainer.save_hf(*args)
+        else:
+            for _ in self.trainer.named_tensors():
+                pass
+
+    async def sync_weights(self, urls: list[str], version: int, fresh: bool = False) -> dict[str, Any]:
+        """Bucketed weights to every engine (--weight-sync-mode); an engine that fails is named in
+        "failed_engines" (the others still got the update) instead of failing the run. `fresh`:
+        the engines were just (re)started, so a process group held with them is gone."""
         import aiohttp
 
         from agentrl.errors import EngineError
         from agentrl.rollout.client import EngineClient
-        from agentrl.weight_sync import sync_weights_from_tensor
 
         unreachable = (EngineError, OSError, aiohttp.ClientError, asyncio.TimeoutError)  # e.g. killed meanwhile
-
-        bucket = int(self.cfg.train.weight_sync_bucket_mb * 2**20)
+        if fresh:
+            for url in urls:
+                await self._drop_group(url)
         clients = [EngineClient(u, request_timeout_s=self.cfg.rollout.request_timeout_s) for u in urls]
         try:
             try:
-                out = await sync_weights_from_tensor(clients, self.trainer.named_tensors(), version=version,
-                                                     bucket_bytes=bucket)
-                return {**out, "failed_engines": []}
+                return {**await self._sync(clients, version), "failed_engines": []}
             except unreachable:
                 failed, out = [], {}
                 for c in clients:  # find the failing ones; the rest get the weights
                     try:
-                        out = await sync_weights_from_tensor([c], self.trainer.named_tensors(), version=version,
-                                                             bucket_bytes=bucket)
+                        out = await self._sync([c], version)
                     except unreachable:
                         failed.append(c.base_url)
                 if len(failed) == len(clients):
@@ -328,6 +358,65 @@ class TrainerWorker:
                 return {**out, "failed_engines": failed}
         finally:
             await asyncio.gather(*[c.close() for c in clients])
+
+    def weight_sync_mode(self) -> str:
+        mode = self.cfg.train.weight_sync_mode
+        if mode == "auto":  # CUDA IPC needs the engine on the trainer's GPU; else a process group
+            apart = self.cfg.rollout.rollout_engine == "sglang" and not self.cfg.run.colocate
+            mode = "distributed" if apart and str(self.trainer.device).startswith("cuda") else "tensor"
+        return mode
+
+    async def _sync(self, clients, version: int) -> dict[str, float]:
+        from agentrl.weight_sync import sync_weights_from_disk, sync_weights_from_tensor
+
+        bucket = int(self.cfg.train.weight_sync_bucket_mb * 2**20)
+        mode = self.weight_sync_mode()
+        if mode == "disk":
+            folder = Path(self.cfg.run.output_dir or tempfile.gettempdir()) / "weight_sync"
+            t0 = time.perf_counter()
+            await asyncio.to_thread(self.trainer.save_hf, folder)
+            saved = time.perf_counter() - t0
+            out = await sync_weights_from_disk(clients, str(folder), version=version)
+            return {**out, "weight_sync_save_s": saved}
+        if mode == "distributed":
+            out = {}
+            for c in clients:  # a group per engine: a dead engine breaks only its own
+                group = await self._group(c.base_url)
+                try:
+                    out = await group.sync(self.trainer.named_tensors(), version=version, bucket_bytes=bucket)
+                except BaseException:
+                    await self._drop_group(c.base_url)
+                    raise
+            return out
+        return await sync_weights_from_tensor(clients, self.trainer.named_tensors(), version=version,
+                                              bucket_bytes=bucket)
+
+    async def _group(self, url: str):
+        """The process group with one engine, made at its first distributed sync."""
+        from agentrl.rollout.client import EngineClient
+        from agentrl.weight_sync import WeightUpdateGroup
+
+        if url not in self.groups:
+            client = EngineClient(url, request_timeout_s=self.cfg.rollout.request_timeout_s)
+            self.group_count += 1
+            group = WeightUpdateGroup([client], group_name=f"agentrl-weights-{self.group_count}",
+                                      timeout_s=self.cfg.rollout.request_timeout_s)
+            try:
+                await group.init(str(self.trainer.device))
+            except BaseException:
+                await client.close()
+                raise
+            self.groups[url] = group
+        return self.groups[url]
+
+    async def _drop_group(self, url: str) -> None:
+        from agentrl.engines.distributed import destroy
+
+        group = self.groups.pop(url, None)
+        if group is not None:  # the engine side is gone or will be replaced: only ours to undo
+            if group.group is not None:
+                destroy(group.group)
+            await asyncio.gather(*[c.close() for c in group.clients])
 
     def offload(self) -> None:
         """--colocate: give the GPU to the engines during rollout (model and optimizer to host memory)."""
@@ -350,41 +439,124 @@ class TrainerWorker:
             torch.cuda.empty_cache()
 
 
+class LeadingRank:
+    """Rank 0 of several, as TrainerWorker's weight sync sees its trainer. Rank 0 alone talks to
+    the engines, but an export (`named_tensors`, `save_hf`) is collective: TP all-gathers and
+    PP broadcasts (trainers/megatron/weights.py) after which every rank holds the full HF
+    tensors. So each export first has every other rank run the same one
+    (`TrainerWorker.export`), and ends by waiting for them. The rest is the trainer's."""
+
+    def __init__(self, trainer, others: list):
+        self.inner, self.others = trainer, others
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def named_tensors(self):
+        import ray
+
+        refs = [a.export.remote("named_tensors") for a in self.others]
+        stream = self.inner.named_tensors()
+        try:
+            for item in stream:
+                yield item
+        finally:  # left midway (an engine failed): finish the collectives the other ranks are in
+            for _ in stream:
+                pass
+            ray.get(refs, timeout=TIMEOUT_S)
+
+    def save_hf(self, folder, *args, **kwargs):
+        import ray
+
+        refs = [a.export.remote("save_hf", str(folder)) for a in self.others]
+        try:
+            return self.inner.save_hf(folder, *args, **kwargs)
+        finally:
+            ray.get(refs, timeout=TIMEOUT_S)
+
+
+def _rendezvous_address() -> tuple[str, int]:
+    """Run in rank 0's bundle: its node's IP and a port free there (MASTER_ADDR, MASTER_PORT)."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+RANK_TIMEOUT_S = 3600.0  # save / load of a rank (a rank stuck in a collective fails sooner: Megatron's
+# --distributed-timeout-minutes, 30 by default, bounds every collective, train steps' included)
+
+
 class RemoteTrainer:
-    """The driver's handle on the trainer actor: the methods the loop calls, awaitable."""
+    """The driver's handle on the trainer: one TrainerWorker actor per rank (`trainer_ranks`),
+    each in its bundle, with the methods the loop calls. Several ranks form one
+    torch.distributed group, as torchrun would start them: MASTER_ADDR and MASTER_PORT are rank
+    0's node and a port free there, RANK, WORLD_SIZE, and LOCAL_RANK (on a GPU 0: Ray shows each
+    rank its bundle's GPU alone, as CUDA_VISIBLE_DEVICES); nccl on GPUs, gloo on the CPU. Every
+    call goes to every rank: the same whole rollout (the Megatron trainer splits it over its
+    data-parallel ranks itself), save and load (a distributed checkpoint), offload and onload.
+    Metrics and loaded state come from rank 0, which alone posts the weights to the engines
+    while the other ranks take part in each export (LeadingRank)."""
 
     def __init__(self, cfg: Config, model_path: Path, device: str, placement: Placement):
         import ray
 
-        gpus = cfg.run.actor_num_nodes * cfg.run.actor_num_gpus_per_node if device == "cuda" else 0
-        if gpus > 1:
-            raise ConfigError("the plain-PyTorch trainer runs on one GPU; multi-GPU training needs --trainer megatron")
-        bundle = placement.trainer_bundles[0]
-        # Sharing its GPU with an engine (--colocate), the trainer asks for a fraction of it.
-        share = (0.4 if placement.shares(bundle) else 1.0) if gpus else 0
-        actor_cls = ray.remote(num_cpus=0, num_gpus=share)(TrainerWorker)
-        self.actor = actor_cls.options(scheduling_strategy=placement.strategy(bundle)).remote(cfg, str(model_path),
-                                                                                             device)
+        world = trainer_ranks(cfg)
+        address = None
+        if world > 1:
+            probe = ray.remote(num_cpus=0)(_rendezvous_address)
+            address = ray.get(probe.options(scheduling_strategy=placement.strategy(placement.trainer_bundles[0])).remote(),
+                              timeout=TIMEOUT_S)
+        self.actors = []
+        for rank in range(world):
+            bundle, gpus = placement.trainer_bundles[rank], placement.trainer_gpus[rank]
+            env = None
+            if address is not None:
+                env = {"MASTER_ADDR": address[0], "MASTER_PORT": str(address[1]), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": "0" if gpus else str(rank)}
+            # Sharing its GPU with an engine (--colocate), a rank asks for a fraction of it.
+            share = (0.4 if placement.shares(bundle) else 1.0) if gpus else 0
+            actor_cls = ray.remote(num_cpus=0, num_gpus=share)(TrainerWorker)
+            self.actors.append(actor_cls.options(scheduling_strategy=placement.strategy(bundle)).remote(
+                cfg, str(model_path), device, env))
+        self.actor = self.actors[0]  # rank 0: metrics, loaded state, weight sync
+        if world > 1:
+            self.actor.lead.remote(self.actors[1:])
         self.cfg = cfg
 
-    async def train_rollout(self, samples) -> dict[str, float]:
-        return await self.actor.train_rollout.remote(samples)
+    def _all(self, method: str, *args) -> list:
+        """Every rank's reply; the first failure raises at once (the others may wait for it in a collective)."""
+        import ray
 
-    async def sync_weights(self, urls: list[str], version: int) -> dict[str, float]:
-        return await self.actor.sync_weights.remote(urls, version)
+        pending = refs = [getattr(a, method).remote(*args) for a in self.actors]
+        deadline = time.monotonic() + RANK_TIMEOUT_S
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise TimeoutError(f"trainer ranks: {method} took over {RANK_TIMEOUT_S:.0f} s")
+            ray.get(done)
+        return ray.get(refs)
+
+    async def train_rollout(self, samples) -> dict[str, float]:
+        import ray
+
+        shared = ray.put(samples)  # every rank trains on the whole rollout
+        return (await asyncio.gather(*[a.train_rollout.remote(shared) for a in self.actors]))[0]
+
+    async def sync_weights(self, urls: list[str], version: int, fresh: bool = False) -> dict[str, float]:
+        return await self.actor.sync_weights.remote(urls, version, fresh)
 
     def save(self, folder: Path, state: dict) -> None:
-        import ray
-
-        ray.get(self.actor.save.remote(str(folder), state))
+        self._all("save", str(folder), state)
 
     def load(self, folder: Path) -> dict[str, Any]:
-        import ray
-
-        return ray.get(self.actor.load.remote(str(folder)))
+        return self._all("load", str(folder))[0]
 
     async def offload(self) -> None:
-        await self.actor.offload.remote()
+        await asyncio.gather(*[a.offload.remote() for a in self.actors])
 
     async def onload(self) -> None:
-        await self.actor.onload.remote()
+        await asyncio.gather(*[a.onload.remote() for a in self.actors])

@@ -48,6 +48,8 @@ log = logging.getLogger("agentrl.train")
 def train(cfg: Config) -> Path:
     out = Path(cfg.run.output_dir or f"runs/{cfg.run.env}-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
+    # the trainer actor writes there too (--weight-sync-mode disk)
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output_dir": str(out)})})
     cfg.dump(out / "config.yaml")
     progress = Progress(enabled=cfg.run.progress)
     seed_everything(cfg.run.seed)
@@ -244,7 +246,7 @@ def catch_up_fn(cfg: Config, trainer, state: "RunState", weights_lock: asyncio.L
 
     async def push(url: str) -> None:
         async with weights_lock:
-            out = await trainer.sync_weights([url], state.policy_version)
+            out = await trainer.sync_weights([url], state.policy_version, fresh=True)
             if out.get("failed_engines"):
                 raise EngineError(f"{url}: catch-up weight push failed")
             async with EngineClient(url, request_timeout_s=cfg.rollout.request_timeout_s) as c:

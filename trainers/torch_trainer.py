@@ -204,6 +204,12 @@ class TorchTrainer:
         for name, param in self.model.named_parameters():
             yield name, param.detach()
 
+    def save_hf(self, folder: str | Path) -> Path:
+        """An HF checkpoint the engines can load (the disk weight-sync path)."""
+        self.model.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+        return Path(folder)
+
     def save(self, folder: Path, extra_state: dict) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(folder / "model")
