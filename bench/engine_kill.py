@@ -25,47 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, N = 4, 4
 
-ENV = '''
-from agentrl.env import Env
-from agentrl.registry import register_env
-
-
-@register_env("count-long")
-class CountLong(Env):
-    max_turns = 4
-
-    @classmethod
-    def dataset(cls, seed: int = 0, **_):
-        i = 0
-        while True:
-            i += 1
-            yield {"prompt": f"Task {i}: count with me, one word per turn, until I say stop. one two three", "label": "x"}
-
-    def reset(self, *, seed=None, options=None):
-        self.t = 0
-        return (options or {})["prompt"], {}
-
-    def step(self, action):
-        self.t += 1
-        return [{"role": "user", "content": f"ok, turn {self.t} done, go on"}], 0.1 * self.t, self.t >= 4, False, {}
-'''
-
-
-def engine_pids(model_dir: Path) -> dict[int, str]:
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "agentrl.engines.embedded" in argv and str(model_dir) in argv:
-            out[int(pid)] = argv[argv.index("--port") + 1]
-    return out
-
-
-def events(out: Path) -> list[dict]:
-    path = out / "logs" / "engine_events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+# The env and the process probes are the engine-kill test's own (one definition of the scenario).
+sys.path.insert(0, str(ROOT / "tests" / "engines"))
+from test_engine_kill import ENV, engine_pids, events  # noqa: E402
 
 
 def run(work: Path, model: Path, *, iterations: int, kills: int) -> dict:
