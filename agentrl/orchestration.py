@@ -187,10 +187,20 @@ class EngineServer:
     """A Ray actor that owns one engine server process (agentrl.engines.launch.ServerProcess)
     on its bundle's node: it starts it, reports on it, restarts and stops it."""
 
-    def __init__(self, argv: list[str], *, url: str, name: str, env: dict | None, log_dir: str):
-        from agentrl.engines.launch import ServerProcess
+    def __init__(self, argv: list[str], *, url: str, name: str, env: dict | None, log_dir: str, driver_ip: str):
+        from agentrl.engines.launch import ServerProcess, free_port, rehost
 
+        # The driver chose a loopback URL; on another node the server binds this node's address
+        # (the router and the trainer reach it there) on a port free here, also after restarts.
+        here = node_ip()
+        self.moved_to = (here, free_port(20000, 55000)) if here != driver_ip else None
+        if self.moved_to:
+            argv, url = rehost(argv, *self.moved_to)
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.server = ServerProcess(argv, url=url, name=name, env={**os.environ, **(env or {})}, log_dir=Path(log_dir))
+
+    def url(self) -> str:
+        return self.server.url
 
     def wait_healthy(self, timeout_s: float) -> None:
         self.server.wait_healthy(timeout_s)
@@ -199,6 +209,10 @@ class EngineServer:
         return self.server.alive()
 
     def restart(self, argv: list[str] | None) -> int:
+        from agentrl.engines.launch import rehost
+
+        if argv and self.moved_to:
+            argv, _ = rehost(argv, *self.moved_to)
         self.server.restart(argv)
         return self.server.restarts
 
@@ -215,6 +229,13 @@ class EngineServer:
         self.server.stop()
 
 
+def node_ip() -> str:
+    """The address of this process's node (the driver's, or an actor's)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 class ActorServer:
     """The driver's handle on an EngineServer actor, with ServerProcess's methods (what
     start_engines and the engine monitor call), each call bounded by a timeout."""
@@ -229,8 +250,9 @@ class ActorServer:
             env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ",".join(str(placement.slot_gpu_ids[g]) for g in gpus)}
         actor_cls = ray.remote(num_cpus=0, num_gpus=0)(EngineServer)
         self.actor = actor_cls.options(scheduling_strategy=placement.strategy(placement.engine_bundles[index]),
-                                       name=None).remote(self.argv, url=url, name=name, env=env, log_dir=str(log_dir))
-        self.alive()  # the actor (and so its server) started
+                                       name=None).remote(self.argv, url=url, name=name, env=env, log_dir=str(log_dir),
+                                                         driver_ip=node_ip())
+        self.url = self._call("url")  # the actor's: another node's address when it runs there
 
     def _call(self, method: str, *args, timeout: float = TIMEOUT_S):
         import ray
@@ -393,13 +415,18 @@ class TrainerWorker:
 
     async def _group(self, url: str):
         """The process group with one engine, made at its first distributed sync."""
+        from urllib.parse import urlparse
+
         from agentrl.rollout.client import EngineClient
         from agentrl.weight_sync import WeightUpdateGroup
 
         if url not in self.groups:
             client = EngineClient(url, request_timeout_s=self.cfg.rollout.request_timeout_s)
             self.group_count += 1
+            # an engine on another node connects back to this node's address
+            local = urlparse(url).hostname in ("127.0.0.1", "localhost")
             group = WeightUpdateGroup([client], group_name=f"agentrl-weights-{self.group_count}",
+                                      master_address="127.0.0.1" if local else node_ip(),
                                       timeout_s=self.cfg.rollout.request_timeout_s)
             try:
                 await group.init(str(self.trainer.device))

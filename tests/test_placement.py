@@ -57,7 +57,7 @@ def test_cpu_actors_get_a_sliver_of_a_cpu_each():
     assert p.trainer_bundles == [0] and p.engine_bundles == [1, 2] and p.engine_gpus == [[], []]
 
 
-def test_reserved_on_ray_with_fake_gpus_and_engines_owned_by_actors(tmp_path, tiny_model):
+def test_reserved_on_ray_with_fake_gpus_and_engines_owned_by_actors(tmp_path, tiny_model, monkeypatch):
     ray = pytest.importorskip("ray")
     from agentrl.config import RolloutConfig
     from agentrl.engines.group import start_engines
@@ -78,7 +78,10 @@ def test_reserved_on_ray_with_fake_gpus_and_engines_owned_by_actors(tmp_path, ti
             assert trainer_gpu not in plan.rollout_gpu_ids() and len(plan.rollout_gpu_ids()) == 2
         finally:
             plan.release()
-        # the CPU default: one trainer and two embedded engines, each engine server under an actor
+        # the CPU default: one trainer and two embedded engines, each engine server under an actor;
+        # the driver seen as another node, so the actors bind their node's address on ports of their own
+        from agentrl import orchestration
+        monkeypatch.setattr(orchestration, "node_ip", lambda: "10.255.255.1")
         cfg, _ = parse_config(["--num-engines", "2", "--engine-num-threads", "1", "--use-router", "never"])
         plan = reserve_placement(cfg, "cpu", trainer=True, engines=True, timeout_s=60)
         group = None
@@ -93,14 +96,30 @@ def test_reserved_on_ray_with_fake_gpus_and_engines_owned_by_actors(tmp_path, ti
                 pid = e.server.pid()
                 parent = open(f"/proc/{pid}/stat").read().split(") ")[1].split()[1]
                 assert "EngineServer" in open(f"/proc/{parent}/cmdline").read()  # owned by the actor
+                argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+                node = ray.util.get_node_ip_address()
+                assert e.url == f"http://{node}:{argv[argv.index('--port') + 1]}"  # the actor's address and port
+                assert argv[argv.index("--host") + 1] == node and argv[argv.index("--engine-id") + 1] == e.url
             group.engines[0].server.kill()
             assert not group.engines[0].server.alive()
             group.engines[0].server.restart()  # the monitor's restart path: through the actor
             group.engines[0].server.wait_healthy(120)
             assert group.engines[0].server.restarts == 1
+            with urllib.request.urlopen(group.engines[0].url + "/health", timeout=10) as r:  # same place
+                assert r.status == 200
         finally:
             if group is not None:
                 group.stop()
             plan.release()
     finally:
         ray.shutdown()
+
+
+def test_trainer_ranks_megatron_only():
+    from agentrl.orchestration import trainer_ranks
+
+    cfg, _ = parse_config(["--trainer", "megatron", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4"])
+    assert trainer_ranks(cfg) == 8
+    assert trainer_ranks(parse_config([])[0]) == 1
+    with pytest.raises(ConfigError, match="plain-PyTorch trainer runs on one device: use --trainer megatron"):
+        trainer_ranks(parse_config(["--actor-num-gpus-per-node", "2"])[0])

@@ -205,7 +205,8 @@ def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: P
             s.stop()
         raise
     ordered = [servers[p.index] for p in plans]
-    return [Engine(url=p.url, kind="sglang", server=servers[p.index], gpus=p.gpus, restart_argv=p.restart_argv)
+    return [Engine(url=servers[p.index].url, kind="sglang", server=servers[p.index], gpus=p.gpus,
+                   restart_argv=p.restart_argv)
             for p in plans], ordered
 
 

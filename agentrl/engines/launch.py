@@ -136,6 +136,18 @@ class ServerProcess:
         self.proc.wait(timeout=10)
 
 
+def rehost(argv: list[str], host: str, port: int) -> tuple[list[str], str]:
+    """(command line, URL) of an engine server moved to host:port: an engine on another node
+    of the cluster binds that node's address, on a port free there."""
+    out, url = list(argv), f"http://{host}:{port}"
+    for flag, value in (("--host", host), ("--port", str(port)), ("--engine-id", url)):
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        elif flag != "--engine-id":
+            out += [flag, value]
+    return out, url
+
+
 def embedded_argv(model_path: str, *, port: int | None = None, device: str = "cpu", seed: int = 0,
                   num_threads: int = 0, dtype: str = "float32", prefix_cache_tokens: int | None = None):
     """(command line, URL) of an embedded engine server."""
