@@ -506,11 +506,9 @@ def _rendezvous_address() -> tuple[str, int]:
     """Run in rank 0's bundle: its node's IP and a port free there (MASTER_ADDR, MASTER_PORT)."""
     import socket
 
-    import ray
-
     with socket.socket() as s:
         s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return node_ip(), s.getsockname()[1]
 
 
 RANK_TIMEOUT_S = 3600.0  # save / load of a rank (a rank stuck in a collective fails sooner: Megatron's
@@ -535,8 +533,8 @@ class RemoteTrainer:
         address = None
         if world > 1:
             probe = ray.remote(num_cpus=0)(_rendezvous_address)
-            address = ray.get(probe.options(scheduling_strategy=placement.strategy(placement.trainer_bundles[0])).remote(),
-                              timeout=TIMEOUT_S)
+            rank0 = placement.strategy(placement.trainer_bundles[0])
+            address = ray.get(probe.options(scheduling_strategy=rank0).remote(), timeout=TIMEOUT_S)
         self.actors = []
         for rank in range(world):
             bundle, gpus = placement.trainer_bundles[rank], placement.trainer_gpus[rank]
