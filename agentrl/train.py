@@ -230,10 +230,14 @@ async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGr
             control.policy_version = version
         finally:
             await _each(clients, "/continue_generation", {})
-        for url in out.pop("failed_engines", []):
+        failed = out.pop("failed_engines", [])
+        restarting = engines.monitor is not None and engines.monitor.restart
+        if failed and len(failed) == len(clients) and not restarting:
+            raise EngineError(f"every engine missed the weight update to version {version} ({', '.join(failed)}) "
+                              "and none is restarted (--no-engine-restart?): resume with --load")
+        for url in failed:  # restarted, an engine gets the current weights before it serves again
             engines.quarantine(url)
-            out["weight_sync_failed"] = out.get("weight_sync_failed", 0) + 1
-        return out
+        return out | ({"weight_sync_failed": len(failed)} if failed else {})
     finally:
         control.resume()
         await asyncio.gather(*[c.close() for c in clients])
