@@ -536,10 +536,13 @@ class RemoteTrainer:
         self.actors = []
         for rank in range(world):
             bundle, gpus = placement.trainer_bundles[rank], placement.trainer_gpus[rank]
-            env = None
+            env = {}
+            if gpus:  # SGLang runs NCCL with cuMem off; a trainer with it on fails the first broadcast
+                # of a weight sync (bench/results/weight_sync.md). NCCL reads it at its first communicator.
+                env["NCCL_CUMEM_ENABLE"] = os.environ.get("NCCL_CUMEM_ENABLE", "0")
             if address is not None:
-                env = {"MASTER_ADDR": address[0], "MASTER_PORT": str(address[1]), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": "0" if gpus else str(rank)}
+                env |= {"MASTER_ADDR": address[0], "MASTER_PORT": str(address[1]), "RANK": str(rank),
+                        "WORLD_SIZE": str(world), "LOCAL_RANK": "0" if gpus else str(rank)}
             # Sharing its GPU with an engine (--colocate), a rank asks for a fraction of it.
             share = (0.4 if placement.shares(bundle) else 1.0) if gpus else 0
             actor_cls = ray.remote(num_cpus=0, num_gpus=share)(TrainerWorker)
