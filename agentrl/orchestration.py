@@ -322,7 +322,7 @@ class TrainerWorker:
             raise ConfigError("the trainer actor got no usable GPU")
         self.cfg = cfg
         self.trainer = build_trainer(cfg, Path(model_path), device)
-        self.offloaded = False
+        self.offloaded = None  # the host copy while --colocate lends the GPU to the engines
         self.groups: dict[str, Any] = {}  # engine url -> WeightUpdateGroup (--weight-sync-mode distributed)
         self.group_count = 0
 
@@ -444,25 +444,17 @@ class TrainerWorker:
             await asyncio.gather(*[c.close() for c in group.clients])
 
     def offload(self) -> None:
-        """--colocate: give the GPU to the engines during rollout (model and optimizer to host memory)."""
-        self._move("cpu")
+        """--colocate: give the GPU to the engines during rollout (weights, grads and grad buffers,
+        optimizer state and master weights, reference and critic to host memory)."""
+        from agentrl.trainers.offload import offload_trainer
+
+        if self.trainer.device != "cpu" and self.offloaded is None:
+            self.offloaded = offload_trainer(self.trainer)
 
     def onload(self) -> None:
-        self._move(self.trainer.device)
-
-    def _move(self, device: str) -> None:
-        import torch
-
-        if self.trainer.device == "cpu":
-            return
-        self.trainer.model.to(device)
-        for state in self.trainer.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor):
-                    state[k] = v.to(device)
-        if device == "cpu":
-            torch.cuda.empty_cache()
-
+        if self.offloaded is not None:
+            self.offloaded.restore()
+            self.offloaded = None
 
 class LeadingRank:
     """Rank 0 of several, as TrainerWorker's weight sync sees its trainer. Rank 0 alone talks to

@@ -1,0 +1,82 @@
+"""Give a trainer's device memory back while the engines generate (--colocate), and take it
+again before training, for both trainers.
+
+Everything a trainer holds on the device goes: weights, gradients (Megatron's contiguous
+grad buffers, which `param.main_grad` views), the optimizer's state and its fp32 master
+weights, the reference model and the critic. It works on storages, not tensors: each storage
+is copied to host memory and resized to zero, then resized back and refilled. Every tensor
+object and every view of it (a parameter, a grad-buffer view, an optimizer's reference)
+stays valid, which `module.to("cpu")` would not guarantee: it swaps `param.data` and leaves
+Megatron's buffers and the optimizer's master weights behind.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+# What a trainer (TorchTrainer, MegatronTrainer) holds on the device, by attribute.
+TRAINER_PARTS = ("model", "ddp", "ref_model", "critic", "critic_ddp", "optimizer", "critic_optimizer")
+
+
+def held_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from modules, optimizers (torch's or Megatron's wrappers) and lists."""
+    if obj is None:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, torch.nn.Module):
+        for _, p in obj.named_parameters():
+            yield p
+            yield from (g for g in (p.grad, getattr(p, "main_grad", None)) if g is not None)
+        for _, b in obj.named_buffers():
+            yield b
+    elif isinstance(obj, torch.optim.Optimizer):
+        for group in obj.param_groups:
+            for p in group["params"]:
+                yield p
+                if p.grad is not None:
+                    yield p.grad
+        for state in obj.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from held_tensors(item)
+    else:  # Megatron's optimizer wrappers: the torch optimizer inside, or a chain of them
+        yield from held_tensors(getattr(obj, "chained_optimizers", None))
+        yield from held_tensors(getattr(obj, "optimizer", None))
+
+
+class Offloaded:
+    """The storages of `tensors` (each once), moved to host memory; `restore()` brings them back."""
+
+    def __init__(self, tensors):
+        self.saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        seen = set()
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            if not storage.resizable():  # CUDA allocations always are; a CPU tensor may map a file
+                raise RuntimeError(f"cannot offload a tensor of shape {tuple(t.shape)}: its storage is not "
+                                   "resizable (memory-mapped weights?)")
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+            host.untyped_storage().copy_(storage)
+            self.saved.append((storage, host))
+            storage.resize_(0)
+        self.bytes = sum(h.numel() for _, h in self.saved)
+
+    def restore(self) -> None:
+        for storage, host in self.saved:
+            storage.resize_(host.numel())
+            storage.copy_(host.untyped_storage())
+        self.saved.clear()
+
+
+def offload_trainer(trainer) -> Offloaded:
+    out = Offloaded(held_tensors([getattr(trainer, name, None) for name in TRAINER_PARTS]))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
