@@ -356,3 +356,27 @@ def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor
         stats["entropy"] = ent.detach()
     stats["loss"] = loss.detach()
     return loss, stats
+
+
+def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str, float]:
+    """One RL iteration, the same for every trainer: logprobs (policy and reference) and values
+    over the whole rollout, advantages, then one optimizer step per global batch (the critic's
+    too, for ppo). The trainer supplies compute_logprobs / compute_values / policy_step /
+    critic_step and its ref_model and critic (None when unused). Metrics are batch means plus
+    the mean |trainer - rollout| logprob over trained tokens (0 when exactly on-policy)."""
+    old = trainer.compute_logprobs(samples)
+    ref = trainer.compute_logprobs(samples, trainer.ref_model) if trainer.ref_model is not None else None
+    values = trainer.compute_values(samples) if trainer.critic is not None else None
+    adv = compute_advantages(samples, algo, old_logprobs=old, ref_logprobs=ref, values=values)
+    metrics: dict[str, list[float]] = {}
+    for start in range(0, len(samples), global_batch_size):
+        idx = list(range(start, min(start + global_batch_size, len(samples))))
+        step = trainer.policy_step(idx, samples, adv.advantages, old, ref)
+        if trainer.critic is not None:
+            step |= trainer.critic_step(idx, samples, values, adv.returns)
+        for k, v in step.items():
+            metrics.setdefault(k, []).append(v)
+    mismatch = [abs(a - b) for s, o in zip(samples, old) for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask) if m]
+    out = {k: sum(v) / len(v) for k, v in metrics.items()}
+    out["train_rollout_logprob_abs_diff"] = sum(mismatch) / len(mismatch) if mismatch else 0.0
+    return out

@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from agentrl.algorithms import (check_algo, compute_advantages, entropy_from_logits, needs_reference,
+from agentrl.algorithms import (check_algo, train_iteration, entropy_from_logits, needs_reference,
                                 policy_objective, sft_loss, value_loss)
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.models import load_model, load_tokenizer
@@ -113,26 +113,9 @@ class TorchTrainer:
     # -- one iteration of training -----------------------------------------------------------
     def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
         """Advantages, then the rollout split into global batches (one optimizer step each)."""
-        old = self.compute_logprobs(samples)
-        ref = self.compute_logprobs(samples, self.ref_model) if self.ref_model is not None else None
-        values = self.compute_values(samples) if self.critic is not None else None
-        adv = compute_advantages(samples, self.algo, old_logprobs=old, ref_logprobs=ref, values=values)
-        gbs = self.train_cfg.global_batch_size
-        metrics: dict[str, list[float]] = {}
-        for start in range(0, len(samples), gbs):
-            idx = list(range(start, min(start + gbs, len(samples))))
-            step = self._optimizer_step(idx, samples, adv.advantages, old, ref)
-            if self.critic is not None:
-                step |= self._critic_step(idx, samples, values, adv.returns)
-            for k, v in step.items():
-                metrics.setdefault(k, []).append(v)
-        mismatch = [abs(a - b) for s, o in zip(samples, old)
-                    for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask) if m]
-        out = {k: float(np.mean(v)) for k, v in metrics.items()}
-        out["train_rollout_logprob_abs_diff"] = float(np.mean(mismatch)) if mismatch else 0.0
-        return out
+        return train_iteration(self, samples, self.algo, self.train_cfg.global_batch_size)
 
-    def _optimizer_step(self, idx, samples, advantages, old, ref) -> dict[str, float]:
+    def policy_step(self, idx, samples, advantages, old, ref) -> dict[str, float]:
         def make_loss(chunk, logp, mask, entropy, denom):
             return policy_objective(
                 self.algo, logprobs=logp, mask=mask, denom=denom,
@@ -175,7 +158,7 @@ class TorchTrainer:
         self.version += 1
         return stats
 
-    def _critic_step(self, idx, samples, old_values, returns) -> dict[str, float]:
+    def critic_step(self, idx, samples, old_values, returns) -> dict[str, float]:
         self.critic.train()
         self.critic_optimizer.zero_grad(set_to_none=True)
         trained = [i for i in idx if samples[i].trainable]

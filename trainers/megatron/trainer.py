@@ -27,7 +27,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from agentrl.algorithms import check_algo, compute_advantages, needs_reference, policy_objective, sft_loss, value_loss
+from agentrl.algorithms import check_algo, needs_reference, policy_objective, sft_loss, train_iteration, value_loss
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.errors import ConfigError
 from agentrl.trainers.megatron.args import parse_megatron_args
@@ -239,24 +239,7 @@ class MegatronTrainer:
     def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
         """Advantages, then one optimizer step per global batch (policy, and the critic for ppo)."""
         self._set_device()
-        old = self.compute_logprobs(samples)
-        ref = self.compute_logprobs(samples, self.ref_model) if self.ref_model is not None else None
-        values = self.compute_values(samples) if self.critic is not None else None
-        adv = compute_advantages(samples, self.algo, old_logprobs=old, ref_logprobs=ref, values=values)
-        gbs = self.train_cfg.global_batch_size
-        metrics: dict[str, list[float]] = {}
-        for start in range(0, len(samples), gbs):
-            idx = list(range(start, min(start + gbs, len(samples))))
-            step = self._policy_step(idx, samples, adv.advantages, old, ref)
-            if self.critic is not None:
-                step |= self._critic_step(idx, samples, values, adv.returns)
-            for k, v in step.items():
-                metrics.setdefault(k, []).append(v)
-        mismatch = [abs(a - b) for s, o in zip(samples, old) for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask)
-                    if m]
-        out = {k: float(np.mean(v)) for k, v in metrics.items()}
-        out["train_rollout_logprob_abs_diff"] = float(np.mean(mismatch)) if mismatch else 0.0
-        return out
+        return train_iteration(self, samples, self.algo, self.train_cfg.global_batch_size)
 
     def _step(self, model, ddp, optimizer, scheduler, samples, idx, make_loss) -> dict[str, float]:
         """One optimizer step over the trained samples of idx; make_loss(mb, output, denom) ->
@@ -300,7 +283,7 @@ class MegatronTrainer:
         stats["update_skipped"] = 0.0 if ok else 1.0
         return stats
 
-    def _policy_step(self, idx, samples, advantages, old, ref) -> dict[str, float]:
+    def policy_step(self, idx, samples, advantages, old, ref) -> dict[str, float]:
         with_entropy = self.algo.entropy_coef > 0
 
         def make_loss(mb: PackedBatch, logits, denom):
@@ -332,7 +315,7 @@ class MegatronTrainer:
         self.version += 1
         return stats
 
-    def _critic_step(self, idx, samples, old_values, returns) -> dict[str, float]:
+    def critic_step(self, idx, samples, old_values, returns) -> dict[str, float]:
         def make_loss(mb: PackedBatch, values, denom):
             v = values[0, :, 0].index_select(0, mb.logit_index).float()
             dev = v.device
