@@ -151,10 +151,11 @@ def test_a_lone_restarted_engine_gets_the_current_weights_before_it_serves(tmp_p
     out, kills, _ = run_with_kills(tmp_path, tiny_model, engines=1, iterations=5, kills=1)
     check_no_sample_lost_or_duplicated(out, iterations=5)  # tokens of iteration i carry version i
     back = [e["event"] for e in events(out) if e["event"].startswith("back in the pool")]
-    # killed during rollout k it rejoins with version k; during the weight sync after it, with k + 1
-    k = kills[0][0]
-    assert back in ([f"back in the pool (weight version {k})"], [f"back in the pool (weight version {k + 1})"]), \
-        events(out)
+    # It rejoined once, with weights no older than when it was killed (the monitor notes the version
+    # it sees at its next check: by then the loop may have moved on; the tokens' versions above are
+    # the exact check that it never served stale weights).
+    (event,) = back
+    assert int(event.split("weight version ")[1].rstrip(")")) >= kills[0][0], events(out)
 
 
 def test_every_engine_missing_a_weight_update_waits_for_restarts_or_stops_the_run():
