@@ -323,6 +323,7 @@ class TrainerWorker:
         self.cfg = cfg
         self.trainer = build_trainer(cfg, Path(model_path), device)
         self.offloaded = None  # the host copy while --colocate lends the GPU to the engines
+        self.host_buffers: list = []
         self.groups: dict[str, Any] = {}  # engine url -> WeightUpdateGroup (--weight-sync-mode distributed)
         self.group_count = 0
 
@@ -449,7 +450,8 @@ class TrainerWorker:
         from agentrl.trainers.offload import offload_trainer
 
         if self.trainer.device != "cpu" and self.offloaded is None:
-            self.offloaded = offload_trainer(self.trainer)
+            self.offloaded = offload_trainer(self.trainer, spare=self.host_buffers)
+            self.host_buffers = self.offloaded.hosts  # pinned once, reused every iteration
 
     def onload(self) -> None:
         if self.offloaded is not None:

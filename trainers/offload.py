@@ -49,10 +49,15 @@ def held_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 class Offloaded:
-    """The storages of `tensors` (each once), moved to host memory; `restore()` brings them back."""
+    """The storages of `tensors` (each once), moved to host memory; `restore()` brings them back.
+    `spare`: the host buffers of an earlier offload of the same tensors (`.hosts`), reused when
+    the sizes match: pinning fresh host memory costs far more than the copy (1.5B, H200: 26 s
+    to pin and copy Megatron's 29 GiB the first time)."""
 
-    def __init__(self, tensors):
+    def __init__(self, tensors, spare: list[torch.Tensor] | None = None):
         self.saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        self.hosts: list[torch.Tensor] = []
+        spare = list(spare or [])
         seen = set()
         for t in tensors:
             storage = t.untyped_storage()
@@ -62,11 +67,16 @@ class Offloaded:
             if not storage.resizable():  # CUDA allocations always are; a CPU tensor may map a file
                 raise RuntimeError(f"cannot offload a tensor of shape {tuple(t.shape)}: its storage is not "
                                    "resizable (memory-mapped weights?)")
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+            i = len(self.hosts)
+            if i < len(spare) and spare[i].numel() == storage.nbytes():
+                host = spare[i]
+            else:
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
             host.untyped_storage().copy_(storage)
             self.saved.append((storage, host))
+            self.hosts.append(host)
             storage.resize_(0)
-        self.bytes = sum(h.numel() for _, h in self.saved)
+        self.bytes = sum(h.numel() for h in self.hosts)
 
     def restore(self) -> None:
         for storage, host in self.saved:
@@ -75,8 +85,8 @@ class Offloaded:
         self.saved.clear()
 
 
-def offload_trainer(trainer) -> Offloaded:
-    out = Offloaded(held_tensors([getattr(trainer, name, None) for name in TRAINER_PARTS]))
+def offload_trainer(trainer, spare: list[torch.Tensor] | None = None) -> Offloaded:
+    out = Offloaded(held_tensors([getattr(trainer, name, None) for name in TRAINER_PARTS]), spare)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out

@@ -41,6 +41,9 @@ def test_offload_frees_everything_and_training_goes_on_exactly(tiny_model, make)
     assert stash.bytes > 2 * sum(p.numel() * p.element_size() for p in a.model.parameters())  # + grads, Adam
     assert all(t.untyped_storage().nbytes() == 0 for t in held)
     stash.restore()
+    again = offload_trainer(a, spare=stash.hosts)  # the next iteration reuses the host buffers
+    assert len(again.hosts) == len(stash.hosts) and all(x is y for x, y in zip(again.hosts, stash.hosts))
+    again.restore()
     m_a, m_b = a.train_rollout(samples), b.train_rollout(samples)
     assert m_a["loss"] == m_b["loss"] and m_a["grad_norm"] == m_b["grad_norm"] and m_a["kl_loss"] > 0
     for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
