@@ -40,9 +40,8 @@ def iter_jsonl(path: str | Path, error: type[Exception] = DatasetError) -> Itera
             yield lineno, row
 
 
-def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
-              metadata_key: str = "metadata") -> list[dict[str, Any]]:
-    """Read a JSONL or parquet prompt file into tasks; a bad row names file and line."""
+def numbered_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) for each row of a JSONL or parquet file; `where` names file and line (or row)."""
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"--prompt-data {path}: no such file")
@@ -53,11 +52,15 @@ def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
             raw = pq.read_table(p).to_pylist()
         except Exception as exc:
             raise DatasetError(f"{path}: cannot read parquet: {exc}") from exc
-        numbered = [(f"{path}: row {i + 1}", row) for i, row in enumerate(raw)]
-    else:
-        numbered = [(f"{path}:{lineno}", row) for lineno, row in iter_jsonl(p)]
+        return [(f"{path}: row {i + 1}", row) for i, row in enumerate(raw)]
+    return [(f"{path}:{lineno}", row) for lineno, row in iter_jsonl(p)]
+
+
+def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
+              metadata_key: str = "metadata") -> list[dict[str, Any]]:
+    """Read a JSONL or parquet prompt file into tasks; a bad row names file and line."""
     tasks = []
-    for where, row in numbered:
+    for where, row in numbered_rows(path):
         if input_key not in row:
             raise DatasetError(f"{where}: no {input_key!r} key (set --input-key); keys are {sorted(row)}")
         _check_prompt(row[input_key], where)

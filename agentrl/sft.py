@@ -38,19 +38,10 @@ def read_conversations(path: str, *, input_key: str = "messages", tool_key: str 
                        ) -> list[tuple[str, list[dict], list[dict] | None]]:
     """(where, messages, tools) per row of a JSONL or parquet file; a bad row raises
     DatasetError naming file, line and field."""
-    from agentrl.data import iter_jsonl
+    from agentrl.data import numbered_rows
 
-    p = Path(path)
-    if not p.is_file():
-        raise DatasetError(f"--prompt-data {path}: no such file")
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows = [(f"{path}: row {i + 1}", r) for i, r in enumerate(pq.read_table(p).to_pylist())]
-    else:
-        rows = [(f"{path}:{lineno}", r) for lineno, r in iter_jsonl(p)]
     out = []
-    for where, row in rows:
+    for where, row in numbered_rows(path):
         if input_key not in row:
             raise DatasetError(f"{where}: no {input_key!r} key (set --input-key); keys are {sorted(row)}")
         messages = row[input_key]
@@ -135,13 +126,11 @@ def sft(cfg: Config) -> Path:
     """Epochs over the conversations (shuffled per epoch, seeded), one optimizer step per
     global batch; metrics.jsonl / tensorboard per step; checkpoints every --save-interval
     steps and at the end. Every rank of a multi-process Megatron run calls this; rank 0 writes."""
-    import torch
-
     from agentrl.data import PromptSource
     from agentrl.metrics import RunLog
     from agentrl.models import load_tokenizer
     from agentrl.progress import Progress
-    from agentrl.train import build_trainer, latest_checkpoint, resolve_model, seed_everything
+    from agentrl.train import build_trainer, latest_checkpoint, resolve_device, resolve_model, seed_everything
 
     if not cfg.data.prompt_data:
         raise ConfigError("agentrl sft needs --prompt-data FILE.jsonl (rows of chat messages)")
@@ -163,7 +152,7 @@ def sft(cfg: Config) -> Path:
     gbs = cfg.train.global_batch_size
     num_steps = math.ceil(total / gbs)
 
-    device = "cuda" if cfg.model.device == "auto" and torch.cuda.is_available() else cfg.model.device.replace("auto", "cpu")
+    device = resolve_device(cfg)
     # temperature 1: the NLL of the model's own distribution; no reference model or critic
     trainer = build_trainer(cfg.model_copy(update={"algo": AlgoConfig(), "rollout": cfg.rollout.model_copy(
         update={"rollout_temperature": 1.0})}), model_path, device)

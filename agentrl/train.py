@@ -62,7 +62,7 @@ def train(cfg: Config) -> Path:
     replay = load_debug_rollouts(cfg.run.load_debug_rollout_data) if cfg.run.debug_train_only else None
     eval_sets = load_eval_sets(cfg)
     model_path = resolve_model(cfg, progress)
-    device = "cuda" if cfg.model.device == "auto" and torch.cuda.is_available() else cfg.model.device.replace("auto", "cpu")
+    device = resolve_device(cfg)
 
     state = RunState()
     if cfg.run.load:
@@ -282,7 +282,7 @@ def evaluate_checkpoint(cfg: Config, *, limit: int | None = None) -> dict[str, f
         n = limit or (len(source.tasks) if source.tasks is not None else 32)
         eval_sets = [("data" if cfg.data.prompt_data else cfg.run.env, source.next_batch(n))]
     model_path = latest_checkpoint(Path(cfg.run.load)) / "model" if cfg.run.load else resolve_model(cfg, progress)
-    device = "cuda" if cfg.model.device == "auto" and torch.cuda.is_available() else cfg.model.device.replace("auto", "cpu")
+    device = resolve_device(cfg)
     tokenizer = load_tokenizer(model_path)
     engines = start_engines(cfg.rollout, model_path=str(model_path), device=device, seed=cfg.run.seed,
                             log_dir=out / "logs", sglang_args=cfg.sglang_args, router_args=cfg.router_args,
@@ -501,6 +501,11 @@ def load_debug_rollouts(path: str) -> list[list[Sample]]:
                 raise ConfigError(f"{f}:{lineno}: not a saved Sample: {exc}") from exc
         out.append(rows)
     return out
+
+
+def resolve_device(cfg: Config) -> str:
+    """--device: auto is cuda when a GPU is there, else cpu."""
+    return "cuda" if cfg.model.device == "auto" and torch.cuda.is_available() else cfg.model.device.replace("auto", "cpu")
 
 
 def seed_everything(seed: int) -> None:
