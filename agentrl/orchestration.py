@@ -326,6 +326,7 @@ class TrainerWorker:
         self.host_buffers: list = []
         self.groups: dict[str, Any] = {}  # engine url -> WeightUpdateGroup (--weight-sync-mode distributed)
         self.group_count = 0
+        self.saved_version: int | None = None  # what --weight-sync-mode disk last wrote
 
     def train_rollout(self, samples) -> dict[str, float]:
         return self.trainer.train_rollout(samples)
@@ -395,7 +396,9 @@ class TrainerWorker:
         if mode == "disk":
             folder = Path(self.cfg.run.output_dir or tempfile.gettempdir()) / "weight_sync"
             t0 = time.perf_counter()
-            await asyncio.to_thread(self.trainer.save_hf, folder)
+            if self.saved_version != version:  # once per version: retries and catch-ups load the same folder
+                await asyncio.to_thread(self.trainer.save_hf, folder)
+                self.saved_version = version
             saved = time.perf_counter() - t0
             out = await sync_weights_from_disk(clients, str(folder), version=version)
             return {**out, "weight_sync_save_s": saved}
@@ -457,6 +460,7 @@ class TrainerWorker:
         if self.offloaded is not None:
             self.offloaded.restore()
             self.offloaded = None
+
 
 class LeadingRank:
     """Rank 0 of several, as TrainerWorker's weight sync sees its trainer. Rank 0 alone talks to

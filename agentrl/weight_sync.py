@@ -141,7 +141,8 @@ class WeightUpdateGroup:
             # on) fails the first broadcast in NCCL's P2P transport ("Cuda failure 'invalid argument'", seen
             # on 2x H200, bench/results/weight_sync.md). NCCL reads it once per process, at its first
             # communicator, and the Megatron trainer makes one when it is built: a trainer process must have
-            # it in its environment from the start. This line covers only a trainer with no NCCL yet.
+            # it in its environment from the start (RemoteTrainer starts GPU ranks so). This line covers only
+            # other callers with no NCCL yet (bench/weight_sync_gpu.py).
             os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         tps = [await _tp_size(c) for c in self.clients]
         world = 1 + sum(tps)

@@ -18,8 +18,9 @@ starts paused (embedded: --start-paused; SGLang: paused as soon as it answers), 
 current weights through `EngineGroup.catch_up` (set by the training loop; it pushes the
 trainer's weights and resumes the engine), and rejoins the pool once it holds the weights the
 others serve (its /model_info weight_version equals theirs): a restarted engine never
-serves stale weights, with or without a router. Events go to logs/engine_events.jsonl. Engines and router stop at exit, on Ctrl-C and on SIGTERM (converted to
-SystemExit so cleanup runs); children also die with their parent (PR_SET_PDEATHSIG).
+serves stale weights, with or without a router. Events go to logs/engine_events.jsonl.
+Engines and router stop at exit, on Ctrl-C and on SIGTERM (converted to SystemExit so
+cleanup runs); children also die with their parent (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from concurrent.futures import Future
-from typing import Callable
 import signal
 import threading
 import time
 import urllib.request
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from agentrl.config import RolloutConfig
 from agentrl.engines.launch import ServerProcess, embedded_argv, free_port
