@@ -16,8 +16,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from agentrl.algorithms import (check_algo, train_iteration, entropy_from_logits, needs_reference,
-                                policy_objective, sft_loss, value_loss)
+from agentrl.algorithms import (check_algo, entropy_from_logits, needs_reference, policy_objective, sft_loss,
+                                train_iteration, value_loss)
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.models import load_model, load_tokenizer
 from agentrl.types import Sample
@@ -195,8 +195,7 @@ class TorchTrainer:
 
     def save(self, folder: Path, extra_state: dict) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(folder / "model")
-        self.tokenizer.save_pretrained(folder / "model")
+        self.save_hf(folder / "model")
         torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
         if self.critic is not None:
             torch.save({"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},
