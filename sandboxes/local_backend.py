@@ -99,6 +99,7 @@ class LocalSandbox(Sandbox):
         self.root = state_root() / self.id
         self.fs = self.root / "fs"
         self.cgroups: dict[str, Path] = {}
+        self.seccomp_bpf: Path | None = None  # the filter's program, written at setup
         self.mounted = False
 
     async def _boot(self) -> None:
@@ -112,7 +113,8 @@ class LocalSandbox(Sandbox):
             {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id}))
         self.fs.mkdir(mode=0o700)
         if seccomp.supported():
-            (self.root / "seccomp.bpf").write_bytes(seccomp.program())
+            self.seccomp_bpf = self.root / "seccomp.bpf"
+            self.seccomp_bpf.write_bytes(seccomp.program())
         else:
             log.warning("local sandbox: no seccomp filter for %s (x86_64 and aarch64 only)", seccomp.machine())
         root = os.geteuid() == 0
@@ -185,9 +187,9 @@ class LocalSandbox(Sandbox):
         procs_files = [str(d / "cgroup.procs") for d in self.cgroups.values()]
         # Fail closed: a process that cannot join its cgroups (removed by a reap) must not run.
         # The seccomp program reaches bwrap as fd 3, opened by this script.
-        bpf = self.root / "seccomp.bpf"
+        bpf = self.seccomp_bpf
         join = ('for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f" || exit 125; shift; done; '
-                + ('exec "$@" 3<"$SECCOMP_BPF"' if bpf.exists() else 'exec "$@"'))
+                'exec "$@"' + (' 3<"$SECCOMP_BPF"' if bpf else ''))
         rlimits = [f"--nofile={lim.nofile}", "--core=0",
                    f"--fsize={(lim.workdir_mb + lim.tmp_mb) << 20}"]
         if not self.cgroups:
@@ -197,7 +199,8 @@ class LocalSandbox(Sandbox):
             demote = ["setpriv", f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups"]
         bwrap = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
                  "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-                 "--cap-drop", "ALL", *(["--seccomp", "3"] if bpf.exists() else []), *_rootfs_args(), "--proc", "/proc", "--dev", "/dev",
+                 "--cap-drop", "ALL", *(["--seccomp", "3"] if bpf else []), *_rootfs_args(),
+                 "--proc", "/proc", "--dev", "/dev",
                  "--bind", str(self.fs / "work"), WORKDIR, "--bind", str(self.fs / "tmp"), "/tmp"]
         if self.network:
             bwrap += ["--share-net", "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
@@ -207,8 +210,8 @@ class LocalSandbox(Sandbox):
         for k, v in {**self.env, **(env or {})}.items():
             bwrap += ["--setenv", k, v]
         bwrap += ["--chdir", cwd or WORKDIR, "--", *argv]
-        return ["env", "-i", "PATH=/usr/bin:/bin:/usr/sbin:/sbin", f"SECCOMP_BPF={bpf}", "/bin/sh", "-c", join, "sh", *procs_files, "--",
-                "prlimit", *rlimits, *demote, *bwrap]
+        return ["env", "-i", "PATH=/usr/bin:/bin:/usr/sbin:/sbin", *([f"SECCOMP_BPF={bpf}"] if bpf else []),
+                "/bin/sh", "-c", join, "sh", *procs_files, "--", "prlimit", *rlimits, *demote, *bwrap]
 
     async def _alive(self) -> bool:
         return self.fs.is_dir() and not self.closed

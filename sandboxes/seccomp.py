@@ -16,6 +16,7 @@ headers when they are installed.
 from __future__ import annotations
 
 import errno
+import functools
 import platform
 import struct
 
@@ -87,6 +88,7 @@ def supported() -> bool:
     return machine() in SYSCALLS
 
 
+@functools.cache
 def program(arch: str | None = None) -> bytes:
     """The filter as bytes of `struct sock_filter` (what `bwrap --seccomp FD` reads)."""
     arch = arch or machine()
