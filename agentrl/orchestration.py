@@ -188,12 +188,12 @@ class EngineServer:
     on its bundle's node: it starts it, reports on it, restarts and stops it."""
 
     def __init__(self, argv: list[str], *, url: str, name: str, env: dict | None, log_dir: str, driver_ip: str):
-        from agentrl.engines.launch import ServerProcess, free_port, rehost
+        from agentrl.engines.launch import ServerProcess, rehost, server_port
 
         # The driver chose a loopback URL; on another node the server binds this node's address
         # (the router and the trainer reach it there) on a port free here, also after restarts.
         here = node_ip()
-        self.moved_to = (here, free_port(20000, 55000)) if here != driver_ip else None
+        self.moved_to = (here, server_port()) if here != driver_ip else None
         if self.moved_to:
             argv, url = rehost(argv, *self.moved_to)
             Path(log_dir).mkdir(parents=True, exist_ok=True)

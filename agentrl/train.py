@@ -24,6 +24,7 @@ import torch
 
 from agentrl.config import Config
 from agentrl.data import PromptSource, read_rows
+from agentrl.engines.colocate import wait_idle
 from agentrl.engines.group import EngineGroup, start_engines
 from agentrl.rollout.affinity import affinity_metrics
 from agentrl.errors import ConfigError, EngineError
@@ -145,10 +146,10 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
         for rollout_id in range(state.rollout_id, r.num_rollout):
             t_start = t0 = time.perf_counter()
             if rollout_fn is not None:  # --rollout-function-path: slime's generate_rollout fills the batch
-                async with colocated(cfg, trainer, engine_clients):
+                async with colocated(cfg, trainer, engines, engine_clients):
                     samples = await rollout_fn.next_batch(rollout_id, state.policy_version)
             elif producer is not None:
-                async with colocated(cfg, trainer, engine_clients):
+                async with colocated(cfg, trainer, engines, engine_clients, drain=producer.requeue_inflight):
                     samples = await producer.next_batch(r.rollout_batch_size)
             else:
                 samples = replay[rollout_id % len(replay)]
@@ -196,18 +197,24 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
 
 
 @contextlib.asynccontextmanager
-async def colocated(cfg: Config, trainer, clients: list[EngineClient]):
+async def colocated(cfg: Config, trainer, engines: EngineGroup, clients: list[EngineClient], drain=None):
     """--colocate: during rollout the engines hold the GPU and the trainer sits in host
-    memory; around training, the other way round."""
+    memory; around training, the other way round (agentrl.engines.colocate says what SGLang
+    requires of the order). `drain` stops the rollout's leftover work before the engines
+    give their memory back."""
     if not cfg.run.colocate or trainer is None:
         yield
         return
     await trainer.offload()
-    await asyncio.gather(*[c.post("/resume_memory_occupation", {}) for c in clients])
+    await engines.memory.resume(clients)
     try:
         yield
     finally:
-        await asyncio.gather(*[c.post("/release_memory_occupation", {"tags": ["kv_cache"]}) for c in clients])
+        if drain is not None:
+            await drain()
+        await _each(clients, "/abort_request", {"abort_all": True})
+        await wait_idle(clients)
+        await engines.memory.release(clients)
         await trainer.onload()
 
 

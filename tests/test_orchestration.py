@@ -33,11 +33,17 @@ def test_local_ray_is_quiet_and_leaves_no_auth_file(tmp_path):
 
 
 def test_colocate_runs_and_trains(tmp_path):
+    """Two iterations of the handover (the embedded engine dies where SGLang's scheduler would:
+    a resume of what was never released, a release while requests run, a generation or a
+    generating /health while released), with over-sampled groups left running at the handover."""
     out = tmp_path / "run"
-    proc = train("--colocate", "--output-dir", str(out), *SMALL)
+    small = [a if a != "1" or i != 1 else "2" for i, a in enumerate(SMALL)]  # --num-rollout 2
+    proc = train("--colocate", "--over-sampling-batch-size", "4", "--output-dir", str(out), *small)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    assert row["policy_version"] == 1 and "loss" in row
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == [1, 2] and all("loss" in r for r in rows)
+    assert "fatal" not in (out / "logs" / "engine.log").read_text()
+    assert not (out / "logs" / "engine_events.jsonl").exists()  # no engine died or restarted
     proc = train("--colocate", "--async", "--output-dir", str(out), *SMALL)
     assert proc.returncode == 2 and "--colocate" in proc.stderr
 

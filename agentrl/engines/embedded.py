@@ -22,7 +22,15 @@ Endpoints (SGLang 0.5.15 names, request fields and reply shapes): /generate, /he
 /abort_request, /pause_generation, /continue_generation, /update_weights_from_tensor,
 /update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed,
 /destroy_weights_update_group, /update_weight_version, /get_weights_by_name,
-/release_memory_occupation, /resume_memory_occupation.
+/release_memory_occupation, /resume_memory_occupation, /get_load.
+
+Strict where SGLang is: what kills SGLang's scheduler kills this engine too (the reply is a
+500 naming the cause, then the process exits), so a caller that would crash SGLang on a GPU
+fails here on the CPU first: resuming a memory tag that is not released (SGLang: KeyError in
+`offload_tags.remove`), releasing memory while a request runs (SGLang asserts the scheduler
+is fully idle), and generating while memory is released (SGLang's kernels read freed
+memory). /health runs a one-token generation as SGLang's does, unless
+SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (agentrl starts engines so).
 
 `serialized_named_tensors` format: SGLang's own is a CUDA-IPC `MultiprocessingSerializer`
 pickle, which only works between processes sharing a GPU. The embedded engine takes one
@@ -42,6 +50,7 @@ import base64
 import io
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,6 +65,7 @@ log = logging.getLogger("agentrl.engine")
 
 ENGINE_HEADER = "X-Agentrl-Engine"
 ENGINE_KIND = "agentrl-embedded"
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
 _SCHEDULER = web.AppKey("scheduler", asyncio.Task)
 
 
@@ -124,6 +134,18 @@ class EmbeddedEngine:
         self._cache_epoch = 0
         self._rid = itertools.count()
         self.stats = {"batches": 0, "requests": 0, "max_batch": 0}
+        self.released: set[str] = set()  # memory tags released (/release_memory_occupation)
+        self.inflight = 0  # /generate requests received and not yet answered
+        self.dead: str | None = None  # why the engine died (see _fatal)
+        self.exit_on_fatal = False  # the server process exits (main); in-process it answers 500 from then on
+
+    def _fatal(self, what: str) -> web.Response:
+        """Die as SGLang's scheduler would, after saying why."""
+        log.critical("fatal (SGLang's scheduler dies here too): %s", what)
+        self.dead = what
+        if self.exit_on_fatal:
+            asyncio.get_running_loop().call_later(0.2, os._exit, 70)
+        return _error(f"fatal: {what}; the engine is dead (SGLang's scheduler dies here too)", status=500)
 
     # -- scheduling --------------------------------------------------------------------------
     async def scheduler(self) -> None:
@@ -287,13 +309,19 @@ class EmbeddedEngine:
             return _error(f"input_ids out of range [0, {vocab})")
         if body.get("stream"):
             return _error("streaming is not supported by the embedded engine")
+        if self.released:
+            return self._fatal(f"/generate while memory is released ({sorted(self.released)})")
         rid = str(body.get("rid") or f"req-{next(self._rid)}")
         req = _Request(rid=rid, input_ids=input_ids, params=body.get("sampling_params") or {},
                        return_logprob=bool(body.get("return_logprob")),
                        future=asyncio.get_running_loop().create_future())
         started = time.perf_counter()
-        await self.queue.put(req)
-        await req.future
+        self.inflight += 1
+        try:
+            await self.queue.put(req)
+            await req.future
+        finally:
+            self.inflight -= 1
         meta = {
             "id": rid,
             "finish_reason": req.finish,
@@ -315,9 +343,13 @@ class EmbeddedEngine:
         return web.json_response({"text": text, "output_ids": req.output_ids, "meta_info": meta})
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
+        if os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() in ("false", "0", "no", "off"):
+            return web.Response(text="")
+        return await self.health_generate(request)
 
     async def health_generate(self, request: web.Request) -> web.Response:
+        if self.released:
+            return self._fatal(f"a health-check generation while memory is released ({sorted(self.released)})")
         req = _Request(rid=f"health-{next(self._rid)}", input_ids=[self.tokenizer.eos_token_id],
                        params={"max_new_tokens": 1, "temperature": 0.0}, return_logprob=False,
                        future=asyncio.get_running_loop().create_future())
@@ -563,7 +595,10 @@ class EmbeddedEngine:
 
     async def release_memory(self, request: web.Request) -> web.Response:
         body = await _json(request)
-        tags = body.get("tags") or ["weights", "kv_cache"]
+        tags = body.get("tags") or list(MEMORY_TAGS)
+        if self.inflight:
+            return self._fatal(f"/release_memory_occupation while {self.inflight} requests run "
+                               "(SGLang: \"release_memory_occupation should be called only when server is idle\")")
         async with self._weights_guard():
             if "kv_cache" in tags:
                 self._clear_prefix_cache()
@@ -571,21 +606,35 @@ class EmbeddedEngine:
                 self.model.to("cpu")
             if self.device != "cpu":
                 torch.cuda.empty_cache()
+        self.released |= set(tags)
         return web.json_response(None)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
         body = await _json(request)
-        tags = body.get("tags") or ["weights", "kv_cache"]
+        tags = body.get("tags") or list(MEMORY_TAGS)
+        if not set(tags) <= self.released:
+            return self._fatal(f"/resume_memory_occupation of {sorted(set(tags) - self.released)}, which "
+                               f"{'is' if len(set(tags) - self.released) == 1 else 'are'} not released "
+                               f"(released: {sorted(self.released) or 'nothing'}; SGLang: KeyError)")
         if "weights" in tags and self.device != "cpu":
             async with self._weights_guard():
                 self.model.to(self.device)
+        self.released -= set(tags)
         return web.json_response(None)
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """SGLang's /get_load shape: one entry per data-parallel rank."""
+        return web.json_response([{"dp_rank": 0, "num_reqs": self.inflight, "num_waiting_reqs": self.queue.qsize(),
+                                   "num_tokens": 0, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
 
     # -- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
         @web.middleware
         async def identify(request, handler):
-            resp = await handler(request)
+            if self.dead is not None:
+                resp = _error(f"the engine is dead: {self.dead}", status=500)
+            else:
+                resp = await handler(request)
             resp.headers[ENGINE_HEADER] = self.engine_id
             return resp
 
@@ -597,6 +646,7 @@ class EmbeddedEngine:
         r.add_get("/model_info", self.model_info)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/server_info", self.server_info)
+        r.add_get("/get_load", self.get_load)
         r.add_get("/get_server_info", self.server_info)
         for method in (r.add_get, r.add_post):
             method("/flush_cache", self.flush_cache)
@@ -671,6 +721,7 @@ def main(argv: list[str] | None = None) -> None:
                             seed=args.seed, engine_id=args.engine_id or f"http://{args.host}:{args.port}",
                             prefix_cache_tokens=args.prefix_cache_tokens if args.prefix_cache_tokens is not None
                             else 65536 if args.device == "cpu" else 1 << 20)
+    engine.exit_on_fatal = True  # as SGLang's server: what kills its scheduler ends the process
     if args.start_paused:
         engine.paused.clear()
         engine._run.clear()

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Callable
 
 from agentrl.config import RolloutConfig
-from agentrl.engines.launch import ServerProcess, embedded_argv, free_port
+from agentrl.engines.colocate import EngineMemory
+from agentrl.engines.launch import ENGINE_ENV, ServerProcess, embedded_argv, http_ok, server_port
 from agentrl.errors import ConfigError, EngineError
 
 log = logging.getLogger("agentrl.engines")
@@ -71,6 +72,7 @@ class EngineGroup:
     # url -> Future of a push of the current weights that also resumes the engine; None: the
     # weights never change (eval, --debug-rollout-only), a restarted engine just resumes
     catch_up: Callable[[str], Future] | None = None
+    memory: EngineMemory = field(default_factory=EngineMemory)  # what each engine released (--colocate)
 
     def stop(self) -> None:
         if self.monitor is not None:
@@ -163,8 +165,8 @@ def _launch_embedded(cfg: RolloutConfig, *, model_path: str, device: str, seed: 
         for i in range(n):  # all start at once
             argv, url = embedded_argv(model_path, device=device, seed=seed + i, num_threads=cfg.engine_num_threads,
                                       dtype=dtype)
-            servers.append(launch(i, argv, url=url, name=f"engine-{i}" if n > 1 else "engine", env=None,
-                                  log_dir=log_dir))
+            servers.append(launch(i, argv, url=url, name=f"engine-{i}" if n > 1 else "engine",
+                                  env={**os.environ, **ENGINE_ENV}, log_dir=log_dir))
         for s in servers:
             s.wait_healthy(cfg.engine_startup_timeout_s)
     except BaseException:
@@ -181,7 +183,7 @@ def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: P
     argv = validate_sglang_args(sglang_args)
     gpu_ids = visible_gpus() if gpu_ids is None else gpu_ids
     n = cfg.num_engines or max(1, (cfg.rollout_num_gpus or len(gpu_ids)) // cfg.rollout_num_gpus_per_engine)
-    ports = [free_port(20000, 55000) for _ in range(n)]  # SGLang's gRPC port (port + 10000) must be < 65536
+    ports = [server_port() for _ in range(n)]
     plans = plan_engines(num_engines=n, num_gpus=cfg.rollout_num_gpus or len(gpu_ids), gpus_per_engine=
                          cfg.rollout_num_gpus_per_engine, gpu_ids=gpu_ids, ports=ports, model_path=model_path,
                          sglang_argv=argv, seed=seed)
@@ -218,11 +220,7 @@ def _get_json(url: str, timeout: float = 5.0):
 
 
 def _healthy(url: str, timeout: float = 10.0) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=timeout) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+    return http_ok(url + "/health", timeout)
 
 
 def detect_kind(url: str, timeout_s: float = 60.0) -> str:
@@ -305,6 +303,7 @@ class EngineMonitor:
                 if e.kind == "embedded" and "--start-paused" not in argv:
                     argv = [*argv, "--start-paused"]  # it waits for the current weights
                 e.server.restart(argv)
+                self.group.memory.forget(e.url)
                 e.state, e.since = "starting", time.monotonic()
                 self._event(e, f"restarted ({e.server.restarts})")
             elif e.server is None and _healthy(e.url):  # attached: someone else restarted it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import http.client
 import os
 import signal
 import socket
@@ -18,13 +19,16 @@ from pathlib import Path
 from agentrl.errors import EngineError
 
 
+# The environment of every engine server agentrl starts. SGLang's /health runs a one-token
+# generation by default, which crashes its scheduler while the KV cache is released
+# (--colocate); false makes /health a liveness check (the monitor's and the router's polls).
+ENGINE_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
+
+
 def free_port(low: int | None = None, high: int | None = None) -> int:
-    """A free TCP port: any (the kernel's pick), or one in [low, high) (SGLang derives other
-    ports from its --port, e.g. its gRPC port = port + 10000, which must stay below 65536)."""
+    """A free TCP port: a server's (see `server_port`) or, with `low`/`high`, one in [low, high)."""
     if low is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        return server_port()
     import random
 
     for _ in range(200):
@@ -36,6 +40,38 @@ def free_port(low: int | None = None, high: int | None = None) -> int:
                 continue
             return port
     raise OSError(f"no free port in [{low}, {high})")
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux default 32768-60999)."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def server_port() -> int:
+    """A free port for a server this run starts, outside the kernel's ephemeral range. A port
+    inside it can be taken as the *source* port of our own health poll before the server
+    listens: the poll then connects to itself (TCP self-connect) and reads its own request
+    back ("BadStatusLine: GET /health HTTP/1.1"). Below 25536 also keeps SGLang's derived
+    gRPC port (port + 10000) valid."""
+    low, high = ephemeral_range()
+    if low - 10000 >= 2000:
+        return free_port(10000, min(low, 25536))
+    return free_port(high + 1, 65536)  # a range that starts low: above it instead
+
+
+def http_ok(url: str, timeout: float = 5.0) -> bool:
+    """Does GET url answer 200? Any failure to get an answer (refused, reset, a garbled or
+    partial reply, a timeout) is "no", never an exception: a server that is starting or
+    dying can fail in all of these ways."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (OSError, http.client.HTTPException, ValueError):
+        return False
 
 
 def _die_with_parent() -> None:
@@ -94,12 +130,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise EngineError(f"{self.name} exited with code {self.proc.returncode} while starting "
                                   f"({' '.join(self.argv)}); last log lines:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + path, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
+            if http_ok(self.url + path, timeout=2):
+                return
             time.sleep(0.2)
         self.stop()
         raise EngineError(f"{self.name} not healthy after {timeout_s:.0f} s at {self.url}{path}; "

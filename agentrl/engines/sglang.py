@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from agentrl.engines.launch import ENGINE_ENV
 from agentrl.errors import ConfigError
 
 # arguments agentrl sets from its own flags: giving them as --sglang-* is an error
@@ -173,7 +174,7 @@ def plan_engines(*, num_engines: int | None, num_gpus: int | None, gpus_per_engi
                 "--mem-fraction-static", str(round(shared_total, 4))]
             extra = _drop_flag(extra, "--mem-fraction-static") + ["--mem-fraction-static", str(fraction)]
             start_after = group[k - 2] if k > 1 else None
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
+        env = {**ENGINE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
                "AGENTRL_ENGINE_ID": (engine_ids[i] if engine_ids else f"http://127.0.0.1:{ports[i]}")}
         plans.append(EnginePlan(index=i, port=ports[i], gpus=gpus, argv=argv + extra, env=env, start_after=start_after,
                                 restart_argv=restart_argv))

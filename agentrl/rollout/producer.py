@@ -88,6 +88,16 @@ class RolloutProducer:
         """Tasks launched or finished but not yet handed out: re-run them after a restart."""
         return [t for _, t, _ in self._ready] + [t for t, _, _ in self._inflight.values()] + self._requeued
 
+    async def requeue_inflight(self) -> None:
+        """Stop the groups still running and re-run their tasks later (--colocate: the
+        engines must be idle before they release their memory for training)."""
+        jobs = dict(self._inflight)
+        self._inflight.clear()
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        self._requeued[:0] = [task for task, _, _ in jobs.values()]
+
     async def aclose(self) -> None:
         for job in self._inflight:
             job.cancel()

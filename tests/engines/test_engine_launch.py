@@ -132,6 +132,30 @@ def test_health_wait_errors_show_the_servers_last_log_lines(tmp_path):
     assert "lower the engines per GPU" in sg.sglang_log_hint(dies.log_tail())
 
 
+def test_a_garbled_health_reply_means_not_up_yet(tmp_path):
+    """A server that answers its health poll with garbage (as a TCP self-connect does: the
+    poll reads its own request back) is "not up yet", until it answers properly."""
+    port = free_port()
+    server = ServerProcess(_script(tmp_path, f"""
+        import socket, time
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", {port})); s.listen()
+        for reply in (b"GET /health HTTP/1.1\\r\\n\\r\\n", b"", b"HTTP/1.1 200"):
+            conn, _ = s.accept(); conn.recv(4096); conn.sendall(reply); conn.close()
+        s.close()
+        class Ok(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200); self.end_headers()
+        HTTPServer(("127.0.0.1", {port}), Ok).serve_forever()
+    """), url=f"http://127.0.0.1:{port}", name="garbled", log_dir=tmp_path)
+    try:
+        server.wait_healthy(timeout_s=30)
+        assert server.alive()
+    finally:
+        server.stop()
+
+
 def _gone(pgid: int) -> bool:
     """No live (non-zombie) process is left in the process group."""
     for stat in os.listdir("/proc"):

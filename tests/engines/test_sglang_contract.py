@@ -49,7 +49,7 @@ def test_agentrl_requests_and_embedded_replies_fit_sglang(tiny_model):
                                   ("/pause_generation", {}), ("/continue_generation", {"torch_empty_cache": True}),
                                   ("/abort_request", {"abort_all": True}), ("/flush_cache", {}),
                                   ("/release_memory_occupation", {"tags": ["kv_cache"]}),
-                                  ("/resume_memory_occupation", {}),
+                                  ("/resume_memory_occupation", {"tags": ["kv_cache"]}),
                                   ("/update_weight_version", {"new_version": "5", "abort_all_requests": False})]:
                 await c.post(path, payload)
             gets = []

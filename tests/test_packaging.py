@@ -1,0 +1,57 @@
+"""A wheel install (not editable) carries everything agentrl reads at run time: each built-in
+env's data loads from the installed package, not from this checkout."""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECK = textwrap.dedent("""
+    import itertools, sys
+    import agentrl
+    from agentrl.registry import get_spec, list_envs
+    assert agentrl.__file__.startswith(sys.argv[1]), agentrl.__file__
+    names = sorted(spec.name for spec in list_envs())
+    for name in names:
+        cls = get_spec(name).load()
+        assert cls.__module__.startswith("agentrl."), cls
+        if hasattr(cls, "dataset"):
+            tasks = list(itertools.islice(cls.dataset(seed=0), 2))
+            assert tasks and all(t.get("prompt") for t in tasks), (name, tasks)
+        env = agentrl.make(name)
+        env.close()
+    print("loaded", " ".join(names))
+""")
+
+
+@pytest.mark.timeout(300)
+def test_wheel_install_loads_every_builtin_envs_data(tmp_path):
+    wheels, site, src = tmp_path / "wheels", tmp_path / "site", tmp_path / "src"
+    # a copy of what a clone has (no egg-info or build/ left by the editable install: their
+    # SOURCES.txt would smuggle in files the packaging config forgets)
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, src / f)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(wheels), str(src)], capture_output=True, text=True, timeout=240)
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = wheels.glob("agentrl-*.whl")
+    inst = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                           str(wheel)], capture_output=True, text=True, timeout=120)
+    assert inst.returncode == 0, inst.stderr[-2000:]
+    # the installed copy comes first on the path (the editable install's finder comes after it)
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", CHECK, str(site)], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("search-r1", "code", "math", "target-token"):
+        assert name in proc.stdout
