@@ -67,6 +67,9 @@ class RolloutConfig(Section):
     rollout_temperature: float = Field(1.0, ge=0)
     rollout_top_p: float = Field(1.0, gt=0, le=1)
     rollout_top_k: int = -1
+    rollout_ignore_eos: bool = False
+    """Generate every response to the length limit, past EOS (SGLang's ignore_eos): a fixed
+    workload for benchmarks and memory tests."""
     max_turns: int | None = Field(None, ge=1)
     """Turn limit; None uses the env's own max_turns."""
     max_concurrency: int = Field(256, ge=1)

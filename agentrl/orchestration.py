@@ -329,7 +329,21 @@ class TrainerWorker:
         self.saved_version: int | None = None  # what --weight-sync-mode disk last wrote
 
     def train_rollout(self, samples) -> dict[str, float]:
-        return self.trainer.train_rollout(samples)
+        import torch
+
+        if not str(self.trainer.device).startswith("cuda"):
+            return self.trainer.train_rollout(samples)
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            out = self.trainer.train_rollout(samples)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise ConfigError(out_of_memory_hint(self.cfg, gpu_memory(), len(samples))) from exc
+        return out | {"gpu/trainer_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                      "gpu/trainer_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+                      "gpu/used_train_gib": gpu_memory()["used_gib"]}
+
+    def gpu_memory(self) -> dict[str, float]:
+        return gpu_memory() if str(self.trainer.device).startswith("cuda") else {}
 
     def save(self, folder: str, state: dict) -> None:
         self.trainer.save(Path(folder), state)
@@ -462,6 +476,30 @@ class TrainerWorker:
             self.offloaded = None
 
 
+def gpu_memory() -> dict[str, float]:
+    """This process's GPU: used by every process on it (engines included), and by this one."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return {"used_gib": (total - free) / 2**30, "total_gib": total / 2**30,
+            "mine_gib": torch.cuda.memory_reserved() / 2**30}
+
+
+def out_of_memory_hint(cfg: Config, mem: dict[str, float], n_samples: int) -> str:
+    """What to turn down when training does not fit next to what else holds the GPU."""
+    t, others = cfg.train, mem["used_gib"] - mem["mine_gib"]
+    knobs = [f"--micro-batch-size (now {t.micro_batch_size})" if t.trainer == "torch" or not t.max_tokens_per_gpu
+             else f"--max-tokens-per-gpu (now {t.max_tokens_per_gpu})",
+             "--rollout-max-response-len (shorter sequences)", "--recompute-granularity full (Megatron)"]
+    if cfg.run.colocate:
+        frac = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}.get("mem-fraction-static")
+        knobs.insert(0, f"--sglang-mem-fraction-static (the engines' share of the GPU, now {frac or 'default'}; "
+                        "they keep their weights and CUDA graphs while training)")
+    return (f"the trainer ran out of GPU memory training {n_samples} samples: the GPU has {mem['total_gib']:.1f} "
+            f"GiB, this trainer holds {mem['mine_gib']:.1f} GiB and other processes (engines) {others:.1f} GiB. "
+            f"Lower {'; or '.join(knobs)}.")
+
+
 class LeadingRank:
     """Rank 0 of several, as TrainerWorker's weight sync sees its trainer. Rank 0 alone talks to
     the engines, but an export (`named_tensors`, `save_hf`) is collective: TP all-gathers and
@@ -538,6 +576,10 @@ class RemoteTrainer:
             if gpus:  # SGLang runs NCCL with cuMem off; a trainer with it on fails the first broadcast
                 # of a weight sync (bench/results/weight_sync.md). NCCL reads it at its first communicator.
                 env["NCCL_CUMEM_ENABLE"] = os.environ.get("NCCL_CUMEM_ENABLE", "0")
+                # Sequences of every length fragment the caching allocator: at 1.5B its reserved
+                # memory swung 43-67 GiB for a 36-38 GiB peak (bench/results/gpu_e2e.md), which
+                # is what ran colocated runs out of memory. Expandable segments grow in place.
+                env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
             if address is not None:
                 env |= {"MASTER_ADDR": address[0], "MASTER_PORT": str(address[1]), "RANK": str(rank),
                         "WORLD_SIZE": str(world), "LOCAL_RANK": "0" if gpus else str(rank)}
@@ -584,3 +626,7 @@ class RemoteTrainer:
 
     async def onload(self) -> None:
         await asyncio.gather(*[a.onload.remote() for a in self.actors])
+
+    async def gpu_memory(self) -> dict[str, float]:
+        """Rank 0's GPU as it is now (all processes on it)."""
+        return await self.actors[0].gpu_memory.remote()

@@ -145,11 +145,12 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
         progress.start(total=r.num_rollout, completed=state.rollout_id)
         for rollout_id in range(state.rollout_id, r.num_rollout):
             t_start = t0 = time.perf_counter()
+            handover = {}
             if rollout_fn is not None:  # --rollout-function-path: slime's generate_rollout fills the batch
-                async with colocated(cfg, trainer, engines, engine_clients):
+                async with colocated(cfg, trainer, engines, engine_clients) as handover:
                     samples = await rollout_fn.next_batch(rollout_id, state.policy_version)
             elif producer is not None:
-                async with colocated(cfg, trainer, engines, engine_clients, drain=producer.requeue_inflight):
+                async with colocated(cfg, trainer, engines, engine_clients, drain=producer.requeue_inflight) as handover:
                     samples = await producer.next_batch(r.rollout_batch_size)
             else:
                 samples = replay[rollout_id % len(replay)]
@@ -170,7 +171,7 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
                     if engines is not None:
                         sync = await update_engines(cfg, control, engines, trainer, state.policy_version)
 
-            metrics = (rollout_metrics(rollout_id, samples, t_rollout) | train_metrics | sync
+            metrics = (rollout_metrics(rollout_id, samples, t_rollout) | train_metrics | sync | handover
                        | {"train_s": t_train, "iteration_s": time.perf_counter() - t_start,
                           "policy_version": state.policy_version, "stale_dropped": len(stale),
                           "offpolicy_tokens_masked": masked})
@@ -201,21 +202,32 @@ async def colocated(cfg: Config, trainer, engines: EngineGroup, clients: list[En
     """--colocate: during rollout the engines hold the GPU and the trainer sits in host
     memory; around training, the other way round (agentrl.engines.colocate says what SGLang
     requires of the order). `drain` stops the rollout's leftover work before the engines
-    give their memory back."""
+    give their memory back. Yields a dict that gets each switch's seconds and the GPU's
+    memory at the end of the rollout (metrics)."""
+    out: dict[str, float] = {}
     if not cfg.run.colocate or trainer is None:
-        yield
+        yield out
         return
+    t0 = time.perf_counter()
     await trainer.offload()
+    t1 = time.perf_counter()
     await engines.memory.resume(clients)
+    out |= {"colocate/offload_s": t1 - t0, "colocate/resume_s": time.perf_counter() - t1}
     try:
-        yield
+        yield out
     finally:
+        used = (await trainer.gpu_memory()).get("used_gib")
+        t0 = time.perf_counter()
         if drain is not None:
             await drain()
         await _each(clients, "/abort_request", {"abort_all": True})
         await wait_idle(clients)
         await engines.memory.release(clients)
+        t1 = time.perf_counter()
         await trainer.onload()
+        out |= {"colocate/release_s": t1 - t0, "colocate/onload_s": time.perf_counter() - t1}
+        if used is not None:
+            out["gpu/used_rollout_gib"] = used
 
 
 async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGroup, trainer, version: int) -> dict:
@@ -419,7 +431,7 @@ def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, rewar
     --custom-generate-function-path, slime's generate plays each trajectory."""
     r = cfg.rollout
     sampling = {"temperature": r.rollout_temperature if temperature is None else temperature,
-                "top_p": r.rollout_top_p, "top_k": r.rollout_top_k}
+                "top_p": r.rollout_top_p, "top_k": r.rollout_top_k} | ({"ignore_eos": True} if r.rollout_ignore_eos else {})
 
     def settings_for(env) -> LoopSettings:
         params = {**sampling, "stop": list(env.stop)} if getattr(env, "stop", None) else sampling

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# On the lent GPU machine, from the project root (see build_kit.sh for the kit):
+#   bash scripts/gpu/run.sh unpack          unpack the carried kit parts (a, b) into $AGENTRL_KIT
+#   bash scripts/gpu/run.sh list            the scenarios (tests/gpu)
+#   bash scripts/gpu/run.sh SCENARIO [...]  unpack what is carried, install agentrl from this tree as
+#                                           a wheel, run `pytest tests/gpu -k SCENARIO`; each scenario's
+#                                           figures and metrics go to $OUT (or $AGENTRL_GPU_OUT)
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+kit=${AGENTRL_KIT:-/root/agentrl-kit}; site=$kit/site
+mkdir -p "$site"
+
+unpack() {
+  if [ -f "$repo/.gpukit/a/sglang.tar.xz" ] && [ ! -f "$kit/a.done" ]; then
+    tar xJf "$repo/.gpukit/a/sglang.tar.xz" -C "$site" && touch "$kit/a.done"
+  fi
+  if [ -f "$repo/.gpukit/b/ray.tar.xz" ] && [ ! -f "$kit/b.done" ]; then
+    tar xJf "$repo/.gpukit/b/ray.tar.xz" -C "$site"
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$repo"/.gpukit/b/wheels/*.whl
+    for deb in "$repo"/.gpukit/b/debs/*.deb; do [ -f "$deb" ] && dpkg -x "$deb" "$kit/root"; done
+    touch "$kit/b.done"
+  fi
+  # zip files keep no exec bits: Ray's own programs
+  [ -d "$site/ray/core/src" ] && find "$site/ray/core/src" -type f ! -name '*.py' -exec chmod +x {} +
+  local missing=0
+  for part in a b; do
+    [ -f "$kit/$part.done" ] || { echo "kit part $part is not on this machine: carry .gpukit/$part (scripts/gpu/build_kit.sh)" >&2; missing=1; }
+  done
+  return $missing
+}
+
+environment() {
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PATH=$kit/root/usr/bin:$site/bin:$PATH
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 SGLANG_IS_FLASHINFER_AVAILABLE=false RAY_AUTH_MODE=disabled \
+    RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+  local nvcc; nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
+  if [ -n "$nvcc" ]; then export CUDA_HOME=$(dirname "$(dirname "$nvcc")"); export PATH=$CUDA_HOME/bin:$PATH; fi
+  local sp crt; sp=$(python3 -c 'import torch,os;print(os.path.dirname(os.path.dirname(torch.__file__)))')
+  crt=$(dirname "$(find "$sp/nvidia" -name 'libcudart.so.13*' 2>/dev/null | head -1)" 2>/dev/null || true)
+  if [ -n "$crt" ] && [ "$crt" != . ]; then export LD_LIBRARY_PATH=$crt${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
+}
+
+install_agentrl() {  # this tree, as a wheel (not editable), over whatever an earlier call installed
+  local tmp; tmp=$(mktemp -d)
+  python3 -m pip wheel -q --no-deps --no-build-isolation -w "$tmp" "$repo" >/dev/null
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$tmp"/agentrl-*.whl
+  rm -rf "$tmp" "$repo/build" "$repo"/*.egg-info
+}
+
+case "${1:-}" in
+  unpack) unpack || true ;;  # one part a call: the other may come next
+  list) grep -ho '^def test_[a-z0-9_]*' "$repo"/tests/gpu/test_*.py | sed 's/def test_//' ;;
+  "") echo "usage: run.sh unpack | list | SCENARIO [pytest args]" >&2; exit 2 ;;
+  *)
+    scenario=$1; shift
+    unpack || exit 3  # the machine went back between calls: carry both parts again
+    environment; install_agentrl
+    export AGENTRL_GPU_OUT=${AGENTRL_GPU_OUT:-${OUT:-/root/agentrl-gpu-out}}; mkdir -p "$AGENTRL_GPU_OUT"
+    # outside the tree: its agentrl/ folder must not shadow the installed package
+    work=$(mktemp -d); cd "$work"
+    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader || true
+    exec python3 -m pytest "$repo/tests/gpu" -k "$scenario" -x -v -s -p no:cacheprovider --rootdir "$repo" "$@"
+    ;;
+esac

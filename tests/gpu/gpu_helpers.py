@@ -1,0 +1,96 @@
+"""Helpers of the GPU suite (tests/gpu): `agentrl train` as a user runs it, on a real GPU with real SGLang (behind
+sglang-router) and Megatron. Skipped without CUDA; run through the device kit
+(scripts/gpu/build_kit.sh here, scripts/gpu/run.sh SCENARIO there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+OUT = Path(os.environ.get("AGENTRL_GPU_OUT", "/tmp/agentrl-gpu-out"))
+
+# Random-init Qwen2 shapes over the built-in tiny tokenizer (vocab 512): nothing to download,
+# real kernels and sizes. Names say what they stand for.
+SHAPES = {
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2),
+}
+SGLANG = ["--rollout-engine", "sglang", "--sglang-attention-backend", "triton", "--sglang-sampling-backend", "pytorch",
+          "--sglang-grammar-backend", "none"]
+COLOCATE = ["--colocate", "--sglang-enable-memory-saver", "--sglang-mem-fraction-static", "0.5"]
+
+
+def random_qwen2(shape: str) -> Path:
+    """A random-init Qwen2 of a named shape with the tiny tokenizer, bf16, seed 0 (cached)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from agentrl.models import build_tiny_model
+
+    out = Path(os.environ.get("AGENTRL_KIT", "/root/agentrl-kit")) / "models" / f"qwen2-{shape}-tinytok"
+    if (out / "config.json").exists():
+        return out
+    tiny = build_tiny_model()
+    config = AutoConfig.from_pretrained(tiny)
+    for k, v in SHAPES[shape].items():
+        setattr(config, k, v)
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    config.max_position_embeddings = 8192
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(out)
+    return out
+
+
+def agentrl_train(name: str, *args: str, timeout_s: float) -> tuple[Path, list[dict]]:
+    """`agentrl train ARGS` as a subprocess, its console streamed; -> (run folder, metrics rows).
+    The console log and metrics are copied to the output folder under `name`."""
+    run = OUT / name
+    shutil.rmtree(run, ignore_errors=True)
+    cmd = [sys.executable, "-m", "agentrl.cli", "train", *args, "--output-dir", str(run), "--no-progress"]
+    print("$ agentrl train", " ".join(args), flush=True)
+    t0 = time.time()
+    with open(OUT / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                print(line, end="", flush=True)
+                if time.time() - t0 > timeout_s:
+                    raise TimeoutError(f"{name}: still running after {timeout_s:.0f} s")
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
+        if (run / "metrics.jsonl").exists() else []
+    if rows:
+        shutil.copy2(run / "metrics.jsonl", OUT / f"{name}.metrics.jsonl")
+    assert proc.returncode == 0, f"{name}: agentrl train exited {proc.returncode} (log: {OUT / (name + '.log')})"
+    print(f"{name}: {len(rows)} iterations in {time.time() - t0:.0f} s", flush=True)
+    return run, rows
+
+
+def trajectories(run: Path, rollout_id: int) -> list[dict]:
+    path = run / "trajectories" / f"rollout_{rollout_id:05d}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs)
