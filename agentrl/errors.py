@@ -36,3 +36,10 @@ class EngineError(AgentRLError):
 
 class SampleInvariantError(AgentRLError):
     """A Sample's arrays disagree in length or content."""
+
+
+class AgentFault(AgentRLError):
+    """Something the agent's own actions broke (it killed or wedged a tool server or the sandbox's
+    exec server, or left a file the grader cannot read). Not infrastructure: the trajectory is
+    scored 0 with the reason recorded, instead of being masked as FAILED (which would let a
+    policy veto its group)."""

@@ -139,18 +139,17 @@ def reap(everything: bool = False) -> dict[str, list[str]]:
 
 def agentrl_source_mounts(inside: str = "/opt/agentrl", site_packages: bool = True
                           ) -> tuple[dict[str, str], dict[str, str]]:
-    """(mounts, env) that make the host's agentrl package importable inside a sandbox
-    (`python3 -m agentrl.tools.python_server`). The installed package, design-card folders
-    included (agentrl.tools is the repo's tools/), is copied once into a content-addressed
-    staging dir (sources only), mounted read-only at `inside`; PYTHONPATH points there.
+    """(mounts, env) that make the host's agentrl package importable inside a sandbox.
+    The installed package's .py sources, design-card folders included (agentrl.tools is the
+    repo's tools/), are staged once (`stage.stage_files`: sources only, never data files such
+    as a task file's hidden tests), mounted read-only at `inside`; PYTHONPATH points there.
     `import agentrl` needs the core's dependencies (gymnasium, ...): with site_packages=True
-    the host interpreter's site-packages is mounted read-only too (at `inside`-siteN, on
-    PYTHONPATH, so ahead of the image's own packages). That works when the sandbox's python3 has the host's
-    minor version and libc (the base image: Debian bookworm, python 3.11)."""
-    import hashlib
-    import shutil
+    the host interpreter's whole site-packages is mounted read-only too (at `inside`-siteN),
+    which shows the host's virtualenv to the sandbox: never do that where an agent runs (tool
+    servers use `agentrl.tools.spec.tool_sandbox_options()`, which stages only what they need).
+    It works when the sandbox's python3 has the host's minor version and libc."""
     import agentrl
-    from .local_backend import state_root
+    from .stage import package_sources, stage_files
     parts = {"agentrl": Path(agentrl.__path__[0]).resolve()}
     for sub in ("envs", "tools", "sandboxes", "trainers"):
         try:
@@ -160,24 +159,10 @@ def agentrl_source_mounts(inside: str = "/opt/agentrl", site_packages: bool = Tr
         src = Path(mod.__path__[0]).resolve()
         if src.parent != parts["agentrl"]:
             parts[f"agentrl/{sub}"] = src
-    files = sorted((dest, f) for dest, src in parts.items() for f in src.rglob("*.py"))
-    h = hashlib.sha256()
-    for dest, f in files:
-        st = f.stat()
-        h.update(f"{dest}:{f}:{st.st_size}:{st.st_mtime_ns}".encode())
-    stage = state_root().parent / f"agentrl-sandbox-src-{h.hexdigest()[:16]}"
-    if not stage.is_dir():
-        tmp = stage.with_name(stage.name + f".{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        for dest, src in parts.items():
-            shutil.copytree(src, tmp / dest, dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".*"))
-        os.chmod(tmp, 0o755)
-        try:
-            tmp.rename(stage)
-        except OSError:  # another process staged it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    mounts, path = {str(stage): inside}, [inside]
+    files = {}
+    for dest, src in parts.items():
+        files.update(package_sources(src, dest))
+    mounts, path = {str(stage_files(files)): inside}, [inside]
     if site_packages:
         import sysconfig
         for key in ("purelib", "platlib"):

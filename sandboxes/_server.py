@@ -1,6 +1,7 @@
 """The exec server that runs INSIDE every sandbox (docker container or bubblewrap namespace).
 
-The host starts it once per sandbox (`python3 -c <this file's source>`, stdin/stdout piped)
+The host starts it once per sandbox (`python3 -I -c <boot>` with cwd "/", its source on stdin;
+so nothing the agent writes to the workdir is ever on its import path), stdin/stdout piped,
 and then sends one JSON request per line; it answers one JSON line per request. Running
 commands through a warm server costs a fork+exec inside the sandbox instead of a fresh
 `docker exec` / `bwrap` per command, which is what keeps exec latency near a bare
@@ -26,6 +27,7 @@ import json
 import os
 import selectors
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -183,20 +185,31 @@ def run(req, me):
             "stderr": base64.b64encode(bytes(bufs[err_fd])).decode()}
 
 
+def _open_regular(path, flags):
+    """Open a regular file without blocking: a FIFO or device the agent put in its place
+    would hang the server (and with it the host's read), so anything else is refused."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError("%s is not a regular file" % path)
+    os.set_blocking(fd, True)
+    return fd
+
+
 def write(req):
     path = req["path"]
     parent = os.path.dirname(path)
     if parent:
         os.makedirs(parent, exist_ok=True)
-    with open(path, "wb") as f:
+    with os.fdopen(_open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
         f.write(base64.b64decode(req["data"]))
-    os.chmod(path, int(req.get("mode") or 0o644))
+        os.fchmod(f.fileno(), int(req.get("mode") or 0o644))
     return {"ok": True}
 
 
 def read(req):
     limit = int(req.get("limit") or 1 << 26)
-    with open(req["path"], "rb") as f:
+    with os.fdopen(_open_regular(req["path"], os.O_RDONLY), "rb") as f:
         data = f.read(limit + 1)
     return {"data": base64.b64encode(data[:limit]).decode(), "truncated": len(data) > limit}
 
@@ -205,7 +218,6 @@ def main():
     _nondumpable()
     me = os.getpid()
     out = sys.stdout.buffer
-    os.chdir(os.environ.get("HOME") or "/")
 
     def send(obj):
         out.write(json.dumps(obj).encode() + b"\n")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Coroutine, Mapping, Sequence
 
-from agentrl.errors import AgentRLError
+from agentrl.errors import AgentFault, AgentRLError
 
 log = logging.getLogger("agentrl.sandboxes")
 
@@ -36,12 +36,21 @@ SERVER_SOURCE = (Path(__file__).parent / "_server.py").read_text()
 # the server's source goes in through stdin (one base64 line), so `ps` shows a short command
 SERVER_BOOT = ("import sys, base64; exec(compile(base64.b64decode(sys.stdin.buffer.readline()), "
                "'agentrl-sandbox-server', 'exec'))")
+# `-I`: no cwd, PYTHONPATH or user site on sys.path, so nothing the agent wrote is ever imported by
+# the server (it starts, and restarts, with cwd "/", outside the workdir)
+SERVER_ARGV = ["python3", "-I", "-c", SERVER_BOOT]
+MAX_STRAY_LINES = 64  # answers with a wrong id skipped per request before the channel counts as broken
 RUN_ID = os.environ.get("AGENTRL_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
 
 
 class SandboxError(AgentRLError):
     """Infrastructure failure: the sandbox cannot start, died, or its engine is gone.
     Not a failed command (that is an `ExecResult` with a non-zero exit code)."""
+
+
+class AgentBrokeSandboxError(SandboxError, AgentFault):
+    """The sandbox broke in a way only code running inside it can cause (it killed or wedged a
+    server there while the sandbox itself stays alive): the agent's fault, not infrastructure."""
 
 
 class ImageNotFoundError(SandboxError):
@@ -89,6 +98,16 @@ def process_start_time(pid: int) -> int | None:
         return None
     return int(stat[stat.rfind(b")") + 2:].split()[19])
 
+
+# Empties every place a sandboxed uid can write, and the IPC namespace; exit 0 only when the
+# check after it finds nothing left (a file that cannot be removed, a queue, a shm segment).
+WRITABLE = "/work /tmp /dev/shm /dev/mqueue"
+RESET_SCRIPT = (
+    f"for d in {WRITABLE}; do [ -d $d ] || continue; chmod -R u+rwX $d 2>/dev/null; "
+    "find $d -mindepth 1 -delete 2>/dev/null; done; ipcrm --all >/dev/null 2>&1; "
+    f"for d in {WRITABLE}; do [ -d $d ] && [ -n \"$(ls -A $d 2>/dev/null)\" ] && exit 1; done; "
+    "for f in /proc/sysvipc/shm /proc/sysvipc/msg /proc/sysvipc/sem; do "
+    "[ ! -r $f ] || [ $(wc -l < $f) -le 1 ] || exit 1; done; exit 0")
 
 _reaped: set[str] = set()
 
@@ -142,6 +161,7 @@ class Sandbox:
         self.start_timeout_s = start_timeout_s
         self.started = False
         self.closed = False
+        self.tainted = ""  # why this sandbox may not be reused (a server in it was restarted), or ""
         self.shell = "/bin/sh"
         self._chan: asyncio.subprocess.Process | None = None
         self._lock: asyncio.Lock | None = None
@@ -186,7 +206,14 @@ class Sandbox:
         self._lock = asyncio.Lock()
         _live[self.id] = self
         try:
-            await self._boot()
+            # a cancelled start still lets the boot (a thread creating a container or mounts) finish,
+            # so that close() below removes what it made instead of leaking it
+            boot = asyncio.ensure_future(self._boot())
+            try:
+                await asyncio.shield(boot)
+            except asyncio.CancelledError:
+                await asyncio.gather(boot, return_exceptions=True)
+                raise
             await self._start_server()
         except BaseException:
             await self.close()
@@ -208,8 +235,14 @@ class Sandbox:
             log.warning("sandbox %s: teardown failed: %s", self.id, e)
         _live.pop(self.id, None)
 
+    def taint(self, why: str) -> None:
+        """Mark this sandbox as not to be reused (a pool destroys it at release)."""
+        if not self.tainted:
+            log.info("sandbox %s: tainted, will not be reused: %s", self.id, why)
+            self.tainted = why
+
     async def _start_server(self) -> None:
-        argv = self.spawn_argv(["python3", "-c", SERVER_BOOT])
+        argv = self.spawn_argv(SERVER_ARGV, cwd="/")
         limit = 8 * self.limits.output_bytes + (64 << 20)  # bounded response line
         try:
             self._chan = await asyncio.create_subprocess_exec(
@@ -253,13 +286,14 @@ class Sandbox:
             try:
                 self._chan.stdin.write(json.dumps(req).encode() + b"\n")
                 await asyncio.wait_for(self._chan.stdin.drain(), timeout)
-                while True:
+                for _ in range(MAX_STRAY_LINES):
                     line = await asyncio.wait_for(self._chan.stdout.readline(), timeout)
                     if not line:
                         return None
                     resp = json.loads(line)
-                    if resp.get("id") == req["id"]:
+                    if isinstance(resp, dict) and resp.get("id") == req["id"]:
                         return resp
+                raise ValueError(f"{MAX_STRAY_LINES} answers to no request")
             except (OSError, asyncio.TimeoutError, ValueError, asyncio.LimitOverrunError) as e:
                 log.warning("sandbox %s: exec channel broke: %r", self.id, e)
                 await _kill_proc(self._chan)
@@ -272,6 +306,7 @@ class Sandbox:
         await _kill_proc(self._chan)
         if not await self._alive():
             raise SandboxError(f"{self.backend} sandbox {self.id} died during {what}")
+        self.taint(f"its exec server died during {what}")
         log.warning("sandbox %s: exec server died during %s; restarting it", self.id, what)
         try:
             await self._start_server()
@@ -326,7 +361,7 @@ class Sandbox:
                                     "data": base64.b64encode(data).decode()}, 60)
         if resp is None:
             await self._recover("write_file")
-            raise SandboxError(f"sandbox {self.id}: exec server died during write_file")
+            raise AgentBrokeSandboxError(f"sandbox {self.id}: exec server died during write_file")
         if "error" in resp:
             raise OSError(f"sandbox write_file({path!r}): {resp['error']}")
 
@@ -337,7 +372,7 @@ class Sandbox:
         resp = await self._request({"op": "read", "path": self._abs(path), "limit": max_bytes}, 60)
         if resp is None:
             await self._recover("read_file")
-            raise SandboxError(f"sandbox {self.id}: exec server died during read_file")
+            raise AgentBrokeSandboxError(f"sandbox {self.id}: exec server died during read_file")
         if "error" in resp:
             err = resp["error"]
             cls = FileNotFoundError if err.startswith("FileNotFoundError") else OSError
@@ -360,17 +395,17 @@ class Sandbox:
         return proc
 
     async def reset(self) -> bool:
-        """Wipe the writable state (/work, /tmp, /dev/shm) for the next trajectory.
-        False if the sandbox could not be brought back to empty (then discard it)."""
+        """Wipe every writable place (/work, /tmp, /dev/shm, /dev/mqueue) and the SysV IPC
+        objects for the next trajectory, then check that all of it is empty. False if the
+        sandbox could not be proven clean, or is tainted (then discard it)."""
         self._check_open()
         for proc in self._spawned:
             await _kill_proc(proc)
         self._spawned.clear()
-        script = ("for d in /work /tmp /dev/shm; do [ -d $d ] || continue; chmod -R u+rwX $d 2>/dev/null; "
-                  "find $d -mindepth 1 -delete 2>/dev/null; done; "
-                  "[ -z \"$(ls -A /work /tmp 2>/dev/null | grep -v :)\" ]")
-        res = await self.exec(["/bin/sh", "-c", script], timeout=60)
-        return res.exit_code == 0
+        if self.tainted:
+            return False
+        res = await self.exec(["/bin/sh", "-c", RESET_SCRIPT], timeout=60)
+        return res.exit_code == 0 and not self.tainted
 
     def _abs(self, path: str) -> str:
         return path if path.startswith("/") else f"{WORKDIR}/{path}"

@@ -9,8 +9,10 @@ inside. Every process (the exec server, `spawn`s) is started as:
                  private /proc /dev, clean env, no capabilities, uid 1000 inside,
                  the seccomp filter of seccomp.py)
 
-so `spawn_argv()` is a self-contained command line. The root is the host's /usr, /etc
-and /bin... mounted read-only (nothing else of the host: no /home, /root, /tmp, /var).
+so `spawn_argv()` is a self-contained command line. The root is the host's /usr and
+/bin... mounted read-only, and an /etc of the sandbox's own (users, hostname, hosts written
+per sandbox; of the host's /etc only `HOST_ETC`, what programs need to run). Nothing else
+of the host shows: no /home, /root, /tmp, /var.
 
 Limits: run as root, the workdir and /tmp share a size-capped tmpfs and the sandbox gets
 memory / pids / cpu cgroups (v1 or v2). Unprivileged, the limits fall back to rlimits
@@ -22,6 +24,7 @@ and the cgroups.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -75,8 +78,36 @@ def _write(path: Path, value: str) -> None:
     path.write_text(value)
 
 
-def _rootfs_args() -> list[str]:
-    args = ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+# What of the host's /etc a sandbox sees (read-only): what programs need to run (the dynamic
+# linker's cache, alternatives, python's and ssl's configuration, time zone, name-service
+# switch); nothing that describes the host (hostname, users, daemons' configuration).
+HOST_ETC = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "nsswitch.conf",
+            "protocols", "services", "host.conf", "gai.conf", "ssl", "ca-certificates", "ca-certificates.conf",
+            "mime.types", "magic", "inputrc", "bash.bashrc", "profile", "terminfo", "python3", "python3.11",
+            "python3.12", "python3.13")
+# /etc files written for every sandbox (the agent's uid has a name; the host's users do not show)
+OWN_ETC = {
+    "passwd": (f"root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::{WORKDIR}:/bin/bash\n"
+               "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"),
+    "group": f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n",
+    "hostname": "sandbox\n",
+    "hosts": "127.0.0.1 localhost\n127.0.1.1 sandbox\n::1 localhost ip6-localhost ip6-loopback\n",
+}
+
+
+@functools.cache
+def _bwrap_has_size() -> bool:
+    """bubblewrap >= 0.8 sizes a tmpfs (--size)."""
+    r = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=30)
+    return "--size" in r.stdout + r.stderr
+
+
+def _rootfs_args(etc: Path) -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr", "--dir", "/etc"]
+    for name in HOST_ETC:
+        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    for name in OWN_ETC:
+        args += ["--ro-bind", str(etc / name), f"/etc/{name}"]
     for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         p = Path(d)
         if p.is_symlink():
@@ -112,6 +143,11 @@ class LocalSandbox(Sandbox):
         (self.root / "owner.json").write_text(json.dumps(
             {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id}))
         self.fs.mkdir(mode=0o700)
+        etc = self.root / "etc"
+        etc.mkdir(mode=0o755)
+        for name, text in OWN_ETC.items():
+            (etc / name).write_text(text)
+            (etc / name).chmod(0o644)
         if seccomp.supported():
             self.seccomp_bpf = self.root / "seccomp.bpf"
             self.seccomp_bpf.write_bytes(seccomp.program())
@@ -199,11 +235,13 @@ class LocalSandbox(Sandbox):
             demote = ["setpriv", f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups"]
         bwrap = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
                  "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-                 "--cap-drop", "ALL", *(["--seccomp", "3"] if bpf else []), *_rootfs_args(),
+                 "--cap-drop", "ALL", *(["--seccomp", "3"] if bpf else []), *_rootfs_args(self.root / "etc"),
                  "--proc", "/proc", "--dev", "/dev",
                  "--bind", str(self.fs / "work"), WORKDIR, "--bind", str(self.fs / "tmp"), "/tmp"]
         if self.network:
             bwrap += ["--share-net", "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
+        if lim.tmp_mb and _bwrap_has_size():  # a /dev/shm of its own, size-capped (it is not /tmp: see README)
+            bwrap += ["--size", str(min(lim.tmp_mb, 64) << 20), "--tmpfs", "/dev/shm"]
         for host, inside in self.mounts.items():
             bwrap += ["--ro-bind", host, inside]
         bwrap += ["--remount-ro", "/", "--clearenv"]

@@ -10,9 +10,11 @@
 * At most `max_active` sandboxes are handed out at once (acquire waits, with a timeout)
   and at most `max_creating` are being created at once, so the Docker daemon is never
   flooded. `warm` idle sandboxes are kept ready.
-* A released sandbox is reset (/work, /tmp, /dev/shm wiped, its processes killed) and goes
-  back to the warm set; if the reset fails, or `reuse=False`, it is destroyed and a fresh
-  one is made in the background.
+* A released sandbox is reset (/work, /tmp, /dev/shm, /dev/mqueue and SysV IPC wiped, its
+  processes killed) and goes back to the warm set only when a check after the wipe finds it
+  empty; if that fails, if a server in it was restarted (`Sandbox.tainted`: the agent may
+  have planted something there), or with `reuse=False`, it is destroyed and a fresh one is
+  made in the background.
 * Every member of a GRPO group starts from the same state: the first acquire of a
   `group_id` writes `setup_files` and runs `setup_cmd`, then snapshots /work (a tar);
   later members of the group get that snapshot unpacked, byte for byte, whatever
@@ -55,7 +57,7 @@ class SandboxPool:
         self._bg: set[asyncio.Task] = set()
         self._acquire_s: list[float] = []
         self._counts = {"created": 0, "reused": 0, "destroyed": 0, "reset_failures": 0,
-                        "create_failures": 0, "acquired": 0}
+                        "create_failures": 0, "acquired": 0, "tainted": 0}
         self.closed = False
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -150,6 +152,8 @@ class SandboxPool:
                 try:
                     if warm:
                         await sb.ping()
+                        if sb.tainted:
+                            raise SandboxError(f"tainted: {sb.tainted}")
                     await self._prepare(sb, group_id, setup_files, setup_cmd)
                     break
                 except SandboxError as e:
@@ -213,7 +217,9 @@ class SandboxPool:
         self._active.discard(sb)
         try:
             keep = False
-            if self.reuse and not self.closed and not sb.closed and len(self._idle) < self.warm_target:
+            if sb.tainted:
+                self._counts["tainted"] += 1
+            elif self.reuse and not self.closed and not sb.closed and len(self._idle) < self.warm_target:
                 try:
                     keep = await sb.reset()
                 except SandboxError:

@@ -146,7 +146,8 @@ class MCPConnection:
         if self.in_sandbox:
             sb = self.sandbox
             env = {**sandbox_server_env(self.spec, sb.workdir), MARKER_VAR: self._marker}
-            argv = sb.spawn_argv(sandbox_command(self.spec), env=env, cwd=self.spec.cwd or sb.workdir)
+            # cwd "/": the workdir is the agent's, nothing there may shadow a module the server imports
+            argv = sb.spawn_argv(sandbox_command(self.spec), env=env, cwd=self.spec.cwd or "/")
             return StdioServerParameters(command=argv[0], args=argv[1:])
         argv = host_command(self.spec)
         return StdioServerParameters(command=argv[0], args=argv[1:], env=host_env(self.spec, self.workdir or "."),

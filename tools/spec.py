@@ -109,6 +109,20 @@ def host_command(spec: MCPServerSpec) -> list[str]:
 
 
 # ---- sandboxes ------------------------------------------------------------------------------
+#: what a built-in server needs of agentrl inside a sandbox: the tools package's servers, under
+#: an `agentrl` package of its own (its real __init__ would import the core and its dependencies)
+TOOL_SERVER_MODULES = ("__init__", "_common", "_python_worker", "python_server", "bash_server",
+                       "files_server", "builtin_server")
+_STUB_INIT = b'"""agentrl, as staged into sandboxes: only the built-in tool servers (agentrl.tools)."""\n'
+# How a `{python} -m MODULE` server starts inside a sandbox: isolated (-I: no cwd, PYTHONPATH or user
+# site on sys.path, so a module the agent planted in the workdir is never imported, even at a restart),
+# with the staged code first on sys.path, and not dumpable (the agent's code, same uid, can neither
+# ptrace it nor open its /proc/PID/mem or /proc/PID/fd: no forged answers through its pipes).
+SERVER_BOOT = ("import sys, runpy, ctypes; ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); "
+               f"sys.path[:0] = [{SANDBOX_SRC!r}, {SANDBOX_SITE!r}]; mod = sys.argv.pop(1); "
+               "runpy.run_module(mod, run_name='__main__', alter_sys=True)")
+
+
 def site_packages_dir() -> Path:
     """The site-packages folder holding `mcp` (and its dependencies) in this interpreter."""
     import mcp
@@ -116,27 +130,32 @@ def site_packages_dir() -> Path:
 
 
 def tool_sandbox_options() -> tuple[dict[str, str], dict[str, str]]:
-    """(mounts, env) for `agentrl.sandboxes.create(...)` so that tool servers can run inside:
-    the agentrl sources (staged copy, read-only) at /opt/agentrl and this interpreter's
-    site-packages (read-only: the `mcp` SDK and its dependencies) at /opt/agentrl-site.
-    The sandbox's python3 must be the same minor version as this one (3.11: the base image's
+    """(mounts, env) for `agentrl.sandboxes.create(...)` so that the built-in tool servers can
+    run inside: their sources (only `TOOL_SERVER_MODULES`, no data files) at /opt/agentrl, and
+    the `mcp` SDK with its dependencies (those distributions only, not this interpreter's
+    whole site-packages) at /opt/agentrl-site, both staged copies mounted read-only. The
+    sandbox's python3 must be the same minor version as this one (3.11: the base image's
     Debian bookworm python3, or the host's /usr/bin/python3 in the local backend)."""
-    from agentrl.sandboxes import agentrl_source_mounts
-    mounts, _ = agentrl_source_mounts(SANDBOX_SRC)
-    mounts = dict(mounts)
-    mounts[str(site_packages_dir())] = SANDBOX_SITE
-    return mounts, {}
+    from agentrl.sandboxes.stage import distribution_files, stage_files
+    tools_dir = Path(__file__).resolve().parent
+    src = {"agentrl/__init__.py": _STUB_INIT,
+           **{f"agentrl/tools/{m}.py": tools_dir / f"{m}.py" for m in TOOL_SERVER_MODULES}}
+    return {str(stage_files(src)): SANDBOX_SRC, str(stage_files(distribution_files("mcp"))): SANDBOX_SITE}, {}
 
 
 def sandbox_server_env(spec: MCPServerSpec, workdir: str) -> dict[str, str]:
-    """Environment of a server started inside a sandbox: it sees agentrl and mcp through
-    PYTHONPATH, and the model's code (python/bash children) does not."""
-    return {"PYTHONPATH": f"{SANDBOX_SRC}:{SANDBOX_SITE}", CHILD_PYTHONPATH_VAR: "", WORKDIR_VAR: workdir,
-            "PYTHONDONTWRITEBYTECODE": "1", **spec.env}
+    """Environment of a server started inside a sandbox (the staged code is on its sys.path
+    through `SERVER_BOOT`, so the model's code, python/bash children, does not see it)."""
+    return {CHILD_PYTHONPATH_VAR: "", WORKDIR_VAR: workdir, "PYTHONDONTWRITEBYTECODE": "1", **spec.env}
 
 
 def sandbox_command(spec: MCPServerSpec) -> list[str]:
-    return ["python3" if a == PYTHON else a for a in spec.command or []]
+    """argv inside the sandbox: ``{python} -m MODULE ARGS`` starts through `SERVER_BOOT`
+    (isolated, non-dumpable); other commands run as given."""
+    cmd = list(spec.command or [])
+    if len(cmd) >= 3 and cmd[0] == PYTHON and cmd[1] == "-m":
+        return ["python3", "-I", "-c", SERVER_BOOT, *cmd[2:]]
+    return ["python3" if a == PYTHON else a for a in cmd]
 
 
 def host_env(spec: MCPServerSpec, workdir: str) -> dict[str, str]:
