@@ -98,7 +98,7 @@ OWN_ETC = {
 @functools.cache
 def _bwrap_has_size() -> bool:
     """bubblewrap >= 0.8 sizes a tmpfs (--size)."""
-    r = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=30)
+    r = subprocess.run([shutil.which("bwrap") or "bwrap", "--help"], capture_output=True, text=True, timeout=30)
     return "--size" in r.stdout + r.stderr
 
 
@@ -233,7 +233,7 @@ class LocalSandbox(Sandbox):
         demote = []
         if os.geteuid() == 0:
             demote = ["setpriv", f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups"]
-        bwrap = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+        bwrap = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
                  "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
                  "--cap-drop", "ALL", *(["--seccomp", "3"] if bpf else []), *_rootfs_args(self.root / "etc"),
                  "--proc", "/proc", "--dev", "/dev",
