@@ -3,7 +3,8 @@
 #   bash scripts/gpu/run.sh unpack          unpack the carried kit parts (a, b) into $AGENTRL_KIT
 #   bash scripts/gpu/run.sh list            the scenarios (tests/gpu)
 #   bash scripts/gpu/run.sh SCENARIO [...]  unpack what is carried, install agentrl from this tree as
-#                                           a wheel, run `pytest tests/gpu -k SCENARIO`; each scenario's
+#                                           a wheel, run `pytest tests/gpu -k SCENARIO` (a -k expression:
+#                                           "colocated and megatron", "1_5b", "tool_envs"); each scenario's
 #                                           figures and metrics go to $OUT (or $AGENTRL_GPU_OUT)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -49,7 +50,7 @@ install_agentrl() {  # this tree, as a wheel (not editable), over whatever an ea
 
 case "${1:-}" in
   unpack) unpack || true ;;  # one part a call: the other may come next
-  list) grep -ho '^def test_[a-z0-9_]*' "$repo"/tests/gpu/test_*.py | sed 's/def test_//' ;;
+  list) cd "$(mktemp -d)" && python3 -m pytest "$repo/tests/gpu" --collect-only -q -p no:cacheprovider --rootdir "$repo" | grep :: ;;
   "") echo "usage: run.sh unpack | list | SCENARIO [pytest args]" >&2; exit 2 ;;
   *)
     scenario=$1; shift

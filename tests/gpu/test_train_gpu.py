@@ -43,18 +43,12 @@ TARGET = ["--env", "target-token", "--device", "cuda", "--dtype", "bfloat16", "-
           "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size", "128"]
 
 
-def test_megatron_colocated_target_token():
+@pytest.mark.parametrize("trainer", ["megatron", "torch"])
+def test_colocated_target_token(trainer):
+    """A 135M-shape model learns target-token in 30 colocated iterations, on policy."""
     n = iters(30)
-    run, rows = agentrl_train("megatron_colocated", *TARGET, "--model", str(random_qwen2("135m")), "--trainer",
-                              "megatron", *SGLANG, *COLOCATE, "--num-rollout", str(n), timeout_s=560)
-    handover_figures(rows)
-    check_learns_on_policy(run, rows, n)
-
-
-def test_torch_colocated_target_token():
-    n = iters(30)
-    run, rows = agentrl_train("torch_colocated", *TARGET, "--model", str(random_qwen2("135m")), "--trainer",
-                              "torch", *SGLANG, *COLOCATE, "--num-rollout", str(n), timeout_s=560)
+    run, rows = agentrl_train(f"{trainer}_colocated", *TARGET, "--model", str(random_qwen2("135m")), "--trainer",
+                              trainer, *SGLANG, *COLOCATE, "--num-rollout", str(n), timeout_s=560)
     handover_figures(rows)
     check_learns_on_policy(run, rows, n)
 
