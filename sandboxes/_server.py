@@ -100,12 +100,17 @@ def run(req, me):
     timeout = float(req.get("timeout") or 60)
     env = dict(os.environ)
     env.update(req.get("env") or {})
+    # a server that holds two uids (docker: real 0, effective the agent's) starts commands with
+    # the effective one as all their uids, so they cannot signal or trace the servers
+    ident = {}
+    if os.getuid() != os.geteuid() and not req.get("as_server"):
+        ident = {"user": os.geteuid(), "group": os.getegid()}
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(
             req["argv"], stdin=subprocess.PIPE if data else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=req.get("cwd") or None,
-            env=env, start_new_session=True, close_fds=True)
+            env=env, start_new_session=True, close_fds=True, **ident)
     except OSError as e:
         return {"exit_code": 127, "stdout": "", "timed_out": False, "truncated": False,
                 "stderr": base64.b64encode(("cannot run %r: %s\n" % (req["argv"][0], e)).encode()).decode()}

@@ -33,9 +33,28 @@ log = logging.getLogger("agentrl.sandboxes")
 SANDBOX_UID = 1000  # the uid commands run as inside every sandbox (never root)
 WORKDIR = "/work"
 SERVER_SOURCE = (Path(__file__).parent / "_server.py").read_text()
+# What every server in a sandbox (the exec server, the MCP tool servers) runs first. Where it starts
+# as root (docker: `docker exec -u 0`, the container holding only CAP_SETUID/SETGID/SETPCAP) it
+# empties its capability bounding set and becomes real and saved uid 0, effective uid SANDBOX_UID:
+# the files it touches belong to the agent's uid, the processes it starts are SANDBOX_UID through
+# and through (no capability left), and the agent's code can neither signal it (its uid matches
+# neither the server's real nor saved uid) nor ptrace it. Everywhere (local: one uid per user
+# namespace) it makes itself non-dumpable: no /proc/PID/mem, /proc/PID/fd or ptrace reach.
+SERVER_IDENTITY = (
+    "import os, ctypes\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "if os.getuid() == 0:\n"
+    "    os.setgroups([])\n"
+    "    for cap in range(64):\n"
+    "        libc.prctl(24, cap, 0, 0, 0)\n"  # PR_CAPBSET_DROP
+    f"    os.setresgid(0, {SANDBOX_UID}, 0)\n"
+    f"    os.setresuid(0, {SANDBOX_UID}, 0)\n"
+    "if libc.prctl(4, 0, 0, 0, 0) != 0:\n"  # PR_SET_DUMPABLE
+    "    raise SystemExit('cannot make the server non-dumpable')\n")
 # the server's source goes in through stdin (one base64 line), so `ps` shows a short command
-SERVER_BOOT = ("import sys, base64; exec(compile(base64.b64decode(sys.stdin.buffer.readline()), "
-               "'agentrl-sandbox-server', 'exec'))")
+SERVER_BOOT = SERVER_IDENTITY + (
+    "import sys, base64; exec(compile(base64.b64decode(sys.stdin.buffer.readline()), "
+    "'agentrl-sandbox-server', 'exec'))")
 # `-I`: no cwd, PYTHONPATH or user site on sys.path, so nothing the agent wrote is ever imported by
 # the server (it starts, and restarts, with cwd "/", outside the workdir)
 SERVER_ARGV = ["python3", "-I", "-c", SERVER_BOOT]
@@ -99,15 +118,45 @@ def process_start_time(pid: int) -> int | None:
     return int(stat[stat.rfind(b")") + 2:].split()[19])
 
 
-# Empties every place a sandboxed uid can write, and the IPC namespace; exit 0 only when the
-# check after it finds nothing left (a file that cannot be removed, a queue, a shm segment).
-WRITABLE = "/work /tmp /dev/shm /dev/mqueue"
-RESET_SCRIPT = (
-    f"for d in {WRITABLE}; do [ -d $d ] || continue; chmod -R u+rwX $d 2>/dev/null; "
-    "find $d -mindepth 1 -delete 2>/dev/null; done; ipcrm --all >/dev/null 2>&1; "
-    f"for d in {WRITABLE}; do [ -d $d ] && [ -n \"$(ls -A $d 2>/dev/null)\" ] && exit 1; done; "
-    "for f in /proc/sysvipc/shm /proc/sysvipc/msg /proc/sysvipc/sem; do "
-    "[ ! -r $f ] || [ $(wc -l < $f) -le 1 ] || exit 1; done; exit 0")
+# Empties every place a sandboxed uid can write, and the SysV IPC namespace (python: the images
+# need not have ipcrm); exit 0 only when a check after it finds nothing left.
+WRITABLE = ("/work", "/tmp", "/dev/shm", "/dev/mqueue")
+RESET_SCRIPT = f"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for kind, rmid in (("shm", libc.shmctl), ("msg", libc.msgctl), ("sem", libc.semctl)):
+    try:
+        rows = open("/proc/sysvipc/" + kind).read().splitlines()[1:]
+    except OSError:
+        continue
+    for row in rows:
+        rmid(int(row.split()[1]), 0, None)  # IPC_RMID
+left = []
+for top in {WRITABLE!r}:
+    if not os.path.isdir(top):
+        continue
+    for root, dirs, files in os.walk(top):
+        for d in dirs:
+            try:
+                os.chmod(os.path.join(root, d), 0o700)
+            except OSError:
+                pass
+    for root, dirs, files in os.walk(top, topdown=False):
+        for name in files + dirs:
+            path = os.path.join(root, name)
+            try:
+                os.rmdir(path) if name in dirs and not os.path.islink(path) else os.unlink(path)
+            except OSError:
+                pass
+    left += [os.path.join(top, n) for n in os.listdir(top)]
+for kind in ("shm", "msg", "sem"):
+    try:
+        left += ["sysvipc " + r for r in open("/proc/sysvipc/" + kind).read().splitlines()[1:]]
+    except OSError:
+        pass
+if left:
+    sys.exit("not clean: " + ", ".join(left[:20]))
+"""
 
 _reaped: set[str] = set()
 
@@ -174,8 +223,10 @@ class Sandbox:
         raise NotImplementedError
 
     def spawn_argv(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                   cwd: str | None = None) -> list[str]:
-        """Host command line that runs `argv` inside this sandbox, stdin/stdout piped."""
+                   cwd: str | None = None, server: bool = False) -> list[str]:
+        """Host command line that runs `argv` inside this sandbox, stdin/stdout piped.
+        server=True: argv starts with `SERVER_IDENTITY` (docker runs it as root, which it
+        leaves at once); never for a command that does not."""
         raise NotImplementedError
 
     async def _alive(self) -> bool:
@@ -242,7 +293,7 @@ class Sandbox:
             self.tainted = why
 
     async def _start_server(self) -> None:
-        argv = self.spawn_argv(SERVER_ARGV, cwd="/")
+        argv = self.spawn_argv(SERVER_ARGV, cwd="/", server=True)
         limit = 8 * self.limits.output_bytes + (64 << 20)  # bounded response line
         try:
             self._chan = await asyncio.create_subprocess_exec(
@@ -320,10 +371,12 @@ class Sandbox:
     # ---- API -----------------------------------------------------------------------
     async def exec(self, cmd: str | Sequence[str], timeout: float | None = None, *,
                    stdin: bytes | str | None = None, env: Mapping[str, str] | None = None,
-                   cwd: str | None = None, output_limit: int | None = None) -> ExecResult:
+                   cwd: str | None = None, output_limit: int | None = None,
+                   as_server: bool = False) -> ExecResult:
         """Run `cmd` (a shell string for bash, or an argv list) in the workdir. Processes it
         leaves behind are killed when it returns. Never raises for a failing command;
-        raises SandboxError when the sandbox itself is broken."""
+        raises SandboxError when the sandbox itself is broken. as_server: with the servers'
+        identity (it can signal them; for the host's own cleanup, never for the agent's code)."""
         self._check_open()
         timeout = float(timeout if timeout is not None else self.limits.timeout_s)
         argv = [self.shell, "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
@@ -331,7 +384,7 @@ class Sandbox:
             stdin = stdin.encode()
         req = {"op": "exec", "argv": argv, "timeout": timeout, "cwd": cwd or WORKDIR,
                "limit": output_limit or self.limits.output_bytes, "env": dict(env or {}),
-               "stdin": base64.b64encode(stdin).decode() if stdin else ""}
+               "stdin": base64.b64encode(stdin).decode() if stdin else "", "as_server": as_server}
         t0 = time.perf_counter()
         resp = await self._request(req, timeout + 30)
         if resp is None:
@@ -404,7 +457,9 @@ class Sandbox:
         self._spawned.clear()
         if self.tainted:
             return False
-        res = await self.exec(["/bin/sh", "-c", RESET_SCRIPT], timeout=60)
+        res = await self.exec(["python3", "-I", "-c", RESET_SCRIPT], timeout=60)
+        if res.exit_code != 0:
+            log.warning("sandbox %s: reset failed: %s", self.id, res.stderr[-500:])
         return res.exit_code == 0 and not self.tainted
 
     def _abs(self, path: str) -> str:
@@ -463,8 +518,8 @@ class SyncSandbox:
     def reset(self) -> bool:
         return run_sync(self.sandbox.reset(), 180)
 
-    def spawn_argv(self, argv, env=None, cwd=None) -> list[str]:
-        return self.sandbox.spawn_argv(argv, env, cwd)
+    def spawn_argv(self, argv, env=None, cwd=None, server=False) -> list[str]:
+        return self.sandbox.spawn_argv(argv, env, cwd, server)
 
     def close(self) -> None:
         run_sync(self.sandbox.close(), 180)

@@ -1,7 +1,8 @@
 """Docker backend: one container per sandbox, through the Docker SDK for Python.
 
-The container runs `sleep infinity` under docker-init as uid 65534, with a read-only
-root, all capabilities dropped, no-new-privileges, no network (unless asked), tmpfs
+The container runs `sleep infinity` under docker-init as root, with a read-only
+root, all capabilities dropped but SETUID/SETGID/SETPCAP (which only the servers' start uses,
+see base.SERVER_IDENTITY: commands run as uid 1000 with an empty bounding set), no-new-privileges, no network (unless asked), tmpfs
 /work (uid 1000, size-capped) and /tmp, and memory / CPU / pids limits. Commands run as
 uid 1000 through the exec server, started with `docker exec -i` (the docker CLI).
 Host directories are mounted read-only with `mounts={host_dir: path_inside}`; that needs
@@ -24,7 +25,9 @@ from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, ImageNo
 
 DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
 LABEL = "agentrl.sandbox"
-MAIN_UID = 65534  # the container's main process; not the agent's uid, so it cannot kill it
+# The container's main process (`sleep infinity`): root, not the agent's uid, so it cannot kill
+# it; and docker gives `docker exec -u 0` the container's capabilities only when its user is root
+MAIN_UID = 0
 HOST = socket.gethostname()
 
 _client = None
@@ -99,6 +102,9 @@ class DockerSandbox(Sandbox):
                 self.image, ["sleep", "infinity"], name=f"agentrl-{self.id}", detach=True,
                 init=True, user=f"{MAIN_UID}:{MAIN_UID}", labels=labels, hostname="sandbox",
                 read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges:true"],
+                # only for the servers' start (base.SERVER_IDENTITY), which drop them at once; the
+                # main process and every command run as non-root uids, where they mean nothing
+                cap_add=["SETUID", "SETGID", "SETPCAP"],
                 network_mode="bridge" if self.network else "none",
                 mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m",
                 nano_cpus=int(lim.cpus * 1e9), pids_limit=lim.pids,
@@ -114,10 +120,11 @@ class DockerSandbox(Sandbox):
                                f"{self.image!r}: {e.explanation or e}") from None
 
     def spawn_argv(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                   cwd: str | None = None) -> list[str]:
+                   cwd: str | None = None, server: bool = False) -> list[str]:
         if self.container is None:
             raise SandboxError(f"sandbox {self.id} has no container")
-        flags = ["-i", "-u", f"{SANDBOX_UID}:{SANDBOX_UID}", "-w", cwd or WORKDIR]
+        user = "0:0" if server else f"{SANDBOX_UID}:{SANDBOX_UID}"
+        flags = ["-i", "-u", user, "-w", cwd or WORKDIR]
         for k, v in (env or {}).items():
             flags += ["-e", f"{k}={v}"]
         return ["docker", "exec", *flags, self.container.id, *argv]

@@ -218,7 +218,7 @@ class LocalSandbox(Sandbox):
         self.mounts = staged
 
     def spawn_argv(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                   cwd: str | None = None) -> list[str]:
+                   cwd: str | None = None, server: bool = False) -> list[str]:
         lim = self.limits
         procs_files = [str(d / "cgroup.procs") for d in self.cgroups.values()]
         # Fail closed: a process that cannot join its cgroups (removed by a reap) must not run.

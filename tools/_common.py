@@ -39,6 +39,65 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def child_identity() -> dict[str, int]:
+    """subprocess keywords for processes the model starts: a server holding two uids (in a docker
+    sandbox: real 0, effective the agent's; see agentrl.sandboxes.base.SERVER_IDENTITY) gives
+    them the effective one as all their uids, so they cannot signal or trace the server."""
+    if os.getuid() != os.geteuid():
+        return {"user": os.geteuid(), "group": os.getegid()}
+    return {}
+
+
+#: pids whose process trees outlive a tool call (the python tool's interpreter) or belong to a
+#: call still running: `kill_leftovers` spares them
+KEEP_PIDS: set[int] = set()
+
+
+def become_subreaper() -> None:
+    """Processes the model's commands orphan (``setsid cmd &``, double forks) are re-parented to
+    this server instead of init, so `kill_leftovers` finds them (Linux; a no-op elsewhere)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def kill_leftovers(keep: set[int], deadline_s: float = 2.0) -> int:
+    """SIGKILL every descendant of this process outside the trees rooted at `keep`; returns
+    how many were killed. Repeats (bounded) while killing makes new orphans appear."""
+    import signal
+    import time
+    me, killed = os.getpid(), set()
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        children: dict[int, list[int]] = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    stat = Path(f"/proc/{name}/stat").read_bytes()
+                except OSError:
+                    continue
+                rest = stat[stat.rfind(b")") + 2:].split()
+                if rest[0] != b"Z":
+                    children.setdefault(int(rest[1]), []).append(int(name))
+        doomed, stack = [], [p for p in children.get(me, []) if p not in keep]
+        while stack:
+            pid = stack.pop()
+            doomed.append(pid)
+            stack += [c for c in children.get(pid, []) if c not in keep]
+        if not doomed:
+            break
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except OSError:
+                pass
+        time.sleep(0.005)
+    return len(killed)
+
+
 def clip(text: str, limit: int, hint: str = "") -> str:
     """Keep the head and the tail of `text` within `limit` characters, saying what was cut."""
     if len(text) <= limit:

@@ -6,7 +6,8 @@ Tool ``bash(command, timeout=None)``: runs ``bash -c command`` (``sh`` without b
 workdir with stdin from /dev/null; returns stdout and stderr interleaved, then the exit
 code. On a timeout the command's process group is killed and the output so far is
 returned with a note. Processes a command leaves in the background are killed when it
-returns. Each call is a fresh shell (cd / export do not carry over); the files persist.
+returns, also those that left its process group (`setsid cmd &`: the server is their
+subreaper). Each call is a fresh shell (cd / export do not carry over); the files persist.
 Confinement is the sandbox's job, not this server's.
 """
 
@@ -20,7 +21,8 @@ from pathlib import Path
 
 from mcp.server.mcpserver import MCPServer
 
-from agentrl.tools._common import base_argparser, child_env, clip, new_server, resolve_workdir
+from agentrl.tools._common import (KEEP_PIDS, base_argparser, become_subreaper, child_env, child_identity, clip,
+                                   kill_leftovers, new_server, resolve_workdir)
 
 
 async def run_command(command: str, cwd: Path, timeout: float, max_output: int) -> tuple[int | None, str, bool]:
@@ -28,7 +30,9 @@ async def run_command(command: str, cwd: Path, timeout: float, max_output: int) 
     shell = shutil.which("bash") or "/bin/sh"
     proc = await asyncio.create_subprocess_exec(
         shell, "-c", command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT, cwd=str(cwd), env=child_env(), start_new_session=True)
+        stderr=asyncio.subprocess.STDOUT, cwd=str(cwd), env=child_env(), start_new_session=True,
+        **child_identity())
+    KEEP_PIDS.add(proc.pid)
     chunks, size = [], 0
 
     async def reader():
@@ -42,19 +46,23 @@ async def run_command(command: str, cwd: Path, timeout: float, max_output: int) 
                 chunks.append(data)
 
     read_task = asyncio.create_task(reader())
-    timed_out = False
-    try:
-        await asyncio.wait_for(proc.wait(), timeout)
-    except asyncio.TimeoutError:
-        timed_out = True
+    # Poll the exit rather than `proc.wait()`: that also waits for the pipe to close, which a
+    # background process (`cmd &`) holding it would turn into a timeout of a finished call.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while proc.returncode is None and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    timed_out = proc.returncode is None
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the command on timeout; its leftovers otherwise
     except (ProcessLookupError, PermissionError):
         pass
-    await proc.wait()
+    KEEP_PIDS.discard(proc.pid)
+    kill_leftovers(KEEP_PIDS)  # what left the process group (setsid, double forks), orphaned to us
     try:
+        await asyncio.wait_for(proc.wait(), 10)
         await asyncio.wait_for(read_task, 5)
-    except asyncio.TimeoutError:  # a leftover in another process group still holds the pipe
+    except asyncio.TimeoutError:  # something we could not kill still holds the pipe
         read_task.cancel()
     out = b"".join(chunks).decode("utf-8", errors="replace")
     if size > len(b"".join(chunks)):
@@ -65,6 +73,7 @@ async def run_command(command: str, cwd: Path, timeout: float, max_output: int) 
 def add_bash_tool(server: MCPServer, workdir: Path | str | None = None, timeout: float = 30.0,
                   max_timeout: float = 600.0, max_output: int = 64 * 1024) -> None:
     root = resolve_workdir(workdir)
+    become_subreaper()
 
     @server.tool(name="bash", structured_output=False)
     async def bash(command: str, timeout: float | None = None) -> str:

@@ -41,8 +41,8 @@ from agentrl.errors import AgentRLError
 from agentrl.tools._common import clip
 from agentrl.tools.functions import FunctionTool, _strip_titles, function_tool, result_text
 from agentrl.tools.parsers import ParsedCall, ToolCall, ToolCallError
-from agentrl.tools.spec import (MCPServerSpec, as_spec, host_command, host_env, sandbox_command,
-                                sandbox_server_env)
+from agentrl.tools.spec import (MCPServerSpec, as_spec, boots_as_server, host_command, host_env,
+                                sandbox_command, sandbox_server_env)
 
 log = logging.getLogger("agentrl.tools")
 
@@ -93,11 +93,13 @@ _KILL_MARKED = """import os, signal, sys
 m = sys.argv[1].encode()
 for p in os.listdir("/proc"):
     if p.isdigit() and int(p) != os.getpid():
-        try:
-            if m in open("/proc/%s/environ" % p, "rb").read().split(b"\\0"):
-                os.kill(int(p), signal.SIGKILL)
-        except OSError:
-            pass
+        for what in ("cmdline", "environ"):  # a server's environ is closed (not dumpable), its cmdline is not
+            try:
+                if m in open("/proc/%s/%s" % (p, what), "rb").read().split(b"\\0"):
+                    os.kill(int(p), signal.SIGKILL)
+                    break
+            except OSError:
+                pass
 """
 
 
@@ -147,7 +149,8 @@ class MCPConnection:
             sb = self.sandbox
             env = {**sandbox_server_env(self.spec, sb.workdir), MARKER_VAR: self._marker}
             # cwd "/": the workdir is the agent's, nothing there may shadow a module the server imports
-            argv = sb.spawn_argv(sandbox_command(self.spec), env=env, cwd=self.spec.cwd or "/")
+            cmd = sandbox_command(self.spec, f"{MARKER_VAR}={self._marker}")
+            argv = sb.spawn_argv(cmd, env=env, cwd=self.spec.cwd or "/", server=boots_as_server(cmd))
             return StdioServerParameters(command=argv[0], args=argv[1:])
         argv = host_command(self.spec)
         return StdioServerParameters(command=argv[0], args=argv[1:], env=host_env(self.spec, self.workdir or "."),
@@ -238,7 +241,8 @@ class MCPConnection:
         if getattr(sb, "closed", False) or not getattr(sb, "started", True):
             return
         try:
-            await sb.exec(["python3", "-c", _KILL_MARKED, f"{MARKER_VAR}={self._marker}"], timeout=20)
+            await sb.exec(["python3", "-I", "-c", _KILL_MARKED, f"{MARKER_VAR}={self._marker}"], timeout=20,
+                          as_server=True)
         except Exception as e:  # the sandbox is going away anyway
             log.warning("MCP server %r: cleaning up inside sandbox %s failed: %s", self.spec.name, sb.id, e)
 

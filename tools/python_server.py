@@ -25,7 +25,8 @@ from pathlib import Path
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
-from agentrl.tools._common import base_argparser, child_env, clip, new_server, resolve_workdir
+from agentrl.tools._common import (KEEP_PIDS, base_argparser, child_env, child_identity, clip, new_server,
+                                   resolve_workdir)
 
 WORKER = str(Path(__file__).with_name("_python_worker.py"))
 
@@ -39,14 +40,19 @@ class Interpreter:
         self.lock = asyncio.Lock()
 
     async def _start(self) -> None:
+        if self.proc is not None:
+            KEEP_PIDS.discard(self.proc.pid)
         self.proc = await asyncio.create_subprocess_exec(
             self.python, "-u", WORKER, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=None, cwd=str(self.workdir), env=child_env(), start_new_session=True, limit=256 << 20)
+            stderr=None, cwd=str(self.workdir), env=child_env(), start_new_session=True, limit=256 << 20,
+            **child_identity())
+        KEEP_PIDS.add(self.proc.pid)  # the bash tool's cleanup spares the interpreter
 
     async def kill(self) -> None:
         proc, self.proc = self.proc, None
         if proc is None:
             return
+        KEEP_PIDS.discard(proc.pid)
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the model's subprocesses too
         except (ProcessLookupError, PermissionError):

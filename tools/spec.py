@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from agentrl.sandboxes.base import SERVER_IDENTITY
 from agentrl.tools._common import CHILD_PYTHONPATH_VAR, WORKDIR_VAR
 
 PYTHON = "{python}"  # placeholder in a command: the host's interpreter, or python3 in a sandbox
@@ -116,11 +117,12 @@ TOOL_SERVER_MODULES = ("__init__", "_common", "_python_worker", "python_server",
 _STUB_INIT = b'"""agentrl, as staged into sandboxes: only the built-in tool servers (agentrl.tools)."""\n'
 # How a `{python} -m MODULE` server starts inside a sandbox: isolated (-I: no cwd, PYTHONPATH or user
 # site on sys.path, so a module the agent planted in the workdir is never imported, even at a restart),
-# with the staged code first on sys.path, and not dumpable (the agent's code, same uid, can neither
-# ptrace it nor open its /proc/PID/mem or /proc/PID/fd: no forged answers through its pipes).
-SERVER_BOOT = ("import sys, runpy, ctypes; ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); "
-               f"sys.path[:0] = [{SANDBOX_SRC!r}, {SANDBOX_SITE!r}]; mod = sys.argv.pop(1); "
-               "runpy.run_module(mod, run_name='__main__', alter_sys=True)")
+# with the staged code first on sys.path, under the servers' identity (sandboxes.base.SERVER_IDENTITY:
+# not dumpable, and on docker a uid pair the agent's code cannot signal): no forged answers through
+# its pipes, no rewrite of its memory.
+SERVER_BOOT = SERVER_IDENTITY + (
+    f"import sys, runpy; sys.path[:0] = [{SANDBOX_SRC!r}, {SANDBOX_SITE!r}]; del sys.argv[1]; "
+    "mod = sys.argv.pop(1); runpy.run_module(mod, run_name='__main__', alter_sys=True)")
 
 
 def site_packages_dir() -> Path:
@@ -149,12 +151,18 @@ def sandbox_server_env(spec: MCPServerSpec, workdir: str) -> dict[str, str]:
     return {CHILD_PYTHONPATH_VAR: "", WORKDIR_VAR: workdir, "PYTHONDONTWRITEBYTECODE": "1", **spec.env}
 
 
-def sandbox_command(spec: MCPServerSpec) -> list[str]:
+def boots_as_server(argv: list[str]) -> bool:
+    """argv (from `sandbox_command`) starts through SERVER_BOOT, which takes the servers' identity."""
+    return argv[:4] == ["python3", "-I", "-c", SERVER_BOOT]
+
+
+def sandbox_command(spec: MCPServerSpec, tag: str = "-") -> list[str]:
     """argv inside the sandbox: ``{python} -m MODULE ARGS`` starts through `SERVER_BOOT`
-    (isolated, non-dumpable); other commands run as given."""
+    (isolated, the servers' identity), with `tag` in its command line (what finds it again:
+    its /proc environ is closed); other commands run as given."""
     cmd = list(spec.command or [])
     if len(cmd) >= 3 and cmd[0] == PYTHON and cmd[1] == "-m":
-        return ["python3", "-I", "-c", SERVER_BOOT, *cmd[2:]]
+        return ["python3", "-I", "-c", SERVER_BOOT, tag, *cmd[2:]]
     return ["python3" if a == PYTHON else a for a in cmd]
 
 
