@@ -12,7 +12,9 @@ matching the schema, a call it wrote badly, a tool's own error, a timeout); noth
 raises. What is broken underneath does raise: a server that cannot start, or that crashes
 or hangs (no answer within the call timeout), is restarted once (per server and ToolSet;
 the call is retried); the next failure raises `ToolServerError`, which the agent loop turns
-into a FAILED trajectory, masked out of the loss.
+into a FAILED trajectory, masked out of the loss; or, for a server in a sandbox that is
+still alive, `ToolServerKilledError` (an `AgentFault`: the model's code broke it), which
+`ToolEnv` scores 0. A sandbox whose server was restarted is tainted (never reused).
 
 Stdio servers run as host subprocesses, or inside an `agentrl.sandboxes` Sandbox through
 `sandbox.spawn_argv(...)` (``docker exec -i`` / bubblewrap) when the spec says `in_sandbox`
@@ -22,22 +24,25 @@ and the ToolSet has a sandbox; URL servers are reached by streamable HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import inspect
 import json
 import logging
 import re
+import os
 import shutil
+import signal
 import tempfile
 import time
 import uuid
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jsonschema
 
-from agentrl.errors import AgentRLError
+from agentrl.errors import AgentFault, AgentRLError
 from agentrl.tools._common import clip
 from agentrl.tools.functions import FunctionTool, _strip_titles, function_tool, result_text
 from agentrl.tools.parsers import ParsedCall, ToolCall, ToolCallError
@@ -46,12 +51,18 @@ from agentrl.tools.spec import (MCPServerSpec, as_spec, boots_as_server, host_co
 
 log = logging.getLogger("agentrl.tools")
 
-__all__ = ["ToolSet", "ToolInfo", "ToolResult", "ToolServerError", "MCPConnection"]
+__all__ = ["ToolSet", "ToolInfo", "ToolResult", "ToolServerError", "ToolServerKilledError", "MCPConnection"]
 
 
 class ToolServerError(AgentRLError):
     """A tool server failed (cannot start, crashed or hung, even after one restart): an
     infrastructure failure, not the model's fault. The trajectory is marked FAILED."""
+
+
+class ToolServerKilledError(ToolServerError, AgentFault):
+    """A tool server inside the trajectory's sandbox crashed or hung again after its restart
+    while the sandbox itself is fine: the model's own code broke it (killed it, stopped it,
+    starved it). `ToolEnv` scores the trajectory 0 with this reason instead of failing it."""
 
 
 @dataclass
@@ -143,18 +154,15 @@ class MCPConnection:
             return self.spec.url
         return f"sandbox {self.sandbox.id}" if self.in_sandbox else "host"
 
-    def _stdio_params(self):
-        from mcp import StdioServerParameters
+    def _stdio_argv(self) -> tuple[list[str], dict[str, str] | None, str | None]:
+        """(host argv, env, cwd) of a stdio server."""
         if self.in_sandbox:
             sb = self.sandbox
             env = {**sandbox_server_env(self.spec, sb.workdir), MARKER_VAR: self._marker}
             # cwd "/": the workdir is the agent's, nothing there may shadow a module the server imports
             cmd = sandbox_command(self.spec, f"{MARKER_VAR}={self._marker}")
-            argv = sb.spawn_argv(cmd, env=env, cwd=self.spec.cwd or "/", server=boots_as_server(cmd))
-            return StdioServerParameters(command=argv[0], args=argv[1:])
-        argv = host_command(self.spec)
-        return StdioServerParameters(command=argv[0], args=argv[1:], env=host_env(self.spec, self.workdir or "."),
-                                     cwd=self.spec.cwd or self.workdir)
+            return sb.spawn_argv(cmd, env=env, cwd=self.spec.cwd or "/", server=boots_as_server(cmd)), None, None
+        return host_command(self.spec), host_env(self.spec, self.workdir or "."), self.spec.cwd or self.workdir
 
     def stderr_tail(self, n: int = 2000) -> str:
         if self._errlog is None:
@@ -168,7 +176,7 @@ class MCPConnection:
         return f"\n--- server stderr (last {n} chars) ---\n{text}" if text else ""
 
     async def _run(self, ready: asyncio.Future, stop: asyncio.Event) -> None:
-        from mcp import ClientSession, stdio_client
+        from mcp import ClientSession
         try:
             async with AsyncExitStack() as stack:
                 if self.spec.url:
@@ -177,7 +185,8 @@ class MCPConnection:
                     http = await stack.enter_async_context(create_mcp_http_client(headers=self.spec.headers or None))
                     read, write = await stack.enter_async_context(streamable_http_client(self.spec.url, http_client=http))
                 else:
-                    read, write = await stack.enter_async_context(stdio_client(self._stdio_params(), errlog=self._errlog))
+                    argv, env, cwd = self._stdio_argv()
+                    read, write = await stack.enter_async_context(bounded_stdio_client(argv, env, cwd, self._errlog))
                 session = await stack.enter_async_context(ClientSession(read, write))
                 init = await session.initialize()
                 self.server_name = getattr(init.server_info, "name", "") or ""
@@ -290,6 +299,16 @@ class MCPConnection:
                 raise _ServerFailure(f"crashed ({type(e).__name__})", gen) from None
             raise
 
+    async def sandbox_alive(self) -> bool:
+        """This server runs in a sandbox that still answers (so what broke the server ran there)."""
+        if not self.in_sandbox:
+            return False
+        try:
+            await self.sandbox.ping()
+        except Exception:
+            return False
+        return True
+
     async def restart(self, failed_generation: int, what: str) -> bool:
         """Restart after a failure seen at `failed_generation`; False when out of restarts."""
         async with self._lock:
@@ -300,6 +319,8 @@ class MCPConnection:
             self.restarts += 1
             log.warning("MCP server %r %s; restarting it (%d/%d)%s", self.spec.name, what, self.restarts,
                         self.max_restarts, self.stderr_tail(800))
+            if self.in_sandbox:  # what the model's code did to it may have left traces there
+                self.sandbox.taint(f"MCP server {self.spec.name!r} {what}")
             await self.stop()
             await self.start()
             return True
@@ -497,9 +518,12 @@ class ToolSet:
                 restarted = attempt == 0 and await conn.restart(f.generation, f.what)
                 if not restarted:
                     again = "again after a restart" if attempt else "and its restart budget is spent"
-                    raise ToolServerError(f"MCP server {conn.spec.name!r} ({conn.where()}) {f.what} during "
-                                          f"{info.name}({json.dumps(arguments)[:200]}) {again}"
-                                          f"{conn.stderr_tail()}") from None
+                    what = (f"MCP server {conn.spec.name!r} ({conn.where()}) {f.what} during "
+                            f"{info.name}({json.dumps(arguments)[:200]}) {again}")
+                    if await conn.sandbox_alive():
+                        raise ToolServerKilledError(f"{what}, while its sandbox is alive: the model's code "
+                                                    "broke it") from None
+                    raise ToolServerError(f"{what}{conn.stderr_tail()}") from None
                 note = (f"\n[note: the {conn.spec.name} tool server {f.what} and was restarted; "
                         "state kept by its tools (variables, sessions) is lost]")
                 continue
@@ -546,6 +570,103 @@ def _result_to_text(res) -> str:
         parts.append(json.dumps(res.structured_content, ensure_ascii=False, default=str))
     text = "\n".join(parts)
     return text if text else "(no output)"
+
+
+MAX_LINE_BYTES = 32 << 20      # longest message line read from a stdio server
+MAX_LINES_PER_S = 2000         # messages a stdio server may send per second, on average over 5 s
+
+
+@asynccontextmanager
+async def bounded_stdio_client(argv: list[str], env: dict[str, str] | None, cwd: str | None, errlog,
+                               max_line: int = MAX_LINE_BYTES, max_rate: float = MAX_LINES_PER_S):
+    """An MCP stdio transport (the SDK's `stdio_client` streams) that bounds what it reads: a
+    line is joined once, at its newline (the SDK re-joins its buffer per chunk: a 48 MB line
+    cost seconds of CPU), and a line longer than `max_line` or a flood of lines closes the
+    connection (the session then sees the server gone). The server runs in its own session;
+    leaving kills its process group."""
+    import anyio
+    from mcp.client.stdio import get_default_environment
+    from mcp.shared.message import SessionMessage
+    from mcp.types import jsonrpc_message_adapter
+
+    process = await anyio.open_process(argv, env={**get_default_environment(), **(env or {})}, cwd=cwd,
+                                       stderr=errlog, start_new_session=True)
+    read_writer, read_stream = anyio.create_memory_object_stream(0)
+    write_stream, write_reader = anyio.create_memory_object_stream(0)
+
+    def parse(line: bytes):
+        try:
+            return SessionMessage(jsonrpc_message_adapter.validate_json(line, by_name=False))
+        except ValueError as e:
+            return e
+
+    async def reader() -> None:
+        pending: list[bytes] = []  # pieces of the line being read
+        size, window, count = 0, time.monotonic(), 0
+        async with read_writer:
+            try:
+                async for chunk in process.stdout:
+                    while chunk:
+                        nl = chunk.find(b"\n")
+                        if nl < 0:
+                            pending.append(chunk)
+                            size += len(chunk)
+                            chunk = b""
+                        else:
+                            pending.append(chunk[:nl])
+                            size += nl
+                            chunk = chunk[nl + 1:]
+                        if size > max_line:
+                            log.warning("MCP server %s: a line longer than %d bytes; closing it", argv[:3], max_line)
+                            return
+                        if nl < 0:
+                            break
+                        line, pending, size = b"".join(pending), [], 0
+                        count += 1
+                        now = time.monotonic()
+                        if now - window > 5:
+                            window, count = now, 1
+                        elif count > max_rate * 5:
+                            log.warning("MCP server %s: more than %d lines/s; closing it", argv[:3], max_rate)
+                            return
+                        if line.strip():
+                            await read_writer.send(parse(line))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError):
+                pass
+
+    async def writer() -> None:
+        try:
+            async with write_reader:
+                async for message in write_reader:
+                    data = message.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n"
+                    await process.stdin.send(data.encode())
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+            await read_writer.aclose()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader)
+        tg.start_soon(writer)
+        try:
+            yield read_stream, write_stream
+        finally:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(Exception):
+                    await process.stdin.aclose()
+                with anyio.move_on_after(2):
+                    await process.wait()
+                if process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(process.pid, signal.SIGKILL)
+                    with anyio.move_on_after(5):
+                        await process.wait()
+                await _aclose_quietly(process, read_stream, write_stream)
+            tg.cancel_scope.cancel()
+
+
+async def _aclose_quietly(*resources) -> None:
+    for r in resources:
+        with contextlib.suppress(Exception):
+            await r.aclose()
 
 
 async def _gather_or_cancel(coros: list) -> list:

@@ -13,7 +13,10 @@
 Per trajectory (`areset`) it starts a `ToolSet` (and a sandbox, when `sandbox` names a
 backend) and returns ``info["tools"]``; each `astep` parses the action with the env's
 `tool_parser`, runs the calls concurrently and returns the ``tool`` messages; an action
-with no tool call goes to `final_answer`. `aclose` stops the servers and the sandbox.
+with no tool call goes to `final_answer`. `aclose` stops the servers and the sandbox. An
+`AgentFault` raised in a step (the model's code killed its tool server; a grader found the
+agent sabotaged its own solution) ends the episode with reward 0 and ``info["agent_fault"]``;
+infrastructure failures raise, and the trajectory is FAILED (masked), as before.
 External MCP servers join through the constructor (``mcp_servers=["name=cmd ..."]``).
 """
 
@@ -24,7 +27,10 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import gymnasium
+
 from agentrl.env import Env, Message
+from agentrl.errors import AgentFault
 from agentrl.tools.client import ToolResult, ToolSet
 from agentrl.tools.parsers import get_parser, parse_tool_calls
 from agentrl.tools.spec import MCPServerSpec, as_spec, builtin_spec, tool_sandbox_options
@@ -41,7 +47,8 @@ def _warn_once(msg: str) -> None:
 
 
 class ToolEnv(Env):
-    """Base class of envs with tools (MCP servers and plain functions). Async only."""
+    """Base class of envs with tools (MCP servers and plain functions). Async; gymnasium's sync
+    `reset`/`step`/`close` run the async ones on the env's own event loop (`Env._run_sync`)."""
 
     max_turns = 8
     tool_parser = "hermes"
@@ -156,7 +163,8 @@ class ToolEnv(Env):
     # ---- the episode ------------------------------------------------------------------------
     async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         await self.close_tools()  # a reused env starts each trajectory with fresh tool state
-        self.task = dict(options or {})
+        gymnasium.Env.reset(self, seed=seed)  # seeds np_random (super().reset would drive areset)
+        self.task = dict(options) if options else self.seeded_task()
         toolset = await self.start_tools()
         await self.setup(self.task)
         return self.initial_messages(self.task), {"tools": toolset.schemas}
@@ -172,6 +180,17 @@ class ToolEnv(Env):
         return messages + [{"role": "user", "content": str(prompt)}]
 
     async def astep(self, action: str):
+        """One turn. What the model's own actions broke (`AgentFault`: it killed its tool server,
+        left a file the grader cannot read, ...) ends the episode with reward 0 and the reason in
+        ``info["agent_fault"]``, rather than raising: a raise marks the trajectory FAILED, which
+        is masked and re-run, and would let the policy veto a group it is losing."""
+        try:
+            return await self._astep(action)
+        except AgentFault as e:
+            log.info("%s: the agent's actions broke its episode: %s", type(self).__name__, e)
+            return [], 0.0, True, False, {"agent_fault": f"{type(e).__name__}: {e}"}
+
+    async def _astep(self, action: str):
         if self.toolset is None:
             raise RuntimeError(f"{type(self).__name__}.astep before areset: the tools are not started")
         calls = parse_tool_calls(action, self.tool_parser, self.toolset.input_schemas)

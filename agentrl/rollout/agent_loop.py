@@ -130,6 +130,8 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
             t0 = time.perf_counter()
             obs, reward, terminated, truncated, info = await env.astep(action)
             timing.env_s = time.perf_counter() - t0
+            if isinstance(info, dict) and info.get("agent_fault"):  # the agent broke its own episode: scored, not FAILED
+                sample.metadata["agent_fault"] = info["agent_fault"]
             if isinstance(reward, dict):
                 reward_parts = {k: float(v) for k, v in reward.items()}
                 total_reward += float(reward.get("score", 0.0))
