@@ -240,8 +240,10 @@ class LocalSandbox(Sandbox):
                  "--bind", str(self.fs / "work"), WORKDIR, "--bind", str(self.fs / "tmp"), "/tmp"]
         if self.network:
             bwrap += ["--share-net", "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
-        if lim.tmp_mb and _bwrap_has_size():  # a /dev/shm of its own, size-capped (it is not /tmp: see README)
-            bwrap += ["--size", str(min(lim.tmp_mb, 64) << 20), "--tmpfs", "/dev/shm"]
+        # a /dev/shm of its own (size-capped where bwrap can), and /dev read-only: the agent's uid owns
+        # bwrap's /dev, where files would outlive a reset
+        bwrap += [*(["--size", str(min(lim.tmp_mb, 64) << 20)] if _bwrap_has_size() else []),
+                  "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         for host, inside in self.mounts.items():
             bwrap += ["--ro-bind", host, inside]
         bwrap += ["--remount-ro", "/", "--clearenv"]

@@ -1,0 +1,237 @@
+"""Attacks of a policy that wants reward without solving, on both backends: read what the
+grader knows, hijack or forge the servers, leave state for the next trajectory, wedge the
+host's reads. Each must fail, or be caught and leave the sandbox out of reuse."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import agentrl
+from agentrl.sandboxes import RUN_ID, SandboxPool
+from agentrl.sandboxes.base import WRITABLE
+from agentrl.tools.spec import tool_sandbox_options
+from sbx_helpers import SMALL, run, sandbox
+
+
+def _tool_sandbox(backend):
+    mounts, env = tool_sandbox_options()
+    return sandbox(backend, mounts=mounts, env=env)
+
+
+FIND_SECRETS = r"""
+import os
+hits = []
+for root, dirs, files in os.walk("/"):
+    dirs[:] = [d for d in dirs if os.path.join(root, d) not in ("/proc", "/sys", "/dev")]
+    hits += [os.path.join(root, n) for n in files if n.endswith(".jsonl") or n in ("pyvenv.cfg", "daemon.json")]
+print("\\n".join(hits))
+"""
+# what the project's venv holds and a sandbox's python has no business importing
+VENV_ONLY = ("gymnasium", "agentrl.envs", "agentrl.rollout", "transformers", "torch")
+SERVER_IMPORT = ("import sys, importlib.util as u; sys.path[:0] = ['/opt/agentrl', '/opt/agentrl-site']; "
+                 f"import agentrl.tools.builtin_server, mcp; print([m for m in {VENV_ONLY!r} if u.find_spec(m)])")
+
+
+def test_nothing_of_the_grader_or_host_is_visible(backend):
+    repo = str(Path(agentrl.__file__).resolve().parents[1])
+    host_name = socket.gethostname()
+
+    async def go():
+        async with _tool_sandbox(backend) as sb:
+            r = await sb.exec(["python3", "-c", FIND_SECRETS], timeout=60)
+            assert r.exit_code == 0 and r.stdout.strip() == "", r.stdout[-2000:]
+            # no task file, reference solution or host venv anywhere
+            r = await sb.exec("grep -rl canonical_solution /opt /usr/lib/python3* 2>/dev/null | head -3", timeout=60)
+            assert r.stdout == "", r
+            mountinfo = (await sb.exec("cat /proc/self/mountinfo")).stdout
+            for host_path in {repo, sys.prefix, str(Path(sys.prefix).resolve())}:
+                assert host_path not in mountinfo, (host_path, mountinfo)
+            etc = await sb.exec("cat /etc/hostname; ls /etc/docker /etc/hostname.host 2>&1 | head -2")
+            assert etc.stdout.splitlines()[0] == "sandbox" and host_name not in etc.stdout, etc
+            # what the tool servers need is there; nothing else of agentrl or of the venv
+            r = await sb.exec(["python3", "-I", "-c", SERVER_IMPORT], timeout=60)
+            assert r.stdout == "[]\n", r
+    run(go())
+
+
+def test_local_etc_is_the_sandbox_own(backend):
+    if backend != "local":
+        pytest.skip("docker: /etc is the image's")
+    host_users = {line.split(":")[0] for line in Path("/etc/passwd").read_text().splitlines() if line}
+
+    async def go():
+        async with sandbox(backend) as sb:
+            users = {line.split(":")[0] for line in (await sb.exec("cat /etc/passwd")).stdout.splitlines()}
+            assert users == {"root", "sandbox", "nobody"}, users
+            assert host_users - users  # the host has users the sandbox does not show
+            r = await sb.exec("whoami; python3 -c 'import ssl, json; print(1)'; awk 'BEGIN{print 2}'")
+            assert r.stdout == "sandbox\n1\n2\n", r
+    run(go())
+
+
+PLANT = "open('/work/HIJACKED', 'a').write(__name__ + '\\n')\n"
+
+
+def test_restarted_server_imports_nothing_planted_and_taints(backend):
+    async def go():
+        async with _tool_sandbox(backend) as sb:
+            for mod in ("base64", "json", "argparse", "runpy", "ctypes", "selectors", "subprocess", "signal"):
+                await sb.write_file(f"{mod}.py", PLANT)
+            await sb.write_file("sitecustomize.py", PLANT)
+            sb._chan.kill()  # the server dies (what `kill -9` from inside does on local)
+            r = await sb.exec("echo honest-output; exit 3")
+            assert r.exit_code == 137 and sb.tainted  # reported, then restarted
+            r = await sb.exec("echo honest-output; exit 3")
+            assert (r.exit_code, r.stdout) == (3, "honest-output\n"), r
+            assert (await sb.exec("ls /work/HIJACKED")).exit_code != 0
+            assert await sb.reset() is False  # a tainted sandbox is never proven clean
+    run(go())
+
+
+PROBE_SERVER = r"""
+import os
+ppid = os.getppid()
+for path, mode in ((f"/proc/{ppid}/mem", "r+b"), (f"/proc/{ppid}/fd/1", "wb"), (f"/proc/{ppid}/fd/0", "rb"),
+                   (f"/proc/{ppid}/environ", "rb")):
+    try:
+        with open(path, mode) as f:
+            f.write(b'{"id": 1, "exit_code": 0}\n') if "b" in mode and "w" in mode else f.read(1)
+        print("OPENED", path)
+    except OSError as e:
+        print("refused", path, e.errno)
+print("fds", sorted(os.listdir("/proc/self/fd")))
+"""
+
+
+def test_servers_memory_and_pipes_out_of_reach(backend):
+    async def go():
+        async with sandbox(backend) as sb:
+            r = await sb.exec(["python3", "-c", PROBE_SERVER])
+            assert "OPENED" not in r.stdout and r.stdout.count("refused") == 4, r
+            assert "fds ['0', '1', '2', '3']" in r.stdout, r  # nothing inherited (3: the listdir)
+            r = await sb.exec("kill -STOP $PPID; kill -9 $PPID; echo sent")
+            if backend == "docker":  # a uid pair the agent's uid cannot signal
+                assert "Operation not permitted" in r.stderr and not sb.tainted, r
+                r = await sb.exec("echo still; exit 4")
+                assert (r.exit_code, r.stdout) == (4, "still\n")
+            else:  # its parent and uid: killed, then restarted, and the sandbox is tainted
+                await sb.exec("true")
+                assert sb.tainted
+    run(go())
+
+
+IPC_PLANT = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+shm = libc.shmget(0x5EC, 4096, 0o1666)           # IPC_CREAT | 0666
+libc.shmat.restype = ctypes.c_void_p
+addr = libc.shmat(shm, None, 0)
+ctypes.memmove(addr, b"secret-of-trajectory-1", 22)
+msq = libc.msgget(0x5ED, 0o1666)
+sem = libc.semget(0x5EE, 1, 0o1666)
+mq = -1
+if os.path.isdir("/dev/mqueue"):
+    mq = libc.mq_open(b"/agentrl-secret", os.O_CREAT | os.O_RDWR, 0o666, None)
+open("/dev/shm/secret", "w").write("s")
+print(shm >= 0, msq >= 0, sem >= 0, mq)
+"""
+IPC_READ = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.shmget(0x5EC, 0, 0), libc.msgget(0x5ED, 0), libc.semget(0x5EE, 0, 0),
+      os.listdir("/dev/mqueue") if os.path.isdir("/dev/mqueue") else [], os.listdir("/dev/shm"))
+"""
+
+
+def test_reset_clears_ipc_and_every_writable_place(backend):
+    async def go():
+        async with sandbox(backend) as sb:
+            r = await sb.exec(["python3", "-c", IPC_PLANT])
+            assert r.stdout.startswith("True True True"), r
+            if backend == "docker":
+                assert int(r.stdout.split()[3]) >= 0, r  # a POSIX queue was made
+            assert "-1 -1 -1" not in (await sb.exec(["python3", "-c", IPC_READ])).stdout
+            assert await sb.reset()
+            r = await sb.exec(["python3", "-c", IPC_READ])
+            assert r.stdout == "-1 -1 -1 [] []\n", r
+    run(go())
+
+
+FIND_WRITABLE = r"""
+import os
+seen = set()
+for line in open("/proc/self/mountinfo"):
+    mnt = line.split()[4]
+    if mnt.startswith(("/proc", "/sys")) or mnt in seen:
+        continue
+    seen.add(mnt)
+    try:
+        path = os.path.join(mnt, ".agentrl-probe")
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+        os.unlink(path)
+        print(mnt)
+    except OSError:
+        pass
+"""
+
+
+def test_reset_covers_every_writable_mount(backend):
+    """A new writable place (a tmpfs added to a backend) must join the reset's list."""
+    async def go():
+        async with _tool_sandbox(backend) as sb:
+            r = await sb.exec(["python3", "-c", FIND_WRITABLE])
+            assert set(r.stdout.split()) <= set(WRITABLE), r.stdout
+            assert {"/work", "/tmp"} <= set(r.stdout.split())
+    run(go())
+
+
+def test_fifo_in_place_of_a_file_is_refused_at_once(backend):
+    async def go():
+        async with sandbox(backend) as sb:
+            await sb.exec("mkfifo /work/solution.py")
+            t0 = time.monotonic()
+            with pytest.raises(OSError, match="not a regular file"):
+                await sb.read_file("solution.py")
+            with pytest.raises(OSError):  # ENXIO: a FIFO nobody reads
+                await sb.write_file("solution.py", "x")
+            assert time.monotonic() - t0 < 5 and not sb.tainted
+    run(go())
+
+
+def test_pool_never_hands_out_a_tainted_sandbox(backend):
+    async def go():
+        async with SandboxPool(backend, warm=1, max_active=1, limits=SMALL) as pool:
+            async with pool.acquire() as sb:
+                first = sb
+                sb._chan.kill()
+                await sb.exec("true")  # restarts the server: tainted
+            async with pool.acquire() as sb:
+                assert sb is not first and first.closed
+            assert pool.metrics()["tainted"] == 1
+    run(go(), timeout=180)
+
+
+def _sandboxes_of_this_run(backend: str) -> set[str]:
+    if backend == "docker":
+        from agentrl.sandboxes.docker_backend import list_containers
+        return {c.name for c in list_containers(all_runs=False)}
+    from agentrl.sandboxes.local_backend import list_dirs
+    return {d.name for d, owner in list_dirs() if owner.get("run_id") == RUN_ID}
+
+
+def test_pool_close_during_warmup_leaves_nothing(backend):
+    async def go():
+        before = _sandboxes_of_this_run(backend)
+        pool = SandboxPool(backend, warm=3, max_active=2, limits=SMALL)
+        sb = await pool.get()  # starts warming 3 more in the background
+        await pool.release(sb)
+        await asyncio.sleep(0.3)  # the warm-ups are mid-creation
+        await pool.close()
+        assert _sandboxes_of_this_run(backend) == before
+    run(go(), timeout=180)
