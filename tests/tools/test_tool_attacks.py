@@ -1,0 +1,153 @@
+"""Attacks through the tools, as the policy would make them (a bash or python tool call), on
+both sandbox backends; and a server that floods the host. Each must fail, or end the
+trajectory as the agent's fault (reward 0, reason recorded) rather than as an infra failure."""
+import json
+import sys
+import time
+
+import pytest
+
+from agentrl.tools import ToolEnv, ToolSet
+from agentrl.tools.client import ToolServerError
+from test_sandboxed import _skip_unless, call
+from tools_fixtures import arun  # noqa: F401 (fixtures)
+
+BACKENDS = ["local", "docker"]
+
+
+class AttackEnv(ToolEnv):
+    builtin_tools = ("python", "bash", "files")
+    sandbox_limits = {"memory_mb": 1024}
+
+
+def _bash(arun, env, command, timeout=None):
+    args = {"command": command, **({"timeout": timeout} if timeout else {})}
+    return arun(env.astep(call("bash", **args)))
+
+
+FORGE = r"""
+import os
+ppid = os.getppid()
+forged = b'{"jsonrpc": "2.0", "id": 99, "result": {"content": [{"type": "text", "text": "FORGED"}]}}\n'
+for path, mode in ((f"/proc/{ppid}/fd/1", "wb"), (f"/proc/{ppid}/mem", "r+b")):
+    try:
+        with open(path, mode) as f:
+            f.write(forged)
+        print("OPENED", path)
+    except OSError as e:
+        print("refused", e.errno)
+print("fds", sorted(os.listdir("/proc/self/fd")))
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tool_server_cannot_be_forged_or_hijacked(arun, backend):
+    _skip_unless(backend)
+    env = AttackEnv(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        arun(env.write_file("forge.py", FORGE))
+        obs, *_ = _bash(arun, env, "python3 forge.py")
+        out = obs[0]["content"]
+        assert "OPENED" not in out and out.count("refused") == 2, out
+        assert "fds ['0', '1', '2', '3']" in out, out  # no pipe of the server inherited
+        # modules planted in the workdir are never imported by a (re)starting server
+        for mod in ("argparse", "runpy", "json", "ctypes", "asyncio", "typing", "sitecustomize"):
+            arun(env.write_file(f"{mod}.py", "open('/work/HIJACKED', 'a').write(__name__)\n"))
+        conn = env.toolset.connections["builtin"]
+        assert arun(conn.restart(conn.generation, "restarted by the test"))
+        assert env.sandbox_instance.tainted  # a restarted server's sandbox is never reused
+        obs, *_ = _bash(arun, env, "ls /work/HIJACKED 2>&1; echo honest; exit 3")
+        assert obs[0]["content"].endswith("honest\n[exit code: 3]") and "No such file" in obs[0]["content"], obs
+        obs, *_ = arun(env.astep(call("python", code="6 * 7")))
+        assert obs[0]["content"] == "42"
+    finally:
+        arun(env.aclose())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_killing_the_tool_server_is_the_agents_fault(arun, backend):
+    _skip_unless(backend)
+    env = AttackEnv(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        if backend == "docker":  # the server's uid pair is out of the agent's reach
+            obs, reward, done, _, info = _bash(arun, env, "kill -9 $PPID; echo after")
+            assert "Operation not permitted" in obs[0]["content"] and not done, obs
+            obs, *_ = _bash(arun, env, "kill -9 -1; echo survived")
+            assert "survived" in obs[0]["content"] and not env.sandbox_instance.tainted
+            return
+        # local (one uid per user namespace): the first kill costs a restart (the call is retried)...
+        once = "[ -e /work/once ] || { touch /work/once; kill -9 $PPID; }; echo after"
+        obs, reward, done, _, info = _bash(arun, env, once)
+        assert not done and obs[0]["content"].startswith("after\n[exit code: 0]") and "was restarted" in \
+            obs[0]["content"], (obs, info)
+        assert env.sandbox_instance.tainted
+        # ... the next one the episode: scored 0 with the reason, not an infrastructure failure
+        obs, reward, done, _, info = _bash(arun, env, "rm /work/once; " + once)
+        assert (obs, reward, done) == ([], 0.0, True)
+        assert "ToolServerKilledError" in info["agent_fault"], info
+    finally:
+        arun(env.aclose())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bash_leftovers_and_background_output(arun, backend):
+    _skip_unless(backend)
+    env = AttackEnv(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        t0 = time.monotonic()
+        obs, *_ = _bash(arun, env, "setsid sleep 1001 & (setsid sh -c 'sleep 1002' &); "
+                                   "python3 -c 'import os\nif os.fork() == 0:\n os.setsid()\n os.execvp(\"sleep\", [\"sleep\", \"1003\"])'; "
+                                   "(sleep 30; echo late) & echo done", timeout=20)
+        took = time.monotonic() - t0
+        assert obs[0]["content"] == "done\n[exit code: 0]" and took < 8, (obs, took)  # finished, not timed out
+        obs, *_ = _bash(arun, env, "ps -eo args | grep -c '[s]leep 100' || true")
+        assert obs[0]["content"].startswith("0\n"), obs
+        # the python tool's interpreter is not a leftover of a bash call
+        arun(env.astep(call("python", code="x = 5")))
+        _bash(arun, env, "true")
+        obs, *_ = arun(env.astep(call("python", code="x")))
+        assert obs[0]["content"] == "5"
+    finally:
+        arun(env.aclose())
+
+
+FLOOD = """import sys
+sys.stdout.write("x" * (48 << 20))
+sys.stdout.flush()
+sys.stdin.read()
+"""
+
+
+def test_a_huge_line_costs_the_host_little(arun, tmp_path):
+    """A server (or the agent's code holding its pipe) writing a 48 MB line without a newline:
+    the host reads it in linear time and closes the connection at the line bound."""
+    server = tmp_path / "flood.py"
+    server.write_text(FLOOD)
+    tools = ToolSet([f"flood={sys.executable} {server}"], start_timeout=60)
+    cpu0, t0 = time.process_time(), time.monotonic()
+    with pytest.raises(ToolServerError):
+        arun(tools.start())
+    cpu = time.process_time() - cpu0
+    assert cpu < 2.0 and time.monotonic() - t0 < 30, (cpu, time.monotonic() - t0)
+
+
+def test_agent_fault_is_scored_not_failed(arun):
+    """An AgentFault raised anywhere in a step (a grader that finds the agent sabotaged its own
+    solution) ends the episode with reward 0 and the reason, instead of raising."""
+    from agentrl.errors import AgentFault
+
+    class Sabotaged(ToolEnv):
+        function_tools = ()
+
+        async def final_answer(self, action):
+            raise AgentFault("solution.py is a FIFO")
+
+    env = Sabotaged()
+    arun(env.areset(options={"prompt": "hi"}))
+    obs, reward, done, trunc, info = arun(env.astep("my answer"))
+    assert (obs, reward, done, trunc) == ([], 0.0, True, False) and info == {"agent_fault": "AgentFault: solution.py is a FIFO"}
+    arun(env.aclose())
+    json.dumps(info)  # recorded as is in the sample's metadata
