@@ -21,19 +21,23 @@ Backends (`resolve_backend(name)` maps the CLI's `--sandbox docker|local|auto`):
 
 Isolation defaults (both backends): no network (`network=True` to opt in), read-only root,
 private writable /work (size-capped) and /tmp, memory / CPU / pids / wall-time / output
-limits (`SandboxLimits`), uid 1000 (never root), all capabilities dropped,
+limits (`SandboxLimits`), commands as uid 1000 (never root) with no capabilities,
 no-new-privileges, a clean environment (nothing of the host's env leaks in). Processes a
-command leaves behind are killed when `exec` returns.
+command leaves behind are killed when `exec` returns. The servers inside (exec, MCP tools)
+start isolated from the workdir (`python3 -I`, cwd /) under `base.SERVER_IDENTITY`: not
+dumpable, and on docker a uid pair the agent's uid cannot signal. A sandbox whose server
+was restarted is `tainted` (a pool never reuses it). The README's "Sandboxes: the threat
+model" says what holds for which deployment.
 
 Failures: a failing command is an `ExecResult`; a broken sandbox raises `SandboxError`
 (mark the trajectory failed, don't score it). A missing image raises `ImageNotFoundError`.
 
-Tool servers inside the sandbox: `proc = await sb.spawn(["python3", "-m", "agentrl.tools.python_server"],
-env={"PYTHONPATH": "/opt/agentrl"})` returns an asyncio Process with stdin/stdout pipes;
-`sb.spawn_argv(argv)` is the equivalent host command line (for an MCP stdio client). To
-make the agentrl sources importable inside, mount them read-only:
-`create(..., mounts={os.path.dirname(agentrl.__path__[0]): "/opt/agentrl"})` — the package
-folders must then be importable from there (see `agentrl_source_mounts()`).
+Tool servers inside the sandbox: `sb.spawn(argv)` returns an asyncio Process with
+stdin/stdout pipes; `sb.spawn_argv(argv)` is the equivalent host command line (for an MCP
+stdio client). The built-in tool servers need `agentrl.tools.spec.tool_sandbox_options()`
+mounts (their sources and the mcp SDK's closure only, staged by `stage.py`);
+`agentrl_source_mounts()` makes all of agentrl importable (never where an agent runs: with
+site_packages it shows the host's virtualenv).
 
 Graders: mount the grader's files read-only (`mounts={host_dir: "/grader"}`); the agent
 cannot change them. Run the grader in a fresh sandbox (or on the host) for full trust.
