@@ -12,10 +12,10 @@ Public API (everything else is internal):
     env = agentrl.make("my-env")
 """
 
-from agentrl.env import Action, Env, GymTextEnv
+from agentrl.env import Action, ChatObservation, Env, GymTextEnv, TextSpace
 from agentrl.errors import AgentRLError
 from agentrl.registry import list_envs, make, register_env
 from agentrl.types import Sample, SampleStatus
 
-__all__ = ["Action", "AgentRLError", "Env", "GymTextEnv", "Sample", "SampleStatus", "list_envs", "make",
-           "register_env"]
+__all__ = ["Action", "AgentRLError", "ChatObservation", "Env", "GymTextEnv", "Sample", "SampleStatus", "TextSpace",
+           "list_envs", "make", "register_env"]

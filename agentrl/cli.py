@@ -85,7 +85,7 @@ def cmd_eval(argv: list[str]) -> int:
 def cmd_envs(argv: list[str]) -> int:
     import argparse
 
-    from agentrl.registry import get_spec, import_env_module, list_envs
+    from agentrl.registry import description_of, get_spec, import_env_module, list_envs
 
     parser = argparse.ArgumentParser(prog="agentrl envs")
     parser.add_argument("action", choices=["list", "show"])
@@ -109,15 +109,20 @@ def cmd_envs(argv: list[str]) -> int:
     print(f"name:        {spec.name}")
     print(f"class:       {spec.qualified_name}")
     print(f"registered:  {spec.source}")
-    print(f"description: {spec.description or getattr(cls, 'description', '')}")
+    print(f"description: {spec.description or description_of(cls)}")
     print(f"max turns:   {getattr(cls, 'max_turns', '?')}")
     print(f"tool parser: {getattr(cls, 'tool_parser', None)}")
     print(f"tools:       {', '.join(getattr(cls, 'tool_names', ()) or ()) or '(none declared statically)'}")
     has_data = getattr(cls, "dataset", None) is not None and cls.dataset.__func__ is not _base_dataset()
-    print(f"dataset:     {'built-in task generator/dataset' if has_data else 'none: needs --prompt-data'}")
+    print("dataset:     " + ("built-in task generator/dataset" if has_data else
+                             "none: each group's episode comes from its seed (reset(seed=..., options=None)), "
+                             "or give --prompt-data"))
     print(f"defaults:    {getattr(cls, 'default_config', {}) or '{}'}")
-    init = inspect.signature(cls.__init__) if inspect.isclass(cls) else inspect.signature(cls)
-    print(f"options:     {init}")
+    try:  # a class's signature is its constructor's, without self; eval_str: `bool`, not `'bool'`
+        options = inspect.signature(cls, eval_str=True).parameters
+    except (NameError, TypeError, SyntaxError):
+        options = inspect.signature(cls).parameters
+    print(f"options:     {', '.join(map(str, options.values())) or '(none)'}")
     doc = inspect.getdoc(cls)
     if doc:
         print("\n" + doc)

@@ -1,7 +1,8 @@
 """Prompt sources and their position, so a resumed run continues where it stopped.
 
 A task is a dict ``{"prompt": str | list[message], "label": ..., "metadata": {...},
-"env": optional env name}``; it reaches the env as ``reset(options=task)``.
+"env": optional env name}``; it reaches the env as ``reset(options=task)``. An env without a
+dataset gets empty tasks (`seed_tasks`): ``reset(seed=<the group's seed>, options=None)``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ def shuffled_epochs(rows: list[dict], seed: int = 0) -> Iterator[dict]:
         epoch += 1
 
 
+def seed_tasks() -> Iterator[dict]:
+    """The tasks of an env without a dataset: empty, endlessly. Each group's env makes its
+    episode from the group's own seed alone: ``reset(seed=..., options=None)``."""
+    while True:
+        yield {}
+
+
 class PromptSource:
     """Hands out batches of tasks; `state_dict()` is the data position for resume.
 
@@ -130,7 +138,8 @@ class PromptSource:
                     batch.append(next(self._iter))
             self.consumed += 1
         for i, task in enumerate(batch):
-            _check_prompt(task.get("prompt"), f"task {self.consumed - len(batch) + i}")
+            if task:  # {}: a seed-only task (seed_tasks)
+                _check_prompt(task.get("prompt"), f"task {self.consumed - len(batch) + i}")
         return batch
 
     def state_dict(self) -> dict:

@@ -37,6 +37,9 @@ class Progress:
         line = (f"iter {m['rollout_id']}: reward {m['reward_mean']:.3f}  len {m['response_len_mean']:.1f}  "
                 f"turns {m['turns_mean']:.1f}  {m['tokens_per_s']:.0f} tok/s  "
                 f"rollout {m['rollout_s']:.1f}s train {m.get('train_s', 0.0):.1f}s sync {m.get('weight_sync_s', 0.0):.2f}s")
+        if m.get("status_truncated"):  # and why: "truncated 3 (no room for another turn 2, max_turns 1)"
+            reasons = ", ".join(f"{k[10:]} {v}" for k, v in m.items() if k.startswith("truncated/") and v)
+            line += f"  truncated {m['status_truncated']}" + (f" ({reasons})" if reasons else "")
         if m.get("status_failed"):
             line += f"  failed {m['status_failed']}"
         for key, value in m.items():  # eval/<name>/reward_mean, on the iterations that evaluated

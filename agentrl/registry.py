@@ -78,11 +78,16 @@ def register_env(name: str, *, description: str | None = None):
             source = f"{inspect.getsourcefile(obj)}:{inspect.getsourcelines(obj)[1]}"
         except (OSError, TypeError):
             source = getattr(obj, "__module__", "?")
-        desc = description or getattr(obj, "description", "") or (inspect.getdoc(obj) or "").split("\n")[0]
+        desc = description or description_of(obj)
         _add(EnvSpec(name=name, entry_point=obj, source=source, description=desc))
         return obj
 
     return decorator
+
+
+def description_of(obj) -> str:
+    """An env's one-line description: its `description`, else its docstring's first line."""
+    return getattr(obj, "description", "") or (inspect.getdoc(obj) or "").split("\n")[0]
 
 
 def load_entry_points() -> None:
@@ -134,8 +139,7 @@ def list_envs() -> list[EnvSpec]:
     for spec in _REGISTRY.values():  # descriptions come from the loaded objects
         if not spec.description:
             try:
-                obj = spec.load()
-                spec.description = getattr(obj, "description", "") or (inspect.getdoc(obj) or "").split("\n")[0]
+                spec.description = description_of(spec.load())
             except Exception as exc:  # listing must not die on one broken env
                 spec.description = f"(cannot import: {exc})"
     return sorted(_REGISTRY.values(), key=lambda s: s.name)
@@ -155,11 +159,13 @@ def get_spec(name: str) -> EnvSpec:
     return _REGISTRY[name]
 
 
-def make(name: str, **kwargs):
-    """Build the env registered under `name`."""
+def make(name: str | EnvSpec, **kwargs):
+    """Build the env registered under `name` (or described by a spec from `list_envs`)."""
     from agentrl.env import Env
 
-    factory = get_spec(name).load()
+    spec = name if isinstance(name, EnvSpec) else get_spec(name)
+    name = spec.name
+    factory = spec.load()
     try:
         env = factory(**kwargs)
     except Exception as exc:

@@ -15,6 +15,7 @@ import inspect
 import json
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from agentrl.config import Config
-from agentrl.data import PromptSource, read_rows
+from agentrl.data import PromptSource, read_rows, seed_tasks
 from agentrl.engines.colocate import wait_idle
 from agentrl.engines.group import EngineGroup, start_engines
 from agentrl.rollout.affinity import affinity_metrics
@@ -58,6 +59,8 @@ def train(cfg: Config) -> Path:
     env_cls = build_env_lookup(cfg)
     tool_kwargs(cfg, env_cls, pool=None)  # a flag the env cannot take fails now, not per trajectory
     source = build_prompt_source(cfg, env_cls)
+    if warning := turn_budget_warning(cfg, env_cls):
+        progress.note(f"warning: {warning}")
     reward_fn = build_reward_fn(cfg)
     check_hooks(cfg)  # slime's generate / rollout functions: loadable, with slime's arguments
     replay = load_debug_rollouts(cfg.run.load_debug_rollout_data) if cfg.run.debug_train_only else None
@@ -391,6 +394,8 @@ def rollout_metrics(rollout_id: int, samples: list[Sample], seconds: float) -> d
     generated = sum(s.num_trained_tokens for s in samples)
     rewards = [s.reward_value for s in ok] or [0.0]
     status = {f"status_{st.value}": sum(s.status == st for s in samples) for st in SampleStatus}
+    truncations = Counter(s.metadata.get("truncation") for s in samples if s.status == SampleStatus.TRUNCATED)
+    status |= {f"truncated/{reason}": n for reason, n in sorted(truncations.items(), key=str)}
     gen_s = [t.generate_s for s in samples for t in s.turn_timings]
     env_s = [t.env_s for s in samples for t in s.turn_timings]
     return {
@@ -549,9 +554,28 @@ def build_prompt_source(cfg: Config, env_cls) -> PromptSource:
                 get_spec(task["env"])
         return PromptSource(tasks, shuffle=d.rollout_shuffle, seed=cfg.run.seed)
     dataset = getattr(env_cls, "dataset", None)
-    if dataset is None or dataset(**cfg.run.env_kwargs) is None:
-        raise ConfigError(f"env {cfg.run.env!r} has no built-in dataset: give --prompt-data FILE.jsonl")
+    if dataset is None or dataset(**cfg.run.env_kwargs) is None:  # episodes from each group's seed
+        return PromptSource(generator=seed_tasks, seed=cfg.run.seed)
     return PromptSource(generator=lambda: dataset(seed=cfg.run.seed, **cfg.run.env_kwargs), seed=cfg.run.seed)
+
+
+def turn_budget_warning(cfg: Config, env_cls) -> str | None:
+    """Why --rollout-max-response-len (all turns, policy and env tokens) cannot fit the env's
+    turns, or None: trajectories would end "truncated (no room for another turn)"."""
+    r = cfg.rollout
+    turns = int(r.max_turns or cfg.run.env_kwargs.get("max_turns") or getattr(env_cls, "max_turns", 1))
+    if turns <= 1:
+        return None
+    budget = (f"--rollout-max-response-len {r.rollout_max_response_len} is the budget of all {turns} turns of env "
+              f"{cfg.run.env!r} together (policy and env tokens)")
+    if r.rollout_max_tokens_per_turn is None:
+        return (f"{budget}, and with no --rollout-max-tokens-per-turn the first turn may use all of it: later "
+                f"turns end truncated (no room for another turn). Set --rollout-max-tokens-per-turn "
+                f"{max(1, r.rollout_max_response_len // turns)} or lower, or raise the budget.")
+    if 2 * r.rollout_max_tokens_per_turn > r.rollout_max_response_len:
+        return (f"{budget}: a first turn of --rollout-max-tokens-per-turn {r.rollout_max_tokens_per_turn} leaves "
+                "no room for a second one; later turns end truncated (no room for another turn).")
+    return None
 
 
 def tool_kwargs(cfg: Config, env_factory, pool) -> dict:

@@ -33,8 +33,9 @@ class TargetTokenEnv(Env):
             yield {"prompt": f"Repeat the word: {word}", "label": word}
 
     def reset(self, *, seed=None, options=None):
-        options = options or {}
-        self.target = str(options.get("label") or random.Random(seed).choice(self.targets))
+        super().reset(seed=seed)
+        options = options or {}  # no task given: the target is drawn with the seeded np_random
+        self.target = str(options.get("label") or self.targets[self.np_random.integers(len(self.targets))])
         return options.get("prompt") or f"Repeat the word: {self.target}", {}
 
     def step(self, action):

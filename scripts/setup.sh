@@ -23,7 +23,8 @@ fi
 stamp=.venv/.agentrl-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e ".[test]"
+  # setuptools' banner for every editable install ("folders ... with the same name as your package") is noise here
+  PYTHONWARNINGS="ignore:Editable installation" .venv/bin/pip install -q -e ".[test]"
   touch "$stamp"
 fi
 echo "agentrl installed in $(pwd)/.venv (enter it with: source .venv/bin/activate)"

@@ -144,3 +144,141 @@ def test_tool_env_runs_in_the_run_sandbox_pool_with_an_external_mcp_server(tmp_p
     assert all("shout" in t["prompt_text"] and "python" in t["prompt_text"] for t in traj)
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert row["sandbox/acquired"] >= 1 and "sandbox/active" in row
+
+
+# -- issue 21: every truncation says why; an env without a dataset trains from seeds ----------------
+import asyncio  # noqa: E402
+
+import agentrl  # noqa: E402
+from agentrl.config import parse_config  # noqa: E402
+from agentrl.progress import Progress  # noqa: E402
+from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory  # noqa: E402
+from agentrl.rollout.manager import generate_rollout  # noqa: E402
+from agentrl.train import build_prompt_source, rollout_metrics, turn_budget_warning  # noqa: E402
+from agentrl.types import SampleStatus  # noqa: E402
+from test_agent_loop import ScriptedClient  # noqa: E402
+
+
+class Talk(agentrl.Env):
+    """Three turns; the env answers each with `reply`; truncates itself after turn `cut_at`."""
+
+    max_turns = 3
+
+    def __init__(self, reply="ok", cut_at=None):
+        self.reply, self.cut_at = reply, cut_at
+
+    def reset(self, *, seed=None, options=None):
+        self.turn = 0
+        return "talk", {}
+
+    def step(self, action):
+        self.turn += 1
+        return self.reply, 0.0, False, self.turn == self.cut_at, {}
+
+
+def truncation(tokenizer, env, replies, max_len, max_turns=3):
+    settings = LoopSettings(max_response_len=max_len, max_turns=max_turns, sampling_params={"temperature": 1.0})
+    s = asyncio.run(run_trajectory(env, {"prompt": "talk"}, renderer=Renderer(tokenizer, True),
+                                   client=ScriptedClient(tokenizer, replies), settings=settings,
+                                   trajectory_id="t", group_id=0, seed=0))
+    assert s.status == SampleStatus.TRUNCATED, s.metadata.get("error")
+    return s.metadata["truncation"], s.num_turns
+
+
+def test_every_truncation_says_why(tokenizer):
+    assert truncation(tokenizer, Talk(), ["a", "b", "c"], 500, max_turns=2) == ("max_turns", 2)
+    assert truncation(tokenizer, Talk(cut_at=1), ["a", "b"], 500) == ("env", 1)
+    assert truncation(tokenizer, Talk(), ["one two three four five six seven"], 4) == ("max_response_len", 1)
+    # turn 1 fits; the env's long turn-2 message leaves the policy no room
+    assert truncation(tokenizer, Talk(reply="word " * 40), ["a"], 30) == ("no room for another turn", 1)
+
+
+def test_truncation_reasons_are_counted_in_metrics_and_on_the_console(tokenizer, capsys):
+    envs = [Talk(reply="word " * 40), Talk(reply="word " * 40), Talk()]
+    samples = []
+    for env, max_turns in zip(envs, (3, 3, 1)):
+        settings = LoopSettings(max_response_len=30, max_turns=max_turns, sampling_params={"temperature": 1.0})
+        samples.append(asyncio.run(run_trajectory(env, {"prompt": "x"}, renderer=Renderer(tokenizer, True),
+                                                  client=ScriptedClient(tokenizer, ["a"]), settings=settings,
+                                                  trajectory_id="t", group_id=0, seed=0)))
+    m = rollout_metrics(0, samples, 1.0)
+    assert m["status_truncated"] == 3
+    assert m["truncated/no room for another turn"] == 2 and m["truncated/max_turns"] == 1
+    Progress(enabled=False).iteration_done({**m, "tokens_per_s": 1.0})
+    assert "truncated 3 (max_turns 1, no room for another turn 2)" in capsys.readouterr().err
+
+
+class FromSeed(agentrl.Env):
+    """No dataset: the episode is made from the seed alone, as gymnasium envs do."""
+
+    max_turns = 1
+    resets: list = []
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        FromSeed.resets.append((seed, options))
+        return f"say {int(self.np_random.integers(1000))}", {}
+
+    def step(self, action):
+        return [], 1.0, True, False, {}
+
+
+def test_an_env_without_a_dataset_trains_from_each_groups_seed(tokenizer):
+    agentrl.register_env("from-seed-21")(FromSeed)
+    cfg, _ = parse_config(["--env", "from-seed-21", "--seed", "5"])
+    source = build_prompt_source(cfg, FromSeed)
+    tasks = source.next_batch(3)
+    assert tasks == [{}, {}, {}]
+    FromSeed.resets.clear()
+    samples = asyncio.run(generate_rollout(
+        tasks, make_env=lambda name: (FromSeed(), "from-seed-21"), n_samples=2, renderer=Renderer(tokenizer, True),
+        client=ScriptedClient(tokenizer, ["a"] * 6), run_seed=5, max_concurrency=4,
+        settings_for=lambda env: LoopSettings(max_response_len=8, max_turns=1, sampling_params={})))
+    assert all(s.status == SampleStatus.COMPLETED for s in samples)
+    assert all(options is None for _, options in FromSeed.resets)
+    by_group = {}
+    for s in samples:
+        by_group.setdefault(s.group_id, set()).add(tokenizer.decode(s.prompt_tokens))
+    assert len(by_group) == 3 and all(len(prompts) == 1 for prompts in by_group.values())  # one seed per group
+    assert len(set.union(*by_group.values())) == 3  # each group its own
+    assert len({seed for seed, _ in FromSeed.resets}) == 3 and len(FromSeed.resets) == 6
+
+
+def test_a_budget_that_cannot_fit_the_turns_is_warned_about():
+    def warning(*flags):
+        return turn_budget_warning(parse_config(["--env", "search-r1", *flags])[0],
+                                   agentrl.registry.get_spec("search-r1").load())
+
+    assert "--rollout-max-tokens-per-turn" in warning("--rollout-max-response-len", "48")
+    assert "no room for a second one" in warning("--rollout-max-response-len", "300",
+                                                 "--rollout-max-tokens-per-turn", "200")
+    assert warning("--rollout-max-response-len", "1024", "--rollout-max-tokens-per-turn", "256") is None
+    assert warning("--max-turns", "1", "--rollout-max-response-len", "48") is None
+
+
+def test_envs_show_prints_the_docstring_and_real_options(tmp_path):
+    (tmp_path / "doc_env.py").write_text(textwrap.dedent('''
+        import agentrl
+
+        @agentrl.register_env("doc-only")
+        class DocOnly(agentrl.Env):
+            """Described by its docstring alone.
+
+            Details below the first line."""
+
+        @agentrl.register_env("with-options")
+        class WithOptions(agentrl.Env):
+            def __init__(self, level: int = 2, name: str = "x"):
+                pass
+    '''))
+
+    def show(name):
+        proc = subprocess.run([agentrl_cli(), "envs", "show", name, "--env-module", str(tmp_path / "doc_env.py")],
+                              capture_output=True, text=True, timeout=120, env=run_env())
+        assert proc.returncode == 0, proc.stderr
+        return dict(line.split(":", 1) for line in proc.stdout.splitlines()[:10] if ":" in line)
+
+    doc_only = show("doc-only")
+    assert doc_only["description"].strip() == "Described by its docstring alone."
+    assert doc_only["options"].strip() == "(none)" and "from its seed" in doc_only["dataset"]
+    assert show("with-options")["options"].strip() == "level: int = 2, name: str = 'x'"

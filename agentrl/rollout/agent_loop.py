@@ -22,6 +22,14 @@ from agentrl.rollout.control import RolloutControl
 from agentrl.types import Sample, SampleStatus, TurnTiming
 
 
+# Why a trajectory ended truncated: Sample.metadata["truncation"], counted per reason in the metrics.
+TRUNCATED_MAX_TURNS = "max_turns"  # the env's (or --max-turns') turn limit
+TRUNCATED_RESPONSE_LEN = "max_response_len"  # the policy's tokens used up --rollout-max-response-len
+TRUNCATED_NO_ROOM = "no room for another turn"  # the env's next message would fill the rest of the budget
+TRUNCATED_BY_ENV = "env"  # the env's step returned truncated=True
+TRUNCATION_REASONS = (TRUNCATED_MAX_TURNS, TRUNCATED_RESPONSE_LEN, TRUNCATED_NO_ROOM, TRUNCATED_BY_ENV)
+
+
 @dataclass(frozen=True)
 class LoopSettings:
     max_response_len: int  # token budget for all turns together (policy + env tokens)
@@ -85,15 +93,16 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
     total_reward = 0.0
     reward_parts: dict[str, float] | None = None
     try:
-        obs, info = await env.areset(seed=seed, options=task)
+        obs, info = await env.areset(seed=seed, options=task or None)  # {}: a seed-only task
         messages = as_messages(obs)
         tools = info.get("tools")
         seen = renderer.render(messages, tools)  # the text of every token so far
         sample.prompt_tokens = renderer.encode(seen)
-        status = SampleStatus.TRUNCATED
+        status, truncation = SampleStatus.TRUNCATED, TRUNCATED_MAX_TURNS  # why, if it ends truncated
         for turn in range(settings.max_turns):
             budget = settings.max_response_len - sample.response_length
             if budget <= 0:
+                truncation = TRUNCATED_RESPONSE_LEN
                 break
             if settings.max_tokens_per_turn:
                 budget = min(budget, settings.max_tokens_per_turn)
@@ -141,14 +150,19 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 status = SampleStatus.COMPLETED
                 break
             if truncated or sample.response_length >= settings.max_response_len or turn + 1 == settings.max_turns:
+                truncation = (TRUNCATED_BY_ENV if truncated else TRUNCATED_RESPONSE_LEN
+                              if sample.response_length >= settings.max_response_len else TRUNCATED_MAX_TURNS)
                 break
             messages += as_messages(obs)
             extra, rendered = renderer.extension(sample, seen, messages, tools, turn + 1)
             if sample.response_length + len(extra) >= settings.max_response_len:
-                break  # no room left for the policy to answer: truncated
+                truncation = TRUNCATED_NO_ROOM  # the env's message fills the response budget
+                break
             sample.append_observation(extra)
             seen = rendered
         sample.status = status
+        if status == SampleStatus.TRUNCATED:
+            sample.metadata["truncation"] = truncation
         sample.reward = {**reward_parts, "score": total_reward} if reward_parts else total_reward
     except TemplateDriftError:
         raise  # a configuration bug, not a per-trajectory accident: stop the run loudly

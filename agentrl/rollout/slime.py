@@ -241,7 +241,7 @@ async def score(sample: AgentSample, task: dict, *, env: Env, seed: int, reward_
         if reward_fn is not None:
             sample.reward = await reward_fn(sample)
             return
-        await env.areset(seed=seed, options=task)
+        await env.areset(seed=seed, options=task or None)  # {}: a seed-only task
         ids = [t for t, m in zip(sample.response_tokens, sample.loss_mask) if m]
         if ids and ids[-1] == renderer.tokenizer.eos_token_id:
             ids = ids[:-1]

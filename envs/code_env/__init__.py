@@ -109,9 +109,10 @@ class CodeEnv(ToolEnv):
         if max_turns is not None:
             self.max_turns = int(max_turns)
         self.test_timeout = int(test_timeout)
+        self.dataset_kwargs = {"tasks": tasks}  # reset() without a task draws one from them
         if system_prompt is None:
             self.system_prompt = SYSTEM_PROMPT.format(solution_file=self.solution_files[0])
-        self.spec: HiddenTests | None = None
+        self.hidden: HiddenTests | None = None  # not `spec`: gymnasium's env.spec is the EnvSpec
         self.tool_calls = 0
 
     @classmethod
@@ -120,18 +121,18 @@ class CodeEnv(ToolEnv):
 
     # -- episode ---------------------------------------------------------------------------------
     async def setup(self, task):
-        self.spec = hidden_tests(task.get("label"), task.get("metadata"), task.get("prompt"))
+        self.hidden = hidden_tests(task.get("label"), task.get("metadata"), task.get("prompt"))
         self.tool_calls = 0
 
     def initial_messages(self, task):
         prompt = task.get("prompt", "")
         if isinstance(prompt, str):
             parts = [prompt.strip()]
-            entry = self.spec.entry_point if self.spec else None
+            entry = self.hidden.entry_point if self.hidden else None
             if entry:
                 parts.append(f"Define `{entry}` in {self.solution_files[0]}.")
-            if self.show_example and self.spec and self.spec.tests and not self.spec.tests[0].startswith("check("):
-                parts.append(f"For example, this must hold:\n```python\n{self.spec.tests[0]}\n```")
+            if self.show_example and self.hidden and self.hidden.tests and not self.hidden.tests[0].startswith("check("):
+                parts.append(f"For example, this must hold:\n```python\n{self.hidden.tests[0]}\n```")
             task = {**task, "prompt": "\n\n".join(parts)}
         return super().initial_messages(task)
 
@@ -163,7 +164,7 @@ class CodeEnv(ToolEnv):
         if not files:
             info["error"] = f"no {self.solution_files[0]} written and no ```python block in the final message"
             return [], 0.0, True, False, info
-        result: GradeResult = await grade(files, self.spec, main=self.solution_files[0], backend=self.grader_sandbox,
+        result: GradeResult = await grade(files, self.hidden, main=self.solution_files[0], backend=self.grader_sandbox,
                                           test_timeout=self.test_timeout)
         info.update(passed=result.passed, total=result.total,
                     test_errors=[d.get("error") for d in result.details if not d.get("passed")][:5])

@@ -50,9 +50,10 @@ class MathEnv(Env):
         return generate(seed=seed, n=n_problems)
 
     def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
         options = options or {}
-        if options.get("prompt") is None:  # no task given: draw one from the seeded generator
-            options = next(generate(seed=seed or 0, n=1))
+        if options.get("prompt") is None:  # no task given: a problem drawn with the seeded np_random
+            options = self.seeded_task()
         self.label = options.get("label")
         if self.label is None:
             raise ValueError("math: the task has no label (the gold answer); set --label-key")

@@ -156,6 +156,7 @@ class SearchR1Env(Env):
         if self.corpus and not Path(self.corpus).is_file():
             raise FileNotFoundError(f"search-r1: corpus {self.corpus} does not exist")
         self.search_server = search_server
+        self.dataset_kwargs = {"data": data, "split": split}  # reset() without a task draws a question from them
         if max_turns is not None:
             self.max_turns = int(max_turns)
         self.golds: list[str] = []
@@ -170,8 +171,11 @@ class SearchR1Env(Env):
         return shuffled_epochs(read_questions(data or DATA_DIR / f"{split}.jsonl"), seed)
 
     # -- episode ---------------------------------------------------------------------------------
-    def _start(self, options: dict | None) -> tuple[Any, dict]:
+    def _start(self, seed: int | None, options: dict | None) -> tuple[Any, dict]:
+        Env.reset(self, seed=seed)  # seeds np_random (gymnasium's super().reset; areset shares this)
         options = options or {}
+        if options.get("prompt") is None:  # no task given: a question drawn with the seeded np_random
+            options = self.seeded_task()
         prompt = options.get("prompt")
         if prompt is None:
             raise ValueError("search-r1: the task has no prompt (the question)")
@@ -188,10 +192,10 @@ class SearchR1Env(Env):
         return TEMPLATE.format(question=question), {}
 
     def reset(self, *, seed=None, options=None):
-        return self._start(options)
+        return self._start(seed, options)
 
     async def areset(self, *, seed=None, options=None):
-        return self._start(options)
+        return self._start(seed, options)
 
     def _judge(self, text: str):
         """(kind, content) of the action, and the final step's tuple if it ends the episode."""
