@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Coroutine, Mapping, Sequence
 
-from agentrl.errors import AgentFault, AgentRLError
+from agentrl.errors import AgentRLError
 
 log = logging.getLogger("agentrl.sandboxes")
 
@@ -65,11 +65,6 @@ RUN_ID = os.environ.get("AGENTRL_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
 class SandboxError(AgentRLError):
     """Infrastructure failure: the sandbox cannot start, died, or its engine is gone.
     Not a failed command (that is an `ExecResult` with a non-zero exit code)."""
-
-
-class AgentBrokeSandboxError(SandboxError, AgentFault):
-    """The sandbox broke in a way only code running inside it can cause (it killed or wedged a
-    server there while the sandbox itself stays alive): the agent's fault, not infrastructure."""
 
 
 class ImageNotFoundError(SandboxError):
@@ -415,7 +410,7 @@ class Sandbox:
                                     "data": base64.b64encode(data).decode()}, 60)
         if resp is None:
             await self._recover("write_file")
-            raise AgentBrokeSandboxError(f"sandbox {self.id}: exec server died during write_file")
+            raise SandboxError(f"sandbox {self.id}: exec server died during write_file")
         if "error" in resp:
             raise OSError(f"sandbox write_file({path!r}): {resp['error']}")
 
@@ -426,7 +421,7 @@ class Sandbox:
         resp = await self._request({"op": "read", "path": self._abs(path), "limit": max_bytes}, 60)
         if resp is None:
             await self._recover("read_file")
-            raise AgentBrokeSandboxError(f"sandbox {self.id}: exec server died during read_file")
+            raise SandboxError(f"sandbox {self.id}: exec server died during read_file")
         if "error" in resp:
             err = resp["error"]
             cls = FileNotFoundError if err.startswith("FileNotFoundError") else OSError

@@ -54,6 +54,8 @@ class Workdir:
     def read_text(self, full: Path, path: str) -> str:
         if full.is_dir():
             raise ToolError(f"{path!r} is a directory; use list_files to see what it holds")
+        if not full.is_file():  # a FIFO or device would hang the server
+            raise ToolError(f"{path!r} is not a regular file")
         data = full.read_bytes()
         if b"\0" in data[:8192]:
             raise ToolError(f"{path!r} is a binary file ({len(data)} bytes); it cannot be shown as text")
@@ -100,6 +102,8 @@ def add_file_tools(server: MCPServer, workdir: Path | str | None = None, max_out
         full = wd.resolve(path)
         if full.is_dir():
             raise ToolError(f"{path!r} is a directory; give a file path")
+        if full.exists() and not full.is_file():  # a FIFO or device would hang the server
+            raise ToolError(f"{path!r} is not a regular file")
         full.parent.mkdir(parents=True, exist_ok=True)
         full.write_text(content, encoding="utf-8")
         return f"wrote {len(content.encode())} bytes ({content.count(chr(10)) + bool(content and not content.endswith(chr(10)))} lines) to {wd.rel(full)}"

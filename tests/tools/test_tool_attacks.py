@@ -61,6 +61,10 @@ def test_tool_server_cannot_be_forged_or_hijacked(arun, backend):
         assert obs[0]["content"].endswith("honest\n[exit code: 3]") and "No such file" in obs[0]["content"], obs
         obs, *_ = arun(env.astep(call("python", code="6 * 7")))
         assert obs[0]["content"] == "42"
+        # a FIFO in place of a file does not hang the files tool
+        _bash(arun, env, "mkfifo /work/pipe")
+        obs, *_ = arun(env.astep(call("read_file", path="pipe") + call("write_file", path="pipe", content="x")))
+        assert [o["content"] for o in obs] == ["Error: 'pipe' is not a regular file"] * 2, obs
     finally:
         arun(env.aclose())
 
