@@ -4,15 +4,21 @@ line per iteration otherwise (logs, CI)."""
 from __future__ import annotations
 
 import sys
+import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 
 
 class Progress:
+    #: without a terminal, a "rollout: N trajectories done" line at most this often (seconds)
+    plain_every_s = 30.0
+
     def __init__(self, enabled: bool = True):
         self.console = Console(stderr=True)
+        self.enabled = enabled
         self.live = enabled and sys.stderr.isatty()
+        self._last_line = time.monotonic()
         self._bar: RichProgress | None = None
         self._task = None
         self._samples = 0
@@ -31,9 +37,12 @@ class Progress:
         self._samples += 1
         if self._bar is not None:
             self._bar.update(self._task, description=f"rollout: {self._samples} trajectories done")
+        elif self.enabled and time.monotonic() - self._last_line >= self.plain_every_s:  # logs, CI: still alive
+            self._last_line = time.monotonic()
+            self.console.print(f"  rollout: {self._samples} trajectories done", highlight=False, markup=False)
 
     def iteration_done(self, m: dict) -> None:
-        self._samples = 0
+        self._samples, self._last_line = 0, time.monotonic()
         line = (f"iter {m['rollout_id']}: reward {m['reward_mean']:.3f}  len {m['response_len_mean']:.1f}  "
                 f"turns {m['turns_mean']:.1f}  {m['tokens_per_s']:.0f} tok/s  "
                 f"rollout {m['rollout_s']:.1f}s train {m.get('train_s', 0.0):.1f}s sync {m.get('weight_sync_s', 0.0):.2f}s")

@@ -282,3 +282,15 @@ def test_envs_show_prints_the_docstring_and_real_options(tmp_path):
     assert doc_only["description"].strip() == "Described by its docstring alone."
     assert doc_only["options"].strip() == "(none)" and "from its seed" in doc_only["dataset"]
     assert show("with-options")["options"].strip() == "level: int = 2, name: str = 'x'"
+
+
+def test_without_a_terminal_a_long_iteration_still_prints_progress(capsys):
+    progress = Progress(enabled=True)  # stderr is not a TTY under pytest
+    progress.plain_every_s = 0.0
+    progress.advance_samples()
+    progress.advance_samples()
+    assert "rollout: 2 trajectories done" in capsys.readouterr().err
+    quiet = Progress(enabled=False)
+    quiet.plain_every_s = 0.0
+    quiet.advance_samples()
+    assert capsys.readouterr().err == ""
