@@ -143,11 +143,11 @@ class Env(gymnasium.Env):
 
     def close(self) -> None:
         """Closes an async env through `aclose` on its own loop (a sync env overrides `close`)."""
-        loop = self.__dict__.get("_sync_loop")
-        if type(self).aclose is not Env.aclose and (loop is not None or type(self).areset is not Env.areset):
+        cls = type(self)
+        if cls.aclose is not Env.aclose and cls.areset is not Env.areset:
             self._run_sync(self.aclose(), "close")
+        loop, self._sync_loop = self.__dict__.get("_sync_loop"), None
         if loop is not None:
-            self._sync_loop = None
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
