@@ -189,6 +189,20 @@ class TrainConfig(Section):
     """Megatron: form micro-batches by token budget (packed sequences) instead of --micro-batch-size."""
     save_hf: str | None = None
     """Megatron: also write an HF checkpoint here at every save ({rollout_id} is filled in)."""
+    lora_rank: int = Field(0, ge=0)
+    """LoRA adapter rank; 0 trains every weight. With a rank the base weights are frozen (no grads, no
+    optimizer state) and only the adapters train (PyTorch: peft; Megatron: adapters on its parallel linears)."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA scale numerator: the adapter's output is multiplied by lora_alpha / lora_rank."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training."""
+    target_modules: list[str] = ["all-linear"]
+    """Linear layers that get adapters, by peft's names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj, or all-linear (every one of them; never the LM head) [repeatable or comma-separated]."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """How LoRA weights reach the engines: merged (W + B A in the base weights' names, through
+    --weight-sync-mode: any engine) or adapter (only the adapter, a peft folder loaded with
+    /load_lora_adapter; each request names the current version)."""
 
 
 class RunConfig(Section):
@@ -438,6 +452,17 @@ def parse_config(argv: list[str], env_defaults_for=None, parser: argparse.Argume
 
 
 TINY_MODEL_LR, CHECKPOINT_LR, SFT_CHECKPOINT_LR = 3e-3, 1e-6, 1e-5
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_target_modules(names: list[str]) -> list[str]:
+    """--target-modules -> the peft module names it means (comma lists split, all-linear expanded)."""
+    wanted = [n.strip() for name in names for n in name.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in LORA_MODULES and n != "all-linear"]
+    if unknown or not wanted:
+        raise ConfigError(f"--target-modules: unknown {unknown or 'empty'}; choose from {', '.join(LORA_MODULES)} "
+                          "or all-linear")
+    return list(LORA_MODULES) if "all-linear" in wanted else list(dict.fromkeys(wanted))
 
 
 def resolve(layers: dict) -> Config:
@@ -454,6 +479,9 @@ def resolve(layers: dict) -> Config:
             for e in exc.errors()
         )
         raise ConfigError(f"invalid config: {problems}") from None
+    lora_target_modules(cfg.train.target_modules)
+    if cfg.train.lora_rank and cfg.train.trainer == "megatron" and cfg.train.lora_sync == "adapter":
+        raise ConfigError("--lora-sync adapter: the Megatron trainer exports merged weights only; use --lora-sync merged")
     if cfg.train.loss_type == "sft_loss":
         return cfg  # no rollouts: the RL batch-size rules below do not apply
     total = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt

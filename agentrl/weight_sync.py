@@ -12,6 +12,9 @@ Three paths, the same for SGLang and the embedded engine (they speak one protoco
   broadcasts each tensor; NCCL for GPU tensors, gloo for CPU ones (the embedded engine).
 - from disk (`sync_weights_from_disk`): the trainer writes an HF checkpoint, every engine
   loads it with /update_weights_from_disk.
+- LoRA adapters only (`sync_lora_adapter`, --lora-sync adapter): the trainer writes the peft
+  adapter folder (MBs, not GBs), every engine loads it with /load_lora_adapter under the
+  version's name, and requests name it in /generate's `lora_path`.
 
 Every path sends to all engines at once and gives the last request `weight_version` and
 `flush_cache` (a prefix cache built under old weights is never reused).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -117,6 +121,32 @@ async def sync_weights_from_disk(clients: list[EngineClient], model_path: str, *
     payload = {"model_path": str(model_path), "weight_version": str(version), "flush_cache": True}
     await _all(clients, "/update_weights_from_disk", [payload] * len(clients))
     return {"weight_sync_s": time.perf_counter() - t0}
+
+
+def lora_adapter_name(version: int) -> str:
+    """The name each engine serves policy version `version`'s adapter under (requests' lora_path)."""
+    return f"agentrl-lora-v{version}"
+
+
+async def sync_lora_adapter(clients: list[EngineClient], folder: str, *, version: int,
+                            previous: int | None = None) -> dict[str, float]:
+    """LoRA (--lora-sync adapter): every engine loads the peft adapter folder the trainer wrote, as
+    `lora_adapter_name(version)` (SGLang's /load_lora_adapter; a name is never reloaded with new
+    weights, so each version has its own), takes `version` as its weight_version, then drops the
+    previous version's adapter (one an engine never had, after a restart, is not an error)."""
+    t0 = time.perf_counter()
+    name = lora_adapter_name(version)
+    load = {"lora_name": name, "lora_path": str(folder)}
+    await _all(clients, "/load_lora_adapter", [load] * len(clients))
+    await _all(clients, "/update_weight_version", [{"new_version": str(version), "abort_all_requests": False}] * len(clients))
+    if previous is not None and previous != version:
+        gone = {"lora_name": lora_adapter_name(previous)}
+        replies = await asyncio.gather(*[c.post("/unload_lora_adapter", gone) for c in clients])
+        for client, reply in zip(clients, replies):
+            if not reply.get("success") and "does not exist" not in str(reply.get("error_message")):
+                raise EngineError(f"/unload_lora_adapter rejected by {client.base_url}: {reply}")
+    size = sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file())
+    return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_mb": size / 2**20}
 
 
 class WeightUpdateGroup:

@@ -45,6 +45,8 @@ class TorchTrainer:
         self.train_cfg, self.algo, self.device = train, algo, device
         self.temperature = temperature if temperature > 0 else 1.0
         self.model = load_model(model_path, device=device, dtype=dtype)
+        if train.lora_rank:  # peft freezes the base weights: only the adapters get grads and optimizer state
+            self.model = wrap_lora(self.model, train)
         self.model.train()
         self.tokenizer = load_tokenizer(model_path)
         self.pad_id = self.tokenizer.pad_token_id or 0
@@ -52,7 +54,7 @@ class TorchTrainer:
         self.ref_model, self.ref_path = None, str(model_path)
         if needs_reference(algo):  # --use-kl-loss or --kl-coef: KL against the initial model
             self.ref_model = load_model(model_path, device=device, dtype=dtype).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr, weight_decay=train.weight_decay,
                                            betas=(train.adam_beta1, train.adam_beta2))
         self.critic = self.critic_optimizer = None
         if algo.advantage_estimator == "ppo":  # the critic: the policy's backbone with a scalar head
@@ -182,20 +184,53 @@ class TorchTrainer:
         return stats
 
     # -- weights and checkpoints -------------------------------------------------------------
+    @property
+    def lora(self) -> bool:
+        return bool(self.train_cfg.lora_rank)
+
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Weights in HF names, as the engine loads them (tied weights once)."""
-        for name, param in self.model.named_parameters():
-            yield name, param.detach()
+        """Weights in HF names, as the engine loads them (tied weights once); with LoRA the
+        adapters merged in (W + scale B A), so any engine serves them (--lora-sync merged)."""
+        if not self.lora:
+            for name, param in self.model.named_parameters():
+                yield name, param.detach()
+            return
+        base = self.model.get_base_model()
+        for name, param in base.named_parameters():
+            if ".lora_" in name:
+                continue
+            if ".base_layer." not in name:
+                yield name, param.detach()
+                continue
+            layer_name, _, leaf = name.partition(".base_layer.")
+            tensor = param.detach()
+            if leaf == "weight":
+                tensor = tensor + base.get_submodule(layer_name).get_delta_weight("default").to(tensor.dtype)
+            yield f"{layer_name}.{leaf}", tensor
 
     def save_hf(self, folder: str | Path) -> Path:
-        """An HF checkpoint the engines can load (the disk weight-sync path)."""
-        self.model.save_pretrained(folder)
+        """An HF checkpoint the engines can load (the disk weight-sync path); with LoRA, merged."""
+        if self.lora:
+            self.model.get_base_model().save_pretrained(folder, state_dict=dict(self.named_tensors()))
+        else:
+            self.model.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
+        return Path(folder)
+
+    def save_adapter(self, folder: str | Path) -> Path:
+        """The LoRA adapter alone, in peft's format (adapter_config.json, adapter_model.safetensors):
+        what `peft.PeftModel.from_pretrained` and SGLang's /load_lora_adapter read."""
+        self.model.save_pretrained(folder)
         return Path(folder)
 
     def save(self, folder: Path, extra_state: dict) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        self.save_hf(folder / "model")
+        if self.lora:  # model/: the frozen base (what engines start from), adapter/: what trained
+            self.model.get_base_model().save_pretrained(folder / "model", state_dict=dict(self._base_tensors()))
+            self.tokenizer.save_pretrained(folder / "model")
+            self.save_adapter(folder / "adapter")
+        else:
+            self.save_hf(folder / "model")
         torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
         if self.critic is not None:
             torch.save({"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},
@@ -205,9 +240,31 @@ class TorchTrainer:
         (folder / "trainer_state.json").write_text(json.dumps(
             {"version": self.version, "ref_model_path": str(Path(self.ref_path).resolve()), **extra_state}, indent=1))
 
+    def load_adapter_weights(self, folder: str | Path) -> None:
+        """The adapter weights of a peft folder (save_adapter's) into this trainer's adapters."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        adapter = load_file(str(Path(folder) / "adapter_model.safetensors"), device=str(self.device))
+        result = set_peft_model_state_dict(self.model, adapter)
+        if result.unexpected_keys:
+            raise ValueError(f"{folder}: adapter weights this model has no place for: {result.unexpected_keys[:5]}")
+
+    def _base_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """With LoRA: the frozen base weights in HF names (no adapter)."""
+        for name, param in self.model.get_base_model().named_parameters():
+            if ".lora_" not in name:
+                yield name.replace(".base_layer.", "."), param.detach()
+
     def load(self, folder: Path) -> dict:
-        fresh = load_model(folder / "model", device=self.device)
-        self.model.load_state_dict(fresh.state_dict())
+        if self.lora:
+            if not (folder / "adapter").is_dir():
+                raise FileNotFoundError(f"{folder}: no adapter/ (a checkpoint without --lora-rank cannot resume "
+                                        "a LoRA run)")
+            self.load_adapter_weights(folder / "adapter")
+        else:
+            fresh = load_model(folder / "model", device=self.device)
+            self.model.load_state_dict(fresh.state_dict())
         self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
         if self.critic is not None and (folder / "critic.pt").exists():
             critic = torch.load(folder / "critic.pt", weights_only=False)
@@ -225,6 +282,17 @@ class TorchTrainer:
             self.ref_model.load_state_dict(load_model(ref, device=self.device).state_dict())
             self.ref_path = ref
         return state
+
+
+def wrap_lora(model, train: TrainConfig):
+    """The HF model with peft LoRA adapters on --target-modules (base weights frozen)."""
+    from peft import LoraConfig, get_peft_model
+
+    from agentrl.config import lora_target_modules
+
+    config = LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, lora_dropout=train.lora_dropout,
+                        target_modules=lora_target_modules(train.target_modules), bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
 
 
 class ValueModel(torch.nn.Module):

@@ -22,7 +22,8 @@ Endpoints (SGLang 0.5.15 names, request fields and reply shapes): /generate, /he
 /abort_request, /pause_generation, /continue_generation, /update_weights_from_tensor,
 /update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed,
 /destroy_weights_update_group, /update_weight_version, /get_weights_by_name,
-/release_memory_occupation, /resume_memory_occupation, /get_load.
+/release_memory_occupation, /resume_memory_occupation, /get_load; with --enable-lora,
+/load_lora_adapter, /unload_lora_adapter and /generate's `lora_path` (agentrl/engines/lora.py).
 
 Strict where SGLang is: what kills SGLang's scheduler kills this engine too (the reply is a
 500 naming the cause, then the process exits), so a caller that would crash SGLang on a GPU
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 from aiohttp import web
 
+from agentrl.engines.lora import LoraAdapter, LoraServing
 from agentrl.engines.prefix_cache import PrefixCache, build_cache, layer_kv
 from agentrl.models import load_model, load_tokenizer
 
@@ -80,6 +82,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None
     cached_tokens: int = 0
+    adapter: LoraAdapter | None = None  # the LoRA adapter named by `lora_path` (None: the base model)
 
 
 def _stop_strings(value) -> list[str]:
@@ -105,7 +108,8 @@ def _abort(message: str = "aborted") -> dict:
 
 class EmbeddedEngine:
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 256,
-                 seed: int = 0, engine_id: str = "embedded", prefix_cache_tokens: int = 65536):
+                 seed: int = 0, engine_id: str = "embedded", prefix_cache_tokens: int = 65536,
+                 enable_lora: bool = False):
         self.model_path = model_path
         self.device = device
         self.dtype = dtype
@@ -120,6 +124,8 @@ class EmbeddedEngine:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.weight_version = "0"
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self.lora = LoraServing(self.model) if enable_lora else None  # --enable-lora, as SGLang's
+        self._prefix_caches = {None: self.prefix_cache}  # by adapter name: KV under one adapter is not another's
         self.queue: asyncio.Queue[_Request] = asyncio.Queue()
         self.aborted: set[str] = set()
         self.abort_all = False
@@ -163,7 +169,12 @@ class EmbeddedEngine:
             self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
             async with self.lock:
                 try:
-                    await asyncio.to_thread(self._decode_batch, batch)
+                    for adapter, group in self._by_adapter(batch):
+                        self._use_adapter(adapter)
+                        try:
+                            await asyncio.to_thread(self._decode_batch, group)
+                        finally:
+                            self._use_adapter(None)  # stats and weight updates see the base model's cache
                 except Exception as exc:  # a failed batch fails its requests, not the server
                     log.exception("batch failed")
                     for r in batch:
@@ -173,6 +184,23 @@ class EmbeddedEngine:
             for r in batch:
                 if not r.future.done():
                     r.future.set_result(r)
+
+    @staticmethod
+    def _by_adapter(batch: list[_Request]) -> list[tuple[LoraAdapter | None, list[_Request]]]:
+        groups: dict[int, tuple[LoraAdapter | None, list[_Request]]] = {}
+        for r in batch:
+            groups.setdefault(id(r.adapter), (r.adapter, []))[1].append(r)
+        return list(groups.values())
+
+    def _use_adapter(self, adapter: LoraAdapter | None) -> None:
+        """The adapter (and its own prefix cache) the next decode runs with."""
+        if self.lora is not None:
+            self.lora.active = adapter
+        key = adapter.name if adapter is not None else None
+        if key not in self._prefix_caches:
+            base = self._prefix_caches[None]
+            self._prefix_caches[key] = PrefixCache(base.max_tokens) if base is not None else None
+        self.prefix_cache = self._prefix_caches[key]
 
     def _prefill_inputs(self, batch: list[_Request]):
         """Input ids, attention mask, positions and past KV for a batch whose rows may reuse
@@ -311,10 +339,16 @@ class EmbeddedEngine:
             return _error("streaming is not supported by the embedded engine")
         if self.released:
             return self._fatal(f"/generate while memory is released ({sorted(self.released)})")
+        adapter = None
+        if body.get("lora_path"):
+            try:
+                adapter = await self._resolve_adapter(body["lora_path"])
+            except ValueError as exc:
+                return _error(str(exc))
         rid = str(body.get("rid") or f"req-{next(self._rid)}")
         req = _Request(rid=rid, input_ids=input_ids, params=body.get("sampling_params") or {},
                        return_logprob=bool(body.get("return_logprob")),
-                       future=asyncio.get_running_loop().create_future())
+                       future=asyncio.get_running_loop().create_future(), adapter=adapter)
         started = time.perf_counter()
         self.inflight += 1
         try:
@@ -464,8 +498,53 @@ class EmbeddedEngine:
     # -- weights -------------------------------------------------------------------------------
     def _clear_prefix_cache(self) -> None:
         self._cache_epoch += 1  # a batch parked across the clear must not put old KV back
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+        for cache in self._prefix_caches.values():
+            if cache is not None:
+                cache.clear()
+
+    # -- LoRA adapters (SGLang's /load_lora_adapter, /unload_lora_adapter, /generate's lora_path) --------
+    async def _resolve_adapter(self, lora_path) -> LoraAdapter:
+        if not isinstance(lora_path, str):
+            raise ValueError("lora_path: one adapter name per request (the embedded engine takes no batch lists)")
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter '{lora_path}' was requested, but LoRA is not enabled. Please launch the "
+                             "server with --enable-lora flag and preload adapters using --lora-paths or "
+                             "/load_lora_adapter endpoint.")
+        if lora_path in self.lora.adapters:
+            return self.lora.adapters[lora_path]
+        async with self._weights_guard():  # reloading an unloaded name reads its folder again
+            return await asyncio.to_thread(self.lora.resolve, lora_path)
+
+    def _lora_reply(self, error: str | None = None) -> web.Response:
+        loaded = {n: a.path for n, a in self.lora.adapters.items()} if self.lora is not None else {}
+        return web.json_response({"success": error is None, "error_message": error, "loaded_adapters": loaded},
+                                 status=400 if error else 200)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        if self.lora is None:
+            return self._lora_reply("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if not isinstance(body.get("lora_name"), str) or not isinstance(body.get("lora_path"), str):
+            return self._lora_reply("lora_name and lora_path (strings) are required")
+        try:
+            async with self._weights_guard():
+                await asyncio.to_thread(self.lora.load, body["lora_name"], body["lora_path"])
+        except (ValueError, OSError, KeyError) as exc:
+            return self._lora_reply(f"{type(exc).__name__}: {exc}")
+        log.info("LoRA adapter %s loaded from %s", body["lora_name"], body["lora_path"])
+        return self._lora_reply()
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        if self.lora is None:
+            return self._lora_reply("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        try:
+            async with self._weights_guard():  # requests already holding the adapter still finish with it
+                self.lora.unload(str(body.get("lora_name")))
+                self._prefix_caches.pop(body.get("lora_name"), None)
+        except ValueError as exc:
+            return self._lora_reply(str(exc))
+        return self._lora_reply()
 
     def _loaded(self, body: dict, what: str) -> None:
         # KV computed under the old weights is never reused, whatever `flush_cache` says
@@ -662,6 +741,8 @@ class EmbeddedEngine:
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
 
         async def start_scheduler(app):
             app[_SCHEDULER] = asyncio.create_task(self.scheduler())
@@ -709,6 +790,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-cache-tokens", type=int, default=None,
                         help="tokens of finished sequences whose KV is kept for reuse (0 disables the prefix cache; "
                              "default 65536 on CPU, 1048576 on a GPU)")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters (/load_lora_adapter; /generate's lora_path names one), as SGLang's")
     parser.add_argument("--start-paused", action="store_true",
                         help="hold /generate requests until /continue_generation (a restarted engine waits for "
                              "the current weights before it serves)")
@@ -720,7 +803,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = EmbeddedEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                             seed=args.seed, engine_id=args.engine_id or f"http://{args.host}:{args.port}",
                             prefix_cache_tokens=args.prefix_cache_tokens if args.prefix_cache_tokens is not None
-                            else 65536 if args.device == "cpu" else 1 << 20)
+                            else 65536 if args.device == "cpu" else 1 << 20, enable_lora=args.enable_lora)
     engine.exit_on_fatal = True  # as SGLang's server: what kills its scheduler ends the process
     if args.start_paused:
         engine.paused.clear()

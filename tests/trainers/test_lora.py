@@ -1,0 +1,181 @@
+"""LoRA (--lora-rank): the PyTorch trainer trains peft adapters on a frozen base; the adapter
+alone reaches the embedded engine through SGLang's /load_lora_adapter and requests name it;
+checkpoints hold it in peft's format; merged export equals the adapted model."""
+
+import asyncio
+
+import pytest
+import torch
+
+from agentrl.config import AlgoConfig, TrainConfig, lora_target_modules, parse_config
+from agentrl.errors import ConfigError
+from agentrl.types import Sample, SampleStatus
+
+TOLERANCE = 1e-4  # fp32 CPU, as tests/test_parity.py
+
+
+def lora_trainer(model_path, **train):
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+    cfg = TrainConfig(lr=1e-2, micro_batch_size=8, global_batch_size=8, lora_rank=4, lora_alpha=8.0, **train)
+    return TorchTrainer(str(model_path), train=cfg, algo=AlgoConfig(), temperature=1.0)
+
+
+def randomize_adapter(trainer, seed=0):
+    """peft starts B at zero (the adapter adds nothing): give it weights that change the output."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def test_target_modules_flags():
+    assert lora_target_modules(["all-linear"]) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"]
+    assert lora_target_modules(["q_proj,v_proj", "q_proj"]) == ["q_proj", "v_proj"]
+    with pytest.raises(ConfigError, match="lm_head"):
+        lora_target_modules(["lm_head"])
+    cfg, _ = parse_config(["--lora-rank", "8", "--lora-alpha", "32", "--target-modules", "q_proj",
+                           "--target-modules", "v_proj", "--lora-sync", "adapter"])
+    assert (cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.target_modules) == (8, 32.0, ["q_proj", "v_proj"])
+    with pytest.raises(ConfigError, match="target-modules"):
+        parse_config(["--lora-rank", "8", "--target-modules", "qkv"])
+
+
+def test_base_frozen_only_adapters_train(tiny_model):
+    trainer = lora_trainer(tiny_model, target_modules=["q_proj", "v_proj"])
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert all(("q_proj" in n or "v_proj" in n) for n in trainable)
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for n, p in trainer.model.named_parameters() if p.requires_grad}
+    base_before = {n: t.clone() for n, t in trainer._base_tensors()}
+    sample = Sample(prompt_tokens=[5, 6, 7], response_tokens=[8, 9, 10], loss_mask=[1, 1, 1],
+                    rollout_logprobs=[-1.0, -1.0, -1.0], reward=1.0, status=SampleStatus.COMPLETED)
+    trainer.train_sft([sample] * 2)
+    for n, p in trainer.model.named_parameters():
+        assert (p.grad is not None) == p.requires_grad, n  # no grads for the base
+    state = trainer.optimizer.state_dict()["state"]
+    assert len(state) == len(trainable)  # no optimizer state for the base
+    assert all(torch.equal(t, base_before[n]) for n, t in trainer._base_tensors())
+    assert any(p.abs().sum() > 0 for n, p in trainer.model.named_parameters() if ".lora_B." in n)
+
+
+def test_merged_export_equals_adapted_model(tiny_model, tmp_path):
+    from agentrl.models import load_model
+
+    trainer = lora_trainer(tiny_model)
+    randomize_adapter(trainer)
+    plain = load_model(str(tiny_model))
+    merged = dict(trainer.named_tensors())
+    assert set(merged) == {n for n, _ in plain.named_parameters()}  # the engine's names, no peft ones
+    plain.load_state_dict(merged, strict=False)
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    with torch.no_grad():
+        want = trainer.model(input_ids=ids).logits
+        assert not torch.allclose(want, load_model(str(tiny_model))(input_ids=ids).logits, atol=1e-3)
+        torch.testing.assert_close(plain(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
+    folder = trainer.save_hf(tmp_path / "merged")
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(str(folder))(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoint_is_peft_and_resumes(tiny_model, tmp_path):
+    from peft import PeftModel
+
+    from agentrl.models import load_model
+
+    trainer = lora_trainer(tiny_model)
+    randomize_adapter(trainer, seed=1)
+    trainer.version = 3
+    trainer.save(tmp_path / "ckpt", {"rollout_id": 3})
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    with torch.no_grad():
+        want = trainer.model(input_ids=ids).logits
+        # peft itself loads the checkpoint's adapter onto the checkpoint's (base) model
+        peft_model = PeftModel.from_pretrained(load_model(str(tmp_path / "ckpt" / "model")),
+                                               str(tmp_path / "ckpt" / "adapter"))
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+    # `agentrl train --load` builds the trainer from ckpt/model and loads the rest
+    resumed = lora_trainer(tmp_path / "ckpt" / "model")
+    assert resumed.load(tmp_path / "ckpt")["rollout_id"] == 3 and resumed.version == 3
+    with torch.no_grad():
+        torch.testing.assert_close(resumed.model(input_ids=ids).logits, want, atol=1e-6, rtol=1e-6)
+
+
+def test_engine_serves_adapter_on_policy(tiny_model, tokenizer, tmp_path):
+    """The adapter alone goes to the engine (the same endpoints as SGLang's), requests name it,
+    and the engine's rollout logprobs equal the trainer's recomputed ones with it applied."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from agentrl.engines.embedded import EmbeddedEngine
+    from agentrl.weight_sync import lora_adapter_name, sync_lora_adapter
+
+    trainer = lora_trainer(tiny_model)
+    randomize_adapter(trainer, seed=2)
+    engine = EmbeddedEngine(str(tiny_model), enable_lora=True, prefix_cache_tokens=4096)
+    plain_engine = EmbeddedEngine(str(tiny_model), prefix_cache_tokens=0)
+    prompt = tokenizer.encode("tell me about the river")
+
+    async def go():
+        from agentrl.rollout.client import EngineClient
+
+        async with TestClient(TestServer(engine.app())) as http, TestClient(TestServer(plain_engine.app())) as plain:
+            client = EngineClient(str(http.make_url("")).rstrip("/"))
+            try:
+                def generate(lora=None, rid=None):
+                    body = {"input_ids": prompt, "return_logprob": True, "rid": rid,
+                            "sampling_params": {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}}
+                    return http.post("/generate", json=body | ({"lora_path": lora} if lora else {}))
+
+                # as SGLang: naming an adapter never loaded is an error; so is LoRA on an engine without it
+                resp = await generate("agentrl-lora-v1")
+                assert resp.status == 400 and "never been loaded" in (await resp.json())["error"]["message"]
+                resp = await plain.post("/generate", json={"input_ids": prompt, "lora_path": "x"})
+                assert resp.status == 400 and "--enable-lora" in (await resp.json())["error"]["message"]
+                resp = await plain.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
+                assert resp.status == 400 and not (await resp.json())["success"]
+
+                folder = trainer.save_adapter(tmp_path / "v1")
+                stats = await sync_lora_adapter([client], str(folder), version=1)
+                assert 0 < stats["weight_sync_mb"] < 1  # the adapter, not the model
+                resp = await http.post("/load_lora_adapter", json={"lora_name": lora_adapter_name(1),
+                                                                   "lora_path": str(folder)})
+                assert resp.status == 400 and "already loaded" in (await resp.json())["error_message"]
+                replies = await asyncio.gather(*[generate(lora_adapter_name(1), rid=f"a{i}") for i in range(4)],
+                                               generate(None, rid="base"))
+                bodies = [await r.json() for r in replies]
+                assert all(b["meta_info"]["weight_version"] == "1" for b in bodies)
+                # a new version replaces the old: the old name is dropped from the loaded set
+                randomize_adapter(trainer, seed=3)
+                folder2 = trainer.save_adapter(tmp_path / "v2")
+                await sync_lora_adapter([client], str(folder2), version=2, previous=1)
+                resp = await http.post("/unload_lora_adapter", json={"lora_name": lora_adapter_name(1)})
+                assert resp.status == 400 and "does not exist" in (await resp.json())["error_message"]
+                again = await (await generate(lora_adapter_name(2), rid="b")).json()
+                return bodies, again
+            finally:
+                await client.close()
+
+    bodies, again = asyncio.run(go())
+
+    def as_sample(body):
+        pairs = body["meta_info"]["output_token_logprobs"]
+        out = [p[1] for p in pairs]
+        return Sample(prompt_tokens=prompt, response_tokens=out, loss_mask=[1] * len(out),
+                      rollout_logprobs=[p[0] for p in pairs], reward=0.0, status=SampleStatus.COMPLETED)
+
+    adapted, base = [as_sample(b) for b in bodies[:4]], as_sample(bodies[4])
+    trainer.load_adapter_weights(tmp_path / "v1")
+    recomputed = trainer.compute_logprobs(adapted)
+    diffs = [abs(a - b) for s, r in zip(adapted, recomputed) for a, b in zip(r, s.rollout_logprobs)]
+    assert len(diffs) == 48 and max(diffs) < TOLERANCE, max(diffs)
+    # the base request in the same batch got the base model, not the adapter
+    with trainer.model.disable_adapter():
+        base_lp = trainer.compute_logprobs([base])[0]
+    assert max(abs(a - b) for a, b in zip(base_lp, base.rollout_logprobs)) < TOLERANCE
+    assert max(abs(a - b) for a, b in zip(trainer.compute_logprobs([base])[0], base.rollout_logprobs)) > 1e-3
+    trainer.load_adapter_weights(tmp_path / "v2")
+    v2 = as_sample(again)
+    assert max(abs(a - b) for a, b in zip(trainer.compute_logprobs([v2])[0], v2.rollout_logprobs)) < TOLERANCE
