@@ -58,8 +58,15 @@ class Retriever(Protocol):
 
 
 def format_passages(passages: list[Passage]) -> str:
-    """Search-R1's rendering of results: ``Doc 1(Title: t) text`` lines."""
-    return "".join(f"Doc {i + 1}(Title: {p.title}) {p.text}\n" for i, p in enumerate(passages))
+    """Search-R1's rendering of results, byte for byte (search_r1/llm_agent/generation.py,
+    _passages2string): ``Doc 1(Title: <first line>) <the other lines>`` lines; the title keeps
+    the corpus's quotes (wiki-18 stores ``"Title"\ntext``)."""
+    out = ""
+    for i, p in enumerate(passages):
+        title, *rest = p.contents.split("\n")
+        text = "\n".join(rest)
+        out += f"Doc {i + 1}(Title: {title}) {text}\n"
+    return out
 
 
 def cache_root() -> Path:

@@ -1,7 +1,8 @@
 """search-r1: question answering with a search engine, the Search-R1 protocol.
 
 The model reasons in ``<think>``, asks ``<search> query </search>``, gets the top-k passages
-back as the next user message ``<information> ... </information>``, and ends with
+back as the next user message ``<information> ... </information>`` (passages rendered as
+Search-R1 renders them, prompt byte-identical to its make_prefix), and ends with
 ``<answer> ... </answer>``. Reward: exact match after Search-R1's normalization (lowercase,
 no punctuation, no articles, single spaces) against any of the gold answers, or token F1
 (``reward="f1"``).
@@ -40,7 +41,7 @@ TEMPLATE = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get "
     "new information. After reasoning, if you find you lack some knowledge, you can call a search engine by "
     "<search> query </search> and it will return the top searched results between <information> and "
-    "</information>. You can search as many times as you want. If you find no further external knowledge needed, "
+    "</information>. You can search as many times as your want. If you find no further external knowledge needed, "
     "you can directly provide the answer inside <answer> and </answer>, without detailed illustrations. "
     "For example, <answer> Beijing </answer>. Question: {question}\n"
 )

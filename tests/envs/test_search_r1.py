@@ -41,6 +41,27 @@ def test_normalization_em_f1():
     assert parse_action("<search> unclosed") == (None, "")
 
 
+
+def test_rendering_is_search_r1s_byte_for_byte():
+    """Strings written out by hand from Search-R1 at a14dc3a (PeterGriffinJin/Search-R1):
+    scripts/data_process/nq_search.py:26-39 (make_prefix, base template; the trailing `\\`
+    joins lines without a newline; "as many times as your want" is Search-R1's own typo) and
+    :55-57 (question stripped, '?' appended); search_r1/llm_agent/generation.py:460-469
+    (_passages2string: title = first line of contents, as stored, quotes included)."""
+    expected_prompt = (
+        "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
+        "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
+        "by <search> query </search> and it will return the top searched results between <information> and "
+        "</information>. You can search as many times as your want. If you find no further external knowledge "
+        "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
+        "illustrations. For example, <answer> Beijing </answer>. Question: who founded vrokath works?\n")
+    obs, _ = SearchR1Env().reset(options={"prompt": "  who founded vrokath works ", "label": ["x"]})
+    assert obs == expected_prompt
+    passages = [Passage("0", '"Quenmoor"\nQuenmoor is a city.', 1.0), Passage("1", "Plain\nline one\nline two")]
+    assert format_passages(passages) == ('Doc 1(Title: "Quenmoor") Quenmoor is a city.\n'
+                                         "Doc 2(Title: Plain) line one\nline two\n")
+
+
 # -- the env, by hand --------------------------------------------------------------------------------
 def test_search_then_correct_answer(run_async):
     async def episode():
@@ -53,7 +74,7 @@ def test_search_then_correct_answer(run_async):
             assert (reward, terminated, truncated) == (0.0, False, False)
             assert len(obs) == 1 and obs[0]["role"] == "user"
             text = obs[0]["content"]
-            assert text.startswith("<information>Doc 1(Title: Vrokath Works)") and text.endswith("</information>")
+            assert text.startswith('<information>Doc 1(Title: "Vrokath Works")') and text.endswith("</information>")
             assert "Vrokath Works was founded by Lomaerk Deloth." in text
             assert text.count("Doc ") == 3  # topk=3
             assert info == {"query": "Vrokath Works founder", "searches": 1}
@@ -142,7 +163,7 @@ def test_bm25_index_is_cached(tmp_path, monkeypatch):
     hits = second.search_sync(["apples", "whale", "zebra"], topk=5)
     assert [p.id for p in hits[0]] and set(p.id for p in hits[0]) == {"d0", "d2"}
     assert [p.id for p in hits[1]] == ["d1"] and hits[2] == []
-    assert format_passages(hits[1]) == "Doc 1(Title: T1) the blue whale is large\n"
+    assert format_passages(hits[1]) == 'Doc 1(Title: "T1") the blue whale is large\n'
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1}\n')
     with pytest.raises(RetrievalError, match="contents"):
@@ -184,8 +205,8 @@ def test_remote_retriever_and_env_over_it(run_async):
             await env.areset(options=TASK)
             obs, *_ = await env.astep("<search>gamma</search>")
             await env.aclose()
-            assert obs[0]["content"] == ("<information>Doc 1(Title: Title 0) About gamma: passage 0.\n"
-                                         "Doc 2(Title: Title 1) About gamma: passage 1.</information>")
+            assert obs[0]["content"] == ('<information>Doc 1(Title: "Title 0") About gamma: passage 0.\n'
+                                         'Doc 2(Title: "Title 1") About gamma: passage 1.</information>')
             assert seen[-1]["queries"] == ["gamma"] and seen[-1]["topk"] == 2
         finally:
             await runner.cleanup()
