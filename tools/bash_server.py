@@ -46,13 +46,9 @@ async def run_command(command: str, cwd: Path, timeout: float, max_output: int) 
                 chunks.append(data)
 
     read_task = asyncio.create_task(reader())
-    # Poll the exit rather than `proc.wait()`: that also waits for the pipe to close, which a
+    # Wait for the exit, not `proc.wait()`: that also waits for the pipe to close, which a
     # background process (`cmd &`) holding it would turn into a timeout of a finished call.
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while proc.returncode is None and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    timed_out = proc.returncode is None
+    timed_out = not await _exited(proc, timeout)
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the command on timeout; its leftovers otherwise
     except (ProcessLookupError, PermissionError):
@@ -68,6 +64,30 @@ async def run_command(command: str, cwd: Path, timeout: float, max_output: int) 
     if size > len(b"".join(chunks)):
         out += f"\n[... {size - len(b''.join(chunks))} more bytes of output dropped ...]"
     return (None if timed_out else proc.returncode), out, timed_out
+
+
+async def _exited(proc: asyncio.subprocess.Process, timeout: float) -> bool:
+    """Whether `proc` exits within `timeout` s (its pipes may stay open): a pidfd, readable at
+    the exit; polling where there is none (or the process is already gone)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        exited = loop.create_future()
+        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        try:
+            await asyncio.wait_for(exited, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+    while proc.returncode is None and loop.time() < deadline:  # the child watcher's reap lags the exit
+        await asyncio.sleep(0.005)
+    return proc.returncode is not None
 
 
 def add_bash_tool(server: MCPServer, workdir: Path | str | None = None, timeout: float = 30.0,
