@@ -184,3 +184,48 @@ def test_wrong_returns_are_named(tokenizer, tmp_path):
         returns("three")
     with pytest.raises(AttributeError, match="slime's argument 'sglang_dp_sz' has no agentrl counterpart"):
         args.sglang_dp_sz
+
+
+# -- slime's shapes without slime installed ---------------------------------------------------------
+def test_stand_in_sample_follows_slimes_append_response_tokens():
+    """slime/utils/types.py at 624b824: non-trainable tokens take no logprobs; meta_info sets the
+    status and weight version only with update_terminal_info; finish_reason is {"type": ...}."""
+    from agentrl.errors import SampleInvariantError
+    from agentrl.rollout.slime import Sample
+
+    s = Sample(tokens=[1, 2])
+    s.append_response_tokens(None, tokens=[3, 4], log_probs=[-0.5, -0.25], text="ab",
+                             meta_info={"finish_reason": {"type": "length"}, "weight_version": "3"},
+                             update_terminal_info=False)
+    assert s.status == Sample.Status.PENDING and s.weight_versions == []
+    s.append_response_tokens(None, tokens=[5], trainable=False)
+    s.append_response_tokens(None, tokens=[6], log_probs=[-1.0], text="c",
+                             meta_info={"finish_reason": {"type": "stop"}, "weight_version": "3"})
+    assert (s.tokens, s.response, s.response_length) == ([1, 2, 3, 4, 5, 6], "abc", 4)
+    assert s.loss_mask == [1, 1, 0, 1] and s.rollout_log_probs == [-0.5, -0.25, 0.0, -1.0]
+    assert s.status == Sample.Status.COMPLETED and s.weight_versions == ["3"]
+    with pytest.raises(SampleInvariantError, match="non-trainable"):
+        s.append_response_tokens(None, tokens=[7], log_probs=[-1.0], trainable=False)
+    with pytest.raises(SampleInvariantError, match="need their rollout log_probs"):
+        s.append_response_tokens(None, tokens=[7])
+
+
+def test_args_and_sampling_params_carry_what_slimes_rollout_reads():
+    """The fields slime's sglang_rollout.py / http_utils.py read, and GenerateState's params."""
+    from agentrl.config import Config
+    from agentrl.rollout.slime import slime_args, slime_sampling_params
+
+    args = slime_args(Config(), engine_url="http://127.0.0.1:30123", model_path="/m")
+    assert (args.sglang_router_ip, args.sglang_router_port, args.hf_checkpoint) == ("127.0.0.1", 30123, "/m")
+    engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine  # slime's get_rollout_num_engines
+    assert engines == 1 and args.sglang_server_concurrency * engines > 0  # slime's semaphore size
+    for name in ("partial_rollout", "mask_offpolicy_in_partial_rollout", "use_distributed_post", "group_rm",
+                 "rollout_global_dataset", "over_sampling_batch_size", "dynamic_sampling_filter_path",
+                 "rollout_sample_filter_path", "rollout_all_samples_process_path", "custom_rm_path", "rm_type",
+                 "rollout_temperature", "rollout_top_p", "rollout_top_k", "rollout_max_response_len"):
+        getattr(args, name)  # present (AttributeError otherwise)
+    params = slime_sampling_params(args, {"temperature": 1.0, "top_p": 1.0, "top_k": -1}, 16)
+    assert params["no_stop_trim"] is True and params["skip_special_tokens"] is False
+    assert params["spaces_between_special_tokens"] is False and params["max_new_tokens"] == 16
+    with pytest.raises(AttributeError, match="no agentrl counterpart"):
+        args.no_such_slime_flag

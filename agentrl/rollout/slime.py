@@ -47,7 +47,8 @@ ROLLOUT_FLAG = "--rollout-function-path"
 
 @dataclass
 class Sample:
-    """slime's Sample (slime/utils/types.py): the fields its rollout hooks read and write."""
+    """agentrl's stand-in for slime's Sample (slime/utils/types.py at 624b824), used when slime
+    is not importable: the same fields, `Status`, and `append_response_tokens` semantics."""
 
     class Status(enum.Enum):
         PENDING = "pending"
@@ -58,8 +59,13 @@ class Sample:
 
     group_index: int | None = None
     index: int | None = None
+    rollout_id: int | None = None
     prompt: str | list[dict] = ""  # the prompt as text (chat template applied), as slime's Dataset gives it
     tokens: list[int] = field(default_factory=list)  # [prompt + response]; the prompt's ids to start with
+    multimodal_inputs: dict | None = None
+    multimodal_train_inputs: dict | None = None
+    multimodal_train_input_id: str | None = None
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
     response: str = ""
     response_length: int = 0
     label: Any = None
@@ -67,49 +73,96 @@ class Sample:
     loss_mask: list[int] | None = None  # [response_length]; 1 = trained on
     weight_versions: list[str] = field(default_factory=list)  # one per engine reply
     rollout_log_probs: list[float] | None = None  # [response_length]
+    rollout_top_p_token_ids: list[int] | None = None
+    rollout_top_p_token_offsets: list[int] | None = None
+    rollout_routed_experts: list | None = None
     remove_sample: bool = False  # True: kept for the group's baseline, not trained on
+    teacher_log_probs: list[float] | None = None
     status: Status = Status.PENDING
     metadata: dict = field(default_factory=dict)
+    generate_function_path: str | None = None
+    custom_rm_path: str | None = None
+    train_metadata: dict | None = None
     session_id: str | None = None  # the routing key: agentrl's trajectory id
-    task: dict = field(default_factory=dict, repr=False)  # agentrl: the data row (prompt, label, metadata, env)
+    non_generation_time: float = 0.0
 
-    def append_response_tokens(self, args=None, *, tokens, log_probs=None, trainable: bool = True,
-                               meta_info: dict | None = None, text: str | None = None) -> None:
-        """Extend the response keeping tokens, loss_mask and rollout_log_probs aligned:
-        trainable tokens (the policy's) need their logprobs; others get mask 0, logprob 0."""
-        tokens = [int(t) for t in tokens]
-        if trainable and tokens and log_probs is None:
-            raise SampleInvariantError("append_response_tokens: trainable tokens need their rollout log_probs")
-        if trainable and log_probs is not None and len(log_probs) != len(tokens):
+    def append_response_tokens(self, args=None, *, tokens=None, log_probs=None, trainable: bool = True,
+                               meta_info: dict | None = None, text: str | None = None,
+                               update_terminal_info: bool = True) -> None:
+        """Extend the response keeping tokens, loss_mask and rollout_log_probs aligned, as
+        slime does: trainable tokens need their logprobs; others get mask 0, logprob 0 and
+        must not pass logprobs; with `update_terminal_info`, meta_info's finish reason sets
+        the status and its weight version is recorded."""
+        tokens = [int(t) for t in tokens or []]
+        log_probs = None if log_probs is None else [float(x) for x in log_probs]
+        if log_probs is not None and len(log_probs) != len(tokens):
             raise SampleInvariantError(f"append_response_tokens: {len(tokens)} tokens but {len(log_probs)} log_probs")
-        mask = self.loss_mask if self.loss_mask is not None else [1] * self.response_length
-        logprobs = self.rollout_log_probs if self.rollout_log_probs is not None else [0.0] * self.response_length
-        self.tokens = self.tokens + tokens
-        self.response_length += len(tokens)
-        self.loss_mask = mask + [int(trainable)] * len(tokens)
-        self.rollout_log_probs = logprobs + ([float(x) for x in log_probs] if trainable else [0.0] * len(tokens))
-        if text:
+        if tokens and trainable and log_probs is None:
+            raise SampleInvariantError("append_response_tokens: trainable tokens need their rollout log_probs")
+        if tokens and not trainable:
+            if log_probs is not None:
+                raise SampleInvariantError("append_response_tokens: non-trainable tokens take no log_probs")
+            log_probs = [0.0] * len(tokens)
+        if text is not None:
             self.response += text
-        if meta_info:
-            self.update_from_meta_info(args, meta_info)
-
-    def update_from_meta_info(self, args, meta_info: dict) -> None:
-        """The engine reply's weight version and finish reason (length: truncated, abort:
-        aborted, stop: completed)."""
-        if "weight_version" in meta_info:
-            self.weight_versions.append(str(meta_info["weight_version"]))
-        finish = meta_info.get("finish_reason")
-        kind = finish.get("type") if isinstance(finish, dict) else finish
-        self.status = {"length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED,
-                       "stop": Sample.Status.COMPLETED}.get(kind, self.status)
+        before = self.response_length
+        if tokens:
+            self.tokens = self.tokens + tokens
+            self.response_length += len(tokens)
+            self.loss_mask = (self.loss_mask if self.loss_mask is not None else [1] * before) + \
+                [int(trainable)] * len(tokens)
+        if log_probs is not None:
+            if self.rollout_log_probs is None:
+                if trainable and before:
+                    raise SampleInvariantError("append_response_tokens: the sample has response tokens but no "
+                                               "rollout_log_probs to extend")
+                self.rollout_log_probs = [0.0] * before
+            self.rollout_log_probs = self.rollout_log_probs + log_probs
+        if meta_info and update_terminal_info and "finish_reason" in meta_info:
+            if "weight_version" in meta_info:
+                self.weight_versions.append(meta_info["weight_version"])
+            kind = meta_info["finish_reason"]["type"]
+            self.status = {"length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED,
+                           "stop": Sample.Status.COMPLETED}.get(kind, self.status)
+        if self.loss_mask is not None and len(self.loss_mask) != self.response_length:
+            raise SampleInvariantError(f"loss_mask length {len(self.loss_mask)} != response_length "
+                                       f"{self.response_length}")
 
     @property
     def effective_response_length(self) -> int:
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
 
     def get_reward_value(self, args) -> float:
-        key = getattr(args, "reward_key", None)
-        return self.reward[key] if key else self.reward
+        return self.reward if not args.reward_key else self.reward[args.reward_key]
+
+
+def slime_sample_class() -> type:
+    """slime's own Sample when slime is importable (hooks get the class they check against),
+    else agentrl's stand-in."""
+    try:
+        from slime.utils.types import Sample as SlimeSample
+    except ImportError:
+        return Sample
+    return SlimeSample
+
+
+def slime_sampling_params(args, sampling_params: dict, max_new_tokens: int) -> dict:
+    """The sampling params slime's GenerateState builds (slime/rollout/sglang_rollout.py):
+    the stop tag stays in the text (no_stop_trim) and special tokens are kept."""
+    return {**sampling_params, "max_new_tokens": max_new_tokens, "stop": args.rollout_stop,
+            "stop_token_ids": args.rollout_stop_token_ids, "skip_special_tokens": args.rollout_skip_special_tokens,
+            "no_stop_trim": True, "spaces_between_special_tokens": False}
+
+
+def init_slime_http(args) -> bool:
+    """slime's HTTP client (slime.utils.http_utils.init_http_client), which its `post`/`get`
+    use; returns whether slime is importable."""
+    try:
+        from slime.utils.http_utils import init_http_client
+    except ImportError:
+        return False
+    init_http_client(args)
+    return True
 
 
 class SlimeArgs(SimpleNamespace):
@@ -145,8 +198,18 @@ def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
         rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
         rollout_global_dataset=True, group_rm=False, reward_key=None, eval_reward_key=None,
         use_rollout_routing_replay=False, sglang_dp_size=values.get("sglang_dp_size"), ci_test=False,
+        # one engine group behind the router: slime's request limit is concurrency x engines
+        rollout_num_gpus=r.rollout_num_gpus or r.rollout_num_gpus_per_engine, use_distributed_post=False,
+        num_gpus_per_node=r.rollout_num_gpus_per_engine, dynamic_sampling_filter_path=None,
+        rollout_sample_filter_path=None, rollout_all_samples_process_path=None, rollout_sample_hook_path=None,
+        rm_type=values.get("rm_type"), rm_url=values.get("rm_url"), multimodal_keys=None,
+        apply_chat_template_kwargs=values.get("apply_chat_template_kwargs") or {},
+        sglang_enable_deterministic_inference=False, router_policy=values.get("router_policy"),
+        sglang_model_routers=None, eval_datasets=[],
     )
-    return SlimeArgs(**values)
+    args = SlimeArgs(**values)
+    init_slime_http(args)
+    return args
 
 
 def _check_signature(fn: Callable, spec: str, flag: str, names: tuple[str, ...]) -> bool:
@@ -172,8 +235,10 @@ def _prompt_sample(task: dict, renderer: Renderer, *, group_index: int, index: i
     """A slime Sample of one data row, as slime's Dataset makes it: the prompt rendered by
     the chat template (or concatenated), its token ids, label and metadata."""
     text = renderer.render(as_messages(task["prompt"]), None)
-    return Sample(group_index=group_index, index=index, prompt=text, tokens=renderer.encode(text),
-                  label=task.get("label"), metadata=dict(task.get("metadata") or {}), task=task)
+    sample = slime_sample_class()(group_index=group_index, index=index, prompt=text, tokens=renderer.encode(text),
+                                  label=task.get("label"), metadata=dict(task.get("metadata") or {}))
+    sample.task = task  # agentrl's data row (prompt, label, metadata, env): scoring and the env need it
+    return sample
 
 
 _STATUS = {"PENDING": SampleStatus.COMPLETED, "COMPLETED": SampleStatus.COMPLETED,
@@ -263,7 +328,8 @@ class GenerateHook:
         self.spec, self.fn = spec, load_function(spec, flag=GENERATE_FLAG)
         self.takes_evaluation = _check_signature(self.fn, spec, GENERATE_FLAG, ("args", "sample", "sampling_params"))
         self.args, self.renderer, self.reward_fn, self.control = args, renderer, reward_fn, control
-        self.sampling_params = {**sampling_params, "max_new_tokens": max_new_tokens}
+        self.sampling_params = slime_sampling_params(args, sampling_params, max_new_tokens)
+        self.slime_rm = load_slime_rm(args)
         self.evaluation = evaluation
 
     async def __call__(self, env: Env, task: dict, *, trajectory_id: str, group_id: int, index: int, seed: int,
@@ -294,6 +360,8 @@ class GenerateHook:
             if not outs:
                 raise ConfigError(f"{where} returned an empty list; expected a Sample or a list of Samples")
             results = []
+            for s in outs:
+                await slime_reward(self.slime_rm, self.args, s)
             for j, s in enumerate(outs):
                 tid = trajectory_id if len(outs) == 1 else f"{trajectory_id}-{j}"
                 converted = to_agentrl(s, where=where, trajectory_id=tid, group_id=group_id, env_name=env_name,
@@ -346,6 +414,7 @@ class RolloutHook:
         self.takes_evaluation = _check_signature(self.fn, spec, ROLLOUT_FLAG, ("args", "rollout_id", "data_source"))
         self.args, self.data_source, self.renderer = args, data_source, renderer
         self.make_env, self.reward_fn, self.run_seed = make_env, reward_fn, run_seed
+        self.slime_rm = load_slime_rm(args)
         self.metrics: dict[str, float] = {}  # the last batch's metrics from the function, as rollout_fn/<key>
 
     async def next_batch(self, rollout_id: int, version: int) -> list[AgentSample]:
@@ -365,6 +434,8 @@ class RolloutHook:
             raise ConfigError(f"{where} returned {type(out).__name__}; expected slime's list[list[Sample]] "
                               "(groups of samples), non-empty")
         groups = out if all(isinstance(g, list) for g in out) else _chunk(out, self.args.n_samples_per_prompt, where)
+        await asyncio.gather(*(slime_reward(self.slime_rm, self.args, s) for group in groups for s in group
+                               if not isinstance(s, list)))
         samples, unscored = [], []
         for g, group in enumerate(groups):
             group_id = rollout_id * self.GROUP_BASE + g
@@ -390,6 +461,29 @@ class RolloutHook:
                         reward_fn=self.reward_fn, renderer=self.renderer)
         finally:
             await env.aclose()
+
+
+def load_slime_rm(args):
+    """--custom-rm-path for samples a slime hook returns: called as slime calls it,
+    `rm(args, sample)` with slime's args and the hook's own Sample (slime/rollout/rm_hub)."""
+    path = getattr(args, "custom_rm_path", None)
+    return load_function(path, flag="--custom-rm-path") if path else None
+
+
+async def slime_reward(rm, args, sample) -> None:
+    """Score a hook's sample that came back without a reward with slime's rm, if one is set;
+    an aborted or failed sample is left unscored (slime skips aborted ones)."""
+    if rm is None or getattr(sample, "reward", None) is not None:
+        return
+    if str(getattr(sample.status, "name", sample.status)).upper() in ("ABORTED", "FAILED"):
+        return
+    try:
+        out = rm(args, sample)
+        sample.reward = await out if inspect.isawaitable(out) else out
+    except Exception as exc:  # as a failed env scoring: this sample fails (masked), the run goes on
+        sample.status, sample.reward = type(sample).Status.FAILED, 0.0
+        sample.metadata["error"] = f"--custom-rm-path: {type(exc).__name__}: {exc}"
+        sample.metadata["traceback"] = traceback.format_exc()
 
 
 def check_hooks(cfg) -> None:
