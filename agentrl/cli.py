@@ -28,10 +28,31 @@ def _env_defaults(env_name: str, env_modules: list[str]) -> dict:
     return dict(getattr(get_spec(env_name).load(), "default_config", {}) or {})
 
 
-def cmd_train(argv: list[str]) -> int:
-    from agentrl.config import parse_config
+def suggest_flags(parser):
+    """argparse's "unrecognized arguments" error, plus the nearest known flag of each
+    ("--num-rolout: did you mean --num-rollout?")."""
+    import difflib
 
-    cfg, ns = parse_config(argv, env_defaults_for=_env_defaults)
+    plain_error = parser.error
+    known = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+
+    def error(message: str):
+        if message.startswith("unrecognized arguments:"):
+            for word in message.split(":", 1)[1].split():
+                flag = word.split("=", 1)[0]
+                close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
+                if close:
+                    message += f"\n{flag}: did you mean {close[0]}?"
+        plain_error(message)
+
+    parser.error = error
+    return parser
+
+
+def cmd_train(argv: list[str]) -> int:
+    from agentrl.config import build_parser, parse_config
+
+    cfg, ns = parse_config(argv, env_defaults_for=_env_defaults, parser=suggest_flags(build_parser()))
     if getattr(ns, "dry_run", False):
         import yaml
 
@@ -54,7 +75,8 @@ def cmd_sft(argv: list[str]) -> int:
     from agentrl.config import parse_config
     from agentrl.sft import SFT_DEFAULTS, sft_parser
 
-    cfg, ns = parse_config(argv, env_defaults_for=lambda env, modules: dict(SFT_DEFAULTS), parser=sft_parser())
+    cfg, ns = parse_config(argv, env_defaults_for=lambda env, modules: dict(SFT_DEFAULTS),
+                           parser=suggest_flags(sft_parser()))
     if getattr(ns, "dry_run", False):
         import yaml
 
@@ -69,13 +91,14 @@ def cmd_sft(argv: list[str]) -> int:
 def cmd_eval(argv: list[str]) -> int:
     """agentrl eval --env NAME [--model DIR | --load CKPT] [--prompt-data F | --eval-prompt-data NAME F ...]
     [--eval-limit N]: the same flags as train; no training."""
-    from agentrl.config import parse_config
+    from agentrl.config import build_parser, parse_config
 
     limit = None
     if "--eval-limit" in argv:
         i = argv.index("--eval-limit")
         limit, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
-    cfg, _ = parse_config(argv, env_defaults_for=_env_defaults)
+    cfg, _ = parse_config(argv, env_defaults_for=_env_defaults,
+                          parser=suggest_flags(build_parser("agentrl eval", "Evaluate a model, no training.")))
     from agentrl.train import evaluate_checkpoint
 
     evaluate_checkpoint(cfg, limit=limit)

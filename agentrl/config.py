@@ -87,6 +87,9 @@ class RolloutConfig(Section):
     filling each training batch in place of agentrl's producer (see docs/slime.md)."""
     max_group_retries: int = Field(2, ge=0)
     """A group with an infrastructure failure is re-run whole this many times, then dropped."""
+    max_failed_groups: int | None = Field(8, ge=1)
+    """Stop the run, naming the first failure, when this many groups in a row are dropped as
+    failed (after their retries) with no useful group between them; None: never stop."""
     async_rollout: bool = False
     """--async: generate the next batch while the current one trains (one step off-policy)."""
     max_staleness: int | None = Field(None, ge=0)

@@ -60,8 +60,9 @@ def numbered_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
 def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
               metadata_key: str = "metadata") -> list[dict[str, Any]]:
     """Read a JSONL or parquet prompt file into tasks; a bad row names file and line."""
-    tasks = []
+    tasks, has_label, keys = [], False, set()
     for where, row in numbered_rows(path):
+        has_label, keys = has_label or label_key in row, keys | set(row)
         if input_key not in row:
             raise DatasetError(f"{where}: no {input_key!r} key (set --input-key); keys are {sorted(row)}")
         _check_prompt(row[input_key], where)
@@ -74,6 +75,9 @@ def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
         tasks.append(task)
     if not tasks:
         raise DatasetError(f"{path}: no rows")
+    if label_key != "label" and not has_label:  # "label" may be absent (envs without labels); a key asked for not
+        raise DatasetError(f"{path}: no row has the label key {label_key!r} (--label-key); the rows' keys are "
+                           f"{sorted(keys)}")
     return tasks
 
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,11 +40,32 @@ def start_ray(cfg: Config) -> None:
         return
     if cfg.run.ray_address:
         ray.init(address=cfg.run.ray_address, log_to_driver=False, logging_level="ERROR")
+        stop_on_signals()
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only cluster: no ~/.ray/auth_token
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1",
              num_gpus=None)
+    stop_on_signals()  # ray.init put its own SIGTERM handler (sys.exit, no cleanup) in place of ours
+
+
+def stop_on_signals() -> None:
+    """SIGTERM (timeout, schedulers, Kubernetes) stops a run as Ctrl-C does: KeyboardInterrupt,
+    so every `finally` stops what the run started (engines, router, sandboxes, tool servers,
+    Ray). A second SIGINT or SIGTERM exits at once, cleanup or not."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def second(signum, frame):
+        os._exit(128 + signum)
+
+    def first(signum, frame):
+        signal.signal(signal.SIGINT, second)
+        signal.signal(signal.SIGTERM, second)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, first)
+    signal.signal(signal.SIGTERM, first)
 
 
 def stop_ray() -> None:
@@ -50,6 +73,9 @@ def stop_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+    if threading.current_thread() is threading.main_thread():  # the run is over: signals act as before it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 CPU_SLICE = 0.01  # what a bundle and an actor ask of a CPU: placed, never waiting for a core

@@ -22,6 +22,7 @@ class Progress:
         self._bar: RichProgress | None = None
         self._task = None
         self._samples = 0
+        self.detail = None  # () -> str: the rollout's state (groups ready / target, failures), set by the loop
 
     def note(self, text: str) -> None:
         self.console.print(f"[agentrl] {text}", highlight=False, markup=False, soft_wrap=True)
@@ -35,11 +36,17 @@ class Progress:
 
     def advance_samples(self) -> None:
         self._samples += 1
+        self.tick()
+
+    def tick(self) -> None:
+        """Refresh the rollout's line; the loop also calls it on a timer, so a stalled rollout
+        still prints a line at least every `plain_every_s` without a terminal."""
+        text = f"rollout: {self._samples} trajectories done" + (f"; {self.detail()}" if self.detail else "")
         if self._bar is not None:
-            self._bar.update(self._task, description=f"rollout: {self._samples} trajectories done")
+            self._bar.update(self._task, description=text)
         elif self.enabled and time.monotonic() - self._last_line >= self.plain_every_s:  # logs, CI: still alive
             self._last_line = time.monotonic()
-            self.console.print(f"  rollout: {self._samples} trajectories done", highlight=False, markup=False)
+            self.console.print(f"  {text}", highlight=False, markup=False)
 
     def iteration_done(self, m: dict) -> None:
         self._samples, self._last_line = 0, time.monotonic()

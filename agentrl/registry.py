@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from agentrl.errors import EnvNotFoundError, EnvRegistrationError
+from agentrl.errors import ConfigError, EnvNotFoundError, EnvRegistrationError
 
 ENTRY_POINT_GROUP = "agentrl.envs"
 ENV_MODULES_VAR = "AGENTRL_ENV_MODULES"
@@ -157,6 +157,28 @@ def get_spec(name: str) -> EnvSpec:
             "Register one with @agentrl.register_env, an 'agentrl.envs' entry point, or --env-module."
         )
     return _REGISTRY[name]
+
+
+def check_env_kwargs(name: str, factory: Callable[..., Any], kwargs: dict, flag: str = "--env-kwargs") -> None:
+    """Fail before any work when `kwargs` cannot go to the env's constructor: an unknown name
+    (with the nearest accepted one), or a required argument left out."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to check against (some builtins)
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{flag}: env {name!r} takes no argument {key!r}.{hint} "
+                              f"It takes: {', '.join(accepted) or '(none)'}")
+    missing = [n for n, p in params.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and n not in kwargs]
+    if missing:
+        raise ConfigError(f"{flag}: env {name!r} needs {', '.join(missing)} (its constructor has no default for them)")
 
 
 def make(name: str | EnvSpec, **kwargs):

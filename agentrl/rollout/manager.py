@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import traceback
 from typing import Any, Awaitable, Callable
 
 from agentrl.env import Env
@@ -50,7 +51,9 @@ class GroupRunner:
                 env, env_name = self.make_env(task.get("env"))
             except Exception as exc:  # an env that cannot be built fails its trajectory, visibly
                 samples = [Sample(prompt_tokens=[], trajectory_id=traj_id, group_id=group_id,
-                                  status=SampleStatus.FAILED, metadata={"error": f"building env: {exc!r}"})]
+                                  env_name=task.get("env") or "", status=SampleStatus.FAILED,
+                                  metadata={"error": f"building env: {exc!r}", "traceback": traceback.format_exc(),
+                                            "failure_kind": f"building env: {type(exc).__name__}"})]
             else:
                 if self.generate_fn is not None:
                     samples = await self.generate_fn(env, task, trajectory_id=traj_id, group_id=group_id, index=k,
@@ -67,6 +70,8 @@ class GroupRunner:
                         except Exception as exc:  # a broken reward function fails the trajectory, visibly
                             sample.status = SampleStatus.FAILED
                             sample.metadata["error"] = f"custom reward function: {exc!r}"
+                            sample.metadata["traceback"] = traceback.format_exc()
+                            sample.metadata["failure_kind"] = f"custom reward function (--custom-rm-path): {type(exc).__name__}"
                     samples = [sample]
             if self.on_done is not None:
                 for sample in samples:

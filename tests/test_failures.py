@@ -1,0 +1,149 @@
+"""Issue 20: failures are bounded (a hopeless run stops, naming its first failure), visible
+(first failure of each kind reported with its traceback; progress counts) and lose nothing
+(failed attempts kept with their tracebacks); bad input fails at start."""
+
+import asyncio
+import json
+import random
+
+import pytest
+
+import agentrl
+from agentrl.cli import main as cli_main
+from agentrl.data import PromptSource, read_rows
+from agentrl.errors import ConfigError, DatasetError
+from agentrl.registry import check_env_kwargs
+from agentrl.rollout.agent_loop import LoopSettings
+from agentrl.rollout.manager import GroupRunner
+from agentrl.rollout.producer import RolloutFailedError, RolloutProducer
+from agentrl.types import Sample, SampleStatus
+
+
+class BrokenEnv(agentrl.Env):
+    """Fault injection: every reset raises."""
+
+    def reset(self, *, seed=None, options=None):
+        raise RuntimeError("injected env fault")
+
+    def step(self, action):
+        raise AssertionError("never reached")
+
+
+def producer_for(run_group, **kwargs):
+    source = PromptSource([{"prompt": f"p{i}"} for i in range(50)], shuffle=False)
+    return RolloutProducer(source=source, run_group=run_group, over_sampling=2, **kwargs)
+
+
+def test_an_env_that_always_raises_stops_the_run_naming_it_with_its_traceback():
+    reports = []
+    runner = GroupRunner(make_env=lambda name: (BrokenEnv(), "broken"), n_samples=2, renderer=None, client=None,
+                         settings_for=lambda env: LoopSettings(max_response_len=8, max_turns=1, sampling_params={}),
+                         run_seed=0, max_concurrency=4)
+    producer = producer_for(runner.run_group, max_group_retries=1, max_failed_groups=3, report=reports.append)
+
+    async def run():
+        try:
+            with pytest.raises(RolloutFailedError) as err:
+                await asyncio.wait_for(producer.next_batch(2), 30)
+        finally:
+            await producer.aclose()
+        return str(err.value)
+
+    message = asyncio.run(run())
+    assert "3 groups in a row failed, each tried 2 times" in message
+    assert "env 'broken': RuntimeError" in message and "injected env fault" in message
+    assert "Traceback (most recent call last)" in message and "in reset" in message  # where it happened
+    # reported once, as it happened, not once per trajectory
+    assert len(reports) == 1 and "first failure of its kind" in reports[0] and "Traceback" in reports[0]
+    assert producer.dropped["failed"] == 3 and producer.retried >= 3
+    kept = producer.take_failed()  # every failed attempt, with its traceback, for the trajectory files
+    assert len(kept) >= 3 * 2 * 2 and all("Traceback" in s.metadata["traceback"] for s in kept)
+    assert producer.take_failed() == []
+
+
+def flaky_groups(p_fail: float, seed: int = 0):
+    """Groups of 4 trajectories, each failing (infrastructure) with probability p_fail."""
+    rng = random.Random(seed)
+
+    async def run_group(task, group_id, attempt):
+        await asyncio.sleep(0)
+        return [Sample(prompt_tokens=[1], trajectory_id=f"g{group_id}-s{k}-a{attempt}", group_id=group_id,
+                       env_name="flaky",
+                       status=SampleStatus.FAILED if rng.random() < p_fail else SampleStatus.COMPLETED,
+                       metadata={"error": "ConnectionError: sandbox gone", "traceback": "Traceback: ..."})
+                for k in range(4)]
+
+    return run_group
+
+
+def test_an_env_that_sometimes_raises_trains_on_and_counts_its_failures():
+    producer = producer_for(flaky_groups(0.1), report=lambda text: None)  # the defaults
+
+    async def run():
+        batches = [await producer.next_batch(4) for _ in range(25)]
+        await producer.aclose()
+        return batches
+
+    batches = asyncio.run(run())
+    assert all(len(b) == 16 and all(s.status == SampleStatus.COMPLETED for s in b) for b in batches)
+    stats = producer.stats()
+    assert stats["groups_retried"] > 0 and stats["trajectories_failed"] > 0
+    assert producer.failures == {"env 'flaky': ConnectionError": stats["trajectories_failed"]}
+    line = producer.status()
+    assert "groups 0/4 ready" in line and "failed trajectories" in line and "groups retried" in line
+
+
+def test_the_bound_counts_groups_in_a_row_and_none_never_stops():
+    producer = producer_for(flaky_groups(0.5, seed=1), max_group_retries=0, max_failed_groups=None,
+                            report=lambda text: None)
+
+    async def run():
+        batch = await asyncio.wait_for(producer.next_batch(1), 30)
+        await producer.aclose()
+        return batch
+
+    assert len(asyncio.run(run())) == 4  # a run that cannot be hopeless by the user's choice goes on
+    assert producer.dropped["failed"] > 8
+
+
+def test_env_kwargs_are_checked_against_the_constructor_at_start():
+    class Env(agentrl.Env):
+        def __init__(self, targets, max_turns: int = 1):
+            self.targets = targets
+
+    check_env_kwargs("e", Env, {"targets": ["x"], "max_turns": 2})
+    with pytest.raises(ConfigError, match=r"--env-kwargs: env 'e' takes no argument 'targetz'\. Did you mean "
+                                          r"'targets'\? It takes: targets, max_turns"):
+        check_env_kwargs("e", Env, {"targetz": ["x"]})
+    with pytest.raises(ConfigError, match="env 'e' needs targets"):
+        check_env_kwargs("e", Env, {})
+    check_env_kwargs("e", lambda **kw: None, {"anything": 1})  # **kwargs: nothing to check
+
+
+def test_a_label_key_no_row_has_fails_naming_file_and_key(tmp_path):
+    data = tmp_path / "good.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+    with pytest.raises(DatasetError, match=rf"{data}: no row has the label key 'answerz' \(--label-key\); "
+                                           r"the rows' keys are \['answer', 'prompt'\]"):
+        read_rows(str(data), label_key="answerz")
+    assert read_rows(str(data), label_key="answer")[0]["label"] == "2"
+    assert read_rows(str(data))[0]["label"] is None  # the default key may be absent (envs without labels)
+
+
+def test_a_mistyped_env_kwarg_or_label_key_fails_train_at_start(tmp_path, capsys):
+    data = tmp_path / "good.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+    out = str(tmp_path / "run")
+    assert cli_main(["train", "--env", "target-token", "--env-kwargs", '{"targetz": ["x"]}', "--output-dir", out]) == 2
+    assert "takes no argument 'targetz'. Did you mean 'targets'?" in capsys.readouterr().err
+    assert cli_main(["train", "--env", "math", "--prompt-data", str(data), "--label-key", "answerz",
+                     "--output-dir", out]) == 2
+    assert "no row has the label key 'answerz'" in capsys.readouterr().err
+
+
+def test_a_mistyped_flag_suggests_the_right_one(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["train", "--num-rolout", "1", "--dry-run"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --num-rolout 1" in err and "--num-rolout: did you mean --num-rollout?" in err
