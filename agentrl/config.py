@@ -483,8 +483,8 @@ def resolve(layers: dict) -> Config:
         )
         raise ConfigError(f"invalid config: {problems}") from None
     lora_target_modules(cfg.train.target_modules)
-    if cfg.train.lora_rank and cfg.train.trainer == "megatron" and cfg.train.lora_sync == "adapter":
-        raise ConfigError("--lora-sync adapter: the Megatron trainer exports merged weights only; use --lora-sync merged")
+    if cfg.train.lora_rank and cfg.train.trainer == "megatron":
+        raise ConfigError("--lora-rank: the Megatron trainer has no LoRA adapters yet; use --trainer torch")
     if cfg.train.loss_type == "sft_loss":
         return cfg  # no rollouts: the RL batch-size rules below do not apply
     total = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt

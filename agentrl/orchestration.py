@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -353,6 +354,7 @@ class TrainerWorker:
         self.groups: dict[str, Any] = {}  # engine url -> WeightUpdateGroup (--weight-sync-mode distributed)
         self.group_count = 0
         self.saved_version: int | None = None  # what --weight-sync-mode disk last wrote
+        self.lora_synced: int | None = None  # the adapter version the engines last loaded (--lora-sync adapter)
 
     def train_rollout(self, samples) -> dict[str, float]:
         import torch
@@ -433,6 +435,8 @@ class TrainerWorker:
 
         bucket = int(self.cfg.train.weight_sync_bucket_mb * 2**20)
         mode = self.weight_sync_mode()
+        if self.cfg.train.lora_rank and self.cfg.train.lora_sync == "adapter":
+            return await self._sync_adapter(clients, version)
         if mode == "disk":
             folder = Path(self.cfg.run.output_dir or tempfile.gettempdir()) / "weight_sync"
             t0 = time.perf_counter()
@@ -454,6 +458,21 @@ class TrainerWorker:
             return out
         return await sync_weights_from_tensor(clients, self.trainer.named_tensors(), version=version,
                                               bucket_bytes=bucket)
+
+    async def _sync_adapter(self, clients, version: int) -> dict[str, float]:
+        """--lora-sync adapter: the peft adapter folder of `version` (written once), loaded by every engine."""
+        from agentrl.weight_sync import sync_lora_adapter
+
+        folder = Path(self.cfg.run.output_dir or tempfile.gettempdir()) / "lora_sync" / f"v{version}"
+        t0 = time.perf_counter()
+        if not (folder / "adapter_config.json").exists():
+            await asyncio.to_thread(self.trainer.save_adapter, folder)
+        saved = time.perf_counter() - t0
+        out = await sync_lora_adapter(clients, str(folder), version=version, previous=self.lora_synced)
+        if self.lora_synced is not None and self.lora_synced != version:  # no engine reads the old folder again
+            shutil.rmtree(folder.parent / f"v{self.lora_synced}", ignore_errors=True)
+        self.lora_synced = version
+        return {**out, "weight_sync_save_s": saved}
 
     async def _group(self, url: str):
         """The process group with one engine, made at its first distributed sync."""

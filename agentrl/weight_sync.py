@@ -128,6 +128,17 @@ def lora_adapter_name(version: int) -> str:
     return f"agentrl-lora-v{version}"
 
 
+async def _lora_call(client: EngineClient, path: str, payload: dict, *, tolerate: str) -> None:
+    try:
+        reply = await client.post(path, payload)
+    except EngineError as exc:  # SGLang answers a refused adapter call with HTTP 400
+        if tolerate in str(exc):
+            return
+        raise
+    if not (isinstance(reply, dict) and reply.get("success")):
+        raise EngineError(f"{path} rejected by {client.base_url}: {reply}")
+
+
 async def sync_lora_adapter(clients: list[EngineClient], folder: str, *, version: int,
                             previous: int | None = None) -> dict[str, float]:
     """LoRA (--lora-sync adapter): every engine loads the peft adapter folder the trainer wrote, as
@@ -137,14 +148,13 @@ async def sync_lora_adapter(clients: list[EngineClient], folder: str, *, version
     t0 = time.perf_counter()
     name = lora_adapter_name(version)
     load = {"lora_name": name, "lora_path": str(folder)}
-    await _all(clients, "/load_lora_adapter", [load] * len(clients))
-    await _all(clients, "/update_weight_version", [{"new_version": str(version), "abort_all_requests": False}] * len(clients))
-    if previous is not None and previous != version:
+    # a retry after a partial failure finds the version loaded (the same folder): not an error
+    await asyncio.gather(*[_lora_call(c, "/load_lora_adapter", load, tolerate="already loaded") for c in clients])
+    version_payload = {"new_version": str(version), "abort_all_requests": False}
+    await _all(clients, "/update_weight_version", [version_payload] * len(clients))
+    if previous is not None and previous != version:  # an engine restarted since never had it
         gone = {"lora_name": lora_adapter_name(previous)}
-        replies = await asyncio.gather(*[c.post("/unload_lora_adapter", gone) for c in clients])
-        for client, reply in zip(clients, replies):
-            if not reply.get("success") and "does not exist" not in str(reply.get("error_message")):
-                raise EngineError(f"/unload_lora_adapter rejected by {client.base_url}: {reply}")
+        await asyncio.gather(*[_lora_call(c, "/unload_lora_adapter", gone, tolerate="does not exist") for c in clients])
     size = sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file())
     return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_mb": size / 2**20}
 

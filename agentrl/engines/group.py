@@ -105,9 +105,13 @@ def _split_urls(urls: list[str]) -> list[str]:
 
 def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int, log_dir: Path,
                   sglang_args: dict | None = None, router_args: dict | None = None,
-                  dtype: str = "float32", placement=None) -> EngineGroup:
+                  dtype: str = "float32", placement=None, lora_max_rank: int = 0,
+                  lora_target_modules: list[str] | None = None) -> EngineGroup:
     """`placement` (agentrl.orchestration.Placement, reserved): each engine's server process is
-    owned by a Ray actor in its bundle (as `agentrl train` runs them); None: by this process."""
+    owned by a Ray actor in its bundle (as `agentrl train` runs them); None: by this process.
+    `lora_max_rank` > 0: launched engines serve LoRA adapters of that rank on `lora_target_modules`
+    (--lora-sync adapter; SGLang's --enable-lora --max-lora-rank --lora-target-modules, which
+    --sglang-* flags override)."""
     sglang_args, router_args = dict(sglang_args or {}), dict(router_args or {})
     launch = _local_launcher
     if placement is not None:
@@ -122,6 +126,9 @@ def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int
         engines = [Engine(url=u, kind=detect_kind(u, timeout_s=cfg.engine_startup_timeout_s)) for u in attach]
         servers: list[ServerProcess] = []
     elif cfg.rollout_engine == "sglang":
+        if lora_max_rank:
+            sglang_args = {"enable-lora": None, "max-lora-rank": str(lora_max_rank),
+                           "lora-target-modules": " ".join(lora_target_modules or ["all"]), **sglang_args}
         engines, servers = _launch_sglang(cfg, model_path=model_path, seed=seed, log_dir=log_dir,
                                           sglang_args=sglang_args, launch=launch,
                                           gpu_ids=placement.rollout_gpu_ids() if placement is not None else None)
@@ -129,7 +136,7 @@ def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int
         if sglang_args:
             raise ConfigError("--sglang-* arguments need --rollout-engine sglang")
         engines, servers = _launch_embedded(cfg, model_path=model_path, device=device, seed=seed, log_dir=log_dir,
-                                            dtype=dtype, launch=launch)
+                                            dtype=dtype, launch=launch, enable_lora=lora_max_rank > 0)
     group = EngineGroup(url=engines[0].url, engine_urls=[e.url for e in engines], servers=list(servers),
                         engines=engines, kind=engines[0].kind)
     try:
@@ -158,13 +165,13 @@ def _local_launcher(index: int, argv: list[str], *, url: str, name: str, env: di
 
 
 def _launch_embedded(cfg: RolloutConfig, *, model_path: str, device: str, seed: int, log_dir: Path, dtype: str,
-                     launch=_local_launcher):
+                     launch=_local_launcher, enable_lora: bool = False):
     n = cfg.num_engines or 1
     servers = []
     try:
         for i in range(n):  # all start at once
             argv, url = embedded_argv(model_path, device=device, seed=seed + i, num_threads=cfg.engine_num_threads,
-                                      dtype=dtype)
+                                      dtype=dtype, enable_lora=enable_lora)
             servers.append(launch(i, argv, url=url, name=f"engine-{i}" if n > 1 else "engine",
                                   env={**os.environ, **ENGINE_ENV}, log_dir=log_dir))
         for s in servers:

@@ -181,7 +181,8 @@ def rehost(argv: list[str], host: str, port: int) -> tuple[list[str], str]:
 
 
 def embedded_argv(model_path: str, *, port: int | None = None, device: str = "cpu", seed: int = 0,
-                  num_threads: int = 0, dtype: str = "float32", prefix_cache_tokens: int | None = None):
+                  num_threads: int = 0, dtype: str = "float32", prefix_cache_tokens: int | None = None,
+                  enable_lora: bool = False):
     """(command line, URL) of an embedded engine server."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
@@ -190,6 +191,8 @@ def embedded_argv(model_path: str, *, port: int | None = None, device: str = "cp
             "--dtype", dtype, "--engine-id", url]
     if prefix_cache_tokens is not None:
         argv += ["--prefix-cache-tokens", str(prefix_cache_tokens)]
+    if enable_lora:
+        argv.append("--enable-lora")
     return argv, url
 
 

@@ -116,7 +116,8 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 t0 = time.perf_counter()
                 result = await client.generate(sample.tokens, {**settings.sampling_params,
                                                                "max_new_tokens": budget - len(out)},
-                                               session_id=trajectory_id, rid=f"{trajectory_id}-t{turn}-{len(out)}")
+                                               session_id=trajectory_id, rid=f"{trajectory_id}-t{turn}-{len(out)}",
+                                               lora_path=control.lora_adapter if control is not None else None)
                 timing.generate_s += time.perf_counter() - t0
                 sample.append_generated(result.output_ids, result.logprobs, _version(result.weight_version))
                 seen += renderer.decode(result.output_ids)

@@ -112,10 +112,13 @@ class EngineClient:
         raise EngineError(f"POST {self.base_url}{path} failed after {attempt + 1} tries: {last!r}")
 
     async def generate(self, input_ids: list[int], sampling_params: dict, *, session_id: str | None = None,
-                       rid: str | None = None) -> GenerateResult:
+                       rid: str | None = None, lora_path: str | None = None) -> GenerateResult:
+        """`lora_path`: the name of a loaded LoRA adapter to generate with (SGLang's field); None: the base model."""
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
         if rid:
             payload["rid"] = rid
+        if lora_path:
+            payload["lora_path"] = lora_path
         headers = {ROUTING_KEY_HEADER: session_id} if session_id else None
         body, resp_headers = await self._post("/generate", payload, headers)
         try:

@@ -14,6 +14,7 @@ class RolloutControl:
         self.wait_timeout_s = wait_timeout_s
         self.partial_rollout = False  # resume aborted generations instead of ending the trajectory
         self.policy_version = 0  # the engines' weights (set at each sync), for code that cannot ask them
+        self.lora_adapter: str | None = None  # --lora-sync adapter: the adapter every request names (set at each sync)
 
     def pause(self) -> None:
         self._open.clear()

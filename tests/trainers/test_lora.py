@@ -41,6 +41,8 @@ def test_target_modules_flags():
     assert (cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.target_modules) == (8, 32.0, ["q_proj", "v_proj"])
     with pytest.raises(ConfigError, match="target-modules"):
         parse_config(["--lora-rank", "8", "--target-modules", "qkv"])
+    with pytest.raises(ConfigError, match="Megatron trainer has no LoRA"):
+        parse_config(["--lora-rank", "8", "--trainer", "megatron"])
 
 
 def test_base_frozen_only_adapters_train(tiny_model):
