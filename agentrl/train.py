@@ -33,7 +33,7 @@ from agentrl.metrics import RunLog, eval_trajectories_path, start_wandb, write_t
 from agentrl.plugins import load_function
 from agentrl.models import build_tiny_model, check_model_dir, load_tokenizer, tiny_model_dir
 from agentrl.progress import Progress
-from agentrl.registry import get_spec, import_env_module, make
+from agentrl.registry import check_env_kwargs, get_spec, import_env_module, make
 from agentrl.rollout.agent_loop import LoopSettings, Renderer
 from agentrl.rollout.client import EngineClient
 from agentrl.rollout.control import RolloutControl
@@ -57,7 +57,6 @@ def train(cfg: Config) -> Path:
     seed_everything(cfg.run.seed)
 
     env_cls = build_env_lookup(cfg)
-    tool_kwargs(cfg, env_cls, pool=None)  # a flag the env cannot take fails now, not per trajectory
     source = build_prompt_source(cfg, env_cls)
     if warning := turn_budget_warning(cfg, env_cls):
         progress.note(f"warning: {warning}")
@@ -130,8 +129,11 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
                 source=source, run_group=runner.run_group,
                 over_sampling=r.over_sampling_batch_size or r.rollout_batch_size,
                 group_filter=build_group_filter(cfg), max_group_retries=r.max_group_retries,
-                keep_generating=r.async_rollout, first_group_id=state.next_group_id, pending=state.pending_tasks)
+                keep_generating=r.async_rollout, first_group_id=state.next_group_id, pending=state.pending_tasks,
+                max_failed_groups=r.max_failed_groups, report=progress.note)
             stack.push_async_callback(producer.aclose)
+            progress.detail = producer.status
+            stack.enter_context(heartbeat(progress))
             rollout_fn = build_rollout_hook(cfg, tokenizer, client, source, runner)
             evaluator = None
             if eval_sets:
@@ -153,8 +155,13 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
                 async with colocated(cfg, trainer, engines, engine_clients) as handover:
                     samples = await rollout_fn.next_batch(rollout_id, state.policy_version)
             elif producer is not None:
-                async with colocated(cfg, trainer, engines, engine_clients, drain=producer.requeue_inflight) as handover:
-                    samples = await producer.next_batch(r.rollout_batch_size)
+                try:
+                    async with colocated(cfg, trainer, engines, engine_clients,
+                                         drain=producer.requeue_inflight) as handover:
+                        samples = await producer.next_batch(r.rollout_batch_size)
+                except BaseException:  # stopped (signal, failure bound): keep what this iteration made
+                    save_partial(runlog, rollout_id, producer, time.perf_counter() - t0)
+                    raise
             else:
                 samples = replay[rollout_id % len(replay)]
             t_rollout = time.perf_counter() - t0
@@ -190,7 +197,8 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
             if pool is not None:
                 metrics |= {f"sandbox/{k}": v for k, v in pool.metrics().items() if isinstance(v, (int, float))}
             runlog.log(metrics)
-            runlog.save_trajectories(rollout_id, samples)
+            # the failed attempts too (retried or dropped groups), with their tracebacks, for `agentrl inspect`
+            runlog.save_trajectories(rollout_id, samples + (producer.take_failed() if producer is not None else []))
             state.rollout_id = rollout_id + 1
             if trainer is not None and (last or (cfg.run.save_interval and (rollout_id + 1) % cfg.run.save_interval == 0)):
                 state.data = source.state_dict()
@@ -198,6 +206,29 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
                     state.pending_tasks, state.next_group_id = producer.pending_tasks(), producer.next_id
                 trainer.save(save_dir / f"iter_{rollout_id + 1:06d}", state.to_dict())
             progress.iteration_done(metrics)
+
+
+def save_partial(runlog: RunLog, rollout_id: int, producer: RolloutProducer, seconds: float) -> None:
+    """An iteration that did not finish: its finished groups and failed attempts go to its
+    trajectory file, and a metrics row marked partial says how far it got."""
+    finished = producer.ready_samples()
+    runlog.log(rollout_metrics(rollout_id, finished, seconds) | producer.stats() | {"partial": True})
+    runlog.save_trajectories(rollout_id, finished + producer.take_failed())
+
+
+@contextlib.contextmanager
+def heartbeat(progress: Progress, every_s: float = 5.0):
+    """Ticks the progress line on a timer: a rollout in which nothing finishes still shows it is alive."""
+    async def beat():
+        while True:
+            await asyncio.sleep(every_s)
+            progress.tick()
+
+    task = asyncio.get_running_loop().create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
 
 
 @contextlib.asynccontextmanager
@@ -553,7 +584,11 @@ def build_env_lookup(cfg: Config):
     for module in cfg.run.env_module:
         import_env_module(module)
     spec = get_spec(cfg.run.env)  # unknown name: the error lists the known ones
-    return spec.load()
+    env_cls = spec.load()
+    # an argument the env does not take fails now, not inside every trajectory
+    given = {**cfg.run.env_kwargs, **tool_kwargs(cfg, env_cls, pool=cfg.run.sandbox)}
+    check_env_kwargs(cfg.run.env, env_cls, given)
+    return env_cls
 
 
 def build_prompt_source(cfg: Config, env_cls) -> PromptSource:
