@@ -117,7 +117,11 @@ def test_killed_worker_loses_no_trajectory_and_rejoins_when_restarted(group, tok
         turns = log.get(s.trajectory_id)
         assert len(turns) == 8
         after = turns[seen_at_kill[s.trajectory_id]:]
-        assert all(t.engine == survivor for t in after), (s.trajectory_id, [t.engine for t in turns])
+        # A reply the victim sent just before its kill can still sit in the client's socket and be
+        # recorded after the snapshot (the cause of this test's 1-in-4 flake): at most one such turn,
+        # the first; the trajectory's next request cannot leave before that reply is read.
+        late = int(bool(after) and after[0].engine == victim.url)
+        assert all(t.engine == survivor for t in after[late:]), (s.trajectory_id, [t.engine for t in turns])
         moved += turns[0].engine == victim.url and bool(after)
     assert moved > 0  # some trajectories started on the killed engine and finished on the other one
     events = [(url, what) for _, url, what in group.monitor.events]
