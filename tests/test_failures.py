@@ -3,8 +3,11 @@
 (failed attempts kept with their tracebacks); bad input fails at start."""
 
 import asyncio
+import gc
 import json
 import random
+import sys
+import time
 
 import pytest
 
@@ -16,6 +19,7 @@ from agentrl.registry import check_env_kwargs
 from agentrl.rollout.agent_loop import LoopSettings
 from agentrl.rollout.manager import GroupRunner
 from agentrl.rollout.producer import RolloutFailedError, RolloutProducer
+from agentrl.tools import ToolServerError, ToolSet
 from agentrl.types import Sample, SampleStatus
 
 
@@ -49,7 +53,9 @@ def test_an_env_that_always_raises_stops_the_run_naming_it_with_its_traceback():
             await producer.aclose()
         return str(err.value)
 
+    t0 = time.monotonic()
     message = asyncio.run(run())
+    assert time.monotonic() - t0 >= 1.0  # each retry backed off (1 s) before it ran
     assert "3 groups in a row failed, each tried 2 times" in message
     assert "env 'broken': RuntimeError" in message and "injected env fault" in message
     assert "Traceback (most recent call last)" in message and "in reset" in message  # where it happened
@@ -77,7 +83,7 @@ def flaky_groups(p_fail: float, seed: int = 0):
 
 
 def test_an_env_that_sometimes_raises_trains_on_and_counts_its_failures():
-    producer = producer_for(flaky_groups(0.1), report=lambda text: None)  # the defaults
+    producer = producer_for(flaky_groups(0.1), report=lambda text: None, retry_backoff_s=0)  # default bound
 
     async def run():
         batches = [await producer.next_batch(4) for _ in range(25)]
@@ -95,7 +101,7 @@ def test_an_env_that_sometimes_raises_trains_on_and_counts_its_failures():
 
 def test_the_bound_counts_groups_in_a_row_and_none_never_stops():
     producer = producer_for(flaky_groups(0.5, seed=1), max_group_retries=0, max_failed_groups=None,
-                            report=lambda text: None)
+                            report=lambda text: None, retry_backoff_s=0)
 
     async def run():
         batch = await asyncio.wait_for(producer.next_batch(1), 30)
@@ -147,3 +153,22 @@ def test_a_mistyped_flag_suggests_the_right_one(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments: --num-rolout 1" in err and "--num-rolout: did you mean --num-rollout?" in err
+
+
+def test_a_tool_server_that_never_starts_is_an_infrastructure_failure_without_noise(tmp_path):
+    mute = tmp_path / "mute.py"
+    mute.write_text("import time\ntime.sleep(120)\n")  # never answers MCP's initialize
+
+    async def run():
+        unhandled = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unhandled.append(ctx.get("message")))
+        t0 = time.monotonic()
+        with pytest.raises(ToolServerError, match="did not start within 1 s"):
+            await ToolSet([f"mute={sys.executable} {mute}"], start_timeout=1).start()
+        took = time.monotonic() - t0
+        gc.collect()  # a future whose exception nobody read complains when collected
+        await asyncio.sleep(0)
+        return took, unhandled
+
+    took, unhandled = asyncio.run(run())
+    assert took < 20 and unhandled == []  # no "Future exception was never retrieved"

@@ -197,6 +197,7 @@ class MCPConnection:
             if not ready.done():
                 leaf = _leaf(e)
                 ready.set_exception(leaf if isinstance(leaf, Exception) else RuntimeError(repr(leaf)))
+                ready.exception()  # retrieved: a start() cancelled with the run never reads it (no "never retrieved" noise)
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:

@@ -61,7 +61,8 @@ class RolloutProducer:
     def __init__(self, *, source: PromptSource, run_group: Callable[[dict, int, int], Awaitable[list[Sample]]],
                  over_sampling: int, group_filter: GroupFilter | None = None, max_group_retries: int = 2,
                  keep_generating: bool = False, first_group_id: int = 0, pending: list[dict] | None = None,
-                 max_failed_groups: int | None = 8, report: Callable[[str], None] | None = None):
+                 max_failed_groups: int | None = 8, report: Callable[[str], None] | None = None,
+                 retry_backoff_s: float = 1.0):
         self.source, self.run_group, self.over_sampling = source, run_group, over_sampling
         self.group_filter, self.max_group_retries = group_filter, max_group_retries
         self.keep_generating = keep_generating  # async mode: generate the next batch during training
@@ -71,6 +72,7 @@ class RolloutProducer:
         self._ready: list[tuple[int, dict, list[Sample]]] = []  # (group id, task, samples)
         self.max_failed_groups = max_failed_groups  # dropped in a row before the run stops; None: never
         self.report = report or log.warning  # the first failure of each kind, as it happens
+        self.retry_backoff_s = retry_backoff_s
         self.dropped: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # failed trajectories by kind
         self.retried = 0
@@ -80,8 +82,13 @@ class RolloutProducer:
         self.failed_samples: list[Sample] = []  # failed attempts since the last take_failed(): saved, not trained
 
     def _launch(self, task: dict, group_id: int, attempt: int) -> None:
-        job = asyncio.create_task(self.run_group(task, group_id, attempt))
+        job = asyncio.create_task(self._attempt(task, group_id, attempt))
         self._inflight[job] = (task, group_id, attempt)
+
+    async def _attempt(self, task: dict, group_id: int, attempt: int) -> list[Sample]:
+        if attempt:  # a retry waits (1 s, 2 s, 4 s, ... 30 s): an overloaded machine or service gets room to recover
+            await asyncio.sleep(min(self.retry_backoff_s * 2 ** (attempt - 1), 30.0))
+        return await self.run_group(task, group_id, attempt)
 
     def _top_up(self, target: int) -> None:
         while len(self._inflight) + len(self._ready) < target:
