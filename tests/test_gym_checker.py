@@ -36,9 +36,10 @@ def test_builtin_env_passes_gymnasiums_check_env(name):
     try:
         assert isinstance(env.action_space, spaces.Text) and isinstance(env.observation_space, ChatObservation)
         assert checked(env) == []
-        # seeded: the same seed gives the same first observation, another seed (almost surely) another one
-        first = [env.reset(seed=s)[0] for s in (1, 1, 2, 3, 4)]
-        assert first[0] == first[1] and any(obs != first[0] for obs in first[2:])
+        # seeded (the checker compares observations only for gymnasium-registered envs): the same
+        # seed gives the same task, another seed another one (for these seeds)
+        first = [env.reset(seed=s)[0] for s in (1, 1, 2)]
+        assert first[0] == first[1] != first[2]
     finally:
         env.close()
 
