@@ -14,6 +14,7 @@ import logging
 import inspect
 import json
 import random
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -102,6 +103,7 @@ def train(cfg: Config) -> Path:
         if placement is not None:
             placement.release()
         stop_ray()
+        remove_own_containers()
     plot = runlog.plot()
     progress.note(f"run folder: {out} (metrics.jsonl, tensorboard/, trajectories/, {plot.name}); checkpoints: {save_dir}")
     return out
@@ -206,6 +208,22 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
                     state.pending_tasks, state.next_group_id = producer.pending_tasks(), producer.next_id
                 trainer.save(save_dir / f"iter_{rollout_id + 1:06d}", state.to_dict())
             progress.iteration_done(metrics)
+
+
+def remove_own_containers() -> None:
+    """Docker sandboxes this process made that outlived their pool: a creation a signal cut
+    short still finishes in its thread (asyncio.run waits for it) after the pool closed."""
+    if "agentrl.sandboxes.docker_backend" not in sys.modules:  # never used docker: nothing to ask it
+        return
+    from agentrl.sandboxes.base import OWNER_PID
+    from agentrl.sandboxes.docker_backend import list_containers
+
+    try:
+        for container in list_containers(all_runs=False):
+            if container.labels.get("agentrl.owner_pid") == str(OWNER_PID):
+                container.remove(force=True)
+    except Exception as exc:  # cleanup goes on; `agentrl sandbox reap` removes them later
+        log.warning("could not remove this run's leftover sandboxes: %r", exc)
 
 
 def save_partial(runlog: RunLog, rollout_id: int, producer: RolloutProducer, seconds: float) -> None:

@@ -1,0 +1,128 @@
+"""Issue 20 through `agentrl train`: a hook that always fails stops the run naming it, with
+what it made saved; SIGTERM and SIGINT mid-rollout (docker sandboxes held) stop the run within
+seconds, leave no process or container behind, and write the partial iteration."""
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from spine_helpers import agentrl_cli, run_env
+
+SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-progress",
+         "--rollout-max-response-len", "8"]
+
+
+def test_a_reward_hook_that_always_fails_stops_the_run_naming_it(tmp_path):
+    (tmp_path / "rm.py").write_text("def rm(args, sample):\n    raise KeyError('no such field')\n")
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = subprocess.run([agentrl_cli(), "train", "--num-rollout", "5", "--custom-rm-path", f"{tmp_path}/rm.py:rm",
+                           "--max-failed-groups", "2", "--max-group-retries", "1", "--output-dir", str(out), *SMALL],
+                          capture_output=True, text=True, timeout=300, env=run_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = proc.stderr
+    assert "groups in a row failed" in err and "custom reward function (--custom-rm-path): KeyError" in err
+    assert "no such field" in err and "Traceback (most recent call last)" in err, err[-3000:]
+    assert err.count("first failure of its kind") == 1  # reported once, as it happened
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["partial"] is True and rows[-1]["dropped_failed"] >= 2
+    saved = [json.loads(x) for x in (out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()]
+    assert saved and all(t["status"] == "failed" and "KeyError" in t["metadata"]["traceback"] for t in saved)
+    print(f"hopeless run stopped after {time.monotonic() - t0:.1f}s")
+
+
+SLOW_SANDBOX_ENV = '''
+import asyncio
+from pathlib import Path
+import agentrl
+
+@agentrl.register_env("slow-sandbox")
+class SlowSandbox(agentrl.Env):
+    """Holds a sandbox from the run's pool and never finishes: the run is always mid-rollout."""
+
+    def __init__(self, sandbox=None):
+        self.pool, self.sb = sandbox, None
+
+    async def areset(self, *, seed=None, options=None):
+        self.sb = await self.pool.get()
+        Path(MARKER).touch()
+        await asyncio.sleep(3600)
+
+    async def astep(self, action):
+        raise AssertionError("never reached")
+
+    async def aclose(self):
+        if self.sb is not None:
+            await self.pool.release(self.sb)
+'''
+
+
+def descendants_alive(marker: str) -> list[str]:
+    """Processes whose environment carries the run's marker: everything it started, Ray's included."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker.encode() in (proc / "environ").read_bytes():
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120])
+        except OSError:
+            continue
+    return found
+
+
+def containers(run_id: str) -> list[str]:
+    out = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=agentrl.run_id={run_id}"],
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.split()
+
+
+def docker_ready() -> bool:
+    try:
+        images = subprocess.run(["docker", "images", "-q", "agentrl-sandbox"], capture_output=True, text=True,
+                                timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return bool(images.strip())
+
+
+@pytest.mark.skipif(not docker_ready(), reason="needs docker and the sandbox image (scripts/build_sandbox_image.sh)")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_rollout_stops_everything_within_seconds(tmp_path, signum):
+    marker, run_id = f"agentrl-test-{uuid.uuid4().hex[:8]}", f"run-{uuid.uuid4().hex[:12]}"
+    started = tmp_path / "started"
+    (tmp_path / "slow_env.py").write_text(f"MARKER = {str(started)!r}\n" + textwrap.dedent(SLOW_SANDBOX_ENV))
+    out = tmp_path / "run"
+    env = run_env() | {"AGENTRL_TEST_MARKER": marker, "AGENTRL_RUN_ID": run_id}
+    proc = subprocess.Popen([agentrl_cli(), "train", "--env-module", str(tmp_path / "slow_env.py"), "--env",
+                             "slow-sandbox", "--sandbox", "docker", "--sandbox-max-active", "2", "--num-rollout", "2",
+                             "--output-dir", str(out), *SMALL], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not started.exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the rollout never started"
+            time.sleep(0.2)
+        assert containers(run_id) and descendants_alive(marker)  # what the run started is there to stop
+        t0 = time.monotonic()
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+        stopped_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert "agentrl: interrupted" in err and "Future exception was never retrieved" not in err, err[-3000:]
+    assert stopped_s < 30, f"took {stopped_s:.1f}s to stop"
+    time.sleep(1.0)
+    assert descendants_alive(marker) == [] and containers(run_id) == []
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [rows[0]] and rows[0]["partial"] is True and rows[0]["rollout_id"] == 0
+    print(f"{signal.Signals(signum).name}: stopped in {stopped_s:.1f}s")
