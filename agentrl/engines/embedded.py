@@ -706,6 +706,15 @@ class EmbeddedEngine:
         return web.json_response([{"dp_rank": 0, "num_reqs": self.inflight, "num_waiting_reqs": self.queue.qsize(),
                                    "num_tokens": 0, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
 
+    async def workers(self, request: web.Request) -> web.Response:
+        """sglang-router's /workers shape, this engine the one worker: slime's abort asks the
+        router for its workers, then aborts each (slime/rollout/sglang_rollout.py, abort)."""
+        return web.json_response({"workers": [{"url": f"{request.scheme}://{request.host}"}]})
+
+    async def loads(self, request: web.Request) -> web.Response:
+        """SGLang's /v1/loads, the count slime's abort waits to see at zero (server_control.py)."""
+        return web.json_response({"loads": [{"dp_rank": 0, "num_reqs": self.inflight + self.queue.qsize()}]})
+
     # -- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
         @web.middleware
@@ -726,6 +735,8 @@ class EmbeddedEngine:
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/server_info", self.server_info)
         r.add_get("/get_load", self.get_load)
+        r.add_get("/workers", self.workers)
+        r.add_get("/v1/loads", self.loads)
         r.add_get("/get_server_info", self.server_info)
         for method in (r.add_get, r.add_post):
             method("/flush_cache", self.flush_cache)

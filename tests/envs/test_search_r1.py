@@ -46,7 +46,7 @@ def test_rendering_is_search_r1s_byte_for_byte():
     """Strings written out by hand from Search-R1 at a14dc3a (PeterGriffinJin/Search-R1):
     scripts/data_process/nq_search.py:26-39 (make_prefix, base template; the trailing `\\`
     joins lines without a newline; "as many times as your want" is Search-R1's own typo) and
-    :55-57 (question stripped, '?' appended); search_r1/llm_agent/generation.py:460-469
+    :61-63 (question stripped, '?' appended); search_r1/llm_agent/generation.py:460-469
     (_passages2string: title = first line of contents, as stored, quotes included)."""
     expected_prompt = (
         "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
