@@ -135,7 +135,11 @@ class SearchR1Env(Env):
     {id, contents}; default the built-in synthetic corpus), ``retriever_url`` (a Search-R1
     /retrieve service instead of BM25), ``search_server`` (None: in-process MCP server;
     "stdio": a server subprocess per trajectory; "http://host:port/mcp": a running server),
-    ``max_turns`` (4), ``obs_role`` ("user"), ``data`` / ``split`` (questions of the built-in
+    ``max_turns`` (4), ``obs_role`` ("user"), ``observation`` ("chat": the passages as the next
+    message ``<information>...</information>``; "append": Search-R1's own text, appended to the
+    model's continuation by generation.py: ``\n\n<information>...</information>\n\n``, and its
+    ``\n``-wrapped invalid-action reply -- byte for byte with ``--no-apply-chat-template``, which
+    concatenates the turns), ``data`` / ``split`` (questions of the built-in
     dataset: a JSONL with question + golden_answers, or split "train" | "test")."""
 
     description = "Search-R1: <search> a BM25/remote retriever over MCP, <answer> scored by exact match."
@@ -145,12 +149,15 @@ class SearchR1Env(Env):
 
     def __init__(self, topk: int = 3, reward: str = "em", corpus: str | None = None, retriever_url: str | None = None,
                  search_server: str | None = None, max_turns: int | None = None, obs_role: str = "user",
+                 observation: str = "chat",
                  format_score: float = 0.0, data: str | None = None, split: str = "train"):
         if reward not in ("em", "f1"):
             raise ValueError(f"search-r1: reward must be 'em' or 'f1', got {reward!r}")
         if corpus and retriever_url:
             raise ValueError("search-r1: give corpus or retriever_url, not both")
-        self.topk, self.reward_kind, self.obs_role = int(topk), reward, obs_role
+        if observation not in ("chat", "append"):
+            raise ValueError(f"search-r1: observation must be 'chat' or 'append', got {observation!r}")
+        self.topk, self.reward_kind, self.obs_role, self.observation = int(topk), reward, obs_role, observation
         self.format_score = float(format_score)
         self.retriever_url = retriever_url
         self.corpus = None if retriever_url else str(corpus or DEFAULT_CORPUS)
@@ -210,11 +217,15 @@ class SearchR1Env(Env):
             return kind, content, ([], score, True, False, info)
         if kind == "search" and content:
             return kind, content, None
-        return None, "", ([{"role": self.obs_role, "content": INVALID}], 0.0, False, False,
+        invalid = f"\n{INVALID}\n" if self.observation == "append" else INVALID  # generation.py:396-398
+        return None, "", ([{"role": self.obs_role, "content": invalid}], 0.0, False, False,
                           {"invalid": True, "searches": len(self.searches)})
 
     def _information(self, text: str):
-        obs = [{"role": self.obs_role, "content": f"<information>{text.strip()}</information>"}]
+        info = f"<information>{text.strip()}</information>"
+        if self.observation == "append":  # Search-R1's generation.py:391
+            info = f"\n\n{info}\n\n"
+        obs = [{"role": self.obs_role, "content": info}]
         return obs, 0.0, False, False, {"query": self.searches[-1], "searches": len(self.searches)}
 
     async def astep(self, action):

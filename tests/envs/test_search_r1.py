@@ -290,3 +290,32 @@ def test_train_one_iteration(tmp_path):
                                "--rollout-max-tokens-per-turn", "40")
     assert_iteration_ok(out, rows)
     assert rows[0]["turns_mean"] >= 1
+
+
+def test_append_observation_is_search_r1s_continuation(run_async):
+    """observation="append" with --no-apply-chat-template: prompt + the model's text + Search-R1's
+    observation, concatenated as generation.py:391 (and :396-398 for an invalid action) does."""
+    from agentrl.rollout.agent_loop import Renderer
+
+    async def main():
+        runner, url, _ = await _retrieval_service()
+        try:
+            env = SearchR1Env(retriever_url=url, topk=2, observation="append")
+            prompt, _ = await env.areset(options=TASK)
+            action = "<think>hm</think>\n<search> gamma </search>"
+            obs, *_ = await env.astep(action)
+            bad, *_ = await env.astep("no tags")
+            await env.aclose()
+        finally:
+            await runner.cleanup()
+        text = Renderer(None, apply_chat_template=False).render(
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": action}, *obs], None)
+        assert text == (prompt + action + '\n\n<information>Doc 1(Title: "Title 0") About gamma: passage 0.\n'
+                        'Doc 2(Title: "Title 1") About gamma: passage 1.</information>\n\n')
+        assert bad[0]["content"] == ("\nMy previous action is invalid. If I want to search, I should put the query "
+                                     "between <search> and </search>. If I want to give the final answer, I should "
+                                     "put the answer between <answer> and </answer>. Let me try again.\n")
+        with pytest.raises(ValueError, match="observation must be"):
+            SearchR1Env(observation="turn")
+
+    run_async(main())
