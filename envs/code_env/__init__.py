@@ -131,8 +131,9 @@ class CodeEnv(ToolEnv):
             entry = self.hidden.entry_point if self.hidden else None
             if entry:
                 parts.append(f"Define `{entry}` in {self.solution_files[0]}.")
-            if self.show_example and self.hidden and self.hidden.tests and not self.hidden.tests[0].startswith("check("):
-                parts.append(f"For example, this must hold:\n```python\n{self.hidden.tests[0]}\n```")
+            tests = self.hidden.tests if self.hidden else []
+            if self.show_example and tests and not tests[0].startswith("check("):
+                parts.append(f"For example, this must hold:\n```python\n{tests[0]}\n```")
             task = {**task, "prompt": "\n\n".join(parts)}
         return super().initial_messages(task)
 
