@@ -38,7 +38,7 @@ def slime_run_env():
     return found
 
 
-def train(slime_run_env, out, *flags):
+def train(env, out, *flags):
     proc = subprocess.run([agentrl_cli(), "train", *flags, "--num-rollout", "2", "--output-dir", str(out),
                            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
                            "--rollout-max-response-len", "12", "--no-progress"],
