@@ -17,7 +17,8 @@ TOLERANCE = 1e-4  # fp32 CPU, as tests/test_parity.py
 def lora_trainer(model_path, **train):
     from agentrl.trainers.torch_trainer import TorchTrainer
 
-    cfg = TrainConfig(lr=1e-2, micro_batch_size=8, global_batch_size=8, lora_rank=4, lora_alpha=8.0, **train)
+    cfg = TrainConfig(**{"lr": 1e-2, "micro_batch_size": 8, "global_batch_size": 8, "lora_rank": 4, "lora_alpha": 8.0,
+                         **train})
     return TorchTrainer(str(model_path), train=cfg, algo=AlgoConfig(), temperature=1.0)
 
 
