@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 from agentrl.env import Action, Env, as_messages
 from agentrl.errors import ConfigError, SampleInvariantError
 from agentrl.plugins import load_function
-from agentrl.rollout.agent_loop import Renderer
+from agentrl.rollout.agent_loop import TRUNCATED_RESPONSE_LEN, Renderer
 from agentrl.rollout.control import RolloutControl
 from agentrl.rollout.manager import group_seed
 from agentrl.types import Sample as AgentSample, SampleStatus, TurnTiming
@@ -277,6 +277,8 @@ def to_agentrl(s: Any, *, where: str, trajectory_id: str, group_id: int, env_nam
     metadata = {**(getattr(s, "metadata", None) or {}), "label": getattr(s, "label", None)}
     if getattr(s, "remove_sample", False):
         mask, metadata["remove_sample"] = [0] * n, True
+    if status == SampleStatus.TRUNCATED:  # slime's TRUNCATED: the engine stopped at max_new_tokens
+        metadata.setdefault("truncation", TRUNCATED_RESPONSE_LEN)
     task = getattr(s, "task", None) or {}
     prompt, response = tokens[:len(tokens) - n], tokens[len(tokens) - n:]
     text = getattr(s, "response", "") or renderer.decode(response)
