@@ -7,17 +7,16 @@ two levels:
     async def generate(args, sample, sampling_params) -> Sample | list[Sample]   # one member of a group
     def generate_rollout(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]  # a batch
 
-Both work with slime's shapes, which this module provides: `args`, the run's settings as
-flat attributes under slime's names, with `sglang_router_ip` / `sglang_router_port`
-pointing at the router (or the one engine); and slime's `Sample`: the prompt text,
-`tokens` = prompt + response, `response_length`, `loss_mask` and `rollout_log_probs`
-over the response, `status`, `reward`, `label`, `metadata`. What the functions return is
-checked and turned into agentrl's `Sample`; a wrongly shaped return stops the run with
-an error naming the function.
+Both get slime's objects: `args`, the run's settings as flat attributes under slime's
+names plus every field slime's rollout code reads (router address, engine counts,
+concurrency, sampling defaults); slime's own `Sample` class when slime is importable (and
+its HTTP client initialised), else a stand-in with the same fields; and the sampling
+params slime's GenerateState builds. What the functions return is checked and turned into
+agentrl's `Sample`; a wrongly shaped return stops the run with an error naming the function.
 
 Rewards as in slime: a sample that comes back with `reward` set keeps it; otherwise
---custom-rm-path scores it (agentrl's signature: it gets agentrl's Sample), else the env
-does: reset with the group's seed and the task, then one step with the response text.
+--custom-rm-path scores it, called slime's way (`rm(args, sample)` with the hook's Sample),
+else the env does: reset with the group's seed and the task, then one step with the response.
 """
 
 from __future__ import annotations
