@@ -32,6 +32,8 @@ REQUESTS = {  # endpoint -> request structure (io_struct.py)
     "/continue_generation": "ContinueGenerationReqInput",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
 }
 BASES = {"BaseReq": {"rid": "Optional[str]", "http_worker_ipc": "Optional[str]"}}
 
@@ -58,6 +60,12 @@ RESPONSES = {
     "/release_memory_occupation": {"kind": "json_null", "where": "http_server.py:1374 (the handler returns None)"},
     "/resume_memory_occupation": {"kind": "json_null", "where": "http_server.py:1386"},
     "/abort_request": {"kind": "empty", "where": "http_server.py:1499"},
+    "/load_lora_adapter": {"kind": "json", "keys": {"success": "bool", "error_message": "Optional[str]",
+                                                    "loaded_adapters": "Optional[Dict[str, Union[str, LoRARef]]]"},
+                           "where": "http_server.py:1431-1439 (LoRAUpdateOutput; 400 when not success)"},
+    "/unload_lora_adapter": {"kind": "json", "keys": {"success": "bool", "error_message": "Optional[str]",
+                                                      "loaded_adapters": "Optional[Dict[str, Union[str, LoRARef]]]"},
+                             "where": "http_server.py:1454-1461 (LoRAUpdateOutput; 400 when not success)"},
     "/flush_cache": {"kind": "text", "where": "http_server.py:862"},
     "/health": {"kind": "empty", "where": "http_server.py:578"},
     "/health_generate": {"kind": "empty", "where": "http_server.py:579"},
