@@ -122,10 +122,15 @@ def test_infra_failure_reruns_the_whole_group_nothing_lost_or_duplicated(tmp_pat
     assert [r["groups_retried"] for r in rows] == [2, 4]  # cumulative: every group once
     for i in range(2):
         traj = trajectories(out, i)
-        assert all(t["status"] != "failed" for t in traj)
-        assert all(t["trajectory_id"].endswith("-a1") for t in traj)  # the retried attempt, whole
-        assert sorted(Counter(t["group_id"] for t in traj).values()) == [4, 4]
-        assert len({t["metadata"]["label"] for t in traj}) == 2
+        trained = [t for t in traj if not t["metadata"].get("attempt_failed")]
+        discarded = [t for t in traj if t["metadata"].get("attempt_failed")]  # saved for inspection, not trained
+        assert all(t["status"] != "failed" for t in trained)
+        assert all(t["trajectory_id"].endswith("-a1") for t in trained)  # the retried attempt, whole
+        assert sorted(Counter(t["group_id"] for t in trained).values()) == [4, 4]
+        assert len({t["metadata"]["label"] for t in trained}) == 2
+        failed = [t for t in discarded if t["status"] == "failed"]
+        assert len(failed) == 2 and all("sandbox died" in t["metadata"]["traceback"] for t in failed)
+        assert all("-a" not in t["trajectory_id"] for t in discarded)  # the first attempt, whole
 
 
 def test_debug_rollout_only_then_train_only_replays(tmp_path):

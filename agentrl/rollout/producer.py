@@ -102,7 +102,9 @@ class RolloutProducer:
         failed = [s for s in samples if s.status == SampleStatus.FAILED]
         if failed:
             self._note_failures(failed)
-            self.failed_samples += samples  # the whole attempt: its failed members and the ones it takes down
+            for s in samples:  # the whole attempt: its failed members and the ones it takes down (not trained)
+                s.metadata["attempt_failed"] = True
+            self.failed_samples += samples
             if attempt < self.max_group_retries:
                 self.retried += 1
                 self._launch(task, group_id, attempt + 1)
