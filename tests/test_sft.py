@@ -80,7 +80,7 @@ class ScriptedClient:
     def __init__(self, tokenizer, replies):
         self.tok, self.replies = tokenizer, list(replies)
 
-    async def generate(self, input_ids, sampling_params, *, session_id=None, rid=None):
+    async def generate(self, input_ids, sampling_params, *, session_id=None, rid=None, lora_path=None):
         ids = self.tok.encode(self.replies.pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
         return GenerateResult(ids, [-0.5] * len(ids), "stop", len(input_ids), 0, "0")
 
