@@ -189,7 +189,8 @@ class TrainConfig(Section):
     checkpoint every engine loads). `auto`: distributed for SGLang engines on GPUs of their own,
     else tensor."""
     max_tokens_per_gpu: int | None = Field(None, ge=1)
-    """Megatron: form micro-batches by token budget (packed sequences) instead of --micro-batch-size."""
+    """Form micro-batches by a token budget instead of --micro-batch-size: Megatron packs sequences
+    up to it; the PyTorch trainer takes as many samples as fit it padded (count x longest)."""
     save_hf: str | None = None
     """Megatron: also write an HF checkpoint here at every save ({rollout_id} is filled in)."""
     lora_rank: int = Field(0, ge=0)

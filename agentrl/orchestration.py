@@ -533,8 +533,8 @@ def gpu_memory() -> dict[str, float]:
 def out_of_memory_hint(cfg: Config, mem: dict[str, float], n_samples: int) -> str:
     """What to turn down when training does not fit next to what else holds the GPU."""
     t, others = cfg.train, mem["used_gib"] - mem["mine_gib"]
-    knobs = [f"--micro-batch-size (now {t.micro_batch_size})" if t.trainer == "torch" or not t.max_tokens_per_gpu
-             else f"--max-tokens-per-gpu (now {t.max_tokens_per_gpu})",
+    knobs = [f"--max-tokens-per-gpu (now {t.max_tokens_per_gpu})" if t.max_tokens_per_gpu
+             else f"--micro-batch-size (now {t.micro_batch_size}; or --max-tokens-per-gpu: a token budget)",
              "--rollout-max-response-len (shorter sequences)", "--recompute-granularity full (Megatron)"]
     if cfg.run.colocate:
         frac = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}.get("mem-fraction-static")

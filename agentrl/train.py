@@ -213,7 +213,8 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
 def remove_own_containers() -> None:
     """Docker sandboxes this process made that outlived their pool: a creation a signal cut
     short still finishes in its thread (asyncio.run waits for it) after the pool closed."""
-    if "agentrl.sandboxes.docker_backend" not in sys.modules:  # never used docker: nothing to ask it
+    backend = sys.modules.get("agentrl.sandboxes.docker_backend")
+    if backend is None or backend._client is None:  # never talked to docker: nothing to ask it
         return
     from agentrl.sandboxes.base import OWNER_PID
     from agentrl.sandboxes.docker_backend import list_containers

@@ -228,7 +228,7 @@ class WeightUpdateGroup:
             await asyncio.to_thread(send)
             await posts
         return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_mb": total / 2**20,
-                "weight_sync_buckets": len(chunks)}
+                "weight_sync_buckets": len(chunks), "weight_sync_nccl": float(self.backend == "nccl")}
 
     async def close(self) -> None:
         from agentrl.engines.distributed import destroy

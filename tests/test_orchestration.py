@@ -106,5 +106,5 @@ def test_out_of_memory_names_the_knobs():
 
     cfg, _ = parse_config(["--colocate", "--sglang-mem-fraction-static", "0.5", "--micro-batch-size", "8"])
     msg = out_of_memory_hint(cfg, {"used_gib": 79.0, "total_gib": 79.6, "mine_gib": 40.0}, 256)
-    assert "--sglang-mem-fraction-static" in msg and "now 0.5" in msg and "--micro-batch-size (now 8)" in msg
+    assert "--sglang-mem-fraction-static" in msg and "now 0.5" in msg and "--micro-batch-size (now 8;" in msg
     assert "other processes (engines) 39.0 GiB" in msg and "256 samples" in msg

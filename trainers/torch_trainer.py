@@ -97,7 +97,7 @@ class TorchTrainer:
     @torch.no_grad()
     def compute_values(self, samples: list[Sample]) -> list[list[float]]:
         out: list[list[float]] = []
-        for chunk in _chunks(samples, self.train_cfg.micro_batch_size):
+        for chunk in self._micro_batches(samples):
             v, _ = self._response_values(chunk)
             out += [v[i, :s.response_length].tolist() for i, s in enumerate(chunk)]
         return out
@@ -107,10 +107,30 @@ class TorchTrainer:
         """Per-sample response logprobs (no grad), micro-batched."""
         model = model or self.model
         out: list[list[float]] = []
-        for chunk in _chunks(samples, self.train_cfg.micro_batch_size):
+        for chunk in self._micro_batches(samples):
             logp, _, _ = self._response_logprobs(model, chunk)
             out += [logp[i, :s.response_length].tolist() for i, s in enumerate(chunk)]
         return out
+
+    def _micro_batches(self, items: list, samples: list[Sample] | None = None) -> Iterator[list]:
+        """`items` (samples, or indices into `samples`) in forward/backward-sized pieces: by count
+        (--micro-batch-size), or with --max-tokens-per-gpu as many as fit that budget of padded
+        tokens (pieces x longest; a longer sample goes alone). Loss sums are over the whole step,
+        so how the pieces fall does not change the gradient."""
+        budget = self.train_cfg.max_tokens_per_gpu
+        if not budget:
+            yield from _chunks(items, self.train_cfg.micro_batch_size)
+            return
+        piece, longest = [], 0
+        for item in items:
+            n = len((samples[item] if samples is not None else item).tokens)
+            if piece and (len(piece) + 1) * max(longest, n) > budget:
+                yield piece
+                piece, longest = [], 0
+            piece.append(item)
+            longest = max(longest, n)
+        if piece:
+            yield piece
 
     # -- one iteration of training -----------------------------------------------------------
     def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
@@ -148,7 +168,7 @@ class TorchTrainer:
         stats: dict[str, float] = {}
         if not trained:
             return stats
-        for chunk in _chunks(trained, self.train_cfg.micro_batch_size):
+        for chunk in self._micro_batches(trained, samples):
             logp, mask, entropy = self._response_logprobs(self.model, [samples[i] for i in chunk], with_entropy)
             loss, out = make_loss(chunk, logp, mask, entropy, denom)
             loss.backward()
@@ -168,7 +188,7 @@ class TorchTrainer:
         stats = {"value_loss": 0.0, "value_clipfrac": 0.0}
         if not trained:
             return stats
-        for chunk in _chunks(trained, self.train_cfg.micro_batch_size):
+        for chunk in self._micro_batches(trained, samples):
             v, _ = self._response_values([samples[i] for i in chunk])
             mask = _padded([samples[i].loss_mask for i in chunk], v.shape, self.device)
             loss, clipfrac = value_loss(v, _padded([old_values[i] for i in chunk], v.shape, self.device),

@@ -75,9 +75,26 @@ def test_tool_envs_with_router(env, extra):
     run, rows = agentrl_train(f"{env}_router", "--env", env, "--device", "cuda", "--dtype", "bfloat16",
                               "--model", str(random_qwen2("135m")), "--trainer", "torch", *SGLANG, *COLOCATE,
                               "--num-engines", "2", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
-                              "--global-batch-size", "32", "--num-rollout", str(iters(2)), *extra, timeout_s=560)
+                              "--global-batch-size", "32", "--max-tokens-per-gpu", "16384", "--num-rollout", str(iters(2)),
+                              *extra, timeout_s=560)
     handover_figures(rows)
     assert len(rows) == iters(2) and all(r["status_failed"] == 0 for r in rows)
     assert all(r["engines_used"] == 2 for r in rows)
     traj = trajectories(run, 0)
     assert all(t["status"] in ("completed", "truncated") for t in traj)
+
+
+def test_two_gpus_engines_apart():
+    """Trainer (Megatron) on GPU 0, two SGLang engines sharing GPU 1 behind sglang-router, weights
+    sent over NCCL every iteration (--weight-sync-mode auto picks it): learns, on policy."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (the device tool's nvidia-h200-x2)")
+    n = iters(20)
+    run, rows = agentrl_train("two_gpus", *TARGET, "--model", str(random_qwen2("135m")), "--trainer", "megatron",
+                              *SGLANG, "--num-engines", "2", "--sglang-mem-fraction-static", "0.4",
+                              "--num-rollout", str(n), timeout_s=560)
+    handover_figures(rows)
+    assert all(r["engines_used"] == 2 for r in rows), [r["engines_used"] for r in rows]
+    assert all(r["weight_sync_nccl"] == 1.0 for r in rows), [r.get("weight_sync_nccl") for r in rows]
+    assert all(r["weight_sync_mb"] > 100 for r in rows)  # every weight of the 135M shape (~200 MB bf16) each time
+    check_learns_on_policy(run, rows, n)
