@@ -5,24 +5,32 @@ A task is a problem statement plus hidden tests. Per trajectory the agent gets a
 the `python`, `bash` and `files` MCP tools running inside it; it works over several turns
 (hermes tool calls) and writes its solution to ``solution.py``; a reply without a tool call
 ends the episode. The grader then copies the solution file(s) -- only those -- into a NEW
-sandbox the agent never touched and runs the hidden tests there (envs/code_env/grader.py);
-reward = share of tests passed, or 1/0 with ``all_or_nothing=True``.
+sandbox the agent never touched (from the run's pool when ``sandbox`` is a SandboxPool), where
+a process holding only the solution answers calls; the hidden tests run on the host against
+those answers (envs/code_env/grader.py says how); reward = share of tests passed, or 1/0 with
+``all_or_nothing=True``. What the agent's own actions break (a solution file that is a FIFO,
+its sandbox's exec server killed) scores 0 with ``info["agent_fault"]``, never a failed group.
 
 Task files (JSONL), MBPP- or HumanEval-shaped: ``text`` or ``prompt`` (the statement),
 ``test_list`` or ``test`` (the hidden tests), ``entry_point``, optional ``test_setup_code``
-/ ``test_imports``. Use one with ``--env-kwargs '{"tasks": "mbpp.jsonl"}'`` (keeps every
+/ ``test_imports``. A test is Python the judge runs on the host (``assert f(2) == 4``, or a
+HumanEval ``check(candidate)``); the solution's functions in it must take and return plain
+values (numbers, strings, bytes, lists, tuples, sets, dicts, Fractions, Decimals). Use one with ``--env-kwargs '{"tasks": "mbpp.jsonl"}'`` (keeps every
 field), or ``--prompt-data mbpp.jsonl --input-key text --label-key test_list``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Iterator
 
 from agentrl.envs.code_env.grader import GradeResult, HiddenTests, grade, hidden_tests
 from agentrl.data import shuffled_epochs
+from agentrl.errors import AgentFault
 from agentrl.registry import register_env
 from agentrl.tools.env import ToolEnv
 
@@ -37,6 +45,25 @@ SYSTEM_PROMPT = (
     "graded by hidden tests in a fresh environment."
 )
 CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+MAX_SOLUTION_BYTES = 1 << 20
+# Reads one solution file for the host, as the agent's uid, without ever blocking: a FIFO, a
+# device or a directory is "not a regular file" (exit 3), a missing file exit 2.
+READ_SOLUTION = f"""
+import os, stat, sys
+try:
+    fd = os.open(sys.argv[1], os.O_RDONLY | os.O_NONBLOCK)
+except FileNotFoundError:
+    sys.exit(2)
+if not stat.S_ISREG(os.fstat(fd).st_mode):
+    sys.exit(3)
+data = b""
+while len(data) <= {MAX_SOLUTION_BYTES}:
+    chunk = os.read(fd, 1 << 16)
+    if not chunk:
+        break
+    data += chunk
+sys.stdout.buffer.write(data)
+"""
 
 
 def normalize_task(row: dict[str, Any]) -> dict[str, Any]:
@@ -76,12 +103,14 @@ class CodeEnv(ToolEnv):
     """Sandboxed code agent: python/bash/files tools in a sandbox; hidden tests run in a fresh sandbox.
 
     kwargs: ``tasks`` (JSONL of MBPP/HumanEval-shaped tasks; default the 20 built-in ones),
-    ``sandbox`` ("auto" | "docker" | "local"; where the agent works), ``grader_sandbox``
-    (where the tests run; default: same backend as ``sandbox``), ``all_or_nothing`` (False:
+    ``sandbox`` ("auto" | "docker" | "local" | a SandboxPool; where the agent works), ``grader_sandbox``
+    (where the solution runs for grading: a backend name or a pool; default "same": the pool, or
+    a new sandbox of the same backend; None: a host process, trusted code only), ``all_or_nothing`` (False:
     reward = share of tests passed), ``solution_files`` (["solution.py"]: what is copied to the
     grader; the first is the module the tests load), ``answer_in_message`` (True: with no
     solution file, the last ```python block of the final message is graded), ``show_example``
-    (True: show the first test as an example), ``max_turns`` (8), ``test_timeout`` (s per test)."""
+    (True: show the first test as an example), ``max_turns`` (8), ``test_timeout`` (s per call of
+    the solution), ``grade_timeout`` (s for the whole grading of one solution)."""
 
     description = "Sandboxed code agent (python/bash/files tools); hidden tests run in a fresh sandbox."
     builtin_tools = ("python", "bash", "files")
@@ -95,7 +124,8 @@ class CodeEnv(ToolEnv):
     def __init__(self, tasks: str | None = None, sandbox: str = "auto", grader_sandbox: str | None = "same",
                  all_or_nothing: bool = False, solution_files: list[str] | tuple[str, ...] = ("solution.py",),
                  answer_in_message: bool = True, show_example: bool = True, max_turns: int | None = None,
-                 test_timeout: int = 10, system_prompt: str | None = None, **tool_env_kwargs):
+                 test_timeout: float = 10, grade_timeout: float = 60, system_prompt: str | None = None,
+                 **tool_env_kwargs):
         super().__init__(system_prompt=system_prompt, **tool_env_kwargs)
         self.sandbox = sandbox
         self.grader_sandbox = sandbox if grader_sandbox == "same" else grader_sandbox
@@ -108,7 +138,8 @@ class CodeEnv(ToolEnv):
         self.show_example = show_example
         if max_turns is not None:
             self.max_turns = int(max_turns)
-        self.test_timeout = int(test_timeout)
+        self.test_timeout = float(test_timeout)
+        self.grade_timeout = float(grade_timeout)
         self.dataset_kwargs = {"tasks": tasks}  # reset() without a task draws one from them
         if system_prompt is None:
             self.system_prompt = SYSTEM_PROMPT.format(solution_file=self.solution_files[0])
@@ -142,34 +173,88 @@ class CodeEnv(ToolEnv):
         self.tool_calls += info.get("tool_calls", 0)
         return obs, reward, terminated, truncated, info
 
-    async def collect_solution(self, action: str) -> tuple[dict[str, str], str]:
-        """The solution files from the agent's sandbox ({path: text}) and where they came from."""
+    async def collect_solution(self, action: str) -> tuple[dict[str, str], str, list[str]]:
+        """The solution files from the agent's sandbox ({path: text}), where they came from, and
+        why files were not taken (missing, not a regular file, too large)."""
         files: dict[str, str] = {}
+        skipped: list[str] = []
         for path in self.solution_files:
-            try:
-                data = await self.read_file(path)
-            except (OSError, ValueError):  # missing, a directory, or too large: not a solution
-                continue
-            files[path] = data.decode("utf-8", errors="replace")
+            data, why = await self.read_solution_file(path)
+            if data is None:
+                skipped.append(f"{path}: {why}")
+            else:
+                files[path] = data.decode("utf-8", errors="replace")
         if self.solution_files[0] in files:
-            return files, "file"
+            return files, "file", skipped
         if self.answer_in_message:
             blocks = CODE_BLOCK_RE.findall(str(action))
             if blocks:
-                return {**files, self.solution_files[0]: blocks[-1]}, "message"
-        return {}, "none"
+                return {**files, self.solution_files[0]: blocks[-1]}, "message", skipped
+        return {}, "none", skipped
+
+    async def read_solution_file(self, path: str) -> tuple[bytes | None, str]:
+        """(contents, "") or (None, why not). Read in the agent's sandbox by a short-lived process
+        with a timeout, so nothing the agent made there (a FIFO, a device) can block the host. If
+        the agent broke its sandbox's exec server, that is its fault (AgentFault), not a failure."""
+        from agentrl.sandboxes import SandboxError
+
+        sb = self.sandbox_instance
+        if sb is None:  # tools on the host
+            return await asyncio.to_thread(_read_host_file, Path(self.workdir or "."), path)
+        tainted_before = sb.tainted
+        try:
+            r = await sb.exec(["python3", "-I", "-c", READ_SOLUTION, path], timeout=10,
+                              output_limit=MAX_SOLUTION_BYTES + 1)
+        except SandboxError as e:
+            if sb.tainted:  # the sandbox lives, its server was killed (by the agent's processes)
+                raise AgentFault(f"reading {path}: the agent broke its sandbox's exec server ({e})") from None
+            raise
+        if sb.tainted != tainted_before:
+            raise AgentFault(f"reading {path}: the agent broke its sandbox's exec server ({sb.tainted})")
+        if r.exit_code == 0 and not r.truncated and len(r.stdout_bytes) <= MAX_SOLUTION_BYTES:
+            return r.stdout_bytes, ""
+        why = {2: "missing", 3: "not a regular file"}.get(r.exit_code, "")
+        if not why:
+            why = "timed out" if r.timed_out else ("larger than 1 MiB" if r.exit_code == 0 else
+                                                  f"unreadable (exit {r.exit_code}: {r.stderr[-200:].strip()})")
+        return None, why
 
     async def final_answer(self, action):
-        files, source = await self.collect_solution(str(action))
+        files, source, skipped = await self.collect_solution(str(action))
         info: dict[str, Any] = {"tool_calls": self.tool_calls, "solution_from": source}
+        if skipped:
+            info["solution_files_skipped"] = skipped
+        # the tools are done: their sandbox goes back (a pool's slot is free for the grader)
+        await self.close_tools()
         if not files:
             info["error"] = f"no {self.solution_files[0]} written and no ```python block in the final message"
             return [], 0.0, True, False, info
-        result: GradeResult = await grade(files, self.hidden, main=self.solution_files[0], backend=self.grader_sandbox,
-                                          test_timeout=self.test_timeout)
+        target = self.grader_sandbox
+        if target is not None and not isinstance(target, str) and not (hasattr(target, "get")
+                                                                        and hasattr(target, "release")):
+            target = target.backend  # a Sandbox given in is the agent's: grade in a new one of its kind
+        result: GradeResult = await grade(files, self.hidden, main=self.solution_files[0], sandbox=target,
+                                          test_timeout=self.test_timeout, total_timeout=self.grade_timeout)
         info.update(passed=result.passed, total=result.total,
                     test_errors=[d.get("error") for d in result.details if not d.get("passed")][:5])
         if result.error:
             info["error"] = result.error
         reward = float(result.passed == result.total) if self.all_or_nothing else result.fraction
         return [], reward, True, False, info
+
+
+def _read_host_file(workdir: Path, path: str) -> tuple[bytes | None, str]:
+    """READ_SOLUTION for tools running on the host (trusted setups)."""
+    import stat
+
+    try:
+        fd = os.open(workdir / path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as e:
+        return None, f"unreadable ({e})"
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, "not a regular file"
+        data = f.read(MAX_SOLUTION_BYTES + 1)
+    return (data, "") if len(data) <= MAX_SOLUTION_BYTES else (None, "larger than 1 MiB")

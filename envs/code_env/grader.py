@@ -1,145 +1,58 @@
-"""Grading of code solutions: the solution files go into a FRESH sandbox that the agent never
-touched, next to a runner the agent never saw; the runner executes the hidden tests one by
-one and reports which passed.
+"""Grading of code solutions. Pass/fail is decided by a judge on the host that never imports
+or runs the solution's code; the solution runs in a sandbox and only answers calls.
 
-Trust model. The tests come from the task (never from the agent's sandbox); only the named
-solution files are copied over, so files the agent planted (a ``conftest.py``, a fake
-``tests.py``, a ``sitecustomize.py``) never reach the grader. The runner reads a random
-nonce from stdin before it imports the solution and deletes its own file, and the result
-line must carry that nonce: a solution that prints a fake report and exits, or calls
-``sys.exit(0)`` / ``os._exit(0)``, scores nothing. Each test has a time limit (SIGALRM), the
-whole run the sandbox's limits. ``assert a == b`` in a test is checked so that a value whose
-``__eq__`` always says True (the "AlwaysEqual" hack) does not match a built-in expected value.
-Limits: the tests run in the solution's process, so code written to attack the runner on
-purpose (walking its frames for the nonce, patching builtins the tests use) could still fool it.
+How a task's tests are run. The hidden tests (assert statements, or a HumanEval ``check``)
+and their setup code are trusted task data: the judge executes them on the host, in a
+namespace where every name the tests use that is not a builtin or defined by the setup (the
+entry point, always) is a proxy. Calling a proxy sends the function's name and its
+arguments (plain values: numbers, strings, bytes, lists, tuples, sets, dicts, Fractions,
+Decimals) to a child process in a sandbox (child.py), which holds the solution and nothing
+else; it calls the solution's function and answers with the return value (and the
+arguments after the call, so in-place changes show) or the exception's type name. The
+answer is decoded into plain values -- an object with an ``__eq__`` the agent wrote cannot
+reach the judge -- and the test goes on with it: ``assert running_max([1, 3]) == [1, 3]``
+compares the decoded list on the host. So the tests' expected values never enter the
+sandbox, and nothing the solution does to its own interpreter (patching ``json``,
+``builtins``, the child, ``AssertionError``; ``sys.exit``; printing a forged answer) can
+change a verdict: at most it claims return values, which the judge checks like any others.
+
+What a solution can pass: functions called with plain values that return plain values (or
+raise); an object with methods (``Stack().push(1)``) comes back as an unrepresentable value
+that equals nothing. The solution's module state persists across calls of one grading (one
+child process), except after its process died, when the next call starts a new one.
+
+Bounds. Each call has ``test_timeout`` seconds, the whole grading ``total_timeout`` (wall
+clock, measured on the host: a solution that ignores SIGALRM is killed all the same), each
+answer ``max_answer_bytes``. After a hang, an answer that breaks the protocol, or a failed
+load, the solution's process is killed and the remaining tests fail with the reason in
+``GradeResult.error``.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import builtins
+import importlib
 import json
 import os
-import secrets
+import signal
 import shutil
-import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
-RUNNER = r'''
-import sys, os
-_nonce = sys.stdin.readline().strip()
-sys.stdin.close()
-try:
-    os.remove(__file__)
-except OSError:
-    pass
+from agentrl.envs.code_env.child import decode, encode
 
-
-_PLAIN = {int, float, complex, str, bytes, bool, type(None), list, tuple, dict, set, frozenset}
-# Standard-library value types, captured before the solution runs (it cannot swap them).
-import collections as _c, fractions as _f, decimal as _d, datetime as _dt
-_PLAIN |= {_c.Counter, _c.OrderedDict, _c.defaultdict, _c.deque, _f.Fraction, _d.Decimal, _dt.date, _dt.datetime,
-           _dt.time, _dt.timedelta}
-_SEQUENCES = (list, tuple, set, frozenset, _c.deque)
-
-
-def _trusted(t):
-    if t in _PLAIN:
-        return True
-    np = sys.modules.get("numpy")  # numpy scalars (np.int64, np.float32, ...)
-    return (np is not None and t.__module__ == "numpy" and getattr(np, t.__name__, None) is t
-            and issubclass(t, np.generic))
-
-
-def _plain(x, depth=0):
-    """Only trusted value types all the way down: nothing with an __eq__ the solution wrote."""
-    if not _trusted(type(x)) or depth > 50:
-        return False
-    if isinstance(x, _SEQUENCES):
-        return all(_plain(v, depth + 1) for v in x)
-    if isinstance(x, dict):
-        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in x.items())
-    return True
-
-
-def _agentrl_eq(a, b):
-    # An expected built-in value must be matched by a built-in value: an object whose
-    # __eq__ always says True (the "AlwaysEqual" hack) does not pass.
-    if _plain(b) and not _plain(a) or _plain(a) and not _plain(b):
-        return False
-    return a == b
-
-
-def _guard(source):
-    import ast
-
-    class Eq(ast.NodeTransformer):
-        def visit_Assert(self, node):
-            test = node.test
-            if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.NotEq)):
-                call = ast.Call(ast.Name("_agentrl_eq", ast.Load()), [test.left, test.comparators[0]], [])
-                node.test = call if isinstance(test.ops[0], ast.Eq) else ast.UnaryOp(ast.Not(), call)
-            return node
-
-    tree = Eq().visit(ast.parse(source))
-    return compile(ast.fix_missing_locations(tree), "<hidden test>", "exec")
-
-
-def _grade(nonce):
-    import json, signal, runpy, traceback, io, contextlib
-    spec = json.loads(open("_grader_spec.json").read())
-    os.remove("_grader_spec.json")
-    sys.path.insert(0, os.getcwd())
-    results = []
-
-    def on_alarm(signum, frame):
-        raise TimeoutError("test timed out")
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    namespace = None
-    load_error = ""
-    out = io.StringIO()
-    try:
-        signal.alarm(spec["load_timeout"])
-        with contextlib.redirect_stdout(out):
-            namespace = runpy.run_path(spec["main"], run_name="solution")
-            if spec["setup"]:
-                exec(compile(spec["setup"], "<test setup>", "exec"), namespace)
-    except BaseException as exc:
-        load_error = f"{type(exc).__name__}: {exc}"[:500]
-    finally:
-        signal.alarm(0)
-    for test in spec["tests"]:
-        if namespace is None:
-            results.append({"passed": False, "error": "the solution did not load: " + load_error})
-            continue
-        ns = dict(namespace)
-        try:
-            signal.alarm(spec["test_timeout"])
-            with contextlib.redirect_stdout(out):
-                ns["_agentrl_eq"] = _agentrl_eq
-                exec(_guard(test), ns)
-            results.append({"passed": True})
-        except BaseException as exc:
-            msg = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            results.append({"passed": False, "error": msg[:300]})
-        finally:
-            signal.alarm(0)
-    sys.__stdout__.write("\n" + nonce + json.dumps(results) + "\n")
-    sys.__stdout__.flush()
-
-
-_grade(_nonce)
-'''
-
+CHILD_SOURCE = (Path(__file__).with_name("child.py")).read_text()
+CHILD_ARGV = ["python3", "-I", "-c", CHILD_SOURCE]  # -I: nothing of the workdir on its path before it loads the solution
 
 @dataclass
 class HiddenTests:
-    """Hidden tests of one task: statements run after the solution is loaded, in its namespace."""
+    """Hidden tests of one task: statements (asserts, ``check(entry_point)``) the judge runs after `setup`."""
 
     tests: list[str]
     setup: str = ""
@@ -216,80 +129,357 @@ def hidden_tests(label: Any, metadata: dict | None = None, prompt: Any = None) -
     raise ValueError(f"code task: cannot read hidden tests from a label of type {type(label).__name__}")
 
 
-def parse_report(stdout: str, nonce: str, total: int) -> GradeResult:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(nonce):
+
+# ---- the host's end of the solution's process ------------------------------------------------------
+class SolutionBroke(BaseException):
+    """The solution's process hung, died, did not load or broke the protocol. A BaseException, so
+    that no ``except Exception`` in a test takes it for an exception the test expected."""
+
+
+class SolutionError(Exception):
+    """The solution raised an exception the judge has no built-in class for (its type name is the message)."""
+
+
+@dataclass
+class Bounds:
+    test_timeout: float = 10.0      # seconds per call of the solution
+    total_timeout: float = 60.0     # seconds for the whole grading
+    max_answer_bytes: int = 1 << 20  # one answer line
+
+
+class SolutionProcess:
+    """One child.py process at a time, started by `spawn`; calls go to it one by one. Once it hung,
+    failed to load, or broke the protocol, every later call fails at once (`gave_up`)."""
+
+    def __init__(self, spawn: Callable[[], Awaitable[asyncio.subprocess.Process]], main: str, bounds: Bounds):
+        self.spawn, self.main, self.bounds = spawn, main, bounds
+        self.proc: asyncio.subprocess.Process | None = None
+        self.buf = bytearray()
+        self.gave_up = ""
+        self.deadline = asyncio.get_running_loop().time() + bounds.total_timeout
+        self.starts = 0
+
+    def _left(self, limit: float) -> float:
+        left = self.deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise self._give_up(f"grading took longer than total_timeout={self.bounds.total_timeout:g}s")
+        return min(limit, left)
+
+    def _give_up(self, why: str) -> SolutionBroke:
+        self.gave_up = why
+        return SolutionBroke(why)
+
+    async def _exchange(self, request: dict, timeout: float) -> dict:
+        """Send one request line, read one answer line. TimeoutError, EOFError or ValueError."""
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        async with asyncio.timeout(timeout):
             try:
-                details = json.loads(line[len(nonce):])
-            except ValueError:
-                break
-            if isinstance(details, list) and len(details) == total:
-                return GradeResult(sum(bool(d.get("passed")) for d in details), total, details)
-            break
-    return GradeResult(0, total, [], error="the test run ended without a report (the solution exited, "
-                                          "crashed or hung)")
+                await self.proc.stdin.drain()
+            except ConnectionError:
+                raise EOFError from None
+            while (end := self.buf.find(b"\n")) < 0:
+                if len(self.buf) > self.bounds.max_answer_bytes:
+                    raise ValueError(f"an answer longer than {self.bounds.max_answer_bytes} bytes")
+                chunk = await self.proc.stdout.read(1 << 16)
+                if not chunk:
+                    raise EOFError
+                self.buf += chunk
+        line, self.buf = bytes(self.buf[:end]), self.buf[end + 1:]
+        try:
+            answer = json.loads(line)
+        except RecursionError:
+            raise ValueError("an answer nested too deep") from None
+        if not isinstance(answer, dict):
+            raise ValueError("an answer that is not a JSON object")
+        return answer
+
+    async def _start(self) -> None:
+        self.starts += 1
+        self.buf = bytearray()
+        self.proc = await self.spawn()
+        cpu_s = int(self.bounds.total_timeout) + 1  # an orphaned busy loop dies of RLIMIT_CPU
+        try:
+            hello = await self._exchange({"main": self.main, "cpu_s": cpu_s},
+                                         self._left(max(self.bounds.test_timeout, 10.0)))
+        except SolutionBroke:
+            raise
+        except (TimeoutError, EOFError, ValueError, OSError) as e:
+            raise self._give_up(f"the solution did not load: {_why(e)}") from None
+        if not hello.get("loaded"):
+            raise self._give_up(f"the solution did not load: {str(hello.get('load_error'))[:500]}")
+
+    async def call(self, name: str, args: list, kwargs: dict) -> dict:
+        if self.gave_up:
+            raise SolutionBroke(self.gave_up)
+        request = {"call": name, "args": encode(args), "kwargs": encode(kwargs)}
+        try:
+            if self.proc is None or self.proc.returncode is not None:
+                await self._start()
+            return await self._exchange(request, self._left(self.bounds.test_timeout))
+        except EOFError:  # it exited (sys.exit, os._exit, a crash): the next call starts a new one
+            await self.kill()
+            raise SolutionBroke(f"the solution's process ended during {name}()") from None
+        except (TimeoutError, ValueError, OSError) as e:
+            await self.kill()
+            raise self._give_up(f"{name}(): {_why(e, self.bounds.test_timeout)}") from None
+
+    async def give_up(self, why: str) -> None:
+        self.gave_up = self.gave_up or why
+        await self.kill()
+
+    async def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session (host children and the sandbox's client)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+        async def drain() -> None:  # to EOF, so the pipe's transport closes (reading stops on a full buffer)
+            while await proc.stdout.read(1 << 16):
+                pass
+            await proc.wait()
+
+        try:
+            await asyncio.wait_for(drain(), 10)
+        except (asyncio.TimeoutError, OSError, RuntimeError):  # RuntimeError: a cancelled call still reads
+            pass
 
 
-def _runner_inputs(files: dict[str, str], spec: HiddenTests, main: str, test_timeout: int) -> tuple[str, dict, str]:
-    nonce = "AGENTRL-GRADE-" + secrets.token_hex(16) + ":"
-    runner_name = f"_grader_{secrets.token_hex(6)}.py"
-    payload = {"main": main, "tests": spec.tests, "setup": spec.setup, "test_timeout": int(test_timeout),
-               "load_timeout": int(max(test_timeout, 10))}
-    staged = dict(files)
-    staged["_grader_spec.json"] = json.dumps(payload)
-    staged[runner_name] = RUNNER
-    return nonce, staged, runner_name
+def _why(exc: BaseException, timeout: float | None = None) -> str:
+    if isinstance(exc, TimeoutError):
+        return f"timed out (test_timeout={timeout:g}s)" if timeout else "timed out"
+    if isinstance(exc, EOFError):
+        return "its process ended"
+    return f"{type(exc).__name__}: {exc}"[:300]
 
 
-async def grade_in_sandbox(files: dict[str, str], spec: HiddenTests, *, main: str = "solution.py",
-                           backend: str = "auto", limits: dict | None = None, test_timeout: int = 10,
-                           total_timeout: float = 120.0) -> GradeResult:
-    """Run the hidden tests against `files` ({relative path: text}) in a new sandbox.
+# ---- the judge: the hidden tests, run on the host against the solution's answers -------------------
+_BUILTIN_NAMES = set(dir(builtins))
+
+
+def free_names(spec: HiddenTests) -> tuple[set[str], set[str]]:
+    """(proxied, modules): names the tests (or their setup) read that no builtin provides, and the
+    entry point, are the solution's functions as far as the tests are concerned -- except a
+    standard-library module's name used only as ``name.attr`` (``math.isclose``: tests that relied
+    on the solution's own ``import math``), which is that module. Setup code may rebind any."""
+    used, plain = set(), set()  # every name read; those read other than as name.attr
+    for code in [spec.setup, *spec.tests]:
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            continue
+        bases = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+                used.add(n.id)
+                if id(n) not in bases:
+                    plain.add(n.id)
+    names = {n for n in used if n not in _BUILTIN_NAMES}
+    modules = {n for n in names - plain if n in sys.stdlib_module_names and n != spec.entry_point}
+    proxied = (names - modules) | ({spec.entry_point} if spec.entry_point else set())
+    return proxied, modules
+
+
+def _raise_like(answer: dict) -> None:
+    """Raise what the solution said it raised: a built-in exception class by name, else SolutionError."""
+    name, message = str(answer.get("raised"))[:100], str(answer.get("message", ""))[:300]
+    cls = getattr(builtins, name, None)
+    # StopIteration would end the iteration it was raised in: `all(map(candidate, xs))` would hold
+    if isinstance(cls, type) and issubclass(cls, Exception) and cls not in (StopIteration, StopAsyncIteration):
+        try:
+            exc = cls(message)
+        except Exception:
+            exc = SolutionError(f"{name}: {message}")
+        raise exc
+    if isinstance(cls, type) and issubclass(cls, BaseException):  # SystemExit, KeyboardInterrupt, ...
+        raise SolutionBroke(f"the solution raised {name}")
+    raise SolutionError(f"{name}: {message}")
+
+
+def _write_back(args: list, after: Any) -> None:
+    """In-place changes the solution made to its arguments, made to the judge's own objects."""
+    if not isinstance(after, list) or len(after) != len(args):
+        return
+    for before, now in zip(args, after):
+        if type(before) is list and type(now) is list or type(before) is bytearray and type(now) is bytes:
+            before[:] = now
+        elif type(before) in (dict, set) and type(now) is type(before):
+            before.clear()
+            before.update(now)
+
+
+def judge(spec: HiddenTests, call: Callable[[str, list, dict], dict]) -> list[dict]:
+    """Run the hidden tests on the host; `call(name, args, kwargs)` asks the solution (blocking) and
+    gives its decoded answer: {"value": v, "args": [...]} or {"raised": type name, "message": str}.
+    One {"passed": bool, "error"?: str} per test."""
+
+    def proxy(name: str):
+        def solution_function(*args, **kwargs):
+            args = list(args)
+            answer = call(name, args, kwargs)
+            if "raised" in answer:
+                _raise_like(answer)
+            _write_back(args, answer["args"])
+            return answer["value"]
+
+        solution_function.__name__ = solution_function.__qualname__ = name
+        return solution_function
+
+    base: dict[str, Any] = {"__name__": "hidden_tests", "__builtins__": builtins}
+    proxied, modules = free_names(spec)
+    base.update({name: proxy(name) for name in proxied})
+    for name in modules:
+        try:
+            base[name] = importlib.import_module(name)
+        except ImportError:
+            base[name] = proxy(name)
+    setup_error = ""
+    try:
+        exec(compile(spec.setup, "<test setup>", "exec"), base)
+    except BaseException as exc:  # noqa: BLE001 - a test setup that fails fails every test, with the reason
+        setup_error = f"the test setup failed: {_describe(exc)}"
+    results = []
+    for test in spec.tests:
+        if setup_error:
+            results.append({"passed": False, "error": setup_error})
+            continue
+        try:
+            exec(compile(test, "<hidden test>", "exec"), dict(base))
+            results.append({"passed": True})
+        except BaseException as exc:  # noqa: BLE001 - whatever a test raises, it failed
+            results.append({"passed": False, "error": _describe(exc)})
+    return results
+
+
+def _describe(exc: BaseException) -> str:
+    return (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)[:300]
+
+
+async def judge_solution(spec: HiddenTests, spawn: Callable[[], Awaitable[asyncio.subprocess.Process]], *,
+                         main: str = "solution.py", bounds: Bounds | None = None) -> GradeResult:
+    """Grade the solution that `spawn()` starts (a child.py process): the judge runs in a worker
+    thread, each call of the solution is a request to the child on this event loop."""
+    bounds = bounds or Bounds()
+    loop = asyncio.get_running_loop()
+    solution = SolutionProcess(spawn, main, bounds)
+
+    def on_loop(coro, timeout: float):
+        # the coroutine bounds itself; the margin only keeps this thread from waiting on a dead loop
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout + 30)
+
+    def call(name: str, args: list, kwargs: dict) -> dict:
+        answer = on_loop(solution.call(name, args, kwargs), bounds.test_timeout + max(bounds.test_timeout, 10.0))
+        if "raised" in answer:
+            return answer
+        try:  # decoded here, in the judge's thread: an answer of up to max_answer_bytes never stalls the loop
+            return {"value": decode(answer["value"]), "args": decode(answer.get("args"))}
+        except (KeyError, ValueError, RecursionError) as e:
+            why = f"{name}(): a malformed answer ({type(e).__name__}: {str(e)[:200]})"
+            on_loop(solution.give_up(why), 10)  # what it sends next cannot be trusted to answer anything
+            raise SolutionBroke(why) from None
+
+    try:
+        details = await _in_thread(judge, spec, call)
+        error = solution.gave_up or None
+    finally:
+        # a judge left running (the grading was cancelled) gets no new process for its next calls
+        solution.gave_up = solution.gave_up or "the grading ended"
+        await solution.kill()
+    passed = sum(d["passed"] for d in details)
+    return GradeResult(passed, len(details), details, error=error)
+
+
+async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) in a thread of its own: a judge waits on the solution for up to total_timeout,
+    and in asyncio's shared executor (a few threads) it would hold up other gradings and every
+    other to_thread of the rollout, its deadline running while it waited for a thread."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(exc) if exc is not None else done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="agentrl-judge", daemon=True).start()
+    return await done
+
+
+# ---- where the solution runs ------------------------------------------------------------------------
+def _is_pool(obj: Any) -> bool:
+    return hasattr(obj, "get") and hasattr(obj, "release")
+
+
+async def grade(files: dict[str, str], spec: HiddenTests, *, sandbox: Any = "auto", main: str = "solution.py",
+                limits: dict | None = None, test_timeout: float = 10, total_timeout: float = 60,
+                max_answer_bytes: int = 1 << 20) -> GradeResult:
+    """Grade `files` ({relative path: text}; `main` is the module the tests call into) against `spec`.
+
+    sandbox: a backend name ("auto" | "docker" | "local": a new sandbox, closed after), a
+    SandboxPool (a sandbox from it, destroyed after, since the solution's processes may outlive
+    the grading), or None: a host subprocess in a temp dir, NOT isolated (trusted code only).
     Raises SandboxError when the sandbox itself fails (an infrastructure failure)."""
+    bounds = Bounds(float(test_timeout), float(total_timeout), int(max_answer_bytes))
+    if sandbox is None:
+        return await _grade_on_host(files, spec, main, bounds)
     from agentrl.sandboxes import SandboxLimits, create
 
-    nonce, staged, runner = _runner_inputs(files, spec, main, test_timeout)
-    sb = create(backend, limits=SandboxLimits(**{"memory_mb": 512, "cpus": 1.0, **(limits or {})}))
-    await sb.start()
+    if _is_pool(sandbox):
+        pool, sb = sandbox, await sandbox.get()
+    else:
+        pool, sb = None, create(sandbox, limits=SandboxLimits(**{"memory_mb": 512, "cpus": 1.0, **(limits or {})}))
+        await sb.start()
     try:
-        for path, text in staged.items():
-            await sb.write_file(path, text)
-        result = await sb.exec(["python3", "-I", runner], timeout=total_timeout, stdin=nonce + "\n")
+        try:
+            for path, text in files.items():
+                await sb.write_file(path, text)
+        except OSError as e:  # the files themselves (a path that cannot be a file there)
+            return GradeResult(0, len(spec.tests), [], error=f"the solution files could not be staged: {e}")
+
+        async def spawn():
+            return await sb.spawn(CHILD_ARGV, cwd=sb.workdir, stderr=asyncio.subprocess.DEVNULL)
+
+        return await judge_solution(spec, spawn, main=main, bounds=bounds)
     finally:
-        await sb.close()
-    graded = parse_report(result.stdout, nonce, len(spec.tests))
-    if graded.error:
-        graded.error += f" (exit code {result.exit_code}{', timed out' if result.timed_out else ''})"
-    return graded
+        if pool is not None:
+            sb.taint("it ran a solution for grading (its processes may outlive the grading)")
+            await pool.release(sb)
+        else:
+            await sb.close()
 
 
-def grade_on_host(files: dict[str, str], spec: HiddenTests, *, main: str = "solution.py", test_timeout: int = 10,
-                  total_timeout: float = 120.0) -> GradeResult:
-    """The same run as a host subprocess in a temp dir: NOT isolated, for trusted code (tests,
-    reference solutions) only."""
-    nonce, staged, runner = _runner_inputs(files, spec, main, test_timeout)
+async def _grade_on_host(files: dict[str, str], spec: HiddenTests, main: str, bounds: Bounds) -> GradeResult:
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-grade-"))
     try:
-        for path, text in staged.items():
+        for path, text in files.items():
             (tmp / path).parent.mkdir(parents=True, exist_ok=True)
             (tmp / path).write_text(text)
-        try:
-            proc = subprocess.run([sys.executable, "-I", runner], cwd=tmp, input=nonce + "\n", capture_output=True,
-                                  text=True, timeout=total_timeout, env={"PATH": os.environ.get("PATH", "")})
-            stdout, code = proc.stdout, proc.returncode
-        except subprocess.TimeoutExpired:
-            stdout, code = "", 137
+
+        async def spawn():
+            return await asyncio.create_subprocess_exec(
+                sys.executable, *CHILD_ARGV[1:], cwd=tmp, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+                env={"PATH": os.environ.get("PATH", "")}, start_new_session=True)
+
+        return await judge_solution(spec, spawn, main=main, bounds=bounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    graded = parse_report(stdout, nonce, len(spec.tests))
-    if graded.error:
-        graded.error += f" (exit code {code})"
-    return graded
 
 
-async def grade(files: dict[str, str], spec: HiddenTests, *, backend: str | None = "auto", **kw) -> GradeResult:
-    """grade_in_sandbox, or grade_on_host when backend is None."""
-    if backend is None:
-        kw.pop("limits", None)
-        return await asyncio.to_thread(grade_on_host, files, spec, **kw)
-    return await grade_in_sandbox(files, spec, backend=backend, **kw)
+def grade_on_host(files: dict[str, str], spec: HiddenTests, *, main: str = "solution.py", test_timeout: float = 10,
+                  total_timeout: float = 60) -> GradeResult:
+    """grade(sandbox=None) for sync callers: NOT isolated, for trusted code (tests, reference solutions) only."""
+    return asyncio.run(grade(files, spec, sandbox=None, main=main, test_timeout=test_timeout,
+                             total_timeout=total_timeout))

@@ -100,7 +100,7 @@ def test_tampering_with_tests_scores_nothing(run_async, backend):
     ]))
     assert check[0][0]["content"].startswith("[7]")  # in the agent's own sandbox the trick "works"
     assert final[1] == 0.0 and final[4]["passed"] == 0
-    assert "without a report" in final[4]["error"]
+    assert "did not load" in final[4]["error"]
 
 
 def test_no_solution_and_solution_in_message(run_async, backend):
@@ -156,9 +156,9 @@ def test_mbpp_and_humaneval_shapes(tmp_path):
 def test_grader_limits_on_host():
     spec = hidden_tests(TASK["label"])
     hang = grade_on_host({"solution.py": "def running_max(xs):\n    while True: pass\n"}, spec, test_timeout=1)
-    assert hang.passed == 0 and "timed out" in hang.details[0]["error"]
+    assert hang.passed == 0 and "timed out" in hang.details[0]["error"] and "timed out" in hang.error
     exits = grade_on_host({"solution.py": "import sys\nsys.exit(0)\n"}, spec)
-    assert exits.passed == 0
+    assert exits.passed == 0 and "did not load: SystemExit" in exits.error
 
 
 def test_train_one_iteration(tmp_path, backend):
@@ -173,11 +173,11 @@ def test_grader_in_each_sandbox_backend(run_async, kind):
 
     sandbox_backend_or_skip(kind)
     spec = hidden_tests(TASK["label"])
-    good = run_async(grade({"solution.py": GOOD}, spec, backend=kind))
+    good = run_async(grade({"solution.py": GOOD}, spec, sandbox=kind))
     assert (good.passed, good.total) == (4, 4)
     fake = run_async(grade({"solution.py": "print('[{\"passed\": true}]')\nimport os\nos._exit(0)\n"}, spec,
-                           backend=kind))
-    assert fake.passed == 0 and "without a report" in fake.error
+                           sandbox=kind))
+    assert fake.passed == 0 and "did not load" in fake.error
 
 
 def test_always_equal_objects_do_not_pass():
@@ -186,7 +186,7 @@ def test_always_equal_objects_do_not_pass():
     always = "class AE:\n    def __eq__(self, other):\n        return True\ndef running_max(xs):\n    return AE()\n"
     assert grade_on_host({"solution.py": always}, spec).passed == 0
     sub = "class L(list):\n    def __eq__(self, other):\n        return True\ndef running_max(xs):\n    return L()\n"
-    assert grade_on_host({"solution.py": sub}, spec).passed == 0
+    assert grade_on_host({"solution.py": sub}, spec).passed == 1  # an empty L travels as [], right for []
     inner = "class AE:\n    def __eq__(self, other):\n        return True\ndef running_max(xs):\n    return [AE()] * len(xs)\n"
     assert grade_on_host({"solution.py": inner}, spec).passed == 1  # only the empty-list test
     counter = hidden_tests(["assert count('abca') == {'a': 2, 'b': 1, 'c': 1}"])
