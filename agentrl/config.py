@@ -217,9 +217,11 @@ class RunConfig(Section):
     env_kwargs: dict[str, Any] = {}
     """Keyword arguments for the env's constructor (JSON on the command line)."""
     sandbox: Literal["docker", "local", "auto"] | None = None
-    """Sandbox backend for envs with tools; one bounded, warm pool serves the run. None: the env's own choice."""
-    sandbox_max_active: int = Field(32, ge=1)
-    """Sandboxes alive at once (the pool's bound, so the Docker daemon is never flooded)."""
+    """Sandbox backend for envs with tools; one bounded, warm pool serves the run. None: the env's own choice
+    of backend (its `sandbox` argument), still through one bounded pool."""
+    sandbox_max_active: int | None = Field(None, ge=1)
+    """Sandboxes alive at once (the pool's bound, so the Docker daemon is never flooded); None: sized to the
+    machine and backend (docker: 2 per core, local: 4 per core, within half the RAM; 2 to 64)."""
     mcp_server: list[str] = []
     """External MCP servers for envs with tools: NAME=COMMAND ARGS... or NAME=URL (repeatable)."""
     output_dir: str | None = None

@@ -509,7 +509,10 @@ def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, rewar
     def make_env(name: str | None):
         name = name or cfg.run.env
         kwargs = dict(cfg.run.env_kwargs) if name == cfg.run.env else {}
-        return make(name, **kwargs, **tool_kwargs(cfg, get_spec(name).load(), pool)), name
+        extra = tool_kwargs(cfg, get_spec(name).load(), pool)
+        if "sandbox" in extra:  # the pool was made of the backend --env-kwargs named
+            kwargs.pop("sandbox", None)
+        return make(name, **kwargs, **extra), name
 
     renderer = Renderer(tokenizer, cfg.data.apply_chat_template)
     generate_fn = None
@@ -657,16 +660,33 @@ def tool_kwargs(cfg: Config, env_factory, pool) -> dict:
     return out
 
 
+def run_sandbox_backend(cfg: Config, env_cls) -> str | None:
+    """--sandbox, else the backend the run's env picks for itself (`sandbox` in --env-kwargs, its
+    constructor's default, or its class attribute) when that is a backend name: one bounded pool
+    then serves every trajectory instead of a sandbox each (a 2-core machine cannot hold 100)."""
+    if cfg.run.sandbox is not None:
+        return cfg.run.sandbox
+    if "sandbox" in cfg.run.env_kwargs:
+        chosen = cfg.run.env_kwargs["sandbox"]
+    else:
+        param = inspect.signature(env_cls).parameters.get("sandbox")
+        chosen = getattr(env_cls, "sandbox", None) if param is None or param.default is param.empty else param.default
+    return chosen if isinstance(chosen, str) and chosen in ("docker", "local", "auto") else None
+
+
 async def start_sandbox_pool(cfg: Config):
-    """One warm, bounded pool of sandboxes for the run's tool servers (--sandbox)."""
-    if cfg.run.sandbox is None:
+    """One warm, bounded pool of sandboxes for the run's tool servers (see run_sandbox_backend), or None.
+    A trajectory waits for a free sandbox (each holds one for a bounded time), so the wait is long."""
+    env_cls = get_spec(cfg.run.env).load()
+    backend = run_sandbox_backend(cfg, env_cls)
+    if backend is None:
         return None
-    from agentrl.sandboxes import SandboxPool
+    from agentrl.sandboxes import SandboxLimits, SandboxPool
     from agentrl.tools.spec import tool_sandbox_options
 
     mounts, env = await asyncio.to_thread(tool_sandbox_options)
-    pool = SandboxPool(cfg.run.sandbox, warm=min(4, cfg.run.sandbox_max_active), max_active=cfg.run.sandbox_max_active,
-                       mounts=mounts, env=env)
+    pool = SandboxPool(backend, warm=4, max_active=cfg.run.sandbox_max_active, mounts=mounts, env=env,
+                       limits=SandboxLimits(**getattr(env_cls, "sandbox_limits", {})), acquire_timeout_s=3600)
     return await pool.start()
 
 

@@ -60,11 +60,11 @@ from .base import (RUN_ID, ExecResult, ImageNotFoundError, Sandbox, SandboxError
                    SyncSandbox, run_sync)
 from .docker_backend import DEFAULT_IMAGE, DockerSandbox, engine_available
 from .local_backend import LocalSandbox, local_available
-from .pool import SandboxPool
+from .pool import SandboxPool, default_max_active
 
 __all__ = ["create", "create_sync", "resolve_backend", "reap", "agentrl_source_mounts",
            "Sandbox", "SyncSandbox", "SandboxLimits", "ExecResult", "SandboxError",
-           "ImageNotFoundError", "SandboxPool", "DEFAULT_IMAGE", "RUN_ID"]
+           "ImageNotFoundError", "SandboxPool", "default_max_active", "DEFAULT_IMAGE", "RUN_ID"]
 
 log = logging.getLogger("agentrl.sandboxes")
 BACKENDS = ("docker", "local", "auto")

@@ -7,7 +7,8 @@
     pool.metrics()   # {"active": .., "warm": .., "acquire_s_p50": .., ...}
     await pool.close()
 
-* At most `max_active` sandboxes are handed out at once (acquire waits, with a timeout)
+* At most `max_active` sandboxes are handed out at once (acquire waits, with a timeout;
+  `max_active=None`: `default_max_active(backend)`, what the machine holds)
   and at most `max_creating` are being created at once, so the Docker daemon is never
   flooded. `warm` idle sandboxes are kept ready.
 * A released sandbox is reset (/work, /tmp, /dev/shm, /dev/mqueue and SysV IPC wiped, its
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import statistics
 import time
 from collections import OrderedDict
@@ -33,8 +35,19 @@ from typing import AsyncIterator, Mapping
 from .base import Sandbox, SandboxError, SandboxLimits, log
 
 
+def default_max_active(backend: str, memory_mb: int | None = None) -> int:
+    """How many sandboxes of `backend` this machine holds at once: a docker container costs the
+    daemon seconds of CPU to start and keeps a server process, so 2 per core (4 on a 2-core
+    machine); a local one (bubblewrap) 4 per core; never more than half the RAM holds at their
+    memory cap, at least 2 and at most 64."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ram_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+    by_ram = ram_mb // 2 // max(memory_mb or SandboxLimits.memory_mb, 1)
+    return max(2, min((2 if backend == "docker" else 4) * cpus, by_ram, 64))
+
+
 class SandboxPool:
-    def __init__(self, backend: str = "auto", *, warm: int = 2, max_active: int = 8,
+    def __init__(self, backend: str = "auto", *, warm: int = 2, max_active: int | None = 8,
                  max_creating: int = 4, image: str | None = None,
                  limits: SandboxLimits | None = None, network: bool = False,
                  mounts: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
@@ -42,7 +55,9 @@ class SandboxPool:
                  snapshot_max_bytes: int = 64 << 20):
         from . import resolve_backend
         self.backend = resolve_backend(backend)
-        self.warm_target = warm
+        if max_active is None:  # sized to the machine and the backend
+            max_active = default_max_active(self.backend, limits.memory_mb if limits else None)
+        self.warm_target = min(warm, max_active)
         self.max_active = max_active
         self.kw = dict(image=image, limits=limits, network=network, mounts=mounts, env=env)
         self.reuse = reuse

@@ -4,10 +4,12 @@ run in a fresh sandbox. Sandbox tests skip cleanly where no docker image / bubbl
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 import agentrl
+import agentrl.registry
 from agentrl.envs.code_env import CodeEnv, normalize_task, read_tasks
 from agentrl.envs.code_env.grader import grade_on_host, hidden_tests
 
@@ -162,9 +164,49 @@ def test_grader_limits_on_host():
 
 
 def test_train_one_iteration(tmp_path, backend):
+    """Default flags (no --sandbox): the agents' and the grader's sandboxes come from one pool, bounded
+    by what the machine holds (issue 20: a sandbox per trajectory started ~100 containers on 2 cores)."""
+    from agentrl.sandboxes import default_max_active
+
     out = tmp_path / "run"
     rows = train_one_iteration("code", out, "--rollout-max-response-len", "128", "--rollout-max-tokens-per-turn", "64")
     assert_iteration_ok(out, rows)
+    assert rows[0]["sandbox/max_active"] == default_max_active(backend) <= 64
+    assert rows[0]["sandbox/acquired"] >= 4  # 4 trajectories' tools (and gradings, if a solution was written)
+
+
+def test_default_sandbox_pool_is_bounded(run_async):
+    """What `agentrl train --env code` builds with default flags: a pool of the env's own backend,
+    sized to the machine; --sandbox and --sandbox-max-active override it; an env kwarg picks the backend."""
+    from agentrl.config import parse_config
+    from agentrl.sandboxes import default_max_active
+    from agentrl.train import run_sandbox_backend, start_sandbox_pool
+
+    def cfg(*argv):
+        return parse_config(["--env", "code", *argv])[0]
+
+    assert run_sandbox_backend(cfg(), CodeEnv) == "auto"
+    assert run_sandbox_backend(cfg("--sandbox", "docker"), CodeEnv) == "docker"
+    assert run_sandbox_backend(cfg("--env-kwargs", '{"sandbox": "local"}'), CodeEnv) == "local"
+    assert run_sandbox_backend(cfg("--env-kwargs", '{"sandbox": null}'), CodeEnv) is None  # tools on the host
+    assert run_sandbox_backend(parse_config(["--env", "math"])[0], agentrl.registry.get_spec("math").load()) is None
+    assert default_max_active("docker") == max(2, min(2 * len(os.sched_getaffinity(0)), 64,
+                                                      (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20)
+                                                      // 2 // 1024))
+    assert 2 <= default_max_active("docker") <= default_max_active("local") <= 64
+    sandbox_backend_or_skip("local")
+
+    async def pool_of(config):
+        pool = await start_sandbox_pool(config)
+        try:
+            return pool.metrics()
+        finally:
+            await pool.close()
+
+    sized = run_async(pool_of(cfg("--env-kwargs", '{"sandbox": "local"}')))
+    assert (sized["backend"], sized["max_active"]) == ("local", default_max_active("local"))
+    assert sized["warm"] == min(4, sized["max_active"])
+    assert run_async(pool_of(cfg("--sandbox", "local", "--sandbox-max-active", "3")))["max_active"] == 3
 
 
 @pytest.mark.parametrize("kind", ["local", "docker"])
