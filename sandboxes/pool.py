@@ -8,7 +8,8 @@
     await pool.close()
 
 * At most `max_active` sandboxes are handed out at once (acquire waits, with a timeout;
-  `max_active=None`: `default_max_active(backend)`, what the machine holds)
+  `max_active=None`: `default_max_active(backend)`, what the machine holds), and warm ones
+  are kept only within that bound: at most `max_active` are alive
   and at most `max_creating` are being created at once, so the Docker daemon is never
   flooded. `warm` idle sandboxes are kept ready.
 * A released sandbox is reset (/work, /tmp, /dev/shm, /dev/mqueue and SysV IPC wiped, its
@@ -70,6 +71,7 @@ class SandboxPool:
         self._creating = asyncio.Semaphore(max_creating)
         self._groups: OrderedDict[str, tuple[bytes, Mapping | None, str | None]] = OrderedDict()
         self._bg: set[asyncio.Task] = set()
+        self._making = 0  # sandboxes get() is creating
         self._acquire_s: list[float] = []
         self._counts = {"created": 0, "reused": 0, "destroyed": 0, "reset_failures": 0,
                         "create_failures": 0, "acquired": 0, "tainted": 0}
@@ -113,7 +115,9 @@ class SandboxPool:
         return sb
 
     def _refill(self) -> None:
-        if self.closed or len(self._idle) + len(self._bg) >= self.warm_target:
+        # warm ones count against max_active too: never more than max_active sandboxes alive
+        alive = len(self._active) + len(self._idle) + len(self._bg) + self._making
+        if self.closed or len(self._idle) + len(self._bg) >= self.warm_target or alive >= self.max_active:
             return
 
         async def one():
@@ -122,8 +126,8 @@ class SandboxPool:
             except Exception as e:
                 log.warning("sandbox pool: warming a sandbox failed: %s", e)
                 return
-            if self.closed:
-                await sb.close()
+            if self.closed or len(self._active) + len(self._idle) + self._making >= self.max_active:
+                await sb.close()  # closed, or a get() made its own meanwhile: the bound holds
             else:
                 self._idle.append(sb)
         task = asyncio.get_running_loop().create_task(one())
@@ -160,8 +164,14 @@ class SandboxPool:
         try:
             for attempt in (1, 2):
                 warm = bool(self._idle)
-                sb = self._idle.pop() if warm else await asyncio.wait_for(
-                    self._new(), self.acquire_timeout_s)
+                if warm:
+                    sb = self._idle.pop()
+                else:
+                    self._making += 1  # holds a slot already: counts as alive for _refill
+                    try:
+                        sb = await asyncio.wait_for(self._new(), self.acquire_timeout_s)
+                    finally:
+                        self._making -= 1
                 self._active.add(sb)
                 self._refill()
                 try:

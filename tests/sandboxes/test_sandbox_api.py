@@ -126,6 +126,9 @@ def test_pool_groups_and_metrics(backend):
             # the concurrency bound: a 4th concurrent acquire waits for a release
             held = [await pool.get() for _ in range(3)]
             assert pool.metrics()["active"] == 3
+            await asyncio.sleep(0.2)  # no warm sandbox is made beyond max_active either
+            m = pool.metrics()
+            assert m["active"] + m["warm"] + m["creating"] <= 3, m
             waiter = asyncio.ensure_future(pool.get())
             await asyncio.sleep(0.5)
             assert not waiter.done()
