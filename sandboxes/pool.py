@@ -71,7 +71,7 @@ class SandboxPool:
         self._creating = asyncio.Semaphore(max_creating)
         self._groups: OrderedDict[str, tuple[bytes, Mapping | None, str | None]] = OrderedDict()
         self._bg: set[asyncio.Task] = set()
-        self._making = 0  # sandboxes get() is creating
+        self._unlisted = 0  # alive but in no list: being created by get(), reset or destroyed by release()
         self._acquire_s: list[float] = []
         self._counts = {"created": 0, "reused": 0, "destroyed": 0, "reset_failures": 0,
                         "create_failures": 0, "acquired": 0, "tainted": 0}
@@ -114,10 +114,12 @@ class SandboxPool:
         self._counts["created"] += 1
         return sb
 
+    def _alive(self) -> int:
+        return len(self._active) + len(self._idle) + len(self._bg) + self._unlisted
+
     def _refill(self) -> None:
         # warm ones count against max_active too: never more than max_active sandboxes alive
-        alive = len(self._active) + len(self._idle) + len(self._bg) + self._making
-        if self.closed or len(self._idle) + len(self._bg) >= self.warm_target or alive >= self.max_active:
+        if self.closed or len(self._idle) + len(self._bg) >= self.warm_target or self._alive() >= self.max_active:
             return
 
         async def one():
@@ -126,7 +128,7 @@ class SandboxPool:
             except Exception as e:
                 log.warning("sandbox pool: warming a sandbox failed: %s", e)
                 return
-            if self.closed or len(self._active) + len(self._idle) + self._making >= self.max_active:
+            if self.closed or len(self._active) + len(self._idle) + self._unlisted >= self.max_active:
                 await sb.close()  # closed, or a get() made its own meanwhile: the bound holds
             else:
                 self._idle.append(sb)
@@ -163,15 +165,22 @@ class SandboxPool:
         sb = None
         try:
             for attempt in (1, 2):
+                # none idle and no room for one more: one is being warmed (we hold a slot, so the
+                # others alive cannot all be handed out or released); take it rather than make another
+                while not self._idle and self._bg and self._alive() >= self.max_active:
+                    left = t0 + self.acquire_timeout_s - time.perf_counter()
+                    if left <= 0:
+                        break
+                    await asyncio.wait(set(self._bg), timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 warm = bool(self._idle)
                 if warm:
                     sb = self._idle.pop()
                 else:
-                    self._making += 1  # holds a slot already: counts as alive for _refill
+                    self._unlisted += 1  # holds a slot already: counts as alive for _refill
                     try:
                         sb = await asyncio.wait_for(self._new(), self.acquire_timeout_s)
                     finally:
-                        self._making -= 1
+                        self._unlisted -= 1
                 self._active.add(sb)
                 self._refill()
                 try:
@@ -240,8 +249,9 @@ class SandboxPool:
         if sb not in self._active:
             return
         self._active.discard(sb)
+        self._unlisted += 1
+        keep = False
         try:
-            keep = False
             if sb.tainted:
                 self._counts["tainted"] += 1
             elif self.reuse and not self.closed and not sb.closed and len(self._idle) < self.warm_target:
@@ -257,9 +267,11 @@ class SandboxPool:
             else:
                 await sb.close()
                 self._counts["destroyed"] += 1
-                self._refill()
         finally:
+            self._unlisted -= 1
             self._slots.release()
+        if not keep:
+            self._refill()
 
     def metrics(self) -> dict:
         """Pool state for logging: active/idle counts, acquire latency, lifetime counters."""

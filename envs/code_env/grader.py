@@ -4,7 +4,8 @@ or runs the solution's code; the solution runs in a sandbox and only answers cal
 How a task's tests are run. The hidden tests (assert statements, or a HumanEval ``check``)
 and their setup code are trusted task data: the judge executes them on the host, in a
 namespace where every name the tests use that is not a builtin or defined by the setup (the
-entry point, always) is a proxy. Calling a proxy sends the function's name and its
+entry point, always) is a proxy -- except a standard-library module's name used only as
+``name.attr`` (``math.isclose``), which is that module. Calling a proxy sends the function's name and its
 arguments (plain values: numbers, strings, bytes, lists, tuples, sets, dicts, Fractions,
 Decimals) to a child process in a sandbox (child.py), which holds the solution and nothing
 else; it calls the solution's function and answers with the return value (and the
@@ -12,7 +13,7 @@ arguments after the call, so in-place changes show) or the exception's type name
 answer is decoded into plain values -- an object with an ``__eq__`` the agent wrote cannot
 reach the judge -- and the test goes on with it: ``assert running_max([1, 3]) == [1, 3]``
 compares the decoded list on the host. So the tests' expected values never enter the
-sandbox, and nothing the solution does to its own interpreter (patching ``json``,
+sandbox (unless a test hands them to a function of the solution), and nothing the solution does to its own interpreter (patching ``json``,
 ``builtins``, the child, ``AssertionError``; ``sys.exit``; printing a forged answer) can
 change a verdict: at most it claims return values, which the judge checks like any others.
 
@@ -23,8 +24,9 @@ child process), except after its process died, when the next call starts a new o
 
 Bounds. Each call has ``test_timeout`` seconds, the whole grading ``total_timeout`` (wall
 clock, measured on the host: a solution that ignores SIGALRM is killed all the same), each
-answer ``max_answer_bytes``. After a hang, an answer that breaks the protocol, or a failed
-load, the solution's process is killed and the remaining tests fail with the reason in
+answer ``max_answer_bytes`` (and a decoded answer: ints of 4 Mbit, Fractions of 64 kbit,
+nesting 100 deep, 32 members of a set or dict per hash value). After a hang, an answer that
+breaks the protocol or these bounds, or a failed load, the solution's process is killed and the remaining tests fail with the reason in
 ``GradeResult.error``.
 """
 

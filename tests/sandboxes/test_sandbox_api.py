@@ -142,6 +142,36 @@ def test_pool_groups_and_metrics(backend):
     run(go(), timeout=240)
 
 
+def test_pool_never_holds_more_than_max_active(backend):
+    """Trajectories coming and going (reset and reused, or tainted and replaced) never make the
+    pool hold more than max_active sandboxes, warm ones included."""
+    from agentrl.sandboxes.base import _live
+
+    async def go():
+        peak = 0
+
+        async def watch():
+            nonlocal peak
+            while True:
+                peak = max(peak, sum(not sb.closed for sb in _live.values()))
+                await asyncio.sleep(0.005)
+
+        async def trajectory(i):
+            for _ in range(2):
+                async with pool.acquire() as sb:
+                    await sb.exec("echo x > f")
+                    if i % 3 == 0:
+                        sb.taint("graded")  # destroyed at release, a new one made
+        async with SandboxPool(backend, warm=2, max_active=3, limits=SMALL, acquire_timeout_s=120) as pool:
+            watcher = asyncio.ensure_future(watch())
+            await asyncio.gather(*[trajectory(i) for i in range(8)])
+            await asyncio.sleep(0.5)  # refills settle
+            watcher.cancel()
+            m = pool.metrics()
+        assert peak <= 3 and m["acquired"] == 16 and m["tainted"] == 6, (peak, m)
+    run(go(), timeout=240)
+
+
 CHILD = textwrap.dedent("""
     import asyncio, sys
     from agentrl.sandboxes import create, SandboxLimits
