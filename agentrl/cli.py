@@ -17,6 +17,7 @@ commands:
   sandbox   build the sandbox image, list or reap sandboxes (agentrl sandbox --help)
   tools     list or call the tools of an MCP server (agentrl tools --help)
   inspect   write a self-contained HTML report of a run (agentrl inspect RUN_DIR)
+  model     build a real pretrained model offline (agentrl model get smollm2-135m-instruct [DIR])
 """
 
 
@@ -175,6 +176,7 @@ COMMANDS = {
     "sandbox": _delegate("agentrl.sandboxes.cli"),
     "tools": _delegate("agentrl.tools.cli"),
     "inspect": _delegate("agentrl.inspect"),
+    "model": _delegate("agentrl.model_get"),
 }
 
 
