@@ -56,6 +56,15 @@ class Sample:
         self.rollout_logprobs += [float(x) for x in logprobs]
         self.policy_versions += [policy_version] * len(tokens)
 
+    def retract_generated(self, n: int) -> None:
+        """Take back the last `n` sampled tokens (a turn's stop token, when the env's text continues the turn)."""
+        keep = len(self.loss_mask) - n
+        if n < 0 or keep < 0 or not all(self.loss_mask[keep:]):
+            raise SampleInvariantError(f"trajectory {self.trajectory_id}: cannot retract {n} tokens: "
+                                       "only the policy's last sampled tokens can be taken back")
+        for name in ("response_tokens", "loss_mask", "rollout_logprobs", "policy_versions"):
+            del getattr(self, name)[keep:]
+
     def append_observation(self, tokens: list[int]) -> None:
         """Tokens the env or the chat template added: context only (mask 0)."""
         self.response_tokens += tokens

@@ -6,6 +6,13 @@ mask 0): earlier tokens are never re-tokenized. Each time, the template's render
 the whole conversation must extend the text the model saw; if it rewrote earlier turns
 (for example by dropping past <think> blocks), TemplateDriftError names the turn and the
 first differing tokens.
+
+An observation message flagged ``"continuation": True`` does not open a chat turn: its text
+is appended to the assistant's own continuation (Search-R1's form), and the assistant's next
+reply goes on in that same turn. With ``--no-apply-chat-template`` every observation is
+appended this way (there are no turns). Before such text is appended, the stop token that
+ended the model's turn is taken back (never trained on), so the text reads on from the
+model's words, as Search-R1's decode with skip_special_tokens does.
 """
 
 from __future__ import annotations
@@ -51,8 +58,26 @@ class Renderer:
     def render(self, messages: list[dict], tools: list[dict] | None) -> str:
         if not self.apply_chat_template:
             return "".join(str(m["content"]) for m in messages)
-        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+        turns, open_turn = [], False  # open_turn: the last assistant turn is being continued
+        for i, m in enumerate(messages):
+            if m.get("continuation") or (open_turn and m.get("role") == "assistant"):
+                if not turns or turns[-1].get("role") != "assistant":
+                    raise ValueError(f"message {i} ({m.get('role')}): a continuation must follow the assistant's "
+                                     "reply; it appends to it")
+                turns[-1] = {**turns[-1], "content": str(turns[-1]["content"]) + str(m["content"])}
+                open_turn = True
+            else:
+                turns.append(m)
+                open_turn = False
+        if open_turn:  # the generation prompt, then the assistant's text so far: the model goes on from there
+            return self.tokenizer.apply_chat_template(turns[:-1], tools=tools or None, tokenize=False,
+                                                      add_generation_prompt=True) + turns[-1]["content"]
+        return self.tokenizer.apply_chat_template(turns, tools=tools or None, tokenize=False,
                                                   add_generation_prompt=True)
+
+    def continues(self, observation: list[dict]) -> bool:
+        """Whether `observation` is appended to the assistant's turn rather than opening a new one."""
+        return not self.apply_chat_template or bool(observation and observation[0].get("continuation"))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -154,7 +179,15 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 truncation = (TRUNCATED_BY_ENV if truncated else TRUNCATED_RESPONSE_LEN
                               if sample.response_length >= settings.max_response_len else TRUNCATED_MAX_TURNS)
                 break
-            messages += as_messages(obs)
+            obs = as_messages(obs)
+            messages += obs
+            stopped = out[len(content_ids):]  # the stop token that ended the turn, if any
+            if stopped and renderer.continues(obs):  # the env's text reads on from the model's words
+                stop_text = renderer.decode(stopped)
+                if not seen.endswith(stop_text):
+                    raise TemplateDriftError(f"turn {turn}: the text does not end with the stop token {stop_text!r}")
+                sample.retract_generated(len(stopped))
+                seen = seen[:len(seen) - len(stop_text)]
             extra, rendered = renderer.extension(sample, seen, messages, tools, turn + 1)
             if sample.response_length + len(extra) >= settings.max_response_len:
                 truncation = TRUNCATED_NO_ROOM  # the env's message fills the response budget

@@ -1,7 +1,8 @@
 """search-r1: question answering with a search engine, the Search-R1 protocol.
 
 The model reasons in ``<think>``, asks ``<search> query </search>``, gets the top-k passages
-back as the next user message ``<information> ... </information>`` (passages rendered as
+back as the next user message ``<information> ... </information>`` (or, with
+``observation="append"``, appended to its own reply as Search-R1 does; passages rendered as
 Search-R1 renders them, prompt byte-identical to its make_prefix), and ends with
 ``<answer> ... </answer>``. Reward: exact match after Search-R1's normalization (lowercase,
 no punctuation, no articles, single spaces) against any of the gold answers, or token F1
@@ -136,10 +137,12 @@ class SearchR1Env(Env):
     /retrieve service instead of BM25), ``search_server`` (None: in-process MCP server;
     "stdio": a server subprocess per trajectory; "http://host:port/mcp": a running server),
     ``max_turns`` (4), ``obs_role`` ("user"), ``observation`` ("chat": the passages as the next
-    message ``<information>...</information>``; "append": Search-R1's own text, appended to the
-    model's continuation by generation.py: ``\n\n<information>...</information>\n\n``, and its
-    ``\n``-wrapped invalid-action reply -- byte for byte with ``--no-apply-chat-template``, which
-    concatenates the turns), ``data`` / ``split`` (questions of the built-in
+    message ``<information>...</information>``; "append": Search-R1's own text as generation.py
+    appends it to the model's continuation, ``\n\n<information>...</information>\n\n`` and its
+    ``\n``-wrapped invalid-action reply, in ``"continuation"`` messages: no new chat turn, the
+    assistant's turn goes on -- byte for byte Search-R1's text with the chat template (its prompt
+    rendered with the generation prompt, then the turns concatenated) or without it), ``data`` /
+    ``split`` (questions of the built-in
     dataset: a JSONL with question + golden_answers, or split "train" | "test")."""
 
     description = "Search-R1: <search> a BM25/remote retriever over MCP, <answer> scored by exact match."
@@ -218,15 +221,18 @@ class SearchR1Env(Env):
         if kind == "search" and content:
             return kind, content, None
         invalid = f"\n{INVALID}\n" if self.observation == "append" else INVALID  # generation.py:396-398
-        return None, "", ([{"role": self.obs_role, "content": invalid}], 0.0, False, False,
-                          {"invalid": True, "searches": len(self.searches)})
+        return None, "", (self._message(invalid), 0.0, False, False, {"invalid": True, "searches": len(self.searches)})
 
     def _information(self, text: str):
         info = f"<information>{text.strip()}</information>"
         if self.observation == "append":  # Search-R1's generation.py:391
             info = f"\n\n{info}\n\n"
-        obs = [{"role": self.obs_role, "content": info}]
-        return obs, 0.0, False, False, {"query": self.searches[-1], "searches": len(self.searches)}
+        return self._message(info), 0.0, False, False, {"query": self.searches[-1], "searches": len(self.searches)}
+
+    def _message(self, text: str) -> list[dict]:
+        if self.observation == "append":  # no new chat turn: the text continues the model's own reply
+            return [{"role": self.obs_role, "content": text, "continuation": True}]
+        return [{"role": self.obs_role, "content": text}]
 
     async def astep(self, action):
         kind, content, done = self._judge(str(action))

@@ -292,6 +292,81 @@ def test_train_one_iteration(tmp_path):
     assert rows[0]["turns_mean"] >= 1
 
 
+class _Replies:
+    """An engine that answers with scripted texts; `None` after a text: it ended on EOS."""
+
+    def __init__(self, tokenizer, replies):
+        self.tok, self.replies, self.inputs = tokenizer, list(replies), []
+
+    async def generate(self, input_ids, sampling_params, *, session_id=None, rid=None, lora_path=None):
+        from agentrl.rollout.client import GenerateResult
+
+        self.inputs.append(self.tok.decode(input_ids))
+        text, eos = self.replies.pop(0)
+        ids = self.tok.encode(text, add_special_tokens=False) + ([self.tok.eos_token_id] if eos else [])
+        return GenerateResult(ids, [-0.25] * len(ids), "stop", len(input_ids), 0, "1")
+
+
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_append_trajectory_is_search_r1s_text(run_async, tokenizer, chat_template):
+    """A whole observation="append" episode through the agent loop, against Search-R1 at a14dc3a
+    written out by hand: verl/utils/dataset/rl_dataset.py:128-131 renders the prompt with the chat
+    template and the generation prompt (without a template: the prompt as it is); generation.py
+    then concatenates each reply, cut after </search> (:69-75) and decoded with
+    skip_special_tokens=True (:64-67, so a reply's EOS is not in the text), with the observation
+    (:391, :396-398), tokenized alone with add_special_tokens=False (:86-92) and masked out of the
+    loss (info_mask, :136-156). All of it stays one assistant turn: no <|im_start|> after the prompt."""
+    from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory
+
+    search = "<think>hm</think>\n<search> gamma </search>"  # stopped by the stop string: no EOS
+    replies = [(search, False), ("no tags", True), ("<answer> Deloth </answer>", True)]
+    client = _Replies(tokenizer, replies)
+
+    async def main():
+        runner, url, _ = await _retrieval_service()
+        try:
+            env = SearchR1Env(retriever_url=url, topk=2, observation="append")
+            settings = LoopSettings(max_response_len=1000, max_turns=4, sampling_params={},
+                                    apply_chat_template=chat_template)
+            return await run_trajectory(env, TASK, renderer=Renderer(tokenizer, chat_template), client=client,
+                                        settings=settings, trajectory_id="t", group_id=0, seed=0)
+        finally:
+            await runner.cleanup()
+
+    sample = run_async(main())
+    assert sample.status.value == "completed" and sample.reward == 1.0, sample.metadata
+    prefix = (
+        "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
+        "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
+        "by <search> query </search> and it will return the top searched results between <information> and "
+        "</information>. You can search as many times as your want. If you find no further external knowledge "
+        "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
+        "illustrations. For example, <answer> Beijing </answer>. Question: Who founded Vrokath Works?\n")
+    prompt = f"<|im_start|>user\n{prefix}<|im_end|>\n<|im_start|>assistant\n" if chat_template else prefix
+    information = ('\n\n<information>Doc 1(Title: "Title 0") About gamma: passage 0.\n'
+                   'Doc 2(Title: "Title 1") About gamma: passage 1.</information>\n\n')
+    invalid = ("\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+               "</search>. If I want to give the final answer, I should put the answer between <answer> and "
+               "</answer>. Let me try again.\n")
+    assert tokenizer.decode(sample.prompt_tokens) == prompt
+    assert client.inputs == [prompt, prompt + search + information, prompt + search + information + "no tags" + invalid]
+    # the final EOS ends the episode and stays (trained on, as sampled); the middle one was taken back
+    assert tokenizer.decode(sample.tokens) == client.inputs[-1] + "<answer> Deloth </answer><|im_end|>"
+    runs, at = [], 0  # (mask, token ids) runs of the response
+    for i in range(1, len(sample.loss_mask) + 1):
+        if i == len(sample.loss_mask) or sample.loss_mask[i] != sample.loss_mask[at]:
+            runs.append((sample.loss_mask[at], sample.response_tokens[at:i]))
+            at = i
+
+    def enc(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    assert runs == [(1, enc(search)), (0, enc(information)), (1, enc("no tags")), (0, enc(invalid)),
+                    (1, enc("<answer> Deloth </answer>") + [tokenizer.eos_token_id])]
+    assert all(lp == -0.25 for lp, m in zip(sample.rollout_logprobs, sample.loss_mask) if m)
+    assert all(lp == 0.0 for lp, m in zip(sample.rollout_logprobs, sample.loss_mask) if not m)
+
+
 def test_append_observation_is_search_r1s_continuation(run_async):
     """observation="append" with --no-apply-chat-template: prompt + the model's text + Search-R1's
     observation, concatenated as generation.py:391 (and :396-398 for an invalid action) does."""
