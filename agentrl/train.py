@@ -39,7 +39,7 @@ from agentrl.rollout.agent_loop import LoopSettings, Renderer
 from agentrl.rollout.client import EngineClient
 from agentrl.rollout.control import RolloutControl
 from agentrl.rollout.manager import GroupRunner
-from agentrl.rollout.producer import RolloutProducer, nonzero_std_filter
+from agentrl.rollout.producer import RolloutFailedError, RolloutProducer, nonzero_std_filter
 from agentrl.rollout.slime import DataSource, GenerateHook, RolloutHook, check_hooks, slime_args
 from agentrl.types import Sample, SampleStatus
 from agentrl.orchestration import RemoteTrainer, reserve_placement, start_ray, stop_ray
@@ -136,7 +136,7 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
             stack.push_async_callback(producer.aclose)
             progress.detail = producer.status
             stack.enter_context(heartbeat(progress))
-            rollout_fn = build_rollout_hook(cfg, tokenizer, client, source, runner)
+            rollout_fn = build_rollout_hook(cfg, tokenizer, client, source, runner, report=progress.note)
             evaluator = None
             if eval_sets:
                 e = cfg.eval
@@ -154,8 +154,14 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
             t_start = t0 = time.perf_counter()
             handover = {}
             if rollout_fn is not None:  # --rollout-function-path: slime's generate_rollout fills the batch
-                async with colocated(cfg, trainer, engines, engine_clients) as handover:
-                    samples = await rollout_fn.next_batch(rollout_id, state.policy_version)
+                try:
+                    async with colocated(cfg, trainer, engines, engine_clients) as handover:
+                        samples = await rollout_fn.next_batch(rollout_id, state.policy_version)
+                except RolloutFailedError:  # the failure bound: keep the batch that hit it
+                    runlog.log(rollout_metrics(rollout_id, rollout_fn.last_batch, time.perf_counter() - t0)
+                               | {"partial": True})
+                    runlog.save_trajectories(rollout_id, rollout_fn.last_batch)
+                    raise
             elif producer is not None:
                 try:
                     async with colocated(cfg, trainer, engines, engine_clients,
@@ -528,7 +534,7 @@ def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, rewar
 
 
 def build_rollout_hook(cfg: Config, tokenizer, client: EngineClient, source: PromptSource,
-                       runner: GroupRunner) -> RolloutHook | None:
+                       runner: GroupRunner, report=None) -> RolloutHook | None:
     """--rollout-function-path: slime's generate_rollout, fed by a slime-shaped data source."""
     r = cfg.rollout
     if not r.rollout_function_path:
@@ -536,7 +542,8 @@ def build_rollout_hook(cfg: Config, tokenizer, client: EngineClient, source: Pro
     args = slime_args(cfg, engine_url=client.base_url, model_path=tokenizer.name_or_path)
     return RolloutHook(r.rollout_function_path, args=args, renderer=runner.renderer, make_env=runner.make_env,
                        data_source=DataSource(source, runner.renderer, r.n_samples_per_prompt),
-                       reward_fn=runner.reward_fn, run_seed=cfg.run.seed)
+                       reward_fn=runner.reward_fn, run_seed=cfg.run.seed,
+                       max_failed_groups=r.max_failed_groups, report=report)
 
 
 def build_group_filter(cfg: Config):

@@ -172,3 +172,58 @@ def test_a_tool_server_that_never_starts_is_an_infrastructure_failure_without_no
 
     took, unhandled = asyncio.run(run())
     assert took < 20 and unhandled == []  # no "Future exception was never retrieved"
+
+
+ROLLOUT_FNS = '''
+def boom(args, rollout_id, data_source):
+    data_source.get_samples(1)
+    raise ValueError("router down")
+
+
+def half_failed(args, rollout_id, data_source):
+    """Two groups: the first always has a failed member, the second fails from the second batch on."""
+    groups = data_source.get_samples(2)
+    for g, group in enumerate(groups):
+        for k, s in enumerate(group):
+            s.tokens = s.tokens + [s.tokens[0]]
+            s.response_length, s.loss_mask, s.rollout_log_probs, s.reward = 1, [1], [-1.0], 1.0
+            if k == 0 and (g == 0 or rollout_id > 0):
+                s.status = s.Status.FAILED
+                s.metadata["error"] = "TimeoutError: tool server"
+    return groups
+'''
+
+
+def test_a_rollout_function_is_under_the_failure_bound(tokenizer, tmp_path):
+    from agentrl.rollout.agent_loop import Renderer
+    from agentrl.rollout.slime import DataSource, RolloutHook, SlimeArgs
+
+    fns = tmp_path / "fns.py"
+    fns.write_text(ROLLOUT_FNS)
+    renderer, reports = Renderer(tokenizer), []
+
+    def hook(name, **kw):
+        return RolloutHook(f"{fns}:{name}", args=SlimeArgs(n_samples_per_prompt=2, env="target-token"),
+                           renderer=renderer, make_env=None, reward_fn=None, run_seed=0, report=reports.append,
+                           data_source=DataSource(PromptSource([{"prompt": "Repeat: of"}]), renderer, 2), **kw)
+
+    # the function itself raising: no batch to retry, the run stops naming it, with its traceback
+    with pytest.raises(RolloutFailedError, match=rf"--rollout-function-path {fns}:boom raised ValueError: "
+                                                 r"router down\nTraceback \(most recent call last\)") as err:
+        asyncio.run(hook("boom").next_batch(0, 0))
+    assert f'File "{fns}", line 4, in boom' in str(err.value)
+
+    # failed groups count in a row across batches: 1 (a good group resets it), then 2, then 2 more
+    bounded = hook("half_failed", max_failed_groups=3)
+    assert len(asyncio.run(bounded.next_batch(0, 0))) == 4 and bounded.failed_in_row == 0
+    assert len(reports) == 1 and "first failure of its kind" in reports[0] and "TimeoutError" in reports[0]
+    assert len(asyncio.run(bounded.next_batch(1, 1))) == 4 and bounded.failed_in_row == 2
+    with pytest.raises(RolloutFailedError, match=r"4 groups in a row from --rollout-function-path .*half_failed "
+                                                 r"had failed samples \(5 x env 'target-token': TimeoutError\); "
+                                                 r"stopping \(--max-failed-groups 3\)\. The first failure: "
+                                                 r"trajectory g0-s0"):
+        asyncio.run(bounded.next_batch(2, 2))
+    assert len(bounded.last_batch) == 4 and len(reports) == 1  # kept for the trajectory files; reported once
+    unbounded = hook("half_failed", max_failed_groups=None)
+    for rollout_id in range(4):
+        asyncio.run(unbounded.next_batch(rollout_id, rollout_id))

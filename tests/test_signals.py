@@ -38,6 +38,59 @@ def test_a_reward_hook_that_always_fails_stops_the_run_naming_it(tmp_path):
     print(f"hopeless run stopped after {time.monotonic() - t0:.1f}s")
 
 
+
+def test_a_generate_hook_that_always_fails_stops_the_run_naming_it(tmp_path):
+    calls = tmp_path / "calls"
+    gen = tmp_path / "gen.py"
+    gen.write_text(f"async def generate(args, sample, sampling_params):\n"
+                   f"    open({str(calls)!r}, 'a').write('x')\n"
+                   f"    raise ConnectionError('engine unreachable')\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([agentrl_cli(), "train", "--num-rollout", "5", "--custom-generate-function-path",
+                           f"{gen}:generate", "--max-failed-groups", "2", "--max-group-retries", "1",
+                           "--output-dir", str(out), *SMALL], capture_output=True, text=True, timeout=300, env=run_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = proc.stderr
+    assert "2 groups in a row failed" in err, err[-3000:]
+    assert f"--custom-generate-function-path {gen}:generate: ConnectionError" in err and "engine unreachable" in err
+    assert "Traceback (most recent call last)" in err and f'File "{gen}", line 3, in generate' in err
+    assert err.count("first failure of its kind") == 1
+    # bounded: 2 groups x 2 tries x 2 members, plus the groups over-sampling had in flight (not 276,736 calls)
+    assert 8 <= len(calls.read_text()) <= 16
+    saved = [json.loads(x) for x in (out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()]
+    assert saved and all("ConnectionError" in t["metadata"]["traceback"] for t in saved)
+
+
+# slime's generate_rollout without an engine: one made-up trained token per sample
+FAKE_ROLLOUT = """
+def generate_rollout(args, rollout_id, data_source, evaluation=False):
+    groups = data_source.get_samples(args.rollout_batch_size)
+    for group in groups:
+        for s in group:
+            s.tokens = s.tokens + [s.tokens[0]]
+            s.response_length, s.loss_mask, s.rollout_log_probs = 1, [1], [-1.0]
+    return groups
+"""
+
+
+def test_a_rollout_function_whose_reward_hook_always_fails_stops_the_run(tmp_path):
+    (tmp_path / "fns.py").write_text(FAKE_ROLLOUT + "\n\ndef rm(args, sample):\n    raise KeyError('no such field')\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([agentrl_cli(), "train", "--num-rollout", "5", "--rollout-function-path",
+                           f"{tmp_path}/fns.py:generate_rollout", "--custom-rm-path", f"{tmp_path}/fns.py:rm",
+                           "--max-failed-groups", "2", "--output-dir", str(out), *SMALL],
+                          capture_output=True, text=True, timeout=300, env=run_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = proc.stderr
+    assert f"2 groups in a row from --rollout-function-path {tmp_path}/fns.py:generate_rollout had failed" in err
+    assert "--custom-rm-path: KeyError" in err and "no such field" in err and "Traceback" in err, err[-3000:]
+    assert err.count("first failure of its kind") == 1
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["partial"] is True
+    saved = [json.loads(x) for x in (out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()]
+    assert len(saved) == 4 and all("KeyError" in t["metadata"]["traceback"] for t in saved)
+
+
 SLOW_SANDBOX_ENV = '''
 import asyncio
 from pathlib import Path

@@ -25,6 +25,7 @@ import asyncio
 import enum
 import functools
 import inspect
+import logging
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -33,11 +34,12 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from agentrl.env import Action, Env, as_messages
-from agentrl.errors import ConfigError, SampleInvariantError
+from agentrl.errors import AgentRLError, ConfigError, SampleInvariantError
 from agentrl.plugins import load_function
 from agentrl.rollout.agent_loop import TRUNCATED_RESPONSE_LEN, Renderer
 from agentrl.rollout.control import RolloutControl
 from agentrl.rollout.manager import group_seed
+from agentrl.rollout.producer import RolloutFailedError, describe_failure, failure_kind
 from agentrl.types import Sample as AgentSample, SampleStatus, TurnTiming
 
 GENERATE_FLAG = "--custom-generate-function-path"
@@ -405,27 +407,45 @@ class DataSource:
 class RolloutHook:
     """--rollout-function-path: slime's generate_rollout fills each training batch in place
     of agentrl's producer. A plain function runs in a worker thread (slime's run their own
-    event loop), an `async def` on the loop."""
+    event loop), an `async def` on the loop.
+
+    Failures are bounded as the producer bounds them (the function does its own retries):
+    the function raising stops the run naming it, with its traceback; groups with a failed
+    member, `max_failed_groups` in a row across batches, stop it with the first failure's
+    traceback; the first failure of each kind is reported as it comes."""
 
     GROUP_BASE = 10**6  # group ids of iteration i: i * GROUP_BASE + position
 
     def __init__(self, spec: str, *, args: SlimeArgs, data_source: DataSource, renderer: Renderer,
-                 make_env: Callable[[str | None], tuple[Env, str]], reward_fn, run_seed: int):
+                 make_env: Callable[[str | None], tuple[Env, str]], reward_fn, run_seed: int,
+                 max_failed_groups: int | None = 8, report: Callable[[str], None] | None = None):
         self.spec, self.fn = spec, load_function(spec, flag=ROLLOUT_FLAG)
         self.takes_evaluation = _check_signature(self.fn, spec, ROLLOUT_FLAG, ("args", "rollout_id", "data_source"))
         self.args, self.data_source, self.renderer = args, data_source, renderer
         self.make_env, self.reward_fn, self.run_seed = make_env, reward_fn, run_seed
         self.slime_rm = load_slime_rm(args)
         self.metrics: dict[str, float] = {}  # the last batch's metrics from the function, as rollout_fn/<key>
+        self.max_failed_groups = max_failed_groups
+        self.report = report or logging.getLogger("agentrl.rollout").warning
+        self.failures: dict[str, int] = {}  # failed samples by kind
+        self.failed_in_row, self.first_failure = 0, None
+        self.last_batch: list[AgentSample] = []  # a stopped run writes it
 
     async def next_batch(self, rollout_id: int, version: int) -> list[AgentSample]:
         """The function's groups as agentrl Samples, scored (the unscored ones)."""
         where = f"{ROLLOUT_FLAG} {self.spec}"
         kwargs = {"evaluation": False} if self.takes_evaluation else {}
         call = functools.partial(self.fn, self.args, rollout_id, self.data_source, **kwargs)
-        out = await call() if inspect.iscoroutinefunction(self.fn) else await asyncio.to_thread(call)
-        if inspect.isawaitable(out):
-            out = await out
+        self.last_batch = []
+        try:
+            out = await call() if inspect.iscoroutinefunction(self.fn) else await asyncio.to_thread(call)
+            if inspect.isawaitable(out):
+                out = await out
+        except (AgentRLError, SampleInvariantError):
+            raise
+        except Exception as exc:  # no retry of a whole batch: slime stops here too
+            raise RolloutFailedError(f"{where} raised {type(exc).__name__}: {exc}\n"
+                                     f"{traceback.format_exc().rstrip()}") from exc
         self.metrics = {}
         if hasattr(out, "samples"):  # slime's RolloutFnTrainOutput(samples, metrics)
             self.metrics = {f"rollout_fn/{k}": v for k, v in (getattr(out, "metrics", None) or {}).items()
@@ -453,7 +473,28 @@ class RolloutHook:
                 if getattr(s, "reward", None) is None and converted.status != SampleStatus.FAILED:
                     unscored.append(self._score(converted, task))
         await asyncio.gather(*unscored)
+        self.last_batch = samples
+        self._bound(samples, where)
         return samples
+
+    def _bound(self, samples: list[AgentSample], where: str) -> None:
+        by_group: dict[int, list[AgentSample]] = {}
+        for s in samples:
+            by_group.setdefault(s.group_id, []).append(s)
+        for group in by_group.values():
+            failed = [s for s in group if s.status == SampleStatus.FAILED]
+            self.failed_in_row = self.failed_in_row + 1 if failed else 0
+            for s in failed:
+                kind = failure_kind(s)
+                if kind not in self.failures:
+                    self.first_failure = self.first_failure or describe_failure(s)
+                    self.report(f"first failure of its kind: {describe_failure(s)}")
+                self.failures[kind] = self.failures.get(kind, 0) + 1
+        if self.max_failed_groups is not None and self.failed_in_row >= self.max_failed_groups:
+            summary = ", ".join(f"{n} x {k}" for k, n in sorted(self.failures.items(), key=lambda kv: -kv[1])[:3])
+            raise RolloutFailedError(f"{self.failed_in_row} groups in a row from {where} had failed samples "
+                                     f"({summary}); stopping (--max-failed-groups {self.max_failed_groups}). "
+                                     f"The first failure: {self.first_failure}")
 
     async def _score(self, sample: AgentSample, task: dict) -> None:
         env, _ = self.make_env(task.get("env"))
