@@ -179,3 +179,39 @@ def test_a_signal_mid_rollout_stops_everything_within_seconds(tmp_path, signum):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows == [rows[0]] and rows[0]["partial"] is True and rows[0]["rollout_id"] == 0
     print(f"{signal.Signals(signum).name}: stopped in {stopped_s:.1f}s")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_load_resumes_from_the_last_checkpoint_after_a_signal(tmp_path, signum):
+    first, second = tmp_path / "first", tmp_path / "second"
+    proc = subprocess.Popen([agentrl_cli(), "train", "--num-rollout", "50", "--save-interval", "1",
+                             "--output-dir", str(first), *SMALL], env=run_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (first / "checkpoints" / "iter_000001" / "trainer_state.json").exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and "agentrl: interrupted" in err, err[-3000:]
+    saved = sorted(p.parent.name for p in (first / "checkpoints").glob("iter_*/trainer_state.json"))
+    last = int(saved[-1].removeprefix("iter_"))
+    assert last >= 1 and [json.loads(x)["rollout_id"] for x in (first / "metrics.jsonl").read_text().splitlines()
+                          if not json.loads(x).get("partial")][-1] >= last - 1
+    state = json.loads((first / "checkpoints" / saved[-1] / "trainer_state.json").read_text())
+
+    proc = subprocess.run([agentrl_cli(), "train", "--num-rollout", str(last + 1), "--load", str(first / "checkpoints"),
+                           "--output-dir", str(second), *SMALL], capture_output=True, text=True, timeout=300,
+                          env=run_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {first / 'checkpoints' / saved[-1]}: iteration {last}" in proc.stderr
+    rows = [json.loads(x) for x in (second / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_id"] for r in rows] == [last] and rows[0]["policy_version"] == last + 1
+    resumed = json.loads((second / "checkpoints" / f"iter_{last + 1:06d}" / "trainer_state.json").read_text())
+    assert resumed["data"]["consumed"] > state["data"]["consumed"]  # the data position went on from the checkpoint
