@@ -58,14 +58,17 @@ def numbered_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
 
 
 def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
-              metadata_key: str = "metadata") -> list[dict[str, Any]]:
-    """Read a JSONL or parquet prompt file into tasks; a bad row names file and line."""
-    tasks, has_label, keys = [], False, set()
+              metadata_key: str = "metadata", label_needed_by: str | None = None) -> list[dict[str, Any]]:
+    """Read a JSONL or parquet prompt file into tasks; a bad row names file and line.
+    `label_needed_by`: the env that grades against the label (its rows must have one)."""
+    tasks, has_label, keys, unlabelled = [], False, set(), None
     for where, row in numbered_rows(path):
         has_label, keys = has_label or label_key in row, keys | set(row)
         if input_key not in row:
             raise DatasetError(f"{where}: no {input_key!r} key (set --input-key); keys are {sorted(row)}")
         _check_prompt(row[input_key], where)
+        if label_needed_by and row.get(label_key) is None and row.get("env") in (None, "", label_needed_by):
+            unlabelled = unlabelled or (where, sorted(row))
         metadata = row.get(metadata_key) or {}
         if not isinstance(metadata, dict):
             raise DatasetError(f"{where}: {metadata_key!r} must be an object")
@@ -75,9 +78,13 @@ def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
         tasks.append(task)
     if not tasks:
         raise DatasetError(f"{path}: no rows")
-    if label_key != "label" and not has_label:  # "label" may be absent (envs without labels); a key asked for not
-        raise DatasetError(f"{path}: no row has the label key {label_key!r} (--label-key); the rows' keys are "
+    if (label_key != "label" or label_needed_by) and not has_label:  # "label" may be absent (envs without labels)
+        needs = f", which env {label_needed_by!r} grades against" if label_needed_by else ""
+        raise DatasetError(f"{path}: no row has the label key {label_key!r} (--label-key){needs}; the rows' keys are "
                            f"{sorted(keys)}")
+    if unlabelled:
+        raise DatasetError(f"{unlabelled[0]}: no label under {label_key!r} (--label-key), which env "
+                           f"{label_needed_by!r} grades against; keys are {unlabelled[1]}")
     return tasks
 
 

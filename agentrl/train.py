@@ -566,12 +566,18 @@ def build_group_filter(cfg: Config):
     return group_filter
 
 
+def label_needed_by(name: str) -> str | None:
+    """The env's name if it grades against a label (its class sets `needs_label`): data without one fails at start."""
+    return name if getattr(get_spec(name).load(), "needs_label", False) else None
+
+
 def load_eval_sets(cfg: Config) -> list[tuple[str, list[dict]]]:
     """--eval-prompt-data NAME PATH ...: read (and so check) every eval set before any work."""
     d, pairs = cfg.data, cfg.eval.eval_prompt_data
     sets = []
     for name, path in zip(pairs[::2], pairs[1::2]):
-        tasks = read_rows(path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key)
+        tasks = read_rows(path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
+                          label_needed_by=label_needed_by(cfg.run.env))
         for task in tasks:
             if task.get("env"):
                 get_spec(task["env"])
@@ -623,7 +629,8 @@ def build_env_lookup(cfg: Config):
 def build_prompt_source(cfg: Config, env_cls) -> PromptSource:
     d = cfg.data
     if d.prompt_data:
-        tasks = read_rows(d.prompt_data, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key)
+        tasks = read_rows(d.prompt_data, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
+                          label_needed_by=label_needed_by(cfg.run.env))
         for task in tasks:  # rows naming their env must name a known one, before any work starts
             if task.get("env"):
                 get_spec(task["env"])

@@ -147,6 +147,26 @@ def test_a_mistyped_env_kwarg_or_label_key_fails_train_at_start(tmp_path, capsys
     assert "no row has the label key 'answerz'" in capsys.readouterr().err
 
 
+
+def test_data_without_the_label_an_env_grades_against_fails_at_start(tmp_path, capsys):
+    data = tmp_path / "answers.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1?", "label": "2"}) + "\n" + json.dumps({"prompt": "2+2?", "answer": "4"})
+                    + "\n" + json.dumps({"prompt": "echo", "env": "target-token"}) + "\n")
+    with pytest.raises(DatasetError, match=rf"{data}:2: no label under 'label' \(--label-key\), which env 'math' "
+                                           r"grades against; keys are \['answer', 'prompt'\]"):
+        read_rows(str(data), label_needed_by="math")
+    assert len(read_rows(str(data))) == 3  # an env without labels takes them
+    data.write_text(json.dumps({"prompt": "1+1?", "label": "2"}) + "\n" + json.dumps({"prompt": "echo", "env": "x"}))
+    assert len(read_rows(str(data), label_needed_by="math")) == 2  # a row for another env is that env's business
+    data.write_text(json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n")
+    for env in ("math", "math-python", "search-r1"):
+        assert cli_main(["train", "--env", env, "--prompt-data", str(data), "--output-dir", str(tmp_path / "run")]) == 2
+        assert (f"{data}: no row has the label key 'label' (--label-key), which env '{env}' grades against; the "
+                "rows' keys are ['answer', 'prompt']") in capsys.readouterr().err
+    assert cli_main(["train", "--env", "math", "--eval-prompt-data", "ev", str(data), "--output-dir",
+                     str(tmp_path / "run")]) == 2
+    assert f"{data}: no row has the label key 'label' (--label-key), which env 'math'" in capsys.readouterr().err
+
 def test_a_mistyped_flag_suggests_the_right_one(capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(["train", "--num-rolout", "1", "--dry-run"])

@@ -38,6 +38,7 @@ class MathEnv(Env):
 
     description = "Single-turn arithmetic word problems; \\boxed{} answer graded by math_verify."
     max_turns = 1
+    needs_label = True  # graded against the task's label: data without one fails at start
     default_config = {"rollout_max_response_len": 512}
 
     def __init__(self, require_boxed: bool = True, format_reward: float = 0.0, n_problems: int | None = None):

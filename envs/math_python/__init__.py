@@ -34,6 +34,7 @@ class MathPythonEnv(ToolEnv):
     sandbox = "auto"
     sandbox_limits = {"memory_mb": 1024, "cpus": 1.0}
     max_turns = 6
+    needs_label = True  # graded against the task's label: data without one fails at start
     tool_timeout = 30.0
     max_tool_output = 4000
     system_prompt = SYSTEM_PROMPT

@@ -147,6 +147,7 @@ class SearchR1Env(Env):
 
     description = "Search-R1: <search> a BM25/remote retriever over MCP, <answer> scored by exact match."
     max_turns = 4
+    needs_label = True  # graded against the task's label: data without one fails at start
     stop = ["</search>", "</answer>"]  # as Search-R1: the env answers right after the tag
     default_config = {"rollout_max_response_len": 1024, "rollout_max_tokens_per_turn": 256}
 
