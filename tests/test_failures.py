@@ -247,3 +247,21 @@ def test_a_rollout_function_is_under_the_failure_bound(tokenizer, tmp_path):
     unbounded = hook("half_failed", max_failed_groups=None)
     for rollout_id in range(4):
         asyncio.run(unbounded.next_batch(rollout_id, rollout_id))
+
+
+def test_a_rollout_where_nothing_finishes_still_prints_its_state_without_a_terminal(capsys):
+    from agentrl.progress import Progress
+    from agentrl.train import heartbeat
+
+    progress = Progress(enabled=True)  # stderr is not a TTY under pytest
+    progress.plain_every_s = 0.2
+    progress.detail = lambda: "groups 0/8 ready; groups retried 3"
+
+    async def stalled():
+        with heartbeat(progress, every_s=0.05):
+            await asyncio.sleep(1.0)  # no trajectory finishes: only the timer ticks
+
+    asyncio.run(stalled())
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert 3 <= len(lines) <= 6, lines  # one per plain_every_s, not one per tick
+    assert all(x.strip() == "rollout: 0 trajectories done; groups 0/8 ready; groups retried 3" for x in lines)
