@@ -59,6 +59,10 @@ class HiddenTests:
     tests: list[str]
     setup: str = ""
     entry_point: str | None = None
+    #: trusted code whose definitions the tests use (HumanEval: the prompt, with helpers such as
+    #: ``poly`` that a check calls); run by the judge before `setup`, so a solution that redefines
+    #: them changes nothing. What it defines of the entry point stays the solution's.
+    context: str = ""
 
     def __post_init__(self):
         if not self.tests:
@@ -88,6 +92,14 @@ def split_tests(code: str) -> tuple[list[str], str]:
         text = ast.get_source_segment(code, node) or ast.unparse(node)
         (tests if isinstance(node, ast.Assert) else setup).append(text)
     return tests, "\n".join(setup)
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except (SyntaxError, ValueError):
+        return False
+    return True
 
 
 def entry_point_from_prompt(prompt: str) -> str | None:
@@ -125,7 +137,8 @@ def hidden_tests(label: Any, metadata: dict | None = None, prompt: Any = None) -
         if "def check(" in label:
             if not entry:
                 raise ValueError("a HumanEval-style test (def check) needs an entry_point")
-            return HiddenTests([f"check({entry})"], "\n".join(filter(None, [setup, label])), entry)
+            context = prompt if isinstance(prompt, str) and _parses(prompt) else ""
+            return HiddenTests([f"check({entry})"], "\n".join(filter(None, [setup, label])), entry, context)
         tests, extra = split_tests(label)
         return HiddenTests(tests, "\n".join(filter(None, [setup, extra])), entry)
     raise ValueError(f"code task: cannot read hidden tests from a label of type {type(label).__name__}")
@@ -338,6 +351,13 @@ def judge(spec: HiddenTests, call: Callable[[str, list, dict], dict]) -> list[di
             base[name] = importlib.import_module(name)
         except ImportError:
             base[name] = proxy(name)
+    if spec.context:
+        try:
+            exec(compile(spec.context, "<task prompt>", "exec"), base)
+        except BaseException:  # noqa: BLE001 - what it did not define stays the solution's
+            pass
+        if spec.entry_point:
+            base[spec.entry_point] = proxy(spec.entry_point)
     setup_error = ""
     try:
         exec(compile(spec.setup, "<test setup>", "exec"), base)

@@ -102,6 +102,26 @@ def test_claimed_exceptions_cannot_end_a_tests_iteration():
     assert stop.passed == 0 and "StopIteration" in stop.details[0]["error"]
 
 
+def test_the_prompts_helpers_are_the_tasks():
+    """HumanEval/32: the check calls `poly`, which the prompt defines; a solution that redefines it
+    (to make any answer a zero of the polynomial) changes only its own copy."""
+    from agentrl.envs.code_env import normalize_task
+
+    prompt = ("import math\n\ndef poly(xs: list, x: float):\n"
+              "    return sum([coeff * math.pow(x, i) for i, coeff in enumerate(xs)])\n\n"
+              "def find_zero(xs: list):\n    \"\"\"A zero of the polynomial xs.\"\"\"\n")
+    test = ("def check(candidate):\n    for coeffs in ([-6, 11, -6, 1], [1, 2], [-1, 0, 0, 1]):\n"
+            "        assert math.fabs(poly(coeffs, candidate(list(coeffs)))) < 1e-4\n")
+    task = normalize_task({"task_id": "HumanEval/32", "prompt": prompt, "test": test})
+    spec = hidden_tests(task["label"], task["metadata"], task["prompt"])
+    bisect = prompt + ("    lo, hi = -1.0, 1.0\n    while poly(xs, lo) * poly(xs, hi) > 0:\n        lo, hi = 2 * lo, 2 * hi\n"
+                       "    while hi - lo > 1e-10:\n        mid = (lo + hi) / 2\n"
+                       "        lo, hi = (mid, hi) if poly(xs, mid) * poly(xs, lo) > 0 else (lo, mid)\n    return lo\n")
+    assert grade_on_host({"solution.py": bisect}, spec).passed == 1
+    cheat = prompt + "    return 0.0\n\ndef poly(xs, x):\n    return 0.0\n"
+    assert grade_on_host({"solution.py": cheat}, spec).passed == 0
+
+
 def test_stdlib_modules_in_tests_are_modules():
     """`math.isclose` in a test with no `import math` (the tests used to see the solution's
     imports) is the module; a solution function that shares a module's name is still the solution's."""
