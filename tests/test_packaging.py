@@ -1,6 +1,9 @@
 """A wheel install (not editable) carries everything agentrl reads at run time: each built-in
-env's data loads from the installed package, not from this checkout."""
+env's data loads from the installed package, not from this checkout. scripts/setup.sh's
+editable install prints nothing of setuptools' (no banner, no 'Package would be ignored')."""
 
+import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -11,6 +14,18 @@ import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def copy_of_clone(src: Path) -> None:
+    """What a clone has (no egg-info or build/ left by the editable install: their SOURCES.txt
+    would smuggle in files the packaging config forgets)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, src / f)
+
 
 CHECK = textwrap.dedent("""
     import itertools, sys
@@ -33,14 +48,7 @@ CHECK = textwrap.dedent("""
 @pytest.mark.timeout(300)
 def test_wheel_install_loads_every_builtin_envs_data(tmp_path):
     wheels, site, src = tmp_path / "wheels", tmp_path / "site", tmp_path / "src"
-    # a copy of what a clone has (no egg-info or build/ left by the editable install: their
-    # SOURCES.txt would smuggle in files the packaging config forgets)
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for f in files:
-        if (ROOT / f).is_file():
-            (src / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, src / f)
+    copy_of_clone(src)
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                             "-w", str(wheels), str(src)], capture_output=True, text=True, timeout=240)
     assert build.returncode == 0, build.stderr[-2000:]
@@ -55,3 +63,22 @@ def test_wheel_install_loads_every_builtin_envs_data(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("search-r1", "code", "math", "target-token"):
         assert name in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_setups_editable_install_prints_nothing_of_setuptools(tmp_path):
+    """The pip line of scripts/setup.sh, run as it is there (its environment, its flags) on a
+    copy of the clone, installed under a throwaway prefix (no deps, no build isolation: offline)."""
+    (line,) = [x for x in (ROOT / "scripts" / "setup.sh").read_text().splitlines() if " install -q -e " in x]
+    command, env = shlex.split(line), {}
+    while "=" in command[0]:  # VAR=value before the command
+        key, value = command.pop(0).split("=", 1)
+        env[key] = value
+    assert command[0].endswith("pip") and command[1:3] == ["install", "-q"], line
+    src = tmp_path / "src"
+    copy_of_clone(src)
+    proc = subprocess.run([sys.executable, "-m", "pip", *command[1:], "--no-deps", "--no-build-isolation",
+                           "--prefix", str(tmp_path / "prefix")], cwd=src, capture_output=True, text=True,
+                          timeout=240, env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout + proc.stderr == "", proc.stdout + proc.stderr  # setuptools' warnings would show here
