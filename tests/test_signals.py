@@ -215,3 +215,36 @@ def test_load_resumes_from_the_last_checkpoint_after_a_signal(tmp_path, signum):
     assert [r["rollout_id"] for r in rows] == [last] and rows[0]["policy_version"] == last + 1
     resumed = json.loads((second / "checkpoints" / f"iter_{last + 1:06d}" / "trainer_state.json").read_text())
     assert resumed["data"]["consumed"] > state["data"]["consumed"]  # the data position went on from the checkpoint
+
+
+SLOW_CLEANUP = """
+import os, signal, sys, time
+from agentrl.orchestration import stop_on_signals
+
+stop_on_signals()
+try:
+    print("ready", flush=True)
+    time.sleep(60)
+except KeyboardInterrupt:
+    print("cleaning up", flush=True)  # the first signal: cleanup starts, and hangs
+    time.sleep(60)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_exits_at_once(signum):
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CLEANUP], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signum)
+        assert proc.stdout.readline() == "cleaning up\n"
+        t0 = time.monotonic()
+        proc.send_signal(signum)
+        assert proc.wait(timeout=10) == 128 + signum and time.monotonic() - t0 < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
