@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from importlib import metadata
 
 import pytest
 
@@ -68,7 +69,8 @@ def test_wheel_install_loads_every_builtin_envs_data(tmp_path):
 @pytest.mark.timeout(300)
 def test_setups_editable_install_prints_nothing_of_setuptools(tmp_path):
     """The pip line of scripts/setup.sh, run as it is there (its environment, its flags) on a
-    copy of the clone, installed under a throwaway prefix (no deps, no build isolation: offline)."""
+    copy of the clone, installed under a throwaway prefix (no deps, no build isolation: offline;
+    --ignore-installed: pip would otherwise uninstall this venv's agentrl first)."""
     (line,) = [x for x in (ROOT / "scripts" / "setup.sh").read_text().splitlines() if " install -q -e " in x]
     command, env = shlex.split(line), {}
     while "=" in command[0]:  # VAR=value before the command
@@ -77,8 +79,11 @@ def test_setups_editable_install_prints_nothing_of_setuptools(tmp_path):
     assert command[0].endswith("pip") and command[1:3] == ["install", "-q"], line
     src = tmp_path / "src"
     copy_of_clone(src)
+    before = metadata.distribution("agentrl").locate_file("")
     proc = subprocess.run([sys.executable, "-m", "pip", *command[1:], "--no-deps", "--no-build-isolation",
-                           "--prefix", str(tmp_path / "prefix")], cwd=src, capture_output=True, text=True,
-                          timeout=240, env={**os.environ, **env})
+                           "--ignore-installed", "--prefix", str(tmp_path / "prefix")], cwd=src, capture_output=True,
+                          text=True, timeout=240, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout + proc.stderr == "", proc.stdout + proc.stderr  # setuptools' warnings would show here
+    assert metadata.distribution("agentrl").locate_file("") == before  # this venv's install untouched
+    assert list((tmp_path / "prefix").glob("lib/python*/site-packages/__editable__*agentrl*"))
