@@ -18,6 +18,7 @@ commands:
   tools     list or call the tools of an MCP server (agentrl tools --help)
   inspect   write a self-contained HTML report of a run (agentrl inspect RUN_DIR)
   model     build a real pretrained model offline (agentrl model get smollm2-135m-instruct [DIR])
+  demos     expert demonstrations of a built-in env, for sft (agentrl demos --env math --n 64 --out F.jsonl)
 """
 
 
@@ -177,6 +178,7 @@ COMMANDS = {
     "tools": _delegate("agentrl.tools.cli"),
     "inspect": _delegate("agentrl.inspect"),
     "model": _delegate("agentrl.model_get"),
+    "demos": _delegate("agentrl.demos"),
 }
 
 
