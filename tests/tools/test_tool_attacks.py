@@ -138,6 +138,27 @@ def test_a_huge_line_costs_the_host_little(arun, tmp_path):
     assert cpu < 2.0 and time.monotonic() - t0 < 30, (cpu, time.monotonic() - t0)
 
 
+NOTIFY_FLOOD = """import sys
+line = '{"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": "x"}}\\n'
+while True:
+    sys.stdout.write(line * 1000)
+    sys.stdout.flush()
+"""
+
+
+def test_a_flood_of_lines_is_cut_off(arun, tmp_path):
+    """A server sending valid short messages as fast as it can (each one the host would parse and
+    dispatch): the host closes the connection at the rate bound instead of spending a core on it."""
+    server = tmp_path / "notify_flood.py"
+    server.write_text(NOTIFY_FLOOD)
+    tools = ToolSet([f"flood={sys.executable} {server}"], start_timeout=60)
+    cpu0, t0 = time.process_time(), time.monotonic()
+    with pytest.raises(ToolServerError):
+        arun(tools.start())
+    took, cpu = time.monotonic() - t0, time.process_time() - cpu0
+    assert took < 20 and cpu < 5.0, (took, cpu)  # not the whole start_timeout: the bound closed it
+
+
 def test_agent_fault_is_scored_not_failed(arun):
     """An AgentFault raised anywhere in a step (a grader that finds the agent sabotaged its own
     solution) ends the episode with reward 0 and the reason, instead of raising."""
