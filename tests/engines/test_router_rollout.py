@@ -35,6 +35,18 @@ class CountEnv(Env):
             False, {}
 
 
+class TimedTurnLog(TurnLog):
+    """A TurnLog that also notes when each turn was recorded (the monitor's events are in time.time())."""
+
+    def __init__(self):
+        super().__init__()
+        self.at: dict[str, list[float]] = {}
+
+    def record(self, session_id, turn):
+        super().record(session_id, turn)
+        self.at.setdefault(session_id, []).append(time.time())
+
+
 @pytest.fixture(scope="module")
 def group(tiny_model, tmp_path_factory):
     cfg = RolloutConfig(num_engines=2, engine_num_threads=1)
@@ -92,7 +104,7 @@ def test_router_keeps_trajectories_on_one_engine_and_their_cache_warm(group, tok
 
 
 def test_killed_worker_loses_no_trajectory_and_rejoins_when_restarted(group, tokenizer):
-    log = TurnLog()
+    log = TimedTurnLog()
     victim = group.engines[0]
     survivor = group.engines[1].url
     seen_at_kill: dict[str, int] = {}
@@ -112,14 +124,18 @@ def test_killed_worker_loses_no_trajectory_and_rejoins_when_restarted(group, tok
     assert len(samples) == 24 and len({s.trajectory_id for s in samples}) == 24  # none lost, none duplicated
     assert all(s.status == SampleStatus.COMPLETED and s.num_turns == 8 for s in samples), \
         [(s.trajectory_id, s.status, s.metadata.get("error")) for s in samples if s.status != SampleStatus.COMPLETED]
+    # The monitor restarts the victim at once; were it back in the router's pool before the
+    # rollout ended, later turns could rightly go to it again: only turns before that count.
+    rejoined = min((at for at, url, what in group.monitor.events
+                    if url == victim.url and what.startswith("back in the pool")), default=float("inf"))
     moved = 0
     for s in samples:
-        turns = log.get(s.trajectory_id)
+        turns, times = log.get(s.trajectory_id), log.at[s.trajectory_id]
         assert len(turns) == 8
-        after = turns[seen_at_kill[s.trajectory_id]:]
-        # A reply the victim sent just before its kill can still sit in the client's socket and be
-        # recorded after the snapshot (the cause of this test's 1-in-4 flake): at most one such turn,
-        # the first; the trajectory's next request cannot leave before that reply is read.
+        after = [t for t, at in zip(turns, times) if at < rejoined][seen_at_kill[s.trajectory_id]:]
+        # A reply the victim sent just before its kill can still be in flight (in the router or the
+        # client's socket) and be recorded after the snapshot (the cause of this test's 1-in-4
+        # flake): at most one such turn, the first, as a trajectory has one request in flight.
         late = int(bool(after) and after[0].engine == victim.url)
         assert all(t.engine == survivor for t in after[late:]), (s.trajectory_id, [t.engine for t in turns])
         moved += turns[0].engine == victim.url and bool(after)
