@@ -59,7 +59,9 @@ def _proc_table():
     return table
 
 
-def _leftovers(me):
+def _leftovers(me, sessions=True):
+    """Pids to kill: every process but pid 1, the container's main process, this server and
+    (sessions=True) the trees of other `docker exec` sessions."""
     table = _proc_table()
     children = {}
     for pid, (ppid, _, _) in table.items():
@@ -69,7 +71,7 @@ def _leftovers(me):
     if kids_of_init:
         protected.add(kids_of_init[0])
     # other `docker exec` sessions (host spawns) and their trees
-    stack = [p for p, (pp, _, _) in table.items() if pp == 0 and p not in (1, me)]
+    stack = [p for p, (pp, _, _) in table.items() if pp == 0 and p not in (1, me)] if sessions else []
     while stack:
         pid = stack.pop()
         protected.add(pid)
@@ -77,11 +79,11 @@ def _leftovers(me):
     return [p for p, (_, st, _) in table.items() if p not in protected and st != b"Z"]
 
 
-def kill_leftovers(me, deadline_s=2.0):
+def kill_leftovers(me, deadline_s=2.0, sessions=True):
     killed = set()
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        pids = _leftovers(me)
+        pids = _leftovers(me, sessions)
         if not pids:
             break
         for pid in pids:
@@ -105,6 +107,11 @@ def run(req, me):
     ident = {}
     if os.getuid() != os.geteuid() and not req.get("as_server"):
         ident = {"user": os.geteuid(), "group": os.getegid()}
+    # sweep (a reset): every other process goes, the servers of other sessions too (the host
+    # killed their clients, but `docker exec` does not pass a kill on), before the command runs
+    # and after it, so nothing left writes into what the command wiped and checked
+    sessions = not req.get("sweep")
+    killed = 0 if sessions else kill_leftovers(me, sessions=False)
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -127,7 +134,6 @@ def run(req, me):
     truncated = timed_out = False
     exited_at = None
     swept = False
-    killed = 0
     while sel.get_map():
         now = time.monotonic()
         if not timed_out and now - t0 > timeout:
@@ -136,12 +142,12 @@ def run(req, me):
                 os.killpg(proc.pid, signal.SIGKILL)
             except OSError:
                 pass
-            killed += kill_leftovers(me)
+            killed += kill_leftovers(me, sessions=sessions)
         if exited_at is None and proc.poll() is not None:
             exited_at = now
         if exited_at is not None and not swept and now - exited_at > 0.05:
             # the command is gone but something still holds its pipes: a leftover process
-            killed += kill_leftovers(me)
+            killed += kill_leftovers(me, sessions=sessions)
             swept = True
         if (swept and now - exited_at > 2.0) or (timed_out and now - t0 > timeout + 2.0):
             break  # pipes held by something we cannot kill: stop reading
@@ -181,7 +187,7 @@ def run(req, me):
         timed_out = True
         os.killpg(proc.pid, signal.SIGKILL)
         code = proc.wait()
-    killed += kill_leftovers(me)
+    killed += kill_leftovers(me, sessions=sessions)
     proc.stdout.close()
     proc.stderr.close()
     return {"exit_code": code if code >= 0 else 128 - code, "timed_out": timed_out,

@@ -368,11 +368,13 @@ class Sandbox:
     async def exec(self, cmd: str | Sequence[str], timeout: float | None = None, *,
                    stdin: bytes | str | None = None, env: Mapping[str, str] | None = None,
                    cwd: str | None = None, output_limit: int | None = None,
-                   as_server: bool = False) -> ExecResult:
+                   as_server: bool = False, sweep: bool = False) -> ExecResult:
         """Run `cmd` (a shell string for bash, or an argv list) in the workdir. Processes it
         leaves behind are killed when it returns. Never raises for a failing command;
         raises SandboxError when the sandbox itself is broken. as_server: with the servers'
-        identity (it can signal them; for the host's own cleanup, never for the agent's code)."""
+        identity (it can signal them; for the host's own cleanup, never for the agent's code).
+        sweep: kill every other process in the sandbox (the servers of other sessions too) before
+        and after the command (a reset: nothing may write after the wipe)."""
         self._check_open()
         timeout = float(timeout if timeout is not None else self.limits.timeout_s)
         argv = [self.shell, "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
@@ -380,7 +382,8 @@ class Sandbox:
             stdin = stdin.encode()
         req = {"op": "exec", "argv": argv, "timeout": timeout, "cwd": cwd or WORKDIR,
                "limit": output_limit or self.limits.output_bytes, "env": dict(env or {}),
-               "stdin": base64.b64encode(stdin).decode() if stdin else "", "as_server": as_server}
+               "stdin": base64.b64encode(stdin).decode() if stdin else "", "as_server": as_server,
+               "sweep": sweep}
         t0 = time.perf_counter()
         resp = await self._request(req, timeout + 30)
         if resp is None:
@@ -453,7 +456,9 @@ class Sandbox:
         self._spawned.clear()
         if self.tainted:
             return False
-        res = await self.exec(["python3", "-I", "-c", RESET_SCRIPT], timeout=60)
+        # sweep: on docker, killing a spawn's `docker exec` client leaves its process running in
+        # the container (an MCP server whose ToolSet was not closed, a grader's child)
+        res = await self.exec(["python3", "-I", "-c", RESET_SCRIPT], timeout=60, sweep=True)
         if res.exit_code != 0:
             log.warning("sandbox %s: reset failed: %s", self.id, res.stderr[-500:])
         return res.exit_code == 0 and not self.tainted

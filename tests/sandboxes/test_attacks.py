@@ -163,6 +163,27 @@ def test_reset_clears_ipc_and_every_writable_place(backend):
     run(go())
 
 
+LINGER = ("import time\n"
+          "for _ in range(60):\n"
+          "    time.sleep(0.1)\n"
+          "    open('/work/left-by-the-last-trajectory', 'w').write('x')\n")
+
+
+def test_reset_ends_what_spawns_left_running(backend):
+    """On docker, killing a spawn's host client (`docker exec`) leaves its process running in the
+    container: an MCP server whose ToolSet was never closed, with the agent's interpreter under it.
+    A reset must end it before the wipe, or it writes into the next trajectory's clean /work."""
+    async def go():
+        async with sandbox(backend) as sb:
+            await sb.spawn(["python3", "-c", LINGER], cwd="/")
+            await asyncio.sleep(0.5)
+            assert await sb.reset()
+            await asyncio.sleep(1.0)
+            r = await sb.exec("ls -A /work; ps -eo args | grep -c '[f]or _ in range' || true")
+            assert r.stdout == "0\n", r
+    run(go())
+
+
 FIND_WRITABLE = r"""
 import os
 seen = set()
