@@ -181,6 +181,67 @@ def test_a_signal_mid_rollout_stops_everything_within_seconds(tmp_path, signum):
     print(f"{signal.Signals(signum).name}: stopped in {stopped_s:.1f}s")
 
 
+HALF_DONE_ENV = '''
+import asyncio
+from pathlib import Path
+import agentrl
+
+@agentrl.register_env("half-done")
+class HalfDone(agentrl.Env):
+    """The first group seen (by its seed) finishes in one turn; every other group hangs."""
+
+    max_turns = 1
+    first_seed = None
+
+    @classmethod
+    def dataset(cls, seed=0, **kw):
+        while True:
+            yield {"prompt": "say anything"}
+
+    async def areset(self, *, seed=None, options=None):
+        if HalfDone.first_seed is None:
+            HalfDone.first_seed = seed
+        if seed != HalfDone.first_seed:
+            Path(MARKER).touch()
+            await asyncio.sleep(3600)
+        return options["prompt"], {}
+
+    async def astep(self, action):
+        Path(DONE).touch()
+        return [], 0.5, True, False, {}
+'''
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_writes_the_trajectories_finished_so_far(tmp_path, signum):
+    hanging, done = tmp_path / "hanging", tmp_path / "done"
+    (tmp_path / "half_env.py").write_text(f"MARKER, DONE = {str(hanging)!r}, {str(done)!r}\n" + HALF_DONE_ENV)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([agentrl_cli(), "train", "--env-module", str(tmp_path / "half_env.py"), "--env",
+                             "half-done", "--num-rollout", "2", "--output-dir", str(out), *SMALL],
+                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (hanging.exists() and done.exists()):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the rollout never got there"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the finished group's reward and hand-over
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and "agentrl: interrupted" in err, err[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["partial"] is True and rows[0]["reward_mean"] == 0.5
+    saved = [json.loads(x) for x in (out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()]
+    # the one finished group (2 members), nothing of the groups still running
+    assert len(saved) == 2 and {t["status"] for t in saved} == {"completed"} and {t["reward"] for t in saved} == {0.5}
+    assert len({t["group_id"] for t in saved}) == 1
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_load_resumes_from_the_last_checkpoint_after_a_signal(tmp_path, signum):
     first, second = tmp_path / "first", tmp_path / "second"
