@@ -56,6 +56,12 @@ def test_pip_installed_package_registers_through_its_entry_point(tmp_path):
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(pkg)]
     subprocess.run(pip, check=True, timeout=300, capture_output=True)
     try:
+        # `envs show` of an entry-point env: its docstring is its description
+        show = subprocess.run([agentrl_cli(), "envs", "show", "letters-e"], env=run_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert show.returncode == 0, show.stderr
+        assert "description: Reward: the share of letters 'e' in the answer." in show.stdout, show.stdout
+        assert "options:     (none)" in show.stdout and "entry point" in show.stdout.lower(), show.stdout
         out = tmp_path / "run"
         proc = train("--env", "letters-e", "--output-dir", str(out), *TINY)
         assert proc.returncode == 0, proc.stderr[-3000:]
