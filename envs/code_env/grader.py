@@ -2,7 +2,8 @@
 or runs the solution's code; the solution runs in a sandbox and only answers calls.
 
 How a task's tests are run. The hidden tests (assert statements, or a HumanEval ``check``)
-and their setup code are trusted task data: the judge executes them on the host, in a
+and their setup code are trusted task data: the judge (judge.py, in a host process of its own
+that never loads the solution) executes them, in a
 namespace where every name the tests use that is not a builtin or defined by the setup (the
 entry point, always) is a proxy -- except a standard-library module's name used only as
 ``name.attr`` (``math.isclose``), which is that module. Calling a proxy sends the function's name and its
@@ -23,7 +24,9 @@ that equals nothing. The solution's module state persists across calls of one gr
 child process), except after its process died, when the next call starts a new one.
 
 Bounds. Each call has ``test_timeout`` seconds, the whole grading ``total_timeout`` (wall
-clock, measured on the host: a solution that ignores SIGALRM is killed all the same), each
+clock, measured on the host: a solution that ignores SIGALRM is killed all the same; so is the
+judge's process, ``JUDGE_MARGIN_S`` later, when a test does unbounded work with an answer, and
+it has ``JUDGE_MEMORY_MB`` of address space), each
 answer ``max_answer_bytes`` (and a decoded answer: ints of 4 Mbit, Fractions of 64 kbit,
 nesting 100 deep, 32 members of a set or dict per hash value). After a hang, an answer that
 breaks the protocol or these bounds, or a failed load, the solution's process is killed and the remaining tests fail with the reason in
@@ -34,22 +37,23 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import builtins
-import importlib
 import json
 import os
 import signal
 import shutil
 import sys
 import tempfile
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from agentrl.envs.code_env.child import decode, encode
+from agentrl.envs.code_env.judge import SolutionBroke, SolutionError, free_names, judge  # noqa: F401 (API)
 
-CHILD_SOURCE = (Path(__file__).with_name("child.py")).read_text()
+CHILD_FILE = str(Path(__file__).with_name("child.py"))
+JUDGE_FILE = str(Path(__file__).with_name("judge.py"))
+JUDGE_MEMORY_MB = 4096  # address space of the judge's process (the tests and the answers they hold)
+JUDGE_MARGIN_S = 5.0    # wall clock the judge gets past total_timeout (its start, the last test)
+CHILD_SOURCE = Path(CHILD_FILE).read_text()
 CHILD_ARGV = ["python3", "-I", "-c", CHILD_SOURCE]  # -I: nothing of the workdir on its path before it loads the solution
 
 @dataclass
@@ -146,15 +150,6 @@ def hidden_tests(label: Any, metadata: dict | None = None, prompt: Any = None) -
 
 
 # ---- the host's end of the solution's process ------------------------------------------------------
-class SolutionBroke(BaseException):
-    """The solution's process hung, died, did not load or broke the protocol. A BaseException, so
-    that no ``except Exception`` in a test takes it for an exception the test expected."""
-
-
-class SolutionError(Exception):
-    """The solution raised an exception the judge has no built-in class for (its type name is the message)."""
-
-
 @dataclass
 class Bounds:
     test_timeout: float = 10.0      # seconds per call of the solution
@@ -223,10 +218,11 @@ class SolutionProcess:
         if not hello.get("loaded"):
             raise self._give_up(f"the solution did not load: {str(hello.get('load_error'))[:500]}")
 
-    async def call(self, name: str, args: list, kwargs: dict) -> dict:
+    async def call(self, name: str, args: Any, kwargs: Any) -> dict:
+        """Call `name` with arguments in the wire format (the judge encoded them); the answer as sent."""
         if self.gave_up:
             raise SolutionBroke(self.gave_up)
-        request = {"call": name, "args": encode(args), "kwargs": encode(kwargs)}
+        request = {"call": name, "args": args, "kwargs": kwargs}
         try:
             if self.proc is None or self.proc.returncode is not None:
                 await self._start()
@@ -271,172 +267,61 @@ def _why(exc: BaseException, timeout: float | None = None) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
-# ---- the judge: the hidden tests, run on the host against the solution's answers -------------------
-_BUILTIN_NAMES = set(dir(builtins))
-
-
-def free_names(spec: HiddenTests) -> tuple[set[str], set[str]]:
-    """(proxied, modules): names the tests (or their setup) read that no builtin provides, and the
-    entry point, are the solution's functions as far as the tests are concerned -- except a
-    standard-library module's name used only as ``name.attr`` (``math.isclose``: tests that relied
-    on the solution's own ``import math``), which is that module. Setup code may rebind any."""
-    used, plain = set(), set()  # every name read; those read other than as name.attr
-    for code in [spec.setup, *spec.tests]:
-        try:
-            tree = ast.parse(code)
-        except SyntaxError:
-            continue
-        bases = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
-        for n in ast.walk(tree):
-            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
-                used.add(n.id)
-                if id(n) not in bases:
-                    plain.add(n.id)
-    names = {n for n in used if n not in _BUILTIN_NAMES}
-    modules = {n for n in names - plain if n in sys.stdlib_module_names and n != spec.entry_point}
-    proxied = (names - modules) | ({spec.entry_point} if spec.entry_point else set())
-    return proxied, modules
-
-
-def _raise_like(answer: dict) -> None:
-    """Raise what the solution said it raised: a built-in exception class by name, else SolutionError."""
-    name, message = str(answer.get("raised"))[:100], str(answer.get("message", ""))[:300]
-    cls = getattr(builtins, name, None)
-    # StopIteration would end the iteration it was raised in: `all(map(candidate, xs))` would hold
-    if isinstance(cls, type) and issubclass(cls, Exception) and cls not in (StopIteration, StopAsyncIteration):
-        try:
-            exc = cls(message)
-        except Exception:
-            exc = SolutionError(f"{name}: {message}")
-        raise exc
-    if isinstance(cls, type) and issubclass(cls, BaseException):  # SystemExit, KeyboardInterrupt, ...
-        raise SolutionBroke(f"the solution raised {name}")
-    raise SolutionError(f"{name}: {message}")
-
-
-def _write_back(args: list, after: Any) -> None:
-    """In-place changes the solution made to its arguments, made to the judge's own objects."""
-    if not isinstance(after, list) or len(after) != len(args):
-        return
-    for before, now in zip(args, after):
-        if type(before) is list and type(now) is list or type(before) is bytearray and type(now) is bytes:
-            before[:] = now
-        elif type(before) in (dict, set) and type(now) is type(before):
-            before.clear()
-            before.update(now)
-
-
-def judge(spec: HiddenTests, call: Callable[[str, list, dict], dict]) -> list[dict]:
-    """Run the hidden tests on the host; `call(name, args, kwargs)` asks the solution (blocking) and
-    gives its decoded answer: {"value": v, "args": [...]} or {"raised": type name, "message": str}.
-    One {"passed": bool, "error"?: str} per test."""
-
-    def proxy(name: str):
-        def solution_function(*args, **kwargs):
-            args = list(args)
-            answer = call(name, args, kwargs)
-            if "raised" in answer:
-                _raise_like(answer)
-            _write_back(args, answer["args"])
-            return answer["value"]
-
-        solution_function.__name__ = solution_function.__qualname__ = name
-        return solution_function
-
-    base: dict[str, Any] = {"__name__": "hidden_tests", "__builtins__": builtins}
-    proxied, modules = free_names(spec)
-    base.update({name: proxy(name) for name in proxied})
-    for name in modules:
-        try:
-            base[name] = importlib.import_module(name)
-        except ImportError:
-            base[name] = proxy(name)
-    if spec.context:
-        try:
-            exec(compile(spec.context, "<task prompt>", "exec"), base)
-        except BaseException:  # noqa: BLE001 - what it did not define stays the solution's
-            pass
-        if spec.entry_point:
-            base[spec.entry_point] = proxy(spec.entry_point)
-    setup_error = ""
-    try:
-        exec(compile(spec.setup, "<test setup>", "exec"), base)
-    except BaseException as exc:  # noqa: BLE001 - a test setup that fails fails every test, with the reason
-        setup_error = f"the test setup failed: {_describe(exc)}"
-    results = []
-    for test in spec.tests:
-        if setup_error:
-            results.append({"passed": False, "error": setup_error})
-            continue
-        try:
-            exec(compile(test, "<hidden test>", "exec"), dict(base))
-            results.append({"passed": True})
-        except BaseException as exc:  # noqa: BLE001 - whatever a test raises, it failed
-            results.append({"passed": False, "error": _describe(exc)})
-    return results
-
-
-def _describe(exc: BaseException) -> str:
-    return (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)[:300]
-
-
 async def judge_solution(spec: HiddenTests, spawn: Callable[[], Awaitable[asyncio.subprocess.Process]], *,
                          main: str = "solution.py", bounds: Bounds | None = None) -> GradeResult:
-    """Grade the solution that `spawn()` starts (a child.py process): the judge runs in a worker
-    thread, each call of the solution is a request to the child on this event loop."""
+    """Grade the solution that `spawn()` starts (a child.py process): the judge runs in a host
+    process of its own (judge.py), each call of the solution it asks for is a request to the child.
+    Both are killed at the wall-clock bound, whatever the tests were doing with the answers."""
     bounds = bounds or Bounds()
-    loop = asyncio.get_running_loop()
     solution = SolutionProcess(spawn, main, bounds)
+    judge_proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", JUDGE_FILE, CHILD_FILE, str(JUDGE_MEMORY_MB), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True, limit=64 << 20)
+    details: list[dict] = []
 
-    def on_loop(coro, timeout: float):
-        # the coroutine bounds itself; the margin only keeps this thread from waiting on a dead loop
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout + 30)
-
-    def call(name: str, args: list, kwargs: dict) -> dict:
-        answer = on_loop(solution.call(name, args, kwargs), bounds.test_timeout + max(bounds.test_timeout, 10.0))
-        if "raised" in answer:
-            return answer
-        try:  # decoded here, in the judge's thread: an answer of up to max_answer_bytes never stalls the loop
-            return {"value": decode(answer["value"]), "args": decode(answer.get("args"))}
-        except (KeyError, ValueError, RecursionError) as e:
-            why = f"{name}(): a malformed answer ({type(e).__name__}: {str(e)[:200]})"
-            on_loop(solution.give_up(why), 10)  # what it sends next cannot be trusted to answer anything
-            raise SolutionBroke(why) from None
+    async def send(obj: dict) -> None:
+        judge_proc.stdin.write(json.dumps(obj).encode() + b"\n")
+        await judge_proc.stdin.drain()
 
     try:
-        details = await _in_thread(judge, spec, call)
-        error = solution.gave_up or None
+        # the solution's deadline ends its calls; this one ends a judge busy with what they returned
+        async with asyncio.timeout(bounds.total_timeout + JUDGE_MARGIN_S):
+            await send({"spec": {"tests": spec.tests, "setup": spec.setup, "entry_point": spec.entry_point,
+                                 "context": spec.context}})
+            while len(details) < len(spec.tests):
+                line = await judge_proc.stdout.readline()
+                if not line:
+                    break  # the judge died (its memory cap): the tests not reported fail
+                msg = json.loads(line)
+                if "result" in msg:
+                    details.append(msg["result"])
+                elif "give_up" in msg:
+                    await solution.give_up(str(msg["give_up"]))
+                elif "call" in msg:
+                    try:
+                        answer = await solution.call(msg["call"], msg["args"], msg["kwargs"])
+                    except SolutionBroke as e:
+                        answer = {"broke": str(e)}
+                    await send(answer)
+    except TimeoutError:
+        solution.gave_up = solution.gave_up or f"grading took longer than total_timeout={bounds.total_timeout:g}s"
+    except (ConnectionError, ValueError) as e:  # the judge's pipe broke, or it wrote something else
+        solution.gave_up = solution.gave_up or f"the judge failed: {type(e).__name__}: {e}"[:300]
     finally:
-        # a judge left running (the grading was cancelled) gets no new process for its next calls
+        try:
+            os.killpg(judge_proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        await judge_proc.wait()
+        error = solution.gave_up or None
+        if len(details) < len(spec.tests):
+            why = error or "the judge ended before this test (its memory cap)"
+            error = error or why
+            details += [{"passed": False, "error": why}] * (len(spec.tests) - len(details))
         solution.gave_up = solution.gave_up or "the grading ended"
         await solution.kill()
     passed = sum(d["passed"] for d in details)
     return GradeResult(passed, len(details), details, error=error)
-
-
-async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) in a thread of its own: a judge waits on the solution for up to total_timeout,
-    and in asyncio's shared executor (a few threads) it would hold up other gradings and every
-    other to_thread of the rollout, its deadline running while it waited for a thread."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if not done.done():
-            done.set_exception(exc) if exc is not None else done.set_result(result)
-
-    def run() -> None:
-        try:
-            result, exc = fn(*args), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            result, exc = None, e
-        try:
-            loop.call_soon_threadsafe(settle, result, exc)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-    threading.Thread(target=run, name="agentrl-judge", daemon=True).start()
-    return await done
 
 
 # ---- where the solution runs ------------------------------------------------------------------------

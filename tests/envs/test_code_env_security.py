@@ -167,6 +167,26 @@ def test_honest_solutions_keep_their_score():
     assert [d["passed"] for d in result.details] == [False, True] and "ended" in result.details[0]["error"]
 
 
+def test_tests_busy_with_an_answer_are_bounded():
+    """Hidden tests that do unbounded work with what the solution returned (a loop over range(answer),
+    a string of answer characters): the judge runs in a process of its own, killed at the wall-clock
+    bound and capped in memory, so the grading ends on time and the trainer's process is untouched."""
+    import resource
+
+    spec = hidden_tests(["assert len('x' * count(3)) == 3", "assert sum(1 for _ in range(count(3))) == 3",
+                         "assert count(1) == 1"])
+    assert grade_on_host({"solution.py": "def count(n):\n    return n\n"}, spec).passed == 3
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    result = grade_on_host({"solution.py": "def count(n):\n    return 5 * 10 ** 9\n"}, spec, test_timeout=2,
+                           total_timeout=3)
+    took = time.monotonic() - t0
+    assert result.passed == 0 and "total_timeout=3" in result.error, result
+    assert "MemoryError" in result.details[0]["error"], result.details  # 5 GB past the judge's cap
+    assert took < 3 + 5 + 5, took  # total_timeout + the judge's margin + its start
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 512 << 10  # KiB: not here
+
+
 # -- on both sandbox backends ----------------------------------------------------------------------------
 BACKENDS = ["local", "docker"]
 HIDDEN_TEXT = ("-2, -2, -1", "[-2,-2,-1]")  # the expected value of a test the prompt does not show
