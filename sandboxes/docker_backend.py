@@ -106,6 +106,8 @@ class DockerSandbox(Sandbox):
                 # main process and every command run as non-root uids, where they mean nothing
                 cap_add=["SETUID", "SETGID", "SETPCAP"],
                 network_mode="bridge" if self.network else "none",
+                # without a network docker still copies the host's resolv.conf in: show nothing of it
+                dns=None if self.network else ["127.0.0.1"],
                 mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m",
                 nano_cpus=int(lim.cpus * 1e9), pids_limit=lim.pids,
                 ulimits=[Ulimit(name="nofile", soft=lim.nofile, hard=lim.nofile),

@@ -41,6 +41,9 @@ SERVER_IMPORT = ("import sys, importlib.util as u; sys.path[:0] = ['/opt/agentrl
 def test_nothing_of_the_grader_or_host_is_visible(backend):
     repo = str(Path(agentrl.__file__).resolve().parents[1])
     host_name = socket.gethostname()
+    host_nameservers = [line.split()[1] for line in Path("/etc/resolv.conf").read_text().splitlines()
+                        if line.startswith("nameserver") and not line.split()[1].startswith("127.")]
+    # (a host with only a local resolver, 127.0.0.53, has nothing to hide here)
 
     async def go():
         async with _tool_sandbox(backend) as sb:
@@ -54,6 +57,9 @@ def test_nothing_of_the_grader_or_host_is_visible(backend):
                 assert host_path not in mountinfo, (host_path, mountinfo)
             etc = await sb.exec("cat /etc/hostname; ls /etc/docker /etc/hostname.host 2>&1 | head -2")
             assert etc.stdout.splitlines()[0] == "sandbox" and host_name not in etc.stdout, etc
+            resolv = (await sb.exec("cat /etc/resolv.conf 2>/dev/null")).stdout  # no network: no host DNS
+            for server in host_nameservers:
+                assert server not in resolv, (server, resolv)
             # what the tool servers need is there; nothing else of agentrl or of the venv
             r = await sb.exec(["python3", "-I", "-c", SERVER_IMPORT], timeout=60)
             assert r.stdout == "[]\n", r
