@@ -12,8 +12,10 @@ how to fix the call.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import stat
 from pathlib import Path
 
 from mcp.server.mcpserver import MCPServer
@@ -51,15 +53,57 @@ class Workdir:
         r = os.path.relpath(full, self.root)
         return "." if r == "." else r
 
+    def open_checked(self, full: Path, path: str, flags: int) -> int:
+        """Open `full` and check what was opened, not only what the path was when resolved: a
+        process of the agent (the python tool's interpreter lives between calls) may swap the
+        file, or a folder above it, for a symlink in between (to /proc/self/fd/1: this server's
+        own channel to the host). A regular file inside the workdir, or ToolError."""
+        fd = os.open(full, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        try:
+            mode = os.fstat(fd).st_mode
+            try:
+                real = Path(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # no /proc (not Linux): the check at resolve() is all there is
+                real = full
+            if stat.S_ISDIR(mode):
+                raise ToolError(f"{path!r} is a directory; use list_files to see what it holds")
+            if not stat.S_ISREG(mode):  # a FIFO or device would hang the server
+                raise ToolError(f"{path!r} is not a regular file")
+            if not real.is_relative_to(self.root):
+                raise ToolError(f"path {path!r} is outside the working directory {self.root}")
+            os.set_blocking(fd, True)
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
     def read_text(self, full: Path, path: str) -> str:
         if full.is_dir():
             raise ToolError(f"{path!r} is a directory; use list_files to see what it holds")
-        if not full.is_file():  # a FIFO or device would hang the server
-            raise ToolError(f"{path!r} is not a regular file")
-        data = full.read_bytes()
+        try:
+            fd = self.open_checked(full, path, os.O_RDONLY)
+        except IsADirectoryError:
+            raise ToolError(f"{path!r} is a directory; use list_files to see what it holds") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink swapped in after resolve()
+                raise ToolError(f"{path!r} is not a regular file") from None
+            raise
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
         if b"\0" in data[:8192]:
             raise ToolError(f"{path!r} is a binary file ({len(data)} bytes); it cannot be shown as text")
         return data.decode("utf-8", errors="replace")
+
+    def write_text(self, full: Path, path: str, text: str) -> None:
+        try:
+            fd = self.open_checked(full, path, os.O_WRONLY | os.O_CREAT)
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # a symlink swapped in after resolve()
+                raise ToolError(f"{path!r} is not a regular file") from None
+            raise
+        with os.fdopen(fd, "wb") as f:
+            f.truncate(0)
+            f.write(text.encode("utf-8"))
 
 
 def _os_errors(fn):
@@ -105,7 +149,7 @@ def add_file_tools(server: MCPServer, workdir: Path | str | None = None, max_out
         if full.exists() and not full.is_file():  # a FIFO or device would hang the server
             raise ToolError(f"{path!r} is not a regular file")
         full.parent.mkdir(parents=True, exist_ok=True)
-        full.write_text(content, encoding="utf-8")
+        wd.write_text(full, path, content)
         return f"wrote {len(content.encode())} bytes ({content.count(chr(10)) + bool(content and not content.endswith(chr(10)))} lines) to {wd.rel(full)}"
 
     @server.tool(structured_output=False)
@@ -148,7 +192,7 @@ def add_file_tools(server: MCPServer, workdir: Path | str | None = None, max_out
             raise ToolError(f"old_string found {count} times in {wd.rel(full)}; give more context (surrounding "
                             "lines) so it matches exactly once, or set replace_all to true.")
         new_text = text.replace(old_string, new_string) if replace_all else text.replace(old_string, new_string, 1)
-        full.write_text(new_text, encoding="utf-8")
+        wd.write_text(full, path, new_text)
         at = text.index(old_string)
         line = text.count("\n", 0, at) + 1
         return f"edited {wd.rel(full)}: replaced {count if replace_all else 1} occurrence(s) (first at line {line})"

@@ -159,6 +159,59 @@ def test_a_flood_of_lines_is_cut_off(arun, tmp_path):
     assert took < 20 and cpu < 5.0, (took, cpu)  # not the whole start_timeout: the bound closed it
 
 
+FLIP = """import os, sys
+work, outside = sys.argv[1], sys.argv[2]
+tmp, x = os.path.join(work, ".swap"), os.path.join(work, "x")
+while True:
+    for link in (False, True):
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if link:
+            os.symlink(outside, tmp)
+        else:
+            open(tmp, "w").write("regular")
+        os.replace(tmp, x)
+"""
+
+
+def test_files_tool_checks_what_it_opened(tmp_path):
+    """A process of the agent (the python tool's interpreter lives between calls) swapping a file for a
+    symlink between the files tool's path check and its open: the tool reads and writes only regular
+    files inside the workdir, whatever the path became (in a sandbox: not /proc/self/fd/1, its own
+    channel to the host)."""
+    import asyncio
+    import subprocess
+    from agentrl.tools.files_server import build_server
+
+    work, outside = tmp_path / "work", tmp_path / "outside.txt"
+    work.mkdir()
+    outside.write_text("secret-outside")
+    server = build_server(work)
+    flipper = subprocess.Popen([sys.executable, "-c", FLIP, str(work), str(outside)])
+
+    async def hammer() -> list[str]:
+        seen = []
+        for i in range(1500):
+            for name, args in (("write_file", {"path": "x", "content": f"HIJACKED {i}"}), ("read_file", {"path": "x"}),
+                               ("edit_file", {"path": "x", "old_string": "secret", "new_string": "HIJACKED"})):
+                try:
+                    seen.append(str(await server.call_tool(name, args)))
+                except Exception as e:  # noqa: BLE001 - refusals are what this expects
+                    seen.append(str(e))
+        return seen
+
+    try:
+        seen = asyncio.run(hammer())
+    finally:
+        flipper.kill()
+        flipper.wait()
+    assert outside.read_text() == "secret-outside"
+    assert not [s for s in seen if "secret-outside" in s]
+    assert any("is not a regular file" in s or "outside the working directory" in s for s in seen)
+
+
 def test_agent_fault_is_scored_not_failed(arun):
     """An AgentFault raised anywhere in a step (a grader that finds the agent sabotaged its own
     solution) ends the episode with reward 0 and the reason, instead of raising."""
