@@ -271,6 +271,9 @@ class EvalConfig(Section):
     """None: the rollout temperature."""
     eval_max_response_len: int | None = Field(None, ge=1)
     """None: the rollout's."""
+    skip_eval_before_train: bool = False
+    """With --eval-interval, the starting model is evaluated before the first iteration (as slime
+    does; its figures go in iteration 0's metrics row as eval_before_train/NAME/...): this skips it."""
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -149,6 +149,17 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
                 engines.catch_up = catch_up_fn(cfg, trainer, state, weights_lock)
                 stack.callback(setattr, engines, "catch_up", None)
 
+        async def evaluate_now(rollout_id: int, prefix: str = "eval") -> dict:
+            # colocated, the engines hold their memory only inside the handover
+            async with colocated(cfg, trainer, engines, engine_clients):
+                return await evaluate(evaluator, eval_sets, prefix=prefix, save=lambda name, s: runlog.save_eval_trajectories(
+                    name if rollout_id >= 0 else f"{name}_before_train", max(rollout_id, 0), s))
+
+        before_train = {}
+        if eval_sets and producer is not None and cfg.eval.eval_interval and state.rollout_id == 0 \
+                and not cfg.eval.skip_eval_before_train:
+            progress.note("evaluating the starting model (--skip-eval-before-train skips it)")
+            before_train = await evaluate_now(-1, prefix="eval_before_train")
         progress.start(total=r.num_rollout, completed=state.rollout_id)
         for rollout_id in range(state.rollout_id, r.num_rollout):
             t_start = t0 = time.perf_counter()
@@ -189,10 +200,11 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
                     if engines is not None:
                         sync = await update_engines(cfg, control, engines, trainer, state.policy_version)
 
-            metrics = (rollout_metrics(rollout_id, samples, t_rollout) | train_metrics | sync | handover
+            metrics = (rollout_metrics(rollout_id, samples, t_rollout) | before_train | train_metrics | sync | handover
                        | {"train_s": t_train, "iteration_s": time.perf_counter() - t_start,
                           "policy_version": state.policy_version, "stale_dropped": len(stale),
                           "offpolicy_tokens_masked": masked})
+            before_train = {}
             if producer is not None:
                 metrics |= producer.stats() | {"requests_retried": client.retried}
             last = rollout_id + 1 == r.num_rollout
@@ -200,8 +212,7 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
             if rollout_fn is not None:
                 metrics |= rollout_fn.metrics
             if eval_sets and producer is not None and interval and (last or (rollout_id + 1) % interval == 0):
-                metrics |= await evaluate(evaluator, eval_sets,
-                                          save=lambda name, s: runlog.save_eval_trajectories(name, rollout_id, s))
+                metrics |= await evaluate_now(rollout_id)
             if pool is not None:
                 metrics |= {f"sandbox/{k}": v for k, v in pool.metrics().items() if isinstance(v, (int, float))}
             runlog.log(metrics)
@@ -407,8 +418,9 @@ def evaluate_checkpoint(cfg: Config, *, limit: int | None = None) -> dict[str, f
 EVAL_GROUP_BASE = 10**9  # eval groups get their own ids (and env seeds), the same at every evaluation
 
 
-async def evaluate(runner: GroupRunner, eval_sets: list[tuple[str, list[dict]]], save=None) -> dict[str, float]:
-    """eval/<name>/reward_mean, response_len_mean and, with several samples per prompt,
+async def evaluate(runner: GroupRunner, eval_sets: list[tuple[str, list[dict]]], save=None,
+                   prefix: str = "eval") -> dict[str, float]:
+    """<prefix>/<name>/reward_mean, response_len_mean and, with several samples per prompt,
     pass@k (a sample passes when its reward is at least 1, as the envs' binary rewards).
     `save(name, samples)` keeps each set's trajectories."""
     out: dict[str, float] = {}
@@ -417,12 +429,12 @@ async def evaluate(runner: GroupRunner, eval_sets: list[tuple[str, list[dict]]],
         if save is not None:
             save(name, [s for g in groups for s in g])
         done = [s for g in groups for s in g if s.status != SampleStatus.FAILED]
-        out[f"eval/{name}/reward_mean"] = float(np.mean([s.reward_value for s in done])) if done else 0.0
-        out[f"eval/{name}/response_len_mean"] = float(np.mean([s.response_length for s in done])) if done else 0.0
-        out[f"eval/{name}/failed"] = sum(len(g) for g in groups) - len(done)
+        out[f"{prefix}/{name}/reward_mean"] = float(np.mean([s.reward_value for s in done])) if done else 0.0
+        out[f"{prefix}/{name}/response_len_mean"] = float(np.mean([s.response_length for s in done])) if done else 0.0
+        out[f"{prefix}/{name}/failed"] = sum(len(g) for g in groups) - len(done)
         k = runner.n_samples
         if k > 1:
-            out[f"eval/{name}/pass@{k}"] = float(np.mean([any(s.reward_value >= 1.0 for s in g) for g in groups]))
+            out[f"{prefix}/{name}/pass@{k}"] = float(np.mean([any(s.reward_value >= 1.0 for s in g) for g in groups]))
     return out
 
 

@@ -31,6 +31,11 @@ def test_eval_sets_are_scored_every_interval_and_at_the_end(tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r["rollout_id"] for r in rows if "eval/easy/reward_mean" in r]
     assert evaluated == [1, 2]  # every 2 iterations, and after the last
+    # the starting model, before any training (slime's default), in iteration 0's row only
+    assert [r["rollout_id"] for r in rows if "eval_before_train/easy/reward_mean" in r] == [0]
+    before = lines(out / "trajectories" / "eval_easy_before_train_00000.jsonl")
+    assert len(before) == 9 and all(v == -1 or v == 0 for r in before for v in r["policy_versions"])
+    assert abs(sum(r["reward"] for r in before) / 9 - rows[0]["eval_before_train/easy/reward_mean"]) < 1e-9
     for r in rows[1:]:
         assert 0.0 <= r["eval/easy/reward_mean"] <= 1.0 and r["eval/easy/failed"] == 0
         assert "eval/easy/pass@3" in r and "eval/other/reward_mean" in r
@@ -43,7 +48,8 @@ def test_eval_sets_are_scored_every_interval_and_at_the_end(tmp_path):
         mean = sum(r["reward"] for r in easy) / 9
         assert abs(mean - rows[it]["eval/easy/reward_mean"]) < 1e-9
         assert len(lines(out / "trajectories" / f"eval_other_{it:05d}.jsonl")) == 3
-    assert [e["it"] for e in collect(out)["evals"]] == ["eval easy @1", "eval other @1", "eval easy @2",
+    assert [e["it"] for e in collect(out)["evals"]] == ["eval easy_before_train @0", "eval other_before_train @0",
+                                                        "eval easy @1", "eval other @1", "eval easy @2",
                                                         "eval other @2"]
     assert "  eval easy " in proc.stderr  # the iteration's console line has the eval reward
 

