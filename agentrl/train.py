@@ -483,6 +483,7 @@ def rollout_metrics(rollout_id: int, samples: list[Sample], seconds: float) -> d
         "reward_std": float(np.std(rewards)),
         "response_len_mean": float(np.mean([s.response_length for s in ok])) if ok else 0.0,
         "turns_mean": float(np.mean([s.num_turns for s in ok])) if ok else 0.0,
+        "tool_calls_mean": float(np.mean([s.metadata.get("tool_calls", 0) for s in ok])) if ok else 0.0,
         "num_samples": len(samples),
         **status,
         "rollout_s": seconds,

@@ -32,8 +32,8 @@ def test_target_token_reward_rises_from_scratch(tmp_path):
     last = sum(r["reward_mean"] for r in rows[-5:]) / 5
     print(f"target-token reward: first 5 iterations {first:.4f}, last 5 {last:.4f}")
     assert last > 0.05 and last > 4 * first, (first, last)
-    for key in ("reward_mean", "response_len_mean", "turns_mean", "rollout_s", "train_s", "weight_sync_s",
-                "tokens_per_s", "ppo_kl", "loss"):
+    for key in ("reward_mean", "response_len_mean", "turns_mean", "tool_calls_mean", "rollout_s", "train_s",
+                "weight_sync_s", "tokens_per_s", "ppo_kl", "loss"):
         assert key in rows[-1]
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     traj = [json.loads(x) for x in (out / "trajectories" / "rollout_00039.jsonl").read_text().splitlines()]

@@ -181,6 +181,8 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 break
             obs = as_messages(obs)
             messages += obs
+            # tool results shown to the model (metrics: tool_calls_mean)
+            sample.metadata["tool_calls"] = sample.metadata.get("tool_calls", 0) + sum(m.get("role") == "tool" for m in obs)
             stopped = out[len(content_ids):]  # the stop token that ended the turn, if any
             if stopped and renderer.continues(obs):  # the env's text reads on from the model's words
                 stop_text = renderer.decode(stopped)

@@ -50,6 +50,7 @@ def test_tool_turns_through_the_agent_loop(tokenizer):
     assert "<|im_start|>tool\n42<|im_end|>" in env_text
     assert "unknown tool 'divide'" in env_text
     assert [m["role"] for m in s.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert s.metadata["tool_calls"] == 2  # tool results shown to the model (the metrics' tool_calls_mean)
 
 
 def test_a_broken_tool_server_fails_the_trajectory(tokenizer, demo_command):
