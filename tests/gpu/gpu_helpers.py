@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 OUT = Path(os.environ.get("AGENTRL_GPU_OUT", "/tmp/agentrl-gpu-out"))
+KIT = Path(os.environ.get("AGENTRL_KIT", "/root/agentrl-kit"))  # scripts/gpu/run.sh unpacks the kit there
 
 # Random-init Qwen2 shapes over the built-in tiny tokenizer (vocab 512): nothing to download,
 # real kernels and sizes. Names say what they stand for.
@@ -35,7 +36,7 @@ def random_qwen2(shape: str) -> Path:
 
     from agentrl.models import build_tiny_model
 
-    out = Path(os.environ.get("AGENTRL_KIT", "/root/agentrl-kit")) / "models" / f"qwen2-{shape}-tinytok"
+    out = KIT / "models" / f"qwen2-{shape}-tinytok"
     if (out / "config.json").exists():
         return out
     tiny = build_tiny_model()
