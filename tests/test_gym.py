@@ -250,6 +250,37 @@ def test_an_env_without_a_dataset_trains_from_each_groups_seed(tokenizer):
     assert len({seed for seed, _ in FromSeed.resets}) == 3 and len(FromSeed.resets) == 6
 
 
+def test_agentrl_train_runs_an_env_without_a_dataset_from_seeds(tmp_path):
+    (tmp_path / "seed_env.py").write_text(textwrap.dedent('''
+        import agentrl
+
+        @agentrl.register_env("from-seed-cli")
+        class FromSeedCli(agentrl.Env):
+            """No dataset: the episode comes from the seed."""
+            max_turns = 1
+
+            def reset(self, *, seed=None, options=None):
+                assert options is None, options
+                super().reset(seed=seed)
+                return f"say {int(self.np_random.integers(10**6))}", {}
+
+            def step(self, action):
+                return [], 1.0, True, False, {}
+    '''))
+    out = tmp_path / "run"
+    proc = train("--env-module", str(tmp_path / "seed_env.py"), "--env", "from-seed-cli", "--output-dir", str(out),
+                 *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    traj = rows(out)
+    assert len(traj) == 4 and {t["status"] for t in traj} == {"completed"}
+    prompts = {t["group_id"]: set() for t in traj}
+    for t in traj:
+        prompts[t["group_id"]].add(t["prompt_text"])
+    # one seed per group: its members share the episode, the two groups differ
+    assert len(prompts) == 2 and all(len(p) == 1 for p in prompts.values())
+    assert len(set.union(*prompts.values())) == 2
+
+
 def test_a_budget_that_cannot_fit_the_turns_is_warned_about():
     def warning(*flags):
         return turn_budget_warning(parse_config(["--env", "search-r1", *flags])[0],
