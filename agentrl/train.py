@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import inspect
 import json
@@ -117,6 +118,10 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
     weights_lock = asyncio.Lock()  # held from a training step to the end of its weight sync
     pool = await start_sandbox_pool(cfg)
     async with contextlib.AsyncExitStack() as stack:
+        # last out: what failed attempts left in reference cycles (a tool server's subprocess
+        # transport held by its exception's traceback) is finalized while the loop still runs;
+        # collected after asyncio.run closed it, it prints "RuntimeError: Event loop is closed"
+        stack.push_async_callback(collect_garbage)
         if pool is not None:
             stack.push_async_callback(pool.close)
         producer, engine_clients, rollout_fn = None, [], None
@@ -225,6 +230,11 @@ async def _loop(cfg: Config, trainer, tokenizer, source: PromptSource, engines: 
                     state.pending_tasks, state.next_group_id = producer.pending_tasks(), producer.next_id
                 trainer.save(save_dir / f"iter_{rollout_id + 1:06d}", state.to_dict())
             progress.iteration_done(metrics)
+
+
+async def collect_garbage() -> None:
+    gc.collect()
+    await asyncio.sleep(0)  # the finalizers' call_soon callbacks (transport closes) run now
 
 
 def remove_own_containers() -> None:

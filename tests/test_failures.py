@@ -194,6 +194,63 @@ def test_a_tool_server_that_never_starts_is_an_infrastructure_failure_without_no
     assert took < 20 and unhandled == []  # no "Future exception was never retrieved"
 
 
+DEAD_TOOL_ENV = '''
+import agentrl
+from agentrl.tools import ToolEnv
+
+
+@agentrl.register_env("dead-tools")
+class DeadTools(ToolEnv):
+    """Its one MCP server exits before answering initialize: the tools never start."""
+
+    max_turns = 2
+    mcp_servers = (f"dead={DEAD}",)
+
+    @classmethod
+    def dataset(cls, seed=0, **kw):
+        while True:
+            yield {"prompt": "use the tool"}
+
+    async def final_answer(self, action):
+        return [], 0.0, True, False, {}
+'''
+
+
+def test_a_tool_server_that_never_starts_stops_the_run_naming_it(tmp_path):
+    import subprocess
+
+    from spine_helpers import agentrl_cli, run_env
+
+    dead = tmp_path / "dead_server.py"
+    dead.write_text("import sys\nsys.stderr.write('cannot bind the index\\n')\nsys.exit(3)\n")
+    (tmp_path / "dead_env.py").write_text(f"DEAD = {f'{sys.executable} {dead}'!r}\n" + DEAD_TOOL_ENV)
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = subprocess.run([agentrl_cli(), "train", "--env-module", str(tmp_path / "dead_env.py"), "--env",
+                           "dead-tools", "--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt",
+                           "2", "--global-batch-size", "4", "--rollout-max-response-len", "8", "--no-progress",
+                           "--max-failed-groups", "2", "--max-group-retries", "1", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=300, env=run_env())
+    took = time.monotonic() - t0
+    err = proc.stderr
+    assert proc.returncode == 2, err[-3000:]
+    # an infrastructure failure (retried, then bounded), named with the server and its traceback
+    assert "2 groups in a row failed, each tried 2 times" in err and "env 'dead-tools': ToolServerError" in err, \
+        err[-3000:]
+    assert "dead" in err and "Traceback (most recent call last)" in err
+    assert err.count("first failure of its kind") == 1
+    # no noise: not the loop's complaints, nor a dead server's transport finalized after the loop closed
+    for noise in ("Future exception was never retrieved", "Task was destroyed", "Exception ignored",
+                  "Event loop is closed"):
+        assert noise not in err, err[-3000:]
+    saved = [json.loads(x) for x in (out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()]
+    assert len(saved) >= 2 * 2 * 2 and all(t["status"] == "failed" and "ToolServerError" in t["metadata"]["traceback"]
+                                          for t in saved)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [rows[0]] and rows[0]["partial"] is True and rows[0]["dropped_failed"] >= 2
+    print(f"run with a dead tool server stopped after {took:.1f}s")
+
+
 ROLLOUT_FNS = '''
 def boom(args, rollout_id, data_source):
     data_source.get_samples(1)
