@@ -237,7 +237,8 @@ def test_a_tool_server_that_never_starts_stops_the_run_naming_it(tmp_path):
     # an infrastructure failure (retried, then bounded), named with the server and its traceback
     assert "2 groups in a row failed, each tried 2 times" in err and "env 'dead-tools': ToolServerError" in err, \
         err[-3000:]
-    assert "dead" in err and "Traceback (most recent call last)" in err
+    assert "MCP server 'dead'" in err and "cannot bind the index" in err  # the server and its own stderr
+    assert "Traceback (most recent call last)" in err
     assert err.count("first failure of its kind") == 1
     # no noise: not the loop's complaints, nor a dead server's transport finalized after the loop closed
     for noise in ("Future exception was never retrieved", "Task was destroyed", "Exception ignored",
