@@ -7,11 +7,11 @@ import sys
 
 from agentrl.errors import AgentRLError
 
-USAGE = """usage: agentrl COMMAND [ARGS]
+USAGE = """usage: agentrl COMMAND [ARGS]   (agentrl COMMAND --help: its flags; agentrl --version)
 
 commands:
   train     train on an env (agentrl train --env target-token; --help lists every flag)
-  eval      evaluate a model or checkpoint on eval sets, no training (same flags as train)
+  eval      evaluate a model or checkpoint on eval sets, no training (train's flags, plus --eval-limit)
   sft       supervised fine-tuning on chat data, loss on the assistant turns (agentrl sft --prompt-data F.jsonl)
   envs      list registered envs (envs list) or describe one (envs show NAME)
   sandbox   build the sandbox image, list or reap sandboxes (agentrl sandbox --help)
@@ -20,6 +20,17 @@ commands:
   model     build a real pretrained model offline (agentrl model get smollm2-135m-instruct [DIR])
   demos     expert demonstrations of a built-in env, for sft (agentrl demos --env math --n 64 --out F.jsonl)
 """
+
+
+def version() -> str:
+    """The installed distribution's version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("agentrl")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def _env_defaults(env_name: str, env_modules: list[str]) -> dict:
@@ -90,20 +101,39 @@ def cmd_sft(argv: list[str]) -> int:
     return 0
 
 
+def eval_parser():
+    from agentrl.config import build_parser
+
+    parser = build_parser("agentrl eval", "Evaluate a model (--model) or checkpoint (--load) on the eval sets "
+                                          "(--eval-prompt-data), else on --prompt-data or the env's own tasks; "
+                                          "no training. Takes train's flags.")
+    parser.add_argument("--eval-limit", type=_positive_int, metavar="N",
+                        help="Without --eval-prompt-data: evaluate the first N tasks of --prompt-data or of the "
+                             "env (default: every row of --prompt-data, or 32 env tasks)")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def cmd_eval(argv: list[str]) -> int:
     """agentrl eval --env NAME [--model DIR | --load CKPT] [--prompt-data F | --eval-prompt-data NAME F ...]
     [--eval-limit N]: the same flags as train; no training."""
-    from agentrl.config import build_parser, parse_config
+    from agentrl.config import parse_config
 
-    limit = None
-    if "--eval-limit" in argv:
-        i = argv.index("--eval-limit")
-        limit, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
-    cfg, _ = parse_config(argv, env_defaults_for=_env_defaults,
-                          parser=suggest_flags(build_parser("agentrl eval", "Evaluate a model, no training.")))
-    from agentrl.train import evaluate_checkpoint
+    cfg, ns = parse_config(argv, env_defaults_for=_env_defaults, parser=suggest_flags(eval_parser()))
+    from agentrl.evaluation import evaluate_checkpoint
 
-    evaluate_checkpoint(cfg, limit=limit)
+    evaluate_checkpoint(cfg, limit=getattr(ns, "eval_limit", None))
     return 0
 
 
@@ -189,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"agentrl {version()}")
+        return 0
     command = COMMANDS.get(argv[0])
     if command is None:
         print(f"agentrl: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)

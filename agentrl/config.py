@@ -22,10 +22,13 @@ from agentrl.errors import ConfigError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # a field's docstring is its description: what `--help` prints for its flag
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class ModelConfig(Section):
+    """The policy model: which checkpoint, on which device, in which dtype."""
+
     model: str | None = None
     """Local HF causal-LM checkpoint folder; None builds the tiny default model offline."""
     device: str = "auto"
@@ -35,6 +38,8 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
+    """Where prompts (or SFT conversations) come from and which row keys hold what."""
+
     prompt_data: str | None = None
     """JSONL or parquet file of prompts; None uses the env's own dataset or task generator."""
     input_key: str = "prompt"
@@ -54,6 +59,8 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
+    """Generation: batch sizes, sampling, multi-turn limits, failures, async and the engines that serve it."""
+
     num_rollout: int = Field(50, ge=1)
     """Number of iterations (rollout + training step + weight sync)."""
     rollout_batch_size: int = Field(16, ge=1)
@@ -65,8 +72,11 @@ class RolloutConfig(Section):
     rollout_max_tokens_per_turn: int | None = Field(None, ge=1)
     """Cap on the tokens of one assistant turn; None: the remaining response budget."""
     rollout_temperature: float = Field(1.0, ge=0)
+    """Sampling temperature of rollouts (the trainer's log-probs use it too)."""
     rollout_top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches p (1: all)."""
     rollout_top_k: int = -1
+    """Sample among the k most likely tokens (-1: all)."""
     rollout_ignore_eos: bool = False
     """Generate every response to the length limit, past EOS (SGLang's ignore_eos): a fixed
     workload for benchmarks and memory tests."""
@@ -122,6 +132,8 @@ class RolloutConfig(Section):
 
 
 class AlgoConfig(Section):
+    """The RL algorithm: advantage estimator, policy-loss clipping, KL and entropy terms, importance weights, reward."""
+
     advantage_estimator: Literal["grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus",
                                  "reinforce_plus_plus_baseline", "ppo"] = "grpo"
     """grpo, dr_grpo (no std normalization), gspo (sequence-level ratio; use small clips such as
@@ -129,12 +141,17 @@ class AlgoConfig(Section):
     eps_clip: float = Field(0.2, ge=0)
     """PPO clip range (low side, and high side unless eps_clip_high is set)."""
     eps_clip_high: float | None = Field(None, ge=0)
+    """PPO clip range on the high side; None: --eps-clip."""
     dual_clip_c: float | None = Field(None, gt=1)
+    """Dual-clip PPO: bound the loss of negative-advantage tokens at c times the advantage; None: off."""
     use_kl_loss: bool = False
     """Add a KL(pi || pi_ref) loss against the initial model."""
     kl_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the KL loss (--use-kl-loss)."""
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    """KL estimator of the KL loss."""
     entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus in the policy loss (0: none)."""
     kl_coef: float = Field(0.0, ge=0)
     """KL penalty in the reward, per trained token, against the initial model (token-level
     estimators: reinforce_plus_plus(_baseline), ppo)."""
@@ -153,13 +170,17 @@ class AlgoConfig(Section):
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """truncate (TIS): clamp the weights to [--tis-clip-low, --tis-clip]; mask (MIS): drop tokens outside."""
     tis_clip: float = Field(2.0, gt=0)
+    """Upper bound of the --use-tis importance weights."""
     tis_clip_low: float = Field(0.0, ge=0)
+    """Lower bound of the --use-tis importance weights."""
     custom_rm_path: str | None = None
     """Reward function overriding the env's: "module.fn" or "file.py:fn" with slime's signature
     `async def rm(args, sample) -> float | dict` (args is the resolved Config)."""
 
 
 class TrainConfig(Section):
+    """The trainer: loss, backend, batch sizes, optimizer, weight sync to the engines, LoRA."""
+
     loss_type: Literal["policy_loss", "sft_loss"] = "policy_loss"
     """policy_loss: RL on env rollouts; sft_loss: supervised fine-tuning on the assistant turns of chat
     data (what `agentrl sft` runs; `agentrl train --loss-type sft_loss` runs it too, as in slime)."""
@@ -174,8 +195,11 @@ class TrainConfig(Section):
     lr: float | None = Field(None, gt=0)
     """Learning rate; default 3e-3 for the built-in tiny model, 1e-6 for a --model checkpoint (1e-5 for SFT)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
     adam_beta1: float = 0.9
+    """Adam's beta1 (first-moment decay)."""
     adam_beta2: float = 0.999
+    """Adam's beta2 (second-moment decay)."""
     clip_grad: float = Field(1.0, ge=0)
     """Gradient-norm clip (0 disables)."""
     weight_sync_bucket_mb: float = Field(512.0, gt=0)
@@ -210,6 +234,8 @@ class TrainConfig(Section):
 
 
 class RunConfig(Section):
+    """The run: env, tools and sandboxes, folders, checkpoints, cluster and placement, debug modes, logging."""
+
     env: str = "target-token"
     """Registered env name (see `agentrl envs list`)."""
     env_module: list[str] = []
@@ -248,12 +274,15 @@ class RunConfig(Section):
     load_debug_rollout_data: str | None = None
     """A run folder (or its trajectories/ folder) whose saved rollouts --debug-train-only replays."""
     seed: int = 1234
+    """Seed of the data order, the env episodes, sampling and model init."""
     progress: bool = True
     """Show the live progress display."""
     use_wandb: bool = False
     """Also log metrics to Weights & Biases (tensorboard/ is always written)."""
     wandb_project: str = "agentrl"
+    """Weights & Biases project (--use-wandb)."""
     wandb_group: str | None = None
+    """Weights & Biases run group (--use-wandb)."""
     wandb_mode: Literal["offline", "online", "disabled"] | None = None
     """None: online when WANDB_API_KEY is set, else offline (no network; `wandb sync DIR` uploads later)."""
     wandb_dir: str | None = None
@@ -261,6 +290,8 @@ class RunConfig(Section):
 
 
 class EvalConfig(Section):
+    """Evaluation during training (and for `agentrl eval`): eval sets, interval, sampling."""
+
     eval_interval: int | None = Field(None, ge=1)
     """Evaluate every N iterations (and after the last); None: no evaluation."""
     eval_prompt_data: list[str] = []
@@ -295,10 +326,10 @@ class Config(Section):
     sglang_args: dict[str, str | None] = {}
     """--sglang-* flags, passed to SGLang servers without the prefix."""
     router_args: dict[str, str | None] = {}
+    """--router-* flags, passed to sglang-router without the prefix."""
     megatron_args: dict[str, Any] = {}
     """Megatron's own flags (--tensor-model-parallel-size, --sequence-parallel, --recompute-*, ...),
     by name without dashes, for the Megatron trainer."""
-    """--router-* flags, passed to sglang-router without the prefix."""
 
     @property
     def steps_per_rollout(self) -> int:
@@ -362,34 +393,47 @@ def load_yaml(path: str) -> dict[str, dict[str, Any]]:
     return _flat_to_nested(data, path)
 
 
-def build_parser(prog: str = "agentrl train", description: str = "Train an LLM agent with RL on an env."
-                 ) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description,
+PASSTHROUGH_HELP = ("Arguments the trainer does not own pass through: --sglang-ARG to the SGLang servers, "
+                    "--router-ARG to sglang-router, Megatron's own flags to the Megatron trainer.")
+
+
+def build_parser(prog: str = "agentrl train", description: str = "Train an LLM agent with RL on an env.",
+                 sections: tuple[str, ...] = tuple(SECTIONS)) -> argparse.ArgumentParser:
+    """Flags of the fields of `sections`, each explained by its field's docstring. A command
+    that leaves a section out (`agentrl sft`: no rollout) neither lists nor takes its flags;
+    a YAML file (--config) may still set them."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=PASSTHROUGH_HELP,
+                                     usage="%(prog)s [--config FILE] [--FLAG VALUE ...]",
                                      argument_default=argparse.SUPPRESS)
-    parser.add_argument("--config", help="YAML file with config keys (flat or by section); flags override it")
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML file with config keys (flat or by section); flags override it")
     parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, and exit")
-    for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(section)
+    for section in sections:
+        cls = SECTIONS[section]
+        group = parser.add_argument_group(section, cls.__doc__)
         for name, info in cls.model_fields.items():
             flags = ["--" + name.replace("_", "-")] + [a for a, f in ALIASES.items() if f == name]
-            help_text = (info.description or "") + f" (default: {info.default!r})"
+            # argparse formats help with %: a literal one is written %%
+            help_text = ((info.description or "") + f" (default: {info.default!r})").replace("%", "%%")
             kind = info.annotation
             if kind is bool:
                 group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
             elif name in PAIRED_LISTS:
-                group.add_argument(*flags, dest=name, nargs="+", action="extend", help=help_text)
+                group.add_argument(*flags, dest=name, nargs="+", action="extend", metavar="NAME PATH", help=help_text)
             elif get_origin(kind) is list:
-                group.add_argument(*flags, dest=name, action="append", help=help_text + " [repeatable]")
+                group.add_argument(*flags, dest=name, action="append", metavar="VALUE", help=help_text + " [repeatable]")
             elif get_origin(kind) is dict:
-                group.add_argument(*flags, dest=name, type=_json_dict(name), help=help_text + " [JSON]")
+                group.add_argument(*flags, dest=name, type=_json_dict(name), metavar="JSON", help=help_text + " [JSON]")
             else:
                 group.add_argument(*flags, dest=name, help=help_text, metavar=_metavar(kind))
     return parser
 
 
 def _metavar(kind) -> str:
-    if get_origin(kind) is Literal:
-        return "{" + ",".join(map(str, get_args(kind))) + "}"
+    """{a,b,c} for a Literal field (an optional one too), else VALUE."""
+    choices = [arg for arg in ([kind] if get_origin(kind) is Literal else get_args(kind)) if get_origin(arg) is Literal]
+    if choices:
+        return "{" + ",".join(map(str, get_args(choices[0]))) + "}"
     return "VALUE"
 
 
@@ -489,8 +533,6 @@ def resolve(layers: dict) -> Config:
         )
         raise ConfigError(f"invalid config: {problems}") from None
     lora_target_modules(cfg.train.target_modules)
-    if cfg.train.lora_rank and cfg.train.trainer == "megatron":
-        raise ConfigError("--lora-rank: the Megatron trainer has no LoRA adapters yet; use --trainer torch")
     if cfg.train.loss_type == "sft_loss":
         return cfg  # no rollouts: the RL batch-size rules below do not apply
     total = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt

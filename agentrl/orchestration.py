@@ -341,7 +341,7 @@ class TrainerWorker:
     def __init__(self, cfg: Config, model_path: str, device: str, dist_env: dict[str, str] | None = None):
         import torch
 
-        from agentrl.train import build_trainer, seed_everything
+        from agentrl.build import build_trainer, seed_everything
 
         os.environ.update(dist_env or {})
         seed_everything(cfg.run.seed)
@@ -389,8 +389,8 @@ class TrainerWorker:
     def export(self, what: str, *args) -> None:
         """A rank other than 0: its part in one of rank 0's exports (the same TP/PP collectives);
         rank 0 alone sends the result to the engines."""
-        if what == "save_hf":
-            self.trainer.save_hf(*args)
+        if what in ("save_hf", "save_adapter"):
+            getattr(self.trainer, what)(*args)
         else:
             for _ in self.trainer.named_tensors():
                 pass
@@ -549,7 +549,7 @@ class LeadingRank:
     """Rank 0 of several, as TrainerWorker's weight sync sees its trainer. Rank 0 alone talks to
     the engines, but an export (`named_tensors`, `save_hf`) is collective: TP all-gathers and
     PP broadcasts (trainers/megatron/weights.py) after which every rank holds the full HF
-    tensors. So each export first has every other rank run the same one
+    tensors (the LoRA adapter's `save_adapter` too). So each export first has every other rank run the same one
     (`TrainerWorker.export`), and ends by waiting for them. The rest is the trainer's."""
 
     def __init__(self, trainer, others: list):
@@ -572,11 +572,17 @@ class LeadingRank:
             ray.get(refs, timeout=TIMEOUT_S)
 
     def save_hf(self, folder, *args, **kwargs):
+        return self._collective("save_hf", folder, *args, **kwargs)
+
+    def save_adapter(self, folder):  # --lora-sync adapter: TP gathers and PP exchanges the adapters
+        return self._collective("save_adapter", folder)
+
+    def _collective(self, what: str, folder, *args, **kwargs):
         import ray
 
-        refs = [a.export.remote("save_hf", str(folder)) for a in self.others]
+        refs = [a.export.remote(what, str(folder)) for a in self.others]
         try:
-            return self.inner.save_hf(folder, *args, **kwargs)
+            return getattr(self.inner, what)(folder, *args, **kwargs)
         finally:
             ray.get(refs, timeout=TIMEOUT_S)
 

@@ -130,7 +130,7 @@ def sft(cfg: Config) -> Path:
     from agentrl.metrics import RunLog
     from agentrl.models import load_tokenizer
     from agentrl.progress import Progress
-    from agentrl.train import build_trainer, latest_checkpoint, resolve_device, resolve_model, seed_everything
+    from agentrl.build import build_trainer, latest_checkpoint, resolve_device, resolve_model, seed_everything
 
     if not cfg.data.prompt_data:
         raise ConfigError("agentrl sft needs --prompt-data FILE.jsonl (rows of chat messages)")
@@ -203,5 +203,7 @@ def sft(cfg: Config) -> Path:
 def sft_parser():
     from agentrl.config import build_parser
 
+    # no rollout, RL algorithm or eval: their flags are not sft's (a --config file may still hold them)
     return build_parser("agentrl sft", "Supervised fine-tuning on chat data (loss on the assistant turns), "
-                                       "e.g. to teach a base model the tool-call format before RL.")
+                                       "e.g. to teach a base model the tool-call format before RL.",
+                        sections=("model", "data", "train", "run"))

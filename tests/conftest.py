@@ -1,7 +1,35 @@
+import inspect
+import re
 from pathlib import Path
 
 import pytest
 
+# What makes a test end to end (marked `e2e`; `pytest -m "not e2e"` is the fast lane): it runs
+# agentrl as a user does (the CLI in a subprocess, or `main(["train" | "sft" | "eval", ...])`),
+# starts engines or Ray, or drives a browser. Read from the test's source and from the
+# module-level helpers it calls, so a new test of that kind is marked without a list to keep.
+E2E_SIGNS = re.compile(r'agentrl_cli\(|main\(\["(train|sft|eval)"|start_engines\(|launch_embedded_engine\(|'
+                       r'ray\.init\(|importorskip\("ray"\)|chromium')
+
+
+def _e2e(function, module) -> bool:
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    if E2E_SIGNS.search(source):
+        return True
+    helpers = {name for name, obj in vars(module).items()
+               if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("test_")}
+    called = set(re.findall(r"\b(\w+)\(", source)) & helpers
+    return any(E2E_SIGNS.search(inspect.getsource(getattr(module, name))) for name in called)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is not None and item.get_closest_marker("e2e") is None and _e2e(function, item.module):
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

@@ -160,7 +160,8 @@ from agentrl.config import parse_config  # noqa: E402
 from agentrl.progress import Progress  # noqa: E402
 from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory  # noqa: E402
 from agentrl.rollout.manager import generate_rollout  # noqa: E402
-from agentrl.train import build_prompt_source, rollout_metrics, turn_budget_warning  # noqa: E402
+from agentrl.build import build_prompt_source, turn_budget_warning  # noqa: E402
+from agentrl.batches import rollout_metrics  # noqa: E402
 from agentrl.types import SampleStatus  # noqa: E402
 from test_agent_loop import ScriptedClient  # noqa: E402
 

@@ -169,7 +169,7 @@ def test_every_engine_missing_a_weight_update_waits_for_restarts_or_stops_the_ru
     from agentrl.config import parse_config
     from agentrl.errors import EngineError
     from agentrl.rollout.control import RolloutControl
-    from agentrl.train import update_engines
+    from agentrl.weight_update import update_engines
 
     dead = ["http://127.0.0.1:9", "http://127.0.0.1:10"]  # nothing listens: pause/continue fail, tolerated
 

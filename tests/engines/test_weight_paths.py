@@ -49,6 +49,15 @@ def test_weights_from_a_process_group(engine, tiny_model):
     assert last["weight_version"] == "9" and last["flush_cache"] is True
 
 
+async def until(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Waits for an observable engine state (not a fixed sleep: a loaded machine is slower)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not {what} after {timeout_s} s")
+        await asyncio.sleep(0.01)
+
+
 def test_pause_in_place_keeps_requests_and_pause_abort_ends_them(tiny_model):
     torch.set_num_threads(1)
     eng = EmbeddedEngine(str(tiny_model))
@@ -60,25 +69,26 @@ def test_pause_in_place_keeps_requests_and_pause_abort_ends_them(tiny_model):
         url = str(server.make_url("")).rstrip("/")
         try:
             async with EngineClient(url) as c:
-                params = {"max_new_tokens": 300, "ignore_eos": True}
+                params = {"max_new_tokens": 1500, "ignore_eos": True}
                 running = asyncio.create_task(c.generate([5, 6, 7], params))
-                await asyncio.sleep(0.3)
-                await c.post("/pause_generation", {"mode": "in_place"})
+                await until(eng.lock.locked, "decoding")  # the request is in the decode loop
+                await c.post("/pause_generation", {"mode": "in_place"})  # answers once the loop is parked
                 parked = eng._parked.is_set()
-                await asyncio.sleep(0.3)
                 held = not running.done()
                 reply = await c.post("/update_weights_from_tensor", {  # allowed while parked
                     "serialized_named_tensors": [encode_named_tensors([("model.norm.weight", norm)])],
                     "weight_version": "4"})
+                held = held and not running.done() and eng._parked.is_set()
                 await c.post("/continue_generation", {})
-                kept = await asyncio.wait_for(running, 60)
+                kept = await asyncio.wait_for(running, 120)
 
                 running = asyncio.create_task(c.generate([5, 6, 7], params))
-                await asyncio.sleep(0.3)
+                await until(eng.lock.locked, "decoding")
                 await c.post("/pause_generation", {})  # SGLang's default mode: abort
                 aborted = await asyncio.wait_for(running, 30)
                 waiting = asyncio.create_task(c.generate([9, 9], {"max_new_tokens": 2}))
-                await asyncio.sleep(0.5)
+                await until(lambda: eng.inflight >= 1, "received")
+                await asyncio.sleep(0.2)  # a running engine answers 2 tokens well within this
                 queued = not waiting.done()  # paused: new requests wait
                 await c.post("/continue_generation", {})
                 served = await asyncio.wait_for(waiting, 30)
@@ -88,6 +98,6 @@ def test_pause_in_place_keeps_requests_and_pause_abort_ends_them(tiny_model):
 
     parked, held, reply, kept, aborted, queued, served = asyncio.run(go())
     assert parked and held and reply["success"]
-    assert kept.finish_reason == "length" and len(kept.output_ids) == 300 and kept.weight_version == "4"
-    assert aborted.finish_reason == "abort" and len(aborted.output_ids) < 300
+    assert kept.finish_reason == "length" and len(kept.output_ids) == 1500 and kept.weight_version == "4"
+    assert aborted.finish_reason == "abort" and len(aborted.output_ids) < 1500
     assert queued and served.finish_reason == "length"

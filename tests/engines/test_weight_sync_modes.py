@@ -23,7 +23,8 @@ def test_weight_sync_modes_keep_engines_on_policy(tmp_path, mode):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]
     for r in rows:
-        assert r["weight_sync_s"] > 0 and not r.get("failed_engines"), r
+        # an engine that missed an update is counted in weight_sync_failed (update_engines)
+        assert r["weight_sync_s"] > 0 and "weight_sync_failed" not in r, r
     # after a large step (lr 3e-2, ppo_kl > 0) the engines' logprobs still equal the trainer's
     assert rows[0]["ppo_kl"] >= 0 and max(abs(r["train_rollout_logprob_abs_diff"]) for r in rows) < 1e-4, rows
     for i in (1, 2):  # tokens of iteration i were sampled by policy version i, on both engines

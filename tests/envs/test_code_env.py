@@ -180,7 +180,7 @@ def test_default_sandbox_pool_is_bounded(run_async):
     sized to the machine; --sandbox and --sandbox-max-active override it; an env kwarg picks the backend."""
     from agentrl.config import parse_config
     from agentrl.sandboxes import default_max_active
-    from agentrl.train import run_sandbox_backend, start_sandbox_pool
+    from agentrl.build import run_sandbox_backend, start_sandbox_pool
 
     def cfg(*argv):
         return parse_config(["--env", "code", *argv])[0]

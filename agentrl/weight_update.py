@@ -1,0 +1,115 @@
+"""What happens to the engines around a training step: the GPU handover (`--colocate`:
+engines and trainer take turns on the GPUs) and the weight update (new weights into every
+live engine, a restarted engine caught up before it serves again)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from agentrl.build import lora_engine_args
+from agentrl.config import Config
+from agentrl.engines.colocate import wait_idle
+from agentrl.engines.group import EngineGroup
+from agentrl.errors import EngineError
+from agentrl.rollout.client import EngineClient
+from agentrl.rollout.control import RolloutControl
+
+log = logging.getLogger("agentrl.weight_update")
+
+
+@contextlib.asynccontextmanager
+async def colocated(cfg: Config, trainer, engines: EngineGroup, clients: list[EngineClient], drain=None):
+    """--colocate: during rollout the engines hold the GPU and the trainer sits in host
+    memory; around training, the other way round (agentrl.engines.colocate says what SGLang
+    requires of the order). `drain` stops the rollout's leftover work before the engines
+    give their memory back. Yields a dict that gets each switch's seconds and the GPU's
+    memory at the end of the rollout (metrics)."""
+    out: dict[str, float] = {}
+    if not cfg.run.colocate or trainer is None:
+        yield out
+        return
+    t0 = time.perf_counter()
+    await trainer.offload()
+    t1 = time.perf_counter()
+    await engines.memory.resume(clients)
+    out |= {"colocate/offload_s": t1 - t0, "colocate/resume_s": time.perf_counter() - t1}
+    try:
+        yield out
+    finally:
+        used = (await trainer.gpu_memory()).get("used_gib")
+        t0 = time.perf_counter()
+        if drain is not None:
+            await drain()
+        await _each(clients, "/abort_request", {"abort_all": True})
+        await wait_idle(clients)
+        await engines.memory.release(clients)
+        t1 = time.perf_counter()
+        await trainer.onload()
+        out |= {"colocate/release_s": t1 - t0, "colocate/onload_s": time.perf_counter() - t1}
+        if used is not None:
+            out["gpu/used_rollout_gib"] = used
+
+
+async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGroup, trainer, version: int) -> dict:
+    """New weights into every live engine. The gate keeps agent loops from sending requests
+    and the engines pause in place, so no generation sees half-updated weights. With
+    --partial-rollout in-flight generations are aborted first and resume under the new
+    weights, so every token's policy version is exact; without it a generation paused in
+    place finishes under the new weights and carries the version it finished under (as
+    SGLang reports it). An engine that misses the update leaves the pool until it catches up."""
+    clients = [EngineClient(u, request_timeout_s=cfg.rollout.request_timeout_s) for u in engines.live()]
+    control.pause()
+    try:
+        if cfg.rollout.partial_rollout:
+            await _each(clients, "/abort_request", {"abort_all": True})
+        # SGLang's pause without a mode aborts; "in_place" keeps the requests to finish later.
+        await _each(clients, "/pause_generation", {"mode": "in_place"})
+        try:
+            out = await trainer.sync_weights([c.base_url for c in clients], version)
+            control.policy_version = version
+            if lora_engine_args(cfg):  # from now on every request names this version's adapter
+                from agentrl.weight_sync import lora_adapter_name
+
+                control.lora_adapter = lora_adapter_name(version)
+        finally:
+            await _each(clients, "/continue_generation", {})
+        failed = out.pop("failed_engines", [])
+        restarting = engines.monitor is not None and engines.monitor.restart
+        if failed and len(failed) == len(clients) and not restarting:
+            raise EngineError(f"every engine missed the weight update to version {version} ({', '.join(failed)}) "
+                              "and none is restarted (--no-engine-restart?): resume with --load")
+        for url in failed:  # restarted, an engine gets the current weights before it serves again
+            engines.quarantine(url)
+        return out | ({"weight_sync_failed": len(failed)} if failed else {})
+    finally:
+        control.resume()
+        await asyncio.gather(*[c.close() for c in clients])
+
+
+def catch_up_fn(cfg: Config, trainer, state, weights_lock: asyncio.Lock):
+    """For the engine monitor (another thread): url -> Future of pushing the current weights
+    (`state.policy_version`) to that engine and resuming it, done on this event loop between
+    two weight updates."""
+    loop = asyncio.get_running_loop()
+
+    async def push(url: str) -> None:
+        async with weights_lock:
+            out = await trainer.sync_weights([url], state.policy_version, fresh=True)
+            if out.get("failed_engines"):
+                raise EngineError(f"{url}: catch-up weight push failed")
+            async with EngineClient(url, request_timeout_s=cfg.rollout.request_timeout_s) as c:
+                await c.post("/continue_generation", {})
+
+    return lambda url: asyncio.run_coroutine_threadsafe(asyncio.wait_for(push(url), cfg.rollout.request_timeout_s),
+                                                        loop)
+
+
+async def _each(clients: list[EngineClient], path: str, payload: dict) -> None:
+    """A control call to every engine; one that is down is the monitor's business, not the loop's."""
+    results = await asyncio.gather(*[c.post(path, payload) for c in clients], return_exceptions=True)
+    for c, r in zip(clients, results):
+        if isinstance(r, Exception):
+            log.warning("%s %s failed: %r", c.base_url, path, r)

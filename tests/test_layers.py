@@ -1,0 +1,118 @@
+"""The core package's modules (the agentrl/ folder) import each other without a cycle, at
+module top level or inside functions: a function-level import hides a cycle from Python, not
+from the reader (train imported orchestration, whose trainer actor imported train back).
+The graph holds every folder that installs into agentrl (a cycle through envs/ or trainers/
+back into agentrl/ counts); a cycle wholly inside one of those folders is its owner's
+business. Read from the source with ast; nothing is imported."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# setup.py's map: these folders install as subpackages of agentrl
+FOLDERS = {"agentrl": "agentrl", "agentrl.envs": "envs", "agentrl.tools": "tools",
+           "agentrl.sandboxes": "sandboxes", "agentrl.trainers": "trainers"}
+
+
+def module_files() -> dict[str, Path]:
+    out = {}
+    for package, folder in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> dict[str, int]:
+    """Modules of the package that `name` imports anywhere in its file -> the first line."""
+    is_package = path.name == "__init__.py"
+    out: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import mod` imports the module pkg.mod; `from mod import fn` imports mod
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for target in targets:
+            while target and target not in known:  # agentrl.x.y.Class -> agentrl.x.y
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.setdefault(target, node.lineno)
+    return out
+
+
+def import_graph() -> tuple[dict[str, dict[str, int]], dict[str, Path]]:
+    files = module_files()
+    return {name: imported_modules(name, path, set(files)) for name, path in files.items()}, files
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each as a list."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def describe(component: list[str], graph, files) -> str:
+    members = set(component)
+    edges = [f"  {files[a].relative_to(ROOT)}:{line} imports {b}"
+             for a in component for b, line in sorted(graph[a].items()) if b in members]
+    return "import cycle among " + ", ".join(component) + ":\n" + "\n".join(edges)
+
+
+def test_no_import_cycle():
+    graph, files = import_graph()
+    core = {name for name, path in files.items() if path.is_relative_to(ROOT / "agentrl")}
+    found = [c for c in cycles(graph) if core & set(c)]
+    assert not found, "\n\n".join(describe(c, graph, files) for c in found)
+
+
+def test_the_check_sees_function_level_and_relative_imports(tmp_path):
+    """The checker itself: a cycle closed by an import inside a function is found."""
+    (tmp_path / "a.py").write_text("import pkg.b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from . import a\n")
+    known = {"pkg.a", "pkg.b"}
+    graph = {"pkg.a": imported_modules("pkg.a", tmp_path / "a.py", known),
+             "pkg.b": imported_modules("pkg.b", tmp_path / "b.py", known)}
+    assert graph == {"pkg.a": {"pkg.b": 1}, "pkg.b": {"pkg.a": 2}}
+    assert cycles(graph) == [["pkg.a", "pkg.b"]]
+    graph["pkg.b"] = {}
+    assert cycles(graph) == []
+
+
+def test_the_graph_covers_the_package():
+    graph, _ = import_graph()
+    assert "agentrl.train" in graph and "agentrl.trainers.torch_trainer" in graph
+    assert "agentrl.orchestration" in graph["agentrl.train"]
