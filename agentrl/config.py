@@ -533,6 +533,12 @@ def resolve(layers: dict) -> Config:
         )
         raise ConfigError(f"invalid config: {problems}") from None
     lora_target_modules(cfg.train.target_modules)
+    hook = cfg.rollout.custom_generate_function_path or cfg.rollout.rollout_function_path
+    if cfg.train.lora_rank and cfg.train.lora_sync == "adapter" and hook:
+        # slime's functions post their own /generate requests, which name no adapter: they would
+        # sample from the base model, off policy
+        raise ConfigError(f"--lora-sync adapter cannot serve slime's hook {hook!r} (its requests name no adapter): "
+                          "use --lora-sync merged")
     if cfg.train.loss_type == "sft_loss":
         return cfg  # no rollouts: the RL batch-size rules below do not apply
     total = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt

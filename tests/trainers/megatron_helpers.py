@@ -39,14 +39,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, args: list[str], out: Path, timeout: float = 240) -> dict:
-    """Start `world` gloo ranks of megatron_worker.py; return rank 0's JSON result."""
+def run_ranks(world: int, args: list[str], out: Path, timeout: float = 240, worker: str = "megatron_worker.py") -> dict:
+    """Start `world` gloo ranks of `worker` (a script here); return rank 0's JSON result."""
     port = _free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "megatron_worker.py"), "--out", str(out), *args],
+        procs.append(subprocess.Popen([sys.executable, str(HERE / worker), "--out", str(out), *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     try:

@@ -31,6 +31,40 @@ def randomize_adapter(trainer, seed=0):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
 
+def learn_target_token(trainer, steps: int = 12, seed: int = 0) -> list[float]:
+    """RL on one decision: after a fixed prompt the policy picks one of 8 candidate tokens (sampled
+    from its own distribution over them), reward 1 for the target. Returns the expected reward
+    (the policy's probability of the target among the candidates) before each step and at the
+    end, and asserts it rose from ~1/8 to most of the mass."""
+    import math
+
+    prompt, candidates, target = [5, 17, 42, 9, 23], [101, 102, 103, 104, 105, 106, 107, 108], 104
+    g = torch.Generator().manual_seed(seed)
+
+    def one(token, reward=0.0, logprob=0.0):
+        return Sample(prompt_tokens=prompt, response_tokens=[token], loss_mask=[1], rollout_logprobs=[logprob],
+                      reward=reward, group_id=0, status=SampleStatus.COMPLETED)
+
+    def policy() -> torch.Tensor:
+        logps = torch.tensor([lp[0] for lp in trainer.compute_logprobs([one(t) for t in candidates])])
+        return logps, torch.softmax(logps, 0)
+
+    expected = []
+    for _ in range(steps):
+        logps, probs = policy()
+        expected.append(float(probs[candidates.index(target)]))
+        picks = torch.multinomial(probs, 8, replacement=True, generator=g).tolist()
+        trainer.train_rollout([one(candidates[i], float(candidates[i] == target), float(logps[i])) for i in picks])
+    expected.append(float(policy()[1][candidates.index(target)]))
+    print("expected reward per step: " + " ".join(f"{r:.2f}" for r in expected))
+    assert abs(expected[0] - 1 / 8) < 0.1 and expected[-1] > 0.6 and not math.isnan(expected[-1])
+    return expected
+
+
+def test_torch_lora_learns_target_token(tiny_model):
+    learn_target_token(lora_trainer(tiny_model, lr=5e-3))
+
+
 def test_target_modules_flags():
     assert lora_target_modules(["all-linear"]) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                    "down_proj"]
@@ -42,8 +76,10 @@ def test_target_modules_flags():
     assert (cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.target_modules) == (8, 32.0, ["q_proj", "v_proj"])
     with pytest.raises(ConfigError, match="target-modules"):
         parse_config(["--lora-rank", "8", "--target-modules", "qkv"])
-    with pytest.raises(ConfigError, match="Megatron trainer has no LoRA"):
-        parse_config(["--lora-rank", "8", "--trainer", "megatron"])
+    with pytest.raises(ConfigError, match="--lora-sync merged"):  # slime's requests name no adapter
+        parse_config(["--lora-rank", "8", "--lora-sync", "adapter", "--custom-generate-function-path", "m.generate"])
+    cfg, _ = parse_config(["--lora-rank", "8", "--trainer", "megatron"])  # both trainers take LoRA
+    assert (cfg.train.trainer, cfg.train.lora_rank) == ("megatron", 8)
 
 
 def test_base_frozen_only_adapters_train(tiny_model):

@@ -78,6 +78,8 @@ class MegatronTrainer:
         if self.max_tokens is not None and self.pad_to > 1:
             self.max_tokens -= self.max_tokens % self.pad_to or 0
         ckpt = HFCheckpoint(self.model_path)
+        self.lora, self.seed = bool(train.lora_rank), seed
+        self.lora_targets: list[str] = []
 
         self.model, self.ddp, self.optimizer, self.scheduler, self.config = self._build(ckpt, lr=train.lr)
         self.ref_model, self.ref_path = None, self.model_path
@@ -110,6 +112,9 @@ class MegatronTrainer:
         if not self.te:
             enable_position_rope(model)
         load_hf_weights(model, ckpt, self.family, self.layout, self.tp_rank, value_head=value_head)
+        if self.lora and not value_head:  # frozen base + adapters: only they get grad buffers and optimizer state
+            from agentrl.trainers.megatron.lora import add_lora
+            self.lora_targets = add_lora(model, self.train_cfg, self.layout, tp_rank=self.tp_rank, seed=self.seed)
         ddp_kw = {"grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "use_distributed_optimizer": False}
         ddp_kw.update(self.margs.ddp)
         ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp_kw), module=model)
@@ -329,30 +334,76 @@ class MegatronTrainer:
         return {("critic_" + k if k in ("grad_norm", "update_skipped") else k): v for k, v in stats.items()}
 
     # -- weights ---------------------------------------------------------------------------------
-    def hf_buckets(self, bucket_bytes: int | None = None, dtype: torch.dtype | None = None
+    def hf_buckets(self, bucket_bytes: int | None = None, dtype: torch.dtype | None = None, *, merged: bool = True
                    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The policy's weights in HF names and layout, bucketed (every rank gets every bucket,
-        on its own device): what tensor or NCCL weight sync sends."""
+        on its own device): what tensor or NCCL weight sync sends. With LoRA the adapters are
+        merged in (W + scale B A: --lora-sync merged), unless merged=False (the frozen base)."""
         self._set_device()
         size = bucket_bytes or int(self.train_cfg.weight_sync_bucket_mb * 2**20)
+        delta = self._lora_delta() if self.lora and merged else None
         yield from export_hf(self.model, self.family, self.layout, bucket_bytes=size, tp_group=self.tp_group,
-                             pp_group=self.pp_group, dtype=dtype)
+                             pp_group=self.pp_group, dtype=dtype, delta=delta)
+
+    def _lora_delta(self):
+        """HF weight name -> scale B A of its adapter (gathered over TP on demand), or None."""
+        from agentrl.trainers.megatron.lora import HF_PARENT, lora_layers, split_dim
+        from agentrl.trainers.megatron.weights import _tp_gather
+
+        where = {f"model.layers.{i}.{HF_PARENT[m]}.{m}.weight": (adapters, m)
+                 for i, _, adapters in lora_layers(self.model) for m in adapters.pairs}
+
+        def delta(hf_name: str):
+            if hf_name not in where:
+                return None
+            adapters, m = where[hf_name]
+            pair = adapters.pairs[m]
+            a, b = (_tp_gather(getattr(pair, w).detach(), split_dim(w, adapters.kind), self.tp_group, self.margs.tp)
+                    for w in "AB")
+            return (b.float() @ a.float()) * adapters.scale
+        return delta
+
+    # -- LoRA adapters (peft's format) ---------------------------------------------------------
+    def save_adapter(self, folder: str | Path) -> Path:
+        """The LoRA adapter alone, in peft's format (adapter_config.json, adapter_model.safetensors
+        with peft's names for the HF model): what `peft.PeftModel.from_pretrained` and SGLang's
+        /load_lora_adapter read. Collective (TP shards gathered, stages exchanged); rank 0 writes."""
+        import torch.distributed as dist
+
+        from agentrl.trainers.megatron.lora import gather_adapter, write_peft
+
+        self._set_device()
+        tensors = gather_adapter(self.model, tp_group=self.tp_group, pp_group=self.pp_group)
+        if self.rank == 0:
+            write_peft(folder, tensors, self.train_cfg, self.lora_targets, self.model_path)
+        if dist.is_initialized():
+            dist.barrier()
+        return Path(folder)
+
+    def load_adapter_weights(self, folder: str | Path) -> None:
+        """The adapter weights of a peft folder (save_adapter's, or peft's own) into this trainer's adapters."""
+        from safetensors.torch import load_file
+
+        from agentrl.trainers.megatron.lora import load_adapter
+
+        load_adapter(self.model, load_file(str(Path(folder) / "adapter_model.safetensors")), tp_rank=self.tp_rank)
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Weights in HF names, as the engine loads them (tied weights once), streamed bucket by bucket."""
         for bucket in self.hf_buckets():
             yield from bucket
 
-    def save_hf(self, folder: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
+    def save_hf(self, folder: str | Path, max_shard_bytes: int = 5 * 2**30, *, merged: bool = True) -> Path:
         """An HF checkpoint (safetensors shards, config, tokenizer) the engines can load;
-        written by global rank 0, every rank takes part in the export."""
+        written by global rank 0, every rank takes part in the export. With LoRA: the adapters
+        merged in, or (merged=False) the frozen base."""
         import torch.distributed as dist
         from safetensors.torch import save_file
 
         folder = Path(folder)
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
-        for bucket in self.hf_buckets(bucket_bytes=256 * 2**20):
+        for bucket in self.hf_buckets(bucket_bytes=256 * 2**20, merged=merged):
             if self.rank != 0:
                 continue
             for name, t in bucket:
@@ -392,6 +443,8 @@ class MegatronTrainer:
     # -- checkpoints -----------------------------------------------------------------------------
     def _sharded_state(self, is_loading: bool = False) -> dict:
         state = {"model": self.model.sharded_state_dict()}
+        if self.lora:  # the base is frozen and saved once as model/: the adapters alone (and their optimizer state)
+            state["model"] = {k: v for k, v in state["model"].items() if ".lora." in k}
         state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading=is_loading)
         if self.critic is not None:
             state["critic"] = self.critic.sharded_state_dict(prefix="critic.")
@@ -401,7 +454,9 @@ class MegatronTrainer:
     def save(self, folder: Path, extra_state: dict) -> None:
         """A Megatron distributed checkpoint (model, optimizer, critic) under folder/megatron, an HF
         copy of the policy under folder/model (what the engines reload on resume; also
-        --save-hf), RNG states per rank, and trainer_state.json (version + the run's state)."""
+        --save-hf), RNG states per rank, and trainer_state.json (version + the run's state).
+        With LoRA: model/ is the frozen base, adapter/ the peft adapter, and the distributed
+        checkpoint holds only the adapters and their optimizer state."""
         import torch.distributed as dist
         from megatron.core import dist_checkpointing
 
@@ -420,7 +475,9 @@ class MegatronTrainer:
             from megatron.core import tensor_parallel
             rng["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
         torch.save(rng, dist_dir / f"rng_rank{self.rank:05d}.pt")
-        self.save_hf(folder / "model")
+        self.save_hf(folder / "model", merged=False)
+        if self.lora:
+            self.save_adapter(folder / "adapter")
         if self.train_cfg.save_hf:
             self.save_hf(self.train_cfg.save_hf.format(rollout_id=extra_state.get("rollout_id", self.version)))
         if self.rank == 0:
@@ -439,8 +496,16 @@ class MegatronTrainer:
         self._set_device()
         folder = Path(folder)
         dist_dir = folder / "megatron"
+        if self.lora and not (folder / "adapter").is_dir():
+            raise FileNotFoundError(f"{folder}: no adapter/ (a checkpoint without --lora-rank cannot resume a LoRA run)")
         loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(dist_dir))
-        self.model.load_state_dict(loaded["model"])
+        if self.lora:
+            missing, unexpected = self.model.load_state_dict(loaded["model"], strict=False)
+            if unexpected or any(".lora." in k for k in missing):
+                raise ValueError(f"{folder}: adapter weights do not fit: missing {[k for k in missing if '.lora.' in k][:3]}"
+                                 f", unexpected {unexpected[:3]}")
+        else:
+            self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         if self.critic is not None:
             self.critic.load_state_dict({k.removeprefix("critic."): v for k, v in loaded["critic"].items()})

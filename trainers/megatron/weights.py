@@ -73,9 +73,12 @@ def layer_offset(model) -> int:
 
 
 def model_params(model, layout: Layout, *, skip_tied_output: bool = False):
-    """(global local-spec name, parameter) of one stage's GPTModel, in module order."""
+    """(global local-spec name, parameter) of one stage's GPTModel, in module order (LoRA adapters,
+    which have no HF counterpart in the base model, left out)."""
     off = layer_offset(model)
     for name, param in model.named_parameters():
+        if ".lora." in name:
+            continue
         name = local_spec_name(global_name(name, off))
         if skip_tied_output and layout.tied and name == "output_layer.weight":
             continue
@@ -113,8 +116,10 @@ def _tp_gather(t: torch.Tensor, dim: int | None, tp_group, tp: int) -> torch.Ten
 
 @torch.no_grad()
 def export_hf(model, family: Family, layout: Layout, *, bucket_bytes: int, tp_group=None, pp_group=None,
-              dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of (HF name, full tensor) on the model's device, every rank the same."""
+              dtype: torch.dtype | None = None, delta=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets of (HF name, full tensor) on the model's device, every rank the same. delta: HF name ->
+    a tensor added to that weight, or None (LoRA's merge: scale B A; called in the same order on
+    every rank of a stage, as it may gather over TP)."""
     import torch.distributed as dist
 
     tp = dist.get_world_size(tp_group) if (tp_group is not None and dist.is_initialized()) else 1
@@ -128,6 +133,9 @@ def export_hf(model, family: Family, layout: Layout, *, bucket_bytes: int, tp_gr
             for hf_name, t in zip(sources, to_hf(kind, full, layout)):
                 if name == "output_layer.weight" and layout.tied:
                     continue
+                d = delta(hf_name) if delta is not None else None
+                if d is not None:
+                    t = (t.float() + d.to(t.device)).to(t.dtype)
                 t = t if dtype is None else t.to(dtype)
                 n = t.numel() * t.element_size()
                 if bucket and size + n > bucket_bytes:
