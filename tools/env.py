@@ -117,7 +117,9 @@ class ToolEnv(Env):
 
     # ---- lifecycle --------------------------------------------------------------------------
     def server_specs(self) -> list[MCPServerSpec]:
-        specs = [builtin_spec(*self.builtin_tools)] if self.builtin_tools else []
+        # a call may ask for a timeout up to tool_timeout (the server cuts it there and answers):
+        # a longer one would outlast the client's wait and count as a hung server, the agent's fault
+        specs = [builtin_spec(*self.builtin_tools, max_timeout=self.tool_timeout)] if self.builtin_tools else []
         return specs + [as_spec(s) for s in self.mcp_servers]
 
     async def start_tools(self) -> ToolSet:

@@ -65,8 +65,11 @@ class MCPServerSpec:
 
 
 def builtin_spec(*tools: str, name: str | None = None, timeout: float | None = None,
-                 max_output: int | None = None, in_sandbox: bool = True) -> MCPServerSpec:
-    """A server with the named built-in tools (python, bash, files), in one process."""
+                 max_output: int | None = None, in_sandbox: bool = True,
+                 max_timeout: float | None = None) -> MCPServerSpec:
+    """A server with the named built-in tools (python, bash, files), in one process.
+    max_timeout: the longest timeout a call may ask for (the server's default: 600 s); the client
+    then waits that long plus 30 s, so a call within it is never taken for a hung server."""
     tools = tools or BUILTIN_NAMES
     bad = [t for t in tools if t not in BUILTIN_NAMES]
     if bad:
@@ -77,10 +80,13 @@ def builtin_spec(*tools: str, name: str | None = None, timeout: float | None = N
         cmd = [PYTHON, "-m", "agentrl.tools.builtin_server", "--tools", ",".join(tools)]
     if timeout is not None:
         cmd += ["--timeout", str(timeout)]
+    if max_timeout is not None:
+        cmd += ["--max-timeout", str(max_timeout)]
     if max_output is not None:
         cmd += ["--max-output", str(max_output)]
+    longest = max(t for t in (timeout, max_timeout, -1.0) if t is not None)
     return MCPServerSpec(name or (tools[0] if len(tools) == 1 else "builtin"), command=cmd, in_sandbox=in_sandbox,
-                         timeout_s=None if timeout is None else timeout + 30)
+                         timeout_s=None if longest < 0 else longest + 30)
 
 
 def parse_mcp_server_flag(value: str) -> MCPServerSpec:

@@ -17,6 +17,7 @@ model's words, as Search-R1's decode with skip_special_tokens does.
 
 from __future__ import annotations
 
+import json
 import time
 import traceback
 from dataclasses import dataclass
@@ -46,6 +47,29 @@ class LoopSettings:
     max_tokens_per_turn: int | None = None  # None: a turn may use the whole remaining budget
 
 
+PROMPT_CACHE_SIZE = 256
+
+try:  # what tokenizer.apply_chat_template renders with (transformers >= 4.43)
+    from transformers.utils.chat_template_utils import render_jinja_template as _render_jinja_template
+except ImportError:
+    _render_jinja_template = None
+
+
+def _own_backend(tokenizer):
+    """A private copy of a fast tokenizer's Rust tokenizer: encode/decode without transformers'
+    per-call wrapping (the same ids and text: tests/test_agent_loop.py checks), and never under
+    truncation or padding that other users of the shared tokenizer set on its backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "split_special_tokens", False):
+        return None
+    from tokenizers import Tokenizer
+
+    own = Tokenizer.from_str(backend.to_str())
+    own.no_truncation()
+    own.no_padding()
+    return own
+
+
 class Renderer:
     """Renders a conversation to text, with the chat template or by plain concatenation."""
 
@@ -54,6 +78,27 @@ class Renderer:
         self.apply_chat_template = apply_chat_template
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
             raise TemplateDriftError("--apply-chat-template is set but the tokenizer has no chat template")
+        self._backend = _own_backend(tokenizer)
+        self._template_kwargs = dict(tokenizer.special_tokens_map) if apply_chat_template else {}
+        self._prompts: dict[str, tuple[str, list[int]]] = {}  # a group's members share their first rendering
+
+    def prompt(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
+        """The rendering of the episode's first messages and its tokens. Remembered for a while:
+        the n members of a group (and a prompt seen again) render the same messages."""
+        try:
+            key = json.dumps([messages, tools])
+        except (TypeError, ValueError):  # not plain JSON: render it every time
+            key = None
+        if key is not None and key in self._prompts:
+            text, ids = self._prompts[key]
+            return text, list(ids)
+        text = self.render(messages, tools)
+        ids = self.encode(text)
+        if key is not None:
+            if len(self._prompts) >= PROMPT_CACHE_SIZE:
+                self._prompts.pop(next(iter(self._prompts)))  # the oldest
+            self._prompts[key] = (text, list(ids))
+        return text, ids
 
     def render(self, messages: list[dict], tools: list[dict] | None) -> str:
         if not self.apply_chat_template:
@@ -70,19 +115,32 @@ class Renderer:
                 turns.append(m)
                 open_turn = False
         if open_turn:  # the generation prompt, then the assistant's text so far: the model goes on from there
-            return self.tokenizer.apply_chat_template(turns[:-1], tools=tools or None, tokenize=False,
-                                                      add_generation_prompt=True) + turns[-1]["content"]
-        return self.tokenizer.apply_chat_template(turns, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=True)
+            return self._apply_template(turns[:-1], tools or None) + turns[-1]["content"]
+        return self._apply_template(turns, tools or None)
+
+    def _apply_template(self, turns: list[dict], tools: list[dict] | None) -> str:
+        """tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True),
+        without its per-call set-up when the messages are plain dicts (the agent loop's): the
+        same template, the same renderer, the same variables."""
+        if _render_jinja_template is None or not all(type(m) is dict and None not in m.values() for m in turns):
+            return self.tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
+        template = self.tokenizer.get_chat_template(None, tools)
+        rendered, _ = _render_jinja_template(conversations=[turns], tools=tools, chat_template=template,
+                                             add_generation_prompt=True, **self._template_kwargs)
+        return rendered[0]
 
     def continues(self, observation: list[dict]) -> bool:
         """Whether `observation` is appended to the assistant's turn rather than opening a new one."""
         return not self.apply_chat_template or bool(observation and observation[0].get("continuation"))
 
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, tokens: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(tokens, skip_special_tokens=False)
         return self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def extension(self, sample: Sample, seen: str, messages: list[dict], tools: list[dict] | None,
@@ -121,8 +179,7 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
         obs, info = await env.areset(seed=seed, options=task or None)  # {}: a seed-only task
         messages = as_messages(obs)
         tools = info.get("tools")
-        seen = renderer.render(messages, tools)  # the text of every token so far
-        sample.prompt_tokens = renderer.encode(seen)
+        seen, sample.prompt_tokens = renderer.prompt(messages, tools)  # the text of every token so far
         status, truncation = SampleStatus.TRUNCATED, TRUNCATED_MAX_TURNS  # why, if it ends truncated
         for turn in range(settings.max_turns):
             budget = settings.max_response_len - sample.response_length

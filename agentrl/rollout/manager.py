@@ -27,25 +27,71 @@ class GroupRunner:
     `settings_for(env)` gives the loop settings (the env may set max_turns); `reward_fn`,
     if given, replaces the env's reward of every trajectory that did not fail.
     `generate_fn` (slime's --custom-generate-function-path, agentrl.rollout.slime.GenerateHook)
-    replaces the agent loop: it gets the env and the task, returns scored Samples (one or more)."""
+    replaces the agent loop: it gets the env and the task, returns scored Samples (one or more).
+
+    `cancel_siblings_on_failure` (training): once one member of a group fails, the others are
+    cancelled and come back ABORTED (neither trained nor counted as failures): the producer
+    re-runs or drops the whole group anyway, so a failed group costs the time of its first
+    failure, not of its slowest member (a tool server that hangs at start: minutes)."""
 
     def __init__(self, *, make_env: Callable[[str | None], tuple[Env, str]], n_samples: int, renderer: Renderer,
                  client: EngineClient, settings_for: Callable[[Env], LoopSettings], run_seed: int,
                  max_concurrency: int, reward_fn: Callable[[Sample], Awaitable] | None = None,
                  control: RolloutControl | None = None, on_done: Callable[[Sample], None] | None = None,
-                 generate_fn: Callable[..., Awaitable[list[Sample]]] | None = None):
+                 generate_fn: Callable[..., Awaitable[list[Sample]]] | None = None,
+                 cancel_siblings_on_failure: bool = False):
         self.make_env, self.n_samples, self.renderer, self.client = make_env, n_samples, renderer, client
         self.settings_for, self.run_seed, self.reward_fn = settings_for, run_seed, reward_fn
         self.control, self.on_done, self.generate_fn = control, on_done, generate_fn
+        self.cancel_siblings_on_failure = cancel_siblings_on_failure
         self.slots = asyncio.Semaphore(max_concurrency)
 
     async def run_group(self, task: dict[str, Any], group_id: int, attempt: int = 0) -> list[Sample]:
-        runs = await asyncio.gather(*[self._one(task, group_id, k, attempt) for k in range(self.n_samples)])
+        members = [asyncio.ensure_future(self._one(task, group_id, k, attempt)) for k in range(self.n_samples)]
+        try:
+            failed = await self._first_failure(members) if self.cancel_siblings_on_failure else None
+            if failed is None:
+                runs = await asyncio.gather(*members)
+            else:  # the members still running were cancelled: wait for their cleanup (env.aclose)
+                await asyncio.wait(members)
+                runs = [m.result() if not m.cancelled() else [self._aborted(task, group_id, k, attempt, failed)]
+                        for k, m in enumerate(members)]
+        except BaseException:  # cancelled from outside (requeue, shutdown) or a member raised: none outlives the group
+            for m in members:
+                m.cancel()
+            await asyncio.gather(*members, return_exceptions=True)
+            raise
         return [s for samples in runs for s in samples]  # a custom generate function may return several
+
+    @staticmethod
+    async def _first_failure(members: list[asyncio.Future]) -> Sample | None:
+        """Waits for the members until one fails (then cancels the rest and returns its failed
+        sample) or all are done (None). A member that raised ends the wait: the caller re-raises."""
+        pending = set(members)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(m.exception() is not None for m in done):
+                return None
+            failed = next((s for m in done for s in m.result() if s.status == SampleStatus.FAILED), None)
+            if failed is not None:
+                for m in pending:
+                    m.cancel()
+                return failed
+        return None
+
+    def _aborted(self, task: dict, group_id: int, k: int, attempt: int, failed: Sample) -> Sample:
+        return Sample(prompt_tokens=[], trajectory_id=self._trajectory_id(group_id, k, attempt), group_id=group_id,
+                      env_name=failed.env_name or task.get("env") or "", status=SampleStatus.ABORTED,
+                      metadata={"error": f"cancelled: trajectory {failed.trajectory_id} of its group failed",
+                                "aborted": "sibling failed"})
+
+    @staticmethod
+    def _trajectory_id(group_id: int, k: int, attempt: int) -> str:
+        return f"g{group_id}-s{k}" + (f"-a{attempt}" if attempt else "")
 
     async def _one(self, task: dict, group_id: int, k: int, attempt: int) -> list[Sample]:
         async with self.slots:
-            traj_id = f"g{group_id}-s{k}" + (f"-a{attempt}" if attempt else "")
+            traj_id = self._trajectory_id(group_id, k, attempt)
             seed = group_seed(self.run_seed, group_id)
             try:
                 env, env_name = self.make_env(task.get("env"))

@@ -196,7 +196,7 @@ def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
         sglang_router_ip=url.hostname, sglang_router_port=url.port,
         sglang_server_concurrency=r.max_concurrency,
         over_sampling_batch_size=r.over_sampling_batch_size or r.rollout_batch_size,
-        rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
+        rollout_stop=env_stop(cfg.run.env), rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
         rollout_global_dataset=True, group_rm=False, reward_key=None, eval_reward_key=None,
         use_rollout_routing_replay=False, sglang_dp_size=values.get("sglang_dp_size"), ci_test=False,
         # one engine group behind the router: slime's request limit is concurrency x engines
@@ -211,6 +211,13 @@ def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
     args = SlimeArgs(**values)
     init_slime_http(args)
     return args
+
+
+def env_stop(name: str) -> list[str] | None:
+    """The run's env's stop strings (its `stop`), which agentrl's loop stops generation on: slime's --rollout-stop."""
+    from agentrl.registry import get_spec
+
+    return list(getattr(get_spec(name).load(), "stop", None) or []) or None
 
 
 def _check_signature(fn: Callable, spec: str, flag: str, names: tuple[str, ...]) -> bool:
@@ -235,6 +242,9 @@ def _sig(fn) -> str:
 def _prompt_sample(task: dict, renderer: Renderer, *, group_index: int, index: int) -> Sample:
     """A slime Sample of one data row, as slime's Dataset makes it: the prompt rendered by
     the chat template (or concatenated), its token ids, label and metadata."""
+    if task.get("prompt") is None:
+        raise ConfigError("slime's hooks need each task's prompt: give --prompt-data, or an env with a dataset "
+                          f"(got the task {task!r})")
     text = renderer.render(as_messages(task["prompt"]), None)
     sample = slime_sample_class()(group_index=group_index, index=index, prompt=text, tokens=renderer.encode(text),
                                   label=task.get("label"), metadata=dict(task.get("metadata") or {}))
@@ -339,7 +349,11 @@ class GenerateHook:
                        env_name: str) -> list[AgentSample]:
         where = f"{GENERATE_FLAG} {self.spec}"
         try:
-            sample = _prompt_sample(task, self.renderer, group_index=group_id, index=index)
+            row = task
+            if task.get("prompt") is None:  # a seed-only task: the env makes the prompt, as in the agent loop
+                obs, _ = await env.areset(seed=seed, options=task or None)
+                row = {**task, "prompt": obs}
+            sample = _prompt_sample(row, self.renderer, group_index=group_id, index=index)
             sample.session_id = trajectory_id
             prompt_ids = list(sample.tokens)
             if self.control is not None:

@@ -96,6 +96,30 @@ def test_killing_the_tool_server_is_the_agents_fault(arun, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_asking_for_a_long_timeout_is_not_a_hung_server(arun, backend):
+    """A call asking for a timeout longer than the env's tool_timeout (the servers accept up to 600 s)
+    is cut at tool_timeout by the tool itself: an honest long computation times out as a tool
+    result, never as a hung server (restart, then 0 as the agent's fault)."""
+    _skip_unless(backend)
+
+    class Short(AttackEnv):
+        tool_timeout = 3.0
+
+    env = Short(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        for action in (call("bash", command="sleep 6; echo late", timeout=60),
+                       call("python", code="import time\ntime.sleep(6)", timeout=60)) * 2:
+            obs, reward, done, _, info = arun(env.astep(action))
+            assert not done and "agent_fault" not in info, info
+            assert "timed out" in obs[0]["content"].lower() or "timeouterror" in obs[0]["content"].lower(), obs
+            assert "restarted" not in obs[0]["content"] or "interpreter was restarted" in obs[0]["content"], obs
+        assert not env.sandbox_instance.tainted
+    finally:
+        arun(env.aclose())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_bash_leftovers_and_background_output(arun, backend):
     _skip_unless(backend)
     env = AttackEnv(sandbox=backend)

@@ -1,0 +1,59 @@
+"""The Renderer's fast paths (issue 16: rollout overhead) give exactly what the tokenizer's
+own calls give: the chat template rendered without apply_chat_template's set-up, encode/decode
+on a private copy of the Rust tokenizer, and the first rendering remembered across a group."""
+
+import pytest
+
+from agentrl.rollout.agent_loop import Renderer
+
+TOOLS = [{"type": "function", "function": {"name": "python", "description": "run code",
+                                           "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "sure? ünïcødé 🙂\n\n  spaces"}],
+    [{"role": "user", "content": "call it"}, {"role": "assistant", "content": "<tool_call>{}</tool_call>"},
+     {"role": "tool", "content": "42", "name": "python"}],
+]
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_render_is_apply_chat_template(tokenizer, messages, tools):
+    renderer = Renderer(tokenizer, True)
+    expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert renderer.render(messages, tools) == expected
+    # a message with a None field goes the tokenizer's own way (its normalisation differs across versions)
+    with_none = [*messages[:-1], {**messages[-1], "reasoning_content": None}]
+    assert renderer.render(with_none, tools) == tokenizer.apply_chat_template(
+        with_none, tools=tools, tokenize=False, add_generation_prompt=True)
+
+
+def test_encode_and_decode_are_the_tokenizers(tokenizer):
+    renderer = Renderer(tokenizer, True)
+    assert renderer._backend is not None  # the fast path is the one under test
+    texts = ["", "plain words", "  leading and trailing  ", "ünïcødé 🙂 \n\t tabs", tokenizer.eos_token + "after",
+             tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True)]
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert renderer.encode(text) == ids
+        assert renderer.decode(ids) == tokenizer.decode(ids, skip_special_tokens=False,
+                                                        clean_up_tokenization_spaces=False)
+    # truncation set on the shared tokenizer's backend by someone else does not reach ours
+    tokenizer.backend_tokenizer.enable_truncation(max_length=2)
+    try:
+        assert len(renderer.encode("many many many words here")) > 2
+    finally:
+        tokenizer.backend_tokenizer.no_truncation()
+
+
+def test_the_first_rendering_is_remembered_and_never_shared_mutably(tokenizer):
+    renderer = Renderer(tokenizer, True)
+    text, ids = renderer.prompt(CONVERSATIONS[1], TOOLS)
+    assert text == renderer.render(CONVERSATIONS[1], TOOLS) and ids == renderer.encode(text)
+    ids.append(-1)  # a sample's tokens grow: the cache must not
+    again_text, again = renderer.prompt(CONVERSATIONS[1], TOOLS)
+    assert again_text == text and again == ids[:-1]
+    assert renderer.prompt(CONVERSATIONS[1], None)[0] != text  # tools are part of the key
+    assert renderer.prompt([{"role": "user", "content": object()}], None)  # not JSON: rendered, not cached
