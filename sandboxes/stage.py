@@ -14,6 +14,7 @@ import hashlib
 import importlib.metadata as md
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Mapping
 
@@ -36,8 +37,9 @@ def stage_files(files: Mapping[str, Path | bytes]) -> Path:
     stage = state_root().parent / f"agentrl-stage-{h.hexdigest()[:16]}"
     if stage.is_dir():
         return stage
-    tmp = stage.with_name(f"{stage.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # a folder of this call's own: threads of one process stage the same content at once
+    # (a pool's sandboxes starting together); the first rename wins, the others are dropped
+    tmp = Path(tempfile.mkdtemp(prefix=f"{stage.name}.", suffix=".tmp", dir=stage.parent))
     for rel, src in files.items():
         dest = tmp / rel
         dest.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
