@@ -118,6 +118,9 @@ def rollout_metrics(rollout_id: int, samples: list[Sample], seconds: float) -> d
     status = {f"status_{st.value}": sum(s.status == st for s in samples) for st in SampleStatus}
     truncations = Counter(s.metadata.get("truncation") for s in samples if s.status == SampleStatus.TRUNCATED)
     status |= {f"truncated/{reason}": n for reason, n in sorted(truncations.items(), key=str)}
+    env_counts = [s.metadata.get("env_metrics") or {} for s in ok]  # an env's own counts (info["metrics"])
+    status |= {f"env/{name}_mean": float(np.mean([c.get(name, 0.0) for c in env_counts]))
+               for name in sorted({name for c in env_counts for name in c})}
     gen_s = [t.generate_s for s in samples for t in s.turn_timings]
     env_s = [t.env_s for s in samples for t in s.turn_timings]
     return {

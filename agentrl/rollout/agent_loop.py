@@ -222,6 +222,11 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
             t0 = time.perf_counter()
             obs, reward, terminated, truncated, info = await env.astep(action)
             timing.env_s = time.perf_counter() - t0
+            if isinstance(info, dict) and isinstance(info.get("metrics"), dict):
+                # the env's own per-episode counts (searches, answered, ...): metrics env/NAME_mean
+                counts = sample.metadata.setdefault("env_metrics", {})
+                for name, value in info["metrics"].items():
+                    counts[name] = counts.get(name, 0.0) + float(value)
             if isinstance(info, dict) and info.get("agent_fault"):  # the agent broke its own episode: scored, not FAILED
                 sample.metadata["agent_fault"] = info["agent_fault"]
             if isinstance(reward, dict):

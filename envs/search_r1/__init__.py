@@ -217,18 +217,20 @@ class SearchR1Env(Env):
             score = em if self.reward_kind == "em" else f1
             if score == 0.0:
                 score = self.format_score
-            info = {"answer": content, "em": em, "f1": f1, "searches": len(self.searches)}
+            info = {"answer": content, "em": em, "f1": f1, "searches": len(self.searches), "metrics": {"answered": 1}}
             return kind, content, ([], score, True, False, info)
         if kind == "search" and content:
             return kind, content, None
         invalid = f"\n{INVALID}\n" if self.observation == "append" else INVALID  # generation.py:396-398
-        return None, "", (self._message(invalid), 0.0, False, False, {"invalid": True, "searches": len(self.searches)})
+        return None, "", (self._message(invalid), 0.0, False, False, {"invalid": True, "searches": len(self.searches),
+                                                                     "metrics": {"invalid_actions": 1}})
 
     def _information(self, text: str):
         info = f"<information>{text.strip()}</information>"
         if self.observation == "append":  # Search-R1's generation.py:391
             info = f"\n\n{info}\n\n"
-        return self._message(info), 0.0, False, False, {"query": self.searches[-1], "searches": len(self.searches)}
+        return self._message(info), 0.0, False, False, {"query": self.searches[-1], "searches": len(self.searches),
+                                                         "metrics": {"searches": 1}}
 
     def _message(self, text: str) -> list[dict]:
         if self.observation == "append":  # no new chat turn: the text continues the model's own reply

@@ -77,7 +77,7 @@ def test_search_then_correct_answer(run_async):
             assert text.startswith('<information>Doc 1(Title: "Vrokath Works")') and text.endswith("</information>")
             assert "Vrokath Works was founded by Lomaerk Deloth." in text
             assert text.count("Doc ") == 3  # topk=3
-            assert info == {"query": "Vrokath Works founder", "searches": 1}
+            assert info == {"query": "Vrokath Works founder", "searches": 1, "metrics": {"searches": 1}}
             obs, reward, terminated, truncated, info = await env.astep(
                 "<think>The passage says it.</think> <answer> Lomaerk Deloth </answer>")
             assert (obs, reward, terminated, truncated) == ([], 1.0, True, False)
@@ -335,6 +335,14 @@ def test_append_trajectory_is_search_r1s_text(run_async, tokenizer, chat_templat
 
     sample = run_async(main())
     assert sample.status.value == "completed" and sample.reward == 1.0, sample.metadata
+    # the env's own counts, averaged per episode in the metrics (searches per episode, answer format rate)
+    assert sample.metadata["env_metrics"] == {"searches": 1.0, "invalid_actions": 1.0, "answered": 1.0}
+    import dataclasses
+
+    from agentrl.batches import rollout_metrics
+    unanswered = dataclasses.replace(sample, metadata={"env_metrics": {"searches": 3.0}})
+    m = rollout_metrics(0, [sample, unanswered], 1.0)
+    assert (m["env/searches_mean"], m["env/answered_mean"], m["env/invalid_actions_mean"]) == (2.0, 0.5, 0.5)
     prefix = (
         "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
         "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
