@@ -1,0 +1,52 @@
+"""Learning curves of the real-model GPU runs (tests/gpu/test_learning_gpu.py): train reward per
+iteration and held-out reward at each evaluation, one panel per run, from the runs' metrics.jsonl.
+
+    python bench/learning_curves.py                       # bench/results/learning/*.metrics.jsonl
+    python bench/learning_curves.py RUN.metrics.jsonl ... --out curves.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="*", type=Path)
+    parser.add_argument("--out", type=Path, default=RESULTS / "learning.png")
+    args = parser.parse_args()
+    files = args.files or sorted((RESULTS / "learning").glob("*.metrics.jsonl"))
+    fig, axes = plt.subplots(1, len(files), figsize=(4.2 * len(files), 3.4), squeeze=False)
+    for ax, path in zip(axes[0], files):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        ax.plot([r["rollout_id"] for r in rows], [r["reward_mean"] for r in rows], label="train reward")
+        evals = [(r["rollout_id"] if k.startswith("eval/") else -1, v) for r in rows for k, v in r.items()
+                 if k.startswith("eval") and k.endswith("/reward_mean")]
+        if evals:
+            ax.plot(*zip(*sorted(evals)), "o-", label="held-out reward (-1: before RL)")
+        if any(r.get("tool_calls_mean") for r in rows):
+            ax.plot([r["rollout_id"] for r in rows], [r["tool_calls_mean"] / 10 for r in rows], "--",
+                    label="tool calls / episode / 10")
+        ax.set_title(path.name.removesuffix(".metrics.jsonl"), fontsize=9)
+        ax.set_xlabel("iteration")
+        ax.set_ylim(-0.02, 1.0)
+        ax.legend(fontsize=7)
+        for r in rows[:1]:
+            print(f"{path.name}: {len(rows)} iterations, train reward {rows[0]['reward_mean']:.3f} -> "
+                  f"{rows[-1]['reward_mean']:.3f}; held-out {[round(v, 3) for _, v in sorted(evals)]}")
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
