@@ -327,3 +327,59 @@ def test_a_rollout_where_nothing_finishes_still_prints_its_state_without_a_termi
     lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert 3 <= len(lines) <= 6, lines  # one per plain_every_s, not one per tick
     assert all(x.strip() == "rollout: 0 trajectories done; groups 0/8 ready; groups retried 3" for x in lines)
+
+
+def test_agentrl_train_with_an_env_that_sometimes_raises_trains_on_and_keeps_the_failures(tmp_path):
+    """A real env under `agentrl train` that raises in 15% of its resets (an infrastructure
+    fault): the run finishes every iteration, the failed trajectories are saved with their
+    tracebacks, and the metrics count them."""
+    import subprocess
+    import textwrap
+
+    from spine_helpers import agentrl_cli, run_env
+
+    (tmp_path / "flaky_env.py").write_text(textwrap.dedent('''
+        import random
+
+        import agentrl
+
+        FAULTS = random.Random(7)  # not the episode's seed: a retried group may succeed
+
+        @agentrl.register_env("flaky-cli")
+        class FlakyCli(agentrl.Env):
+            """Raises in 15% of its resets."""
+            max_turns = 1
+
+            @classmethod
+            def dataset(cls, seed=0, **kwargs):
+                while True:
+                    yield {"prompt": "say x", "label": None}
+
+            def reset(self, *, seed=None, options=None):
+                super().reset(seed=seed)
+                if FAULTS.random() < 0.15:
+                    raise ConnectionError("injected flaky fault")
+                return options["prompt"], {}
+
+            def step(self, action):
+                return [], 1.0, True, False, {}
+    '''))
+    out = tmp_path / "run"
+    proc = subprocess.run([agentrl_cli(), "train", "--env-module", str(tmp_path / "flaky_env.py"), "--env", "flaky-cli",
+                           "--output-dir", str(out), "--num-rollout", "3", "--rollout-batch-size", "4",
+                           "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--no-progress"],
+                          capture_output=True, text=True, timeout=600, env=run_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout_id"] for m in metrics] == [0, 1, 2] and not any(m.get("partial") for m in metrics)
+    saved = [json.loads(x) for i in range(3) for x in (out / "trajectories" / f"rollout_{i:05d}.jsonl").read_text()
+             .splitlines()]
+    failed = [t for t in saved if t["status"] == "failed"]
+    trained = [t for t in saved if t["status"] == "completed"]
+    # every batch full (16 trained, none failed); the saved file also holds the failed attempts'
+    # other members (completed before the fault, or cancelled at it)
+    assert all(m["num_samples"] == 16 and m["status_completed"] == 16 for m in metrics), metrics
+    assert len(trained) >= 3 * 16 and all(t["reward"] == 1.0 for t in trained)
+    assert failed and all("injected flaky fault" in t["metadata"]["traceback"] for t in failed)
+    assert sum(m["groups_retried"] for m in metrics) >= 1
+    assert "injected flaky fault" in proc.stderr and "first failure of its kind" in proc.stderr  # shown once, as it happened
