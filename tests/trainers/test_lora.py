@@ -22,12 +22,13 @@ def lora_trainer(model_path, **train):
     return TorchTrainer(str(model_path), train=cfg, algo=AlgoConfig(), temperature=1.0)
 
 
-def randomize_adapter(trainer, seed=0):
-    """peft starts B at zero (the adapter adds nothing): give it weights that change the output."""
+def randomize_adapter(trainer, seed=0, marker="lora_"):
+    """peft (and the Megatron adapters) start B at zero, so the adapter adds nothing: give the
+    parameters whose name holds `marker` weights that change the output."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
-            if "lora_" in name:
+            if marker in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
 

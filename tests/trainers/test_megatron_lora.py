@@ -21,7 +21,7 @@ megatron_cpu_shim.apply()
 
 from agentrl.config import AlgoConfig, TrainConfig  # noqa: E402
 from megatron_helpers import make_samples, run_ranks  # noqa: E402
-from test_lora import learn_target_token  # noqa: E402
+from test_lora import learn_target_token, randomize_adapter  # noqa: E402
 
 MegatronTrainer = megatron_trainer.MegatronTrainer
 LOGPROB_TOL = 1e-5
@@ -47,12 +47,7 @@ def megatron(model, megatron_args=None, **kw):
 
 
 def randomize(trainer, seed=0):
-    """Adapters that change the output (B starts at zero, as peft's)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in trainer.model.named_parameters():
-            if ".lora." in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    randomize_adapter(trainer, seed, marker=".lora.")
 
 
 def peft_logprobs(model_path, adapter, samples, temperature=0.8):
