@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agentrl.config import Config, lora_target_modules
+from agentrl.config import AlgoConfig, Config, lora_target_modules
 from agentrl.data import PromptSource, read_rows, seed_tasks
 from agentrl.errors import ConfigError
 from agentrl.models import build_tiny_model, check_model_dir, tiny_model_dir
@@ -37,17 +37,20 @@ def lora_engine_args(cfg: Config) -> dict:
     return {"lora_max_rank": cfg.train.lora_rank, "lora_target_modules": lora_target_modules(cfg.train.target_modules)}
 
 
-def build_trainer(cfg: Config, model_path: Path, device: str):
+def build_trainer(cfg: Config, model_path: Path, device: str, *, sft: bool = False):
+    """The configured trainer. `sft`: no RL algorithm and temperature 1 (the NLL of the model's
+    own distribution; no reference model or critic), whatever the config's RL sections say."""
+    algo = AlgoConfig() if sft else cfg.algo
+    temperature = 1.0 if sft else cfg.rollout.rollout_temperature
     if cfg.train.trainer == "megatron":
         from agentrl.trainers.megatron import MegatronTrainer
 
-        return MegatronTrainer(str(model_path), train=cfg.train, algo=cfg.algo,
-                               temperature=cfg.rollout.rollout_temperature, device=device, dtype=cfg.model.dtype,
-                               megatron_args=cfg.megatron_args, seed=cfg.run.seed)
+        return MegatronTrainer(str(model_path), train=cfg.train, algo=algo, temperature=temperature, device=device,
+                               dtype=cfg.model.dtype, megatron_args=cfg.megatron_args, seed=cfg.run.seed)
     from agentrl.trainers.torch_trainer import TorchTrainer
 
-    return TorchTrainer(str(model_path), train=cfg.train, algo=cfg.algo, temperature=cfg.rollout.rollout_temperature,
-                        device=device, dtype=cfg.model.dtype)
+    return TorchTrainer(str(model_path), train=cfg.train, algo=algo, temperature=temperature, device=device,
+                        dtype=cfg.model.dtype)
 
 
 def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, reward_fn, control: RolloutControl,

@@ -24,13 +24,9 @@ commands:
 
 def version() -> str:
     """The installed distribution's version."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
+    from agentrl import __version__
 
-    try:
-        return installed("agentrl")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "(not installed)"
+    return __version__
 
 
 def _env_defaults(env_name: str, env_modules: list[str]) -> dict:

@@ -1,14 +1,47 @@
 """What a run leaves behind: metrics.jsonl, tensorboard events (and a wandb run with
---use-wandb), trajectories/*.jsonl and a PNG plot of reward and response length per iteration."""
+--use-wandb), trajectories/*.jsonl, a PNG plot of reward and response length per iteration,
+and run.json (RunContext: the facts config.yaml cannot hold)."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import re
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 from agentrl.types import Sample
+
+
+class RunContext:
+    """run.json, beside config.yaml: what the run found and decided as it started (the device
+    'auto' became, the model folder it loaded, where engines and trainer sit and why, the
+    sandbox backend) and how it ended. config.yaml stays exactly the config that was given, so
+    `--config config.yaml` reproduces the run; run.json says what that config met here."""
+
+    def __init__(self, output_dir: Path):
+        from agentrl import __version__
+
+        self.path = output_dir / "run.json"
+        self.facts: dict = {"agentrl": __version__, "command": sys.argv, "host": platform.node(), "pid": os.getpid(),
+                            "python": platform.python_version(), "started_at": _now()}
+        self.record()
+
+    def record(self, **facts) -> None:
+        """Add facts and rewrite the file (atomically: a reader never sees half of it)."""
+        self.facts.update(facts)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.facts, indent=1, default=str) + "\n")
+        tmp.replace(self.path)
+
+    def end(self, outcome: str) -> None:
+        self.record(ended_at=_now(), outcome=outcome)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 class RunLog:

@@ -95,6 +95,15 @@ class Placement:
     engine_gpus: list[list[int]]  # GPU slots of each engine ([] on the CPU)
     pg: Any = None  # the reserved ray placement group
     slot_gpu_ids: list[int] = field(default_factory=list)  # physical GPU id of each slot, once reserved
+    gpu_sharing: str | None = None  # why engines share the trainer's GPUs (gpu_sharing()); None: they do not
+
+    def describe(self) -> dict:
+        """Who got which physical GPU, for the run's run.json."""
+        def physical(slots):
+            return [self.slot_gpu_ids[g] for g in slots] if self.slot_gpu_ids else slots
+
+        return {"trainer_gpus": [physical(g) for g in self.trainer_gpus],
+                "engine_gpus": [physical(g) for g in self.engine_gpus], "gpu_sharing": self.gpu_sharing}
 
     def shares(self, bundle: int) -> bool:
         """Does a trainer rank share this bundle's GPU with an engine (--colocate)?"""
@@ -179,6 +188,18 @@ def trainer_ranks(cfg: Config) -> int:
     return ranks if cfg.train.trainer == "megatron" else 1
 
 
+def gpu_sharing(cfg: Config, *, gpus: int, trainer_ranks: int, num_engines: int, gpus_per_engine: int) -> str | None:
+    """Why the engines sit on the trainer's GPUs (None: they do not). Besides --colocate, embedded
+    engines on too few GPUs share the trainer's, as on one GPU: a placement fact of this run, kept
+    in its run.json (agentrl.metrics.RunContext), never written back into its config."""
+    if cfg.run.colocate:
+        return "--colocate"
+    if gpus_per_engine and cfg.rollout.rollout_engine == "embedded" and gpus < trainer_ranks + num_engines:
+        return (f"{num_engines} embedded engine(s) and {trainer_ranks} trainer rank(s) on {gpus} GPU(s): the engines "
+                "share the trainer's GPUs (no handover: an embedded engine keeps its weights beside the trainer)")
+    return None
+
+
 def reserve_placement(cfg: Config, device: str, *, trainer: bool, engines: bool,
                       timeout_s: float = 300.0) -> Placement:
     """The run's placement group, reserved (and each GPU slot's physical id probed)."""
@@ -190,11 +211,10 @@ def reserve_placement(cfg: Config, device: str, *, trainer: bool, engines: bool,
     n, per = engines_to_launch(cfg, gpus, ranks if device == "cuda" else 0) if engines else (0, 0)
     if n and device == "cuda" and cfg.rollout.rollout_engine == "embedded":
         per = 1  # an embedded engine on the GPU: one each
-    colocate = cfg.run.colocate
-    if per and not colocate and cfg.rollout.rollout_engine == "embedded" and gpus < ranks + n:
-        colocate = True  # embedded engines on too few GPUs share the trainer's (as on one GPU)
+    shared = gpu_sharing(cfg, gpus=gpus, trainer_ranks=ranks, num_engines=n, gpus_per_engine=per)
     plan = plan_placement(gpus=gpus, trainer_ranks=ranks, trainer_on_gpu=device == "cuda", num_engines=n,
-                          gpus_per_engine=per, rollout_gpus=cfg.rollout.rollout_num_gpus, colocate=colocate)
+                          gpus_per_engine=per, rollout_gpus=cfg.rollout.rollout_num_gpus, colocate=shared is not None)
+    plan.gpu_sharing = shared
     plan.pg = placement_group(plan.bundles, strategy="PACK")
     try:
         ray.get(plan.pg.ready(), timeout=timeout_s)

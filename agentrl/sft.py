@@ -23,7 +23,7 @@ import math
 import time
 from datetime import datetime
 from pathlib import Path
-from agentrl.config import AlgoConfig, Config, DataConfig
+from agentrl.config import Config, DataConfig
 from agentrl.errors import ConfigError, DatasetError, TemplateDriftError
 from agentrl.rollout.agent_loop import Renderer
 from agentrl.types import Sample
@@ -153,9 +153,7 @@ def sft(cfg: Config) -> Path:
     num_steps = math.ceil(total / gbs)
 
     device = resolve_device(cfg)
-    # temperature 1: the NLL of the model's own distribution; no reference model or critic
-    trainer = build_trainer(cfg.model_copy(update={"algo": AlgoConfig(), "rollout": cfg.rollout.model_copy(
-        update={"rollout_temperature": 1.0})}), model_path, device)
+    trainer = build_trainer(cfg, model_path, device, sft=True)
     step = 0
     if ckpt is not None:
         state = trainer.load(ckpt)

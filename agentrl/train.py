@@ -31,7 +31,7 @@ from agentrl.config import Config
 from agentrl.data import PromptSource
 from agentrl.engines.group import EngineGroup, start_engines
 from agentrl.evaluation import evaluate
-from agentrl.metrics import RunLog, start_wandb
+from agentrl.metrics import RunContext, RunLog, start_wandb
 from agentrl.models import load_tokenizer
 from agentrl.orchestration import RemoteTrainer, reserve_placement, start_ray, stop_ray
 from agentrl.progress import Progress
@@ -51,7 +51,8 @@ def train(cfg: Config) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     # the trainer actor writes there too (--weight-sync-mode disk)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output_dir": str(out)})})
-    cfg.dump(out / "config.yaml")
+    cfg.dump(out / "config.yaml")  # as given; what it met here goes to run.json
+    context = RunContext(out)
     progress = Progress(enabled=cfg.run.progress)
     seed_everything(cfg.run.seed)
 
@@ -76,6 +77,7 @@ def train(cfg: Config) -> Path:
                       f"{len(state.pending_tasks)} launched tasks to re-run")
     tokenizer = load_tokenizer(model_path)
     save_dir = Path(cfg.run.save or out / "checkpoints")
+    context.record(device=device, model_path=str(model_path), resumed_from=state.rollout_id if cfg.run.load else None)
 
     start_ray(cfg)
     engines, runlog, placement = None, None, None
@@ -89,10 +91,17 @@ def train(cfg: Config) -> Path:
             engines = start_engines(cfg.rollout, model_path=str(model_path), device=device, seed=cfg.run.seed,
                                     log_dir=out / "logs", sglang_args=cfg.sglang_args, router_args=cfg.router_args,
                                     dtype=cfg.model.dtype, placement=placement, **lora_engine_args(cfg))
+            context.record(engines={"kind": engines.kind, "urls": engines.engine_urls, "generate_url": engines.url,
+                                    "router": engines.router is not None})
+        context.record(placement=placement.describe(), trainer_ranks=len(placement.trainer_bundles))
         runlog = RunLog(out, tokenizer=tokenizer, wandb_run=start_wandb(cfg.run, cfg.model_dump(mode="json"), out))
         asyncio.run(_loop(Run(cfg=cfg, trainer=trainer, engines=engines, tokenizer=tokenizer, source=source,
                               runlog=runlog, progress=progress, state=state, save_dir=save_dir, reward_fn=reward_fn,
-                              replay=replay, eval_sets=eval_sets)))
+                              replay=replay, eval_sets=eval_sets, context=context)))
+        context.end("completed")
+    except BaseException as exc:
+        context.end("interrupted" if isinstance(exc, KeyboardInterrupt) else f"failed: {type(exc).__name__}: {exc}")
+        raise
     finally:
         if engines is not None:
             engines.stop()
@@ -125,6 +134,7 @@ class Run:
     replay: list[list[Sample]] | None  # --debug-train-only's saved rollouts
     eval_sets: list[tuple[str, list[dict]]]
     control: RolloutControl = field(default_factory=RolloutControl)  # the weight-update gate of the agent loops
+    context: RunContext | None = None  # run.json
 
 
 async def _loop(run: Run) -> None:
@@ -222,6 +232,8 @@ async def start_rollout(run: Run, stack: contextlib.AsyncExitStack, weights_lock
     evaluate_now(rollout_id, prefix) or None when no evaluation is due, sandbox pool or None)."""
     cfg, r, state = run.cfg, run.cfg.rollout, run.state
     pool = await start_sandbox_pool(cfg)
+    if pool is not None and run.context is not None:
+        run.context.record(sandbox={"backend": pool.backend, "max_active": pool.max_active})
     # last out: what failed attempts left in reference cycles (a tool server's subprocess
     # transport held by its exception's traceback) is finalized while the loop still runs;
     # collected after asyncio.run closed it, it prints "RuntimeError: Event loop is closed"

@@ -123,3 +123,22 @@ def test_trainer_ranks_megatron_only():
     assert trainer_ranks(parse_config([])[0]) == 1
     with pytest.raises(ConfigError, match="plain-PyTorch trainer runs on one device: use --trainer megatron"):
         trainer_ranks(parse_config(["--actor-num-gpus-per-node", "2"])[0])
+
+
+def test_gpu_sharing_is_a_fact_of_the_run_not_a_config_rewrite():
+    from agentrl.orchestration import gpu_sharing
+
+    cfg, _ = parse_config([])
+    # embedded engines on one GPU with the trainer: they share it, and say why
+    why = gpu_sharing(cfg, gpus=1, trainer_ranks=1, num_engines=1, gpus_per_engine=1)
+    assert why and "share the trainer's GPUs" in why and cfg.run.colocate is False
+    assert gpu_sharing(cfg, gpus=2, trainer_ranks=1, num_engines=1, gpus_per_engine=1) is None  # room for both
+    assert gpu_sharing(cfg, gpus=0, trainer_ranks=1, num_engines=1, gpus_per_engine=0) is None  # on the CPU
+    sglang, _ = parse_config(["--rollout-engine", "sglang"])
+    assert gpu_sharing(sglang, gpus=1, trainer_ranks=1, num_engines=1, gpus_per_engine=1) is None  # refused later
+    colocated, _ = parse_config(["--rollout-engine", "sglang", "--colocate"])
+    assert gpu_sharing(colocated, gpus=1, trainer_ranks=1, num_engines=1, gpus_per_engine=1) == "--colocate"
+    p = plan_placement(gpus=1, trainer_ranks=1, trainer_on_gpu=True, num_engines=1, gpus_per_engine=1,
+                       rollout_gpus=None, colocate=True)
+    p.slot_gpu_ids, p.gpu_sharing = [3], why
+    assert p.describe() == {"trainer_gpus": [[3]], "engine_gpus": [[3]], "gpu_sharing": why}

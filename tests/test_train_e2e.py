@@ -41,6 +41,12 @@ def test_target_token_reward_rises_from_scratch(tmp_path):
                                  "response_text"} <= set(traj[0])
     assert (out / "reward.png").stat().st_size > 1000
     assert (out / "checkpoints" / "iter_000040" / "model" / "config.json").exists()
+    # run.json: what the config met here; config.yaml stays the config as given
+    context = json.loads((out / "run.json").read_text())
+    assert context["outcome"] == "completed" and context["device"] == "cpu" and context["command"][1] == "train"
+    assert context["engines"]["kind"] == "embedded" and len(context["engines"]["urls"]) == 1
+    assert context["placement"] == {"trainer_gpus": [[]], "engine_gpus": [[]], "gpu_sharing": None}
+    assert "device: auto" in (out / "config.yaml").read_text()
 
 
 def test_resume_continues_at_the_same_data_position(tmp_path):
@@ -51,6 +57,8 @@ def test_resume_continues_at_the_same_data_position(tmp_path):
                  *SMALL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "iteration 2" in proc.stderr
+    context = json.loads((b / "run.json").read_text())
+    assert context["resumed_from"] == 2 and context["model_path"].endswith("iter_000002/model")
     assert [r["rollout_id"] for r in metrics(b)] == [2, 3]
 
     def prompts(folder, i):
