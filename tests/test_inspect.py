@@ -249,6 +249,38 @@ def test_partial_and_odd_rows(tmp_path):
     assert data["tokenizer"]["ok"] is False and len(data["metrics"]) == 1
 
 
+def test_run_text_is_escaped_in_the_page(tmp_path):
+    """Markup from the run (trajectory text and ids, an error, a metric name, a config value, an
+    eval set's file name) lands in the page as text: the templates autoescape it, and the JSON
+    block escapes < and > so nothing can close its <script>."""
+    evil = "<script>alert(1)</script>"
+    run = tmp_path / "run"
+    (run / "trajectories").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"run": {"env": evil}, "model": {"model": "/nonexistent"}}))
+    (run / "metrics.jsonl").write_text(json.dumps({"rollout_id": 0, "reward_mean": 0.5, evil: 1.0}) + "\n")
+    sample = Sample(prompt_tokens=[1, 2], trajectory_id=evil, env_name=evil, messages=[
+        {"role": "user", "content": evil}, {"role": "assistant", "content": evil}])
+    sample.append_generated([3, 4], [-0.1, -0.2], 0)
+    failed = Sample(prompt_tokens=[], trajectory_id="f", status=SampleStatus.FAILED, metadata={"error": evil})
+    lines = "".join(json.dumps(s.to_dict()) + "\n" for s in (sample, failed))
+    (run / "trajectories" / "rollout_00000.jsonl").write_text(lines)
+    (run / "trajectories" / "eval_<img src=x onerror=alert(2)>_00000.jsonl").write_text(lines)
+    path, _ = report.build_report(run)
+    page = path.read_text()
+    tags = _Tags()
+    tags.feed(page)
+    assert [t for t, _ in tags.tags if t in ("script", "img")] == ["script", "script"]  # the page's own two
+    assert evil not in page and "<img" not in page and page.count("</script>") == 2
+    # escaped where the templates put run text: the summary (env), the curves (metric name), the notes (eval name)
+    assert "<dd>&lt;script&gt;alert(1)&lt;/script&gt;</dd>" in page
+    assert 'data-key="&lt;script&gt;alert(1)&lt;/script&gt;"' in page
+    assert "eval &lt;img src=x onerror=alert(2)&gt; @0 (2 of 2)" in page
+    # and intact in the data the page's script shows (with textContent)
+    data = _embedded(page)
+    assert "\\u003cscript\\u003e" in page and data["trajs"][0]["id"] == evil
+    assert data["trajs"][0]["prompt_msgs"][0]["content"] == evil and data["trajs"][1]["error"] == evil
+
+
 # -- in a real browser ------------------------------------------------------------------------
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 

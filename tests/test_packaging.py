@@ -1,6 +1,7 @@
 """A wheel install (not editable) carries everything agentrl reads at run time: each built-in
-env's data loads from the installed package, not from this checkout. scripts/setup.sh's
-editable install prints nothing of setuptools' (no banner, no 'Package would be ignored')."""
+env's data and `agentrl inspect`'s templates load from the installed package, not from this
+checkout. scripts/setup.sh's editable install prints nothing of setuptools' (no banner, no
+'Package would be ignored')."""
 
 import os
 import shlex
@@ -8,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from importlib import metadata
 
 import pytest
@@ -43,7 +45,18 @@ CHECK = textwrap.dedent("""
         env = agentrl.make(name)
         env.close()
     print("loaded", " ".join(names))
+    # `agentrl inspect` renders its page from the installed templates and static files
+    import json, pathlib, tempfile
+    from agentrl.inspect import build_report
+    run = pathlib.Path(tempfile.mkdtemp()) / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"rollout_id": 0, "reward_mean": 0.5}) + "\\n")
+    page = build_report(run)[0].read_text()
+    assert 'data-key="reward"' in page and "--trained:" in page and "applyFilters" in page, page[:2000]
+    print("report rendered")
 """)
+INSPECT_FILES = ["agentrl/inspect/templates/report.html", "agentrl/inspect/templates/chart.html",
+                 "agentrl/inspect/static/report.css", "agentrl/inspect/static/report.js"]
 
 
 @pytest.mark.timeout(300)
@@ -54,6 +67,8 @@ def test_wheel_install_loads_every_builtin_envs_data(tmp_path):
                             "-w", str(wheels), str(src)], capture_output=True, text=True, timeout=240)
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = wheels.glob("agentrl-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        assert not set(INSPECT_FILES) - set(zf.namelist()), "the inspect report's templates/static files did not ship"
     inst = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
                            str(wheel)], capture_output=True, text=True, timeout=120)
     assert inst.returncode == 0, inst.stderr[-2000:]
@@ -64,6 +79,7 @@ def test_wheel_install_loads_every_builtin_envs_data(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("search-r1", "code", "math", "target-token"):
         assert name in proc.stdout
+    assert "report rendered" in proc.stdout
 
 
 @pytest.mark.timeout(300)

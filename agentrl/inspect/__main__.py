@@ -1,0 +1,7 @@
+"""`python -m agentrl.inspect RUN_DIR`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main(sys.argv[1:]))
