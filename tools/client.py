@@ -671,21 +671,11 @@ async def _aclose_quietly(*resources) -> None:
 
 
 async def _gather_or_cancel(coros: list) -> list:
-    """gather, but the first exception cancels the rest and is raised as itself."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    if not tasks:
-        return []
+    """gather, but the first exception cancels the rest and is raised as itself (callers catch
+    ToolServerError and friends, not a group)."""
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-    failed = [t for t in done if not t.cancelled() and t.exception() is not None]
-    if failed:
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        raise failed[0].exception()
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coros]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
     return [t.result() for t in tasks]

@@ -21,11 +21,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import pydantic
+from transformers.utils.chat_template_utils import parse_google_format_docstring
 
 
 @dataclass
@@ -48,31 +48,6 @@ class FunctionTool:
         return result
 
 
-def _doc_parts(doc: str) -> tuple[str, dict[str, str]]:
-    """(description, {arg: description}) from a Google-style docstring."""
-    doc = inspect.cleandoc(doc or "")
-    m = re.search(r"^(Args|Arguments|Parameters):\s*$", doc, re.MULTILINE)
-    if not m:
-        return doc, {}
-    desc, rest = doc[:m.start()].strip(), doc[m.end():]
-    args: dict[str, str] = {}
-    current, indent = None, None
-    for line in rest.splitlines():
-        if not line.strip():
-            continue
-        depth = len(line) - len(line.lstrip())
-        if depth == 0:
-            break  # the next section (Returns:, Raises:, ...)
-        indent = depth if indent is None else indent
-        am = re.match(r"^\s*\*{0,2}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$", line)
-        if depth == indent and am:
-            current = am.group(1)
-            args[current] = am.group(2).strip()
-        elif current:
-            args[current] += " " + line.strip()
-    return desc, args
-
-
 def _strip_titles(schema: Any) -> Any:
     if isinstance(schema, dict):
         return {k: _strip_titles(v) for k, v in schema.items() if not (k == "title" and isinstance(v, str))}
@@ -88,7 +63,8 @@ def function_tool(fn: Callable | None = None, *, name: str | None = None, descri
         return lambda f: function_tool(f, name=name, description=description, timeout_s=timeout_s)
     if isinstance(fn, FunctionTool):
         return fn
-    desc, arg_docs = _doc_parts(fn.__doc__ or "")
+    # transformers' Google-style parser: the one chat templates' tool schemas are built with
+    desc, arg_docs, _ = parse_google_format_docstring(inspect.cleandoc(fn.__doc__ or ""))
     fields: dict[str, Any] = {}
     for p in inspect.signature(fn).parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in ("self", "cls"):
