@@ -1,6 +1,7 @@
 """The embedded engine speaks SGLang's protocol: fields, batching, abort, weight updates."""
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -66,13 +67,17 @@ def test_bad_input_is_rejected_and_server_lives(engine):
 def test_abort_all_returns_partial_output(engine, tokenizer):
     async def go():
         async with EngineClient(engine.url) as c:
-            task = asyncio.create_task(c.generate(tokenizer.encode("long"), {"max_new_tokens": 4000, "ignore_eos": True}))
-            await asyncio.sleep(1.0)
+            prompt = tokenizer.encode("long")
+            task = asyncio.create_task(c.generate(prompt, {"max_new_tokens": 4000, "ignore_eos": True}))
+            deadline = time.monotonic() + 60
+            while (await c.get("/get_load"))[0]["num_tokens"] < len(prompt) + 8:  # some tokens decoded
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.01)
             await c.post("/abort_request", {"abort_all": True})
             return await asyncio.wait_for(task, 30)
 
     res = run(go())
-    assert res.finish_reason == "abort" and 0 < len(res.output_ids) < 4000
+    assert res.finish_reason == "abort" and 8 <= len(res.output_ids) < 4000
 
 
 def test_weight_update_from_tensor_and_disk(engine, tokenizer, tiny_model):

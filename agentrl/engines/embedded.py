@@ -142,6 +142,7 @@ class EmbeddedEngine:
         self.stats = {"batches": 0, "requests": 0, "max_batch": 0}
         self.released: set[str] = set()  # memory tags released (/release_memory_occupation)
         self.inflight = 0  # /generate requests received and not yet answered
+        self.decoding: list[_Request] = []  # the batch being decoded now (/get_load's num_tokens)
         self.dead: str | None = None  # why the engine died (see _fatal)
         self.exit_on_fatal = False  # the server process exits (main); in-process it answers 500 from then on
 
@@ -171,9 +172,11 @@ class EmbeddedEngine:
                 try:
                     for adapter, group in self._by_adapter(batch):
                         self._use_adapter(adapter)
+                        self.decoding = group
                         try:
                             await asyncio.to_thread(self._decode_batch, group)
                         finally:
+                            self.decoding = []
                             self._use_adapter(None)  # stats and weight updates see the base model's cache
                 except Exception as exc:  # a failed batch fails its requests, not the server
                     log.exception("batch failed")
@@ -702,9 +705,11 @@ class EmbeddedEngine:
         return web.json_response(None)
 
     async def get_load(self, request: web.Request) -> web.Response:
-        """SGLang's /get_load shape: one entry per data-parallel rank."""
+        """SGLang's /get_load shape: one entry per data-parallel rank; num_tokens, the tokens the
+        running batch holds in its KV cache (prompts and what was generated so far)."""
+        tokens = sum(len(r.input_ids) + len(r.output_ids) for r in list(self.decoding))
         return web.json_response([{"dp_rank": 0, "num_reqs": self.inflight, "num_waiting_reqs": self.queue.qsize(),
-                                   "num_tokens": 0, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
+                                   "num_tokens": tokens, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
 
     async def workers(self, request: web.Request) -> web.Response:
         """sglang-router's /workers shape, this engine the one worker: slime's abort asks the
