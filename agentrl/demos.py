@@ -46,7 +46,7 @@ MATH_KINDS: dict[str, tuple[str, Callable[..., tuple[list[str], str]]]] = {
     "ages": (rf"is {_N} years old\. \w+ is {_N} years older .* in {_N} years",
              lambda a, d, y: ([f"older_now = {a} + {d}", f"later = older_now + {y}"], "later")),
     "rectangle": (rf"rectangle {_N} meters long and {_N} meters wide\. {_N} square flower beds, each {_N} meters",
-                  lambda w, h, c, s: ([f"garden = {w} * {h}", f"beds = {c} * {s} * {s}", f"lawn = garden - beds"],
+                  lambda w, h, c, s: ([f"garden = {w} * {h}", f"beds = {c} * {s} * {s}", "lawn = garden - beds"],
                                       "lawn")),
     "savings": (rf"has {_N} dollars saved and adds {_N} dollars every week for {_N} weeks, then spends {_N}",
                 lambda st, w, n, sp: ([f"saved = {st} + {w} * {n}", f"now = saved - {sp}"], "now")),

@@ -52,7 +52,6 @@ own). CLI: `agentrl.sandboxes.cli:main(["build" | "ls" | "reap" ...])`.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Mapping
 

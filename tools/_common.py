@@ -114,3 +114,15 @@ def base_argparser(prog: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--max-timeout", type=float, default=600.0, help="largest timeout a call may ask for")
     p.add_argument("--max-output", type=int, default=DEFAULT_MAX_OUTPUT, help="characters returned per call")
     return p
+
+
+def serve(module: str, doc: str, build, argv: list[str] | None = None, add_flags=None) -> None:
+    """A tool server's `main`: the shared flags (plus `add_flags(parser)`'s), work in --workdir,
+    then `build(args, workdir, timeout=, max_timeout=, max_output=)` serves on stdio."""
+    parser = base_argparser(f"python -m {module}", doc)
+    if add_flags is not None:
+        add_flags(parser)
+    args = parser.parse_args(argv)
+    workdir = resolve_workdir(args.workdir)
+    os.chdir(workdir)
+    build(args, workdir, timeout=args.timeout, max_timeout=args.max_timeout, max_output=args.max_output).run()

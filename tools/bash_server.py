@@ -21,8 +21,8 @@ from pathlib import Path
 
 from mcp.server.mcpserver import MCPServer
 
-from agentrl.tools._common import (KEEP_PIDS, base_argparser, become_subreaper, child_env, child_identity, clip,
-                                   kill_leftovers, new_server, resolve_workdir)
+from agentrl.tools._common import (KEEP_PIDS, become_subreaper, child_env, child_identity, clip, kill_leftovers,
+                                   new_server, resolve_workdir, serve)
 
 
 async def run_command(command: str, cwd: Path, timeout: float, max_output: int) -> tuple[int | None, str, bool]:
@@ -121,10 +121,7 @@ def build_server(workdir: Path | str | None = None, **kw) -> MCPServer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = base_argparser("python -m agentrl.tools.bash_server", __doc__).parse_args(argv)
-    workdir = resolve_workdir(args.workdir)
-    os.chdir(workdir)
-    build_server(workdir, timeout=args.timeout, max_timeout=args.max_timeout, max_output=args.max_output).run()
+    serve("agentrl.tools.bash_server", __doc__, lambda args, workdir, **limits: build_server(workdir, **limits), argv)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,11 @@ Same tools and options as `python_server`, `bash_server` and `files_server`.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from mcp.server.mcpserver import MCPServer
 
-from agentrl.tools._common import base_argparser, new_server, resolve_workdir
+from agentrl.tools._common import new_server, serve
 
 BUILTINS = ("python", "bash", "files")
 
@@ -39,13 +38,11 @@ def build_server(tools: tuple[str, ...] | list[str] = BUILTINS, workdir: Path | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = base_argparser("python -m agentrl.tools.builtin_server", __doc__)
-    p.add_argument("--tools", default=",".join(BUILTINS), help="comma-separated: python,bash,files")
-    args = p.parse_args(argv)
-    workdir = resolve_workdir(args.workdir)
-    os.chdir(workdir)
-    tools = [t.strip() for t in args.tools.split(",") if t.strip()]
-    build_server(tools, workdir, timeout=args.timeout, max_timeout=args.max_timeout, max_output=args.max_output).run()
+    def build(args, workdir, **limits):
+        return build_server([t.strip() for t in args.tools.split(",") if t.strip()], workdir, **limits)
+
+    serve("agentrl.tools.builtin_server", __doc__, build, argv,
+          lambda p: p.add_argument("--tools", default=",".join(BUILTINS), help="comma-separated: python,bash,files"))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
-from agentrl.tools._common import base_argparser, clip, new_server, resolve_workdir
+from agentrl.tools._common import clip, new_server, resolve_workdir, serve
 
 MAX_LIST = 1000
 
@@ -207,10 +207,7 @@ def build_server(workdir: Path | str | None = None, max_output: int = 64 * 1024,
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = base_argparser("python -m agentrl.tools.files_server", __doc__).parse_args(argv)
-    workdir = resolve_workdir(args.workdir)
-    os.chdir(workdir)
-    build_server(workdir, max_output=args.max_output).run()
+    serve("agentrl.tools.files_server", __doc__, lambda args, workdir, **limits: build_server(workdir, **limits), argv)
 
 
 if __name__ == "__main__":

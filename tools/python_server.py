@@ -25,8 +25,7 @@ from pathlib import Path
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
-from agentrl.tools._common import (KEEP_PIDS, base_argparser, child_env, child_identity, clip, new_server,
-                                   resolve_workdir)
+from agentrl.tools._common import KEEP_PIDS, child_env, child_identity, clip, new_server, resolve_workdir, serve
 
 WORKER = str(Path(__file__).with_name("_python_worker.py"))
 
@@ -126,10 +125,7 @@ def build_server(workdir: Path | str | None = None, **kw) -> MCPServer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = base_argparser("python -m agentrl.tools.python_server", __doc__).parse_args(argv)
-    workdir = resolve_workdir(args.workdir)
-    os.chdir(workdir)
-    build_server(workdir, timeout=args.timeout, max_timeout=args.max_timeout, max_output=args.max_output).run()
+    serve("agentrl.tools.python_server", __doc__, lambda args, workdir, **limits: build_server(workdir, **limits), argv)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import os
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 
 from agentrl.engines.launch import ENGINE_ENV
 from agentrl.errors import ConfigError

@@ -16,7 +16,6 @@ on the response tokens, normalised by the global batch's trained-token count.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import shutil

@@ -19,6 +19,7 @@ import torch
 
 from agentrl.trainers.megatron.families.common import (Family, Layout, gather_dim, hf_sources, local_spec_name,
                                                       to_hf, to_megatron_shard)
+from agentrl.weight_sync import buckets
 
 
 class HFCheckpoint:
@@ -125,8 +126,7 @@ def export_hf(model, family: Family, layout: Layout, *, bucket_bytes: int, tp_gr
     tp = dist.get_world_size(tp_group) if (tp_group is not None and dist.is_initialized()) else 1
     pp = dist.get_world_size(pp_group) if (pp_group is not None and dist.is_initialized()) else 1
 
-    def local_buckets():
-        bucket, size = [], 0
+    def local_tensors():
         for name, param in model_params(model, layout, skip_tied_output=True):
             kind, sources = hf_sources(name, family, layout)
             full = _tp_gather(param.detach(), gather_dim(kind), tp_group, tp)
@@ -136,15 +136,10 @@ def export_hf(model, family: Family, layout: Layout, *, bucket_bytes: int, tp_gr
                 d = delta(hf_name) if delta is not None else None
                 if d is not None:
                     t = (t.float() + d.to(t.device)).to(t.dtype)
-                t = t if dtype is None else t.to(dtype)
-                n = t.numel() * t.element_size()
-                if bucket and size + n > bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-                bucket.append((hf_name, t))
-                size += n
-        if bucket:
-            yield bucket
+                yield hf_name, (t if dtype is None else t.to(dtype))
+
+    def local_buckets():
+        return buckets(local_tensors(), bucket_bytes)
 
     if pp == 1:
         yield from local_buckets()
