@@ -1,0 +1,627 @@
+"""The local backend run by a non-root user: the README's threat-model column "local, not root",
+row by row, on the real backend (bubblewrap without cgroups or a tmpfs: rlimits instead).
+
+The suite runs as root, where the local backend takes cgroups and a tmpfs, so no other test runs
+it unprivileged. Each test here runs one `check_*` function below in a child process of uid 65534
+(`setpriv`; the current user where the suite is not root). The child's HOME and
+AGENTRL_SANDBOX_DIR (the sandboxes' state dirs; its parent gets the staged sources, so both must
+be writable by that uid) lie in a folder of that uid. What the README says holds is asserted. What
+it says is NOT held for the sandbox (total memory, disk, CPU; pids shared with the uid) is measured
+and asserted as the README words it, so a change either way shows. Where an attack of
+test_sandbox_security.py, test_attacks.py or tests/tools/test_tool_attacks.py covers a row, the
+check calls it with backend "local"; the other attacks of the first two ("contained, root or not")
+run as that uid too (`test_attack_contained_unprivileged`).
+
+Skipped, with the reason, where bubblewrap cannot run unprivileged or the uid cannot run this
+interpreter with this venv's packages. When the uid cannot execute the venv's interpreter (a
+pyenv under /root, mode 0700), the child uses a venv of the uid's own over the system python of
+the same version that loads this venv's site-packages, as a non-root user's install would."""
+from __future__ import annotations
+
+import ast
+import asyncio
+import dataclasses
+import importlib
+import inspect
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from agentrl.sandboxes import SandboxLimits
+from agentrl.sandboxes.local_backend import HOST_ETC, OWN_ETC, local_available
+from sbx_helpers import SMALL, run, sandbox
+
+HERE = Path(__file__).resolve()
+TESTS_TOOLS = HERE.parents[1] / "tools"
+REPO = HERE.parents[2]
+UID = 65534                 # who the checks run as when the suite is root
+SKIP_RC = 77                # a check's exit code for pytest.skip
+CHECK_TIMEOUT_S = 300
+# the limits the README's numbers were measured with
+README_LIMITS = SandboxLimits(memory_mb=256, workdir_mb=128, tmp_mb=64, timeout_s=30)
+MiB = 1 << 20
+
+
+# ---- the parent: one child process of the uid per check ----------------------------------------
+
+@dataclasses.dataclass
+class NonRoot:
+    prefix: list[str]  # setpriv ... (empty when the suite is not root)
+    python: str        # an interpreter the uid can execute, with this venv's packages
+    home: Path         # the uid's folder: HOME, AGENTRL_SANDBOX_DIR=home/sandboxes, the stages
+    uid: int
+
+    def env(self) -> dict[str, str]:
+        return {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin", "LANG": "C.UTF-8",
+                "HOME": str(self.home), "TMPDIR": str(self.home),
+                "AGENTRL_SANDBOX_DIR": str(self.home / "sandboxes"), "PYTHONDONTWRITEBYTECODE": "1",
+                "AGENTRL_TEST_HOST_PREFIX": sys.prefix}
+
+    def argv(self, python: str, *args: str) -> list[str]:
+        # through sh: setpriv execs its command before it drops every capability, so a path the
+        # uid cannot search would still run; sh's exec is the uid's own
+        return [*self.prefix, "/bin/sh", "-c", 'exec "$0" "$@"', python, *args]
+
+    def run(self, check: str, *args: str, timeout: float = CHECK_TIMEOUT_S) -> None:
+        """Run `check` (a function of this module) as the uid; its skip, failure or output is this test's."""
+        proc = subprocess.Popen(self.argv(self.python, str(HERE), check, *args), cwd=self.home, env=self.env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            pytest.fail(f"{check} as uid {self.uid}: no answer in {timeout:.0f} s\n{out[-8000:]}", pytrace=False)
+        print(out, end="")
+        if proc.returncode == SKIP_RC:
+            pytest.skip(out.strip().splitlines()[-1])
+        if proc.returncode != 0:
+            pytest.fail(f"{check} as uid {self.uid} (exit {proc.returncode}):\n{out[-8000:]}", pytrace=False)
+
+
+PROBE = "import agentrl.sandboxes, mcp, pytest"
+
+
+def _cannot_run(nr: NonRoot, python: str) -> str:
+    """'' when the uid runs `python` with this venv's packages, else why not."""
+    r = subprocess.run(nr.argv(python, "-c", PROBE), cwd=nr.home, env=nr.env(), capture_output=True,
+                       text=True, timeout=120)
+    return "" if r.returncode == 0 else (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+
+
+def _interpreter(nr: NonRoot) -> str:
+    why = _cannot_run(nr, sys.executable)
+    if not why:
+        return sys.executable
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    sites = list(dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]))
+    tried = []
+    for base in (f"/usr/bin/python{ver}", f"/usr/local/bin/python{ver}"):
+        if not os.path.exists(base):
+            continue
+        shim = nr.home / "venv"
+        shutil.rmtree(shim, ignore_errors=True)
+        r = subprocess.run(nr.argv(base, "-m", "venv", "--without-pip", str(shim)), cwd=nr.home, env=nr.env(),
+                           capture_output=True, text=True, timeout=120)
+        site_dir = shim / "lib" / f"python{ver}" / "site-packages"
+        if r.returncode != 0 or not site_dir.is_dir():
+            tried.append(f"{base}: cannot make a venv ({r.stderr.strip()[-200:]})")
+            continue
+        (site_dir / "agentrl-host-venv.pth").write_text(
+            "import site; " + "; ".join(f"site.addsitedir({s!r})" for s in sites) + "\n")
+        shim_why = _cannot_run(nr, str(shim / "bin" / "python"))
+        if not shim_why:
+            return str(shim / "bin" / "python")
+        tried.append(f"{base} with this venv's site-packages: {shim_why}")
+    pytest.skip(f"uid {nr.uid} cannot run this venv's interpreter {sys.executable} ({why}), and no system "
+                f"python{ver} it can run loads the venv's packages ({'; '.join(tried) or 'none found'})")
+
+
+@pytest.fixture(scope="module")
+def nonroot():
+    ok, why = local_available()
+    if not ok:
+        pytest.skip(f"local backend unavailable: {why}")
+    root = os.geteuid() == 0
+    if root and shutil.which("setpriv") is None:
+        pytest.skip(f"setpriv (util-linux) not found: cannot run the checks as uid {UID}")
+    prefix = ["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups"] if root else []
+    # in /tmp: pytest's tmp_path lies under a 0700 folder of root
+    home = Path(tempfile.mkdtemp(prefix="agentrl-nonroot-"))
+    try:
+        if root:
+            os.chown(home, UID, UID)
+        nr = NonRoot(prefix, sys.executable, home, UID if root else os.geteuid())
+        r = subprocess.run([*prefix, "bwrap", "--ro-bind", "/", "/", "--unshare-all", "--die-with-parent", "true"],
+                           cwd=home, env=nr.env(), capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            pytest.skip(f"bubblewrap cannot run as uid {nr.uid} here (unprivileged user namespaces "
+                        f"disabled?): {r.stderr.strip()[-300:]}")
+        nr.python = _interpreter(nr)
+        yield nr
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+# ---- the child: the checks, run as the uid ------------------------------------------------------
+
+def _attack(module: str, name: str) -> None:
+    """Call an attack of test_sandbox_security.py, test_attacks.py or tests/tools/test_tool_attacks.py
+    with backend "local", its other fixtures stood in for (tmp_path: a fresh folder of the uid)."""
+    if str(TESTS_TOOLS) not in sys.path:
+        sys.path.append(str(TESTS_TOOLS))
+    fn = getattr(importlib.import_module(module), name)
+    kw, patch, loop = {}, pytest.MonkeyPatch(), None
+    for param in inspect.signature(fn).parameters:
+        if param == "backend":
+            kw[param] = "local"
+        elif param == "tmp_path":
+            kw[param] = Path(tempfile.mkdtemp(dir=os.environ["HOME"]))
+        elif param == "monkeypatch":
+            kw[param] = patch
+        elif param == "arun":
+            loop = asyncio.new_event_loop()
+            kw[param] = loop.run_until_complete
+        else:
+            raise TypeError(f"{module}.{name}: no stand-in for its fixture {param!r}")
+    try:
+        fn(**kw)
+    finally:
+        patch.undo()
+        if loop is not None:
+            loop.close()
+
+
+async def _rlimits(sb) -> dict[str, tuple[str, str]]:
+    """{'Max address space': (soft, hard), ...} of a process in the sandbox."""
+    out = (await sb.exec("cat /proc/self/limits")).stdout.splitlines()[1:]
+    rows = [line[:26].strip() for line in out], [line[26:].split() for line in out]
+    return {name: (vals[0], vals[1]) for name, vals in zip(*rows)}
+
+
+# servers' identity ------------------------------------------------------------------------------
+
+PTRACE_PARENT = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+r = libc.ptrace(16, os.getppid(), None, None)  # PTRACE_ATTACH
+print("attached" if r == 0 else "refused " + os.strerror(ctypes.get_errno()))
+"""
+
+
+def check_exec_server_not_dumpable() -> None:
+    _attack("test_attacks", "test_servers_memory_and_pipes_out_of_reach")    # /proc/PID/mem, fd, environ
+    _attack("test_sandbox_security", "test_killing_the_exec_server_is_survivable")  # killed: tainted
+
+    async def go():
+        async with sandbox("local") as sb:
+            r = await sb.exec("ps -o uid= -p $PPID; id -u")
+            server_uid, agent_uid = r.stdout.split()
+            assert server_uid == agent_uid == "1000", ("README: the servers run as the agent's uid", r)
+            r = await sb.exec(["python3", "-c", PTRACE_PARENT])
+            assert r.stdout.startswith("refused"), r
+    run(go())
+
+
+def check_tool_server_not_dumpable_kill_is_agent_fault() -> None:
+    _attack("test_tool_attacks", "test_tool_server_cannot_be_forged_or_hijacked")  # fd/mem, planted modules
+    _attack("test_tool_attacks", "test_killing_the_tool_server_is_the_agents_fault")
+
+
+def check_exec_server_out_of_the_agents_pid_namespace() -> None:
+    sys.path.append(str(TESTS_TOOLS))
+    from test_tool_attacks import AttackEnv, _bash
+
+    loop = asyncio.new_event_loop()
+    arun = loop.run_until_complete
+    env = AttackEnv(sandbox="local")
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        sb = env.sandbox_instance
+        server_pid = sb._chan.pid
+        server_ns = arun(sb.exec("readlink /proc/self/ns/pid")).stdout.strip()
+        obs, *_ = _bash(arun, env, "readlink /proc/self/ns/pid; ps -eo args")
+        seen = obs[0]["content"]
+        assert seen.split("\n", 1)[0] != server_ns, (server_ns, seen)  # the bash tool's is another
+        assert "agentrl-sandbox-server" not in seen, seen  # the exec server's command line
+        print(f"pid namespaces: exec server {server_ns}, bash tool {seen.split(chr(10), 1)[0]}")
+        _bash(arun, env, "kill -9 -1")  # what the agent's uid can reach in its namespace
+        r = arun(sb.exec("echo exec-server-alive"))
+        assert r.stdout == "exec-server-alive\n" and sb._chan.pid == server_pid, r  # never restarted
+    finally:
+        arun(env.aclose())
+        loop.close()
+
+
+# memory, pids, CPU ------------------------------------------------------------------------------
+
+def check_address_space_rlimit_per_process() -> None:
+    async def go():
+        async with sandbox("local", limits=README_LIMITS) as sb:
+            assert (await _rlimits(sb))["Max address space"] == (str(256 * MiB),) * 2
+            r = await sb.exec(["python3", "-c", "x = bytearray(300 << 20); print('ALLOCATED')"])
+            assert "ALLOCATED" not in r.stdout and "MemoryError" in r.stderr, r
+    run(go())
+    _attack("test_sandbox_security", "test_memory_bomb_contained")
+
+
+HOLD = r"""
+import os, sys
+n, mb = int(sys.argv[1]), int(sys.argv[2])
+held_r, held_w = os.pipe()
+go_r, go_w = os.pipe()
+kids = []
+for _ in range(n):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            x = bytearray(mb * 1000 * 1000)
+            x[::4096] = b"1" * len(range(0, len(x), 4096))  # every page touched: resident
+            os.write(held_w, b"1")
+        except MemoryError:
+            os.write(held_w, b"0")
+        os.read(go_r, 1)
+        os._exit(0)
+    kids.append(pid)
+held = sum(os.read(held_r, 1) == b"1" for _ in kids)  # all of them at once: none has exited
+rss = 0
+for pid in kids:
+    for line in open("/proc/%d/status" % pid):
+        if line.startswith("VmRSS:"):
+            rss += int(line.split()[1]) * 1024
+os.write(go_w, b"x" * n)
+for pid in kids:
+    os.waitpid(pid, 0)
+print(held, rss)
+"""
+
+
+def check_memory_not_held_for_the_sandbox() -> None:
+    async def go():
+        async with sandbox("local", limits=README_LIMITS) as sb:
+            r = await sb.exec(["python3", "-c", HOLD, "4", "240"])
+            held, rss = map(int, r.stdout.split())
+            print(f"memory: 4 processes held {rss / 1e6:.0f} MB at once under memory_mb=256")
+            assert held == 4 and rss >= 4 * 230e6, (
+                "README (local, not root): memory 'not held for the sandbox: an address-space rlimit per "
+                "process, so `pids` processes may hold `pids x memory_mb` (measured: 4 processes held "
+                f"240 MB each under a 256 MB cap)'; now {held} of 4 held, {rss / 1e6:.0f} MB resident", r)
+    run(go())
+
+
+def check_pids_rlimit() -> None:
+    async def go():
+        async with sandbox("local") as sb:
+            assert (await _rlimits(sb))["Max processes"] == (str(SMALL.pids),) * 2
+    run(go())
+    _attack("test_sandbox_security", "test_fork_bomb_contained")
+
+
+FORKS = r"""
+import os, signal
+kids = []
+try:
+    while len(kids) < 500:
+        pid = os.fork()
+        if pid == 0:
+            signal.pause()
+            os._exit(0)
+        kids.append(pid)
+except OSError:
+    pass  # EAGAIN: RLIMIT_NPROC
+for pid in kids:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+print(len(kids))
+"""
+
+
+def check_pids_shared_with_the_uid() -> None:
+    extra = 8
+
+    async def go():
+        async with sandbox("local", limits=dataclasses.replace(SMALL, pids=32)) as sb:
+            alone = int((await sb.exec(["python3", "-c", FORKS])).stdout)
+            host = [subprocess.Popen(["sleep", "60"]) for _ in range(extra)]  # the uid's, outside the sandbox
+            try:
+                shared = int((await sb.exec(["python3", "-c", FORKS])).stdout)
+            finally:
+                for p in host:
+                    p.kill()
+                    p.wait()
+            print(f"pids: the sandbox forked {alone} processes, {shared} with {extra} more of its uid on the host")
+            assert 0 < alone < 32 and abs(alone - shared - extra) <= 1, (
+                "README (local, not root): 'pids an RLIMIT_NPROC of the uid, shared with the user's other "
+                f"processes'; {extra} processes of the uid on the host took {alone - shared} of the sandbox's")
+    run(go())
+
+
+SPIN = "import time\nt0 = time.monotonic()\nwhile time.process_time() < 0.6: pass\nprint(time.monotonic() - t0)"
+
+
+def check_cpu_not_capped() -> None:
+    async def go():
+        async with sandbox("local", limits=dataclasses.replace(SMALL, cpus=0.2)) as sb:
+            wall = float((await sb.exec(["python3", "-c", SPIN])).stdout)
+            print(f"cpu: 0.6 s of CPU in {wall:.2f} s of wall time under cpus=0.2")
+            # held, 0.2 of a core would take at least 3 s
+            assert wall < 2.4, ("README (local, not root): 'CPU not capped'; a spinning process under "
+                                f"cpus=0.2 took {wall:.2f} s for 0.6 s of CPU, as if capped")
+    run(go())
+
+
+# /work + /tmp size ------------------------------------------------------------------------------
+
+def check_per_file_size_cap() -> None:
+    limits = dataclasses.replace(SMALL, workdir_mb=8, tmp_mb=4)  # a 12 MiB cap
+
+    async def go():
+        async with sandbox("local", limits=limits) as sb:
+            assert (await _rlimits(sb))["Max file size"] == (str(12 * MiB),) * 2
+            for where in ("/work", "/tmp"):
+                r = await sb.exec(f"head -c {12 * MiB} /dev/zero > {where}/at-cap && echo at-cap; "
+                                  f"head -c {12 * MiB + 1} /dev/zero > {where}/past-cap && echo past-cap")
+                assert r.stdout == "at-cap\n", (where, r)
+            with pytest.raises(OSError):  # the exec server is under the rlimit too
+                await sb.write_file("/work/big", b"x" * (12 * MiB + 1))
+    run(go())
+    _attack("test_sandbox_security", "test_workdir_size_capped")
+
+
+def check_total_disk_not_held() -> None:
+    async def go():
+        async with sandbox("local", limits=README_LIMITS) as sb:  # a 192 MiB per-file cap
+            r = await sb.exec(f"stat -f -c %T /work /tmp; for f in /work/a /work/b /tmp/c; do "
+                              f"head -c {70 * MiB} /dev/zero > $f || echo failed $f; done; du -cm /work /tmp | tail -1")
+            fs, total = r.stdout.split("\n")[:2], int(r.stdout.split()[-2])  # file systems, MiB written
+            print(f"disk: {total} MiB written in 70 MiB files under a 192 MiB cap, on {fs}")
+            assert "failed" not in r.stdout and total >= 210 and "tmpfs" not in fs, (
+                "README (local, not root): /work + /tmp size 'not held: the host's disk, only a per-file size "
+                "cap of `workdir_mb + tmp_mb` (measured: 3 files of 70 MiB, 210 MiB, written under a 192 MiB "
+                "cap)'", r)
+    run(go())
+
+
+# /dev/shm ---------------------------------------------------------------------------------------
+
+FILL_SHM = r"""
+import os
+st = os.statvfs("/dev/shm")
+written = 0
+chunk = b"x" * (1 << 20)
+with open("/dev/shm/fill", "wb", buffering=0) as f:  # one file, under the 192 MiB per-file cap
+    try:
+        while written < 256 << 20:
+            written += f.write(chunk)
+    except OSError as e:
+        print(e.strerror)
+print(st.f_blocks * st.f_frsize, written)
+"""
+
+
+def check_dev_shm_capped() -> None:
+    from agentrl.sandboxes.local_backend import _bwrap_has_size
+    if not _bwrap_has_size():
+        pytest.skip("bubblewrap < 0.8 (no --size): /dev/shm is not capped; the README says bwrap >= 0.8")
+
+    async def go():
+        async with sandbox("local", limits=README_LIMITS) as sb:
+            r = await sb.exec(["python3", "-c", FILL_SHM])
+            size, written = map(int, r.stdout.split()[-2:])
+            print(f"/dev/shm: {written / MiB:.0f} of {size / MiB:.0f} MiB written")
+            assert size == 64 * MiB and size - MiB <= written <= size and "No space" in r.stdout, (
+                "README (local, not root): /dev/shm 'as root (measured with bwrap 0.8: 64 MiB written, "
+                "then ENOSPC)'", r)
+            r = await sb.exec("touch /dev/agentrl-probe || echo refused")
+            assert r.stdout == "refused\n", r  # /dev read-only
+        async with sandbox("local", limits=dataclasses.replace(README_LIMITS, tmp_mb=8)) as sb:
+            r = await sb.exec("stat -f -c '%b %S' /dev/shm")
+            blocks, bsize = map(int, r.stdout.split())
+            assert blocks * bsize == 8 * MiB, r  # min(tmp_mb, 64) MiB
+    run(go())
+
+
+# what of the host shows -------------------------------------------------------------------------
+
+def check_only_staged_sources() -> None:
+    _attack("test_attacks", "test_nothing_of_the_grader_or_host_is_visible")  # no .jsonl, no venv, no repo
+    from agentrl.tools.spec import tool_sandbox_options
+    tasks = REPO / "envs" / "code_env" / "data" / "tasks.jsonl"
+    host_prefix = os.environ["AGENTRL_TEST_HOST_PREFIX"]  # the suite's venv, not the child's
+    mounts, env = tool_sandbox_options()
+
+    async def go():
+        async with sandbox("local", mounts=mounts, env=env) as sb:
+            r = await sb.exec(f"ls -d {tasks} {REPO} {host_prefix} 2>/dev/null; cat /proc/self/mountinfo; "
+                              "find /opt/agentrl -type f ! -name '*.py'")
+            for host_path in (str(tasks), str(REPO), host_prefix):
+                assert host_path not in r.stdout, (host_path, r.stdout)
+            assert not [line for line in r.stdout.splitlines() if line.startswith("/opt/agentrl/")], r.stdout
+    run(go())
+
+
+def check_no_host_etc() -> None:
+    _attack("test_attacks", "test_local_etc_is_the_sandbox_own")
+
+    async def go():
+        async with sandbox("local") as sb:
+            inside = set((await sb.exec("ls -A /etc")).stdout.split())
+            assert inside <= set(HOST_ETC) | set(OWN_ETC), sorted(inside - set(HOST_ETC) - set(OWN_ETC))
+            assert set(os.listdir("/etc")) - inside  # the host's /etc has more
+    run(go())
+
+
+TOP_MOUNTS = {"", "usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev", "work", "tmp"}
+
+
+def check_only_host_usr_shows() -> None:
+    _attack("test_sandbox_security", "test_writes_outside_workdir_fail")
+    _attack("test_sandbox_security", "test_host_files_and_env_hidden")
+
+    async def go():
+        async with sandbox("local") as sb:
+            lines = (await sb.exec("cat /proc/self/mountinfo")).stdout.splitlines()
+            points = {line.split()[4]: line.split()[5] for line in lines}
+            for point in points:
+                top, _, rest = point.lstrip("/").partition("/")
+                assert top in TOP_MOUNTS or (top == "etc" and rest in (*HOST_ETC, *OWN_ETC)), (point, lines)
+            assert points["/usr"].startswith("ro"), points["/usr"]
+            r = await sb.exec("ls -d /home /root /var /run /srv /opt /mnt /media /boot 2>/dev/null; "
+                              "touch /usr/agentrl-probe || echo refused")
+            assert r.stdout == "refused\n", r
+    run(go())
+
+
+def check_host_path_names_shown() -> None:
+    from agentrl.tools.spec import tool_sandbox_options
+    mounts, env = tool_sandbox_options()
+
+    async def go():
+        async with sandbox("local", mounts=mounts, env=env) as sb:
+            state = f"{os.environ['AGENTRL_SANDBOX_DIR']}/{sb.id}"
+            mountinfo = (await sb.exec("cat /proc/self/mountinfo")).stdout
+            pid1 = (await sb.exec("tr '\\0' ' ' < /proc/1/cmdline")).stdout
+            print(f"host paths: pid 1 is {pid1.split()[0]!r}; mountinfo shows {state}")
+            readme = ("README (local, not root): host paths' names 'as root': mountinfo and pid 1's command "
+                      "line (bubblewrap's) show the sandbox's state dir ($AGENTRL_SANDBOX_DIR) and the staging folders")
+            assert state in mountinfo and state in pid1 and "bwrap" in pid1.split()[0], (readme, mountinfo, pid1)
+            for stage in mounts:
+                assert stage in mountinfo, (readme, stage, mountinfo)
+            for host_path in (str(REPO), os.environ["AGENTRL_TEST_HOST_PREFIX"]):
+                assert host_path not in mountinfo + pid1, (host_path, mountinfo, pid1)
+    run(go())
+
+
+# ---- the tests ----------------------------------------------------------------------------------
+
+def test_exec_server_not_dumpable(nonroot):
+    """servers' identity: the exec server runs as the agent's uid, but its memory, pipes and environ are
+    closed and ptrace is refused; killing it restarts it and taints the sandbox."""
+    nonroot.run("check_exec_server_not_dumpable")
+
+
+@pytest.mark.e2e
+def test_tool_server_not_dumpable_kill_is_agent_fault(nonroot):
+    """servers' identity: the agent cannot forge the tool server's answers or rewrite it; killing it is
+    the agent's fault (reward 0), and the sandbox is tainted."""
+    nonroot.run("check_tool_server_not_dumpable_kill_is_agent_fault")
+
+
+@pytest.mark.e2e
+def test_exec_server_out_of_the_agents_pid_namespace(nonroot):
+    """servers' identity: from the bash tool, the exec server is in another pid namespace: not listed,
+    and `kill -9 -1` does not reach it."""
+    nonroot.run("check_exec_server_out_of_the_agents_pid_namespace")
+
+
+def test_address_space_rlimit_per_process(nonroot):
+    """memory: each process gets an address-space rlimit of max(memory_mb, 256) MiB; one cannot allocate past it."""
+    nonroot.run("check_address_space_rlimit_per_process")
+
+
+def test_memory_not_held_for_the_sandbox(nonroot):
+    """memory, NOT held (as the README measures it): 4 processes hold 240 MB each at once under a 256 MB cap."""
+    nonroot.run("check_memory_not_held_for_the_sandbox")
+
+
+def test_pids_rlimit(nonroot):
+    """pids: RLIMIT_NPROC is `pids`; a fork bomb is contained."""
+    nonroot.run("check_pids_rlimit")
+
+
+def test_pids_shared_with_the_uid(nonroot):
+    """pids, NOT held for the sandbox: the uid's processes on the host count against the sandbox's RLIMIT_NPROC."""
+    nonroot.run("check_pids_shared_with_the_uid")
+
+
+def test_cpu_not_capped(nonroot):
+    """CPU, NOT held: a process under cpus=0.2 gets 0.6 s of CPU well within 3 s."""
+    nonroot.run("check_cpu_not_capped")
+
+
+def test_per_file_size_cap(nonroot):
+    """/work + /tmp: RLIMIT_FSIZE is workdir_mb + tmp_mb, for commands and the exec server alike."""
+    nonroot.run("check_per_file_size_cap")
+
+
+def test_total_disk_not_held(nonroot):
+    """/work + /tmp, NOT held: 3 files of 70 MiB (210 MiB) go to the host's disk under a 192 MiB cap."""
+    nonroot.run("check_total_disk_not_held")
+
+
+def test_dev_shm_capped(nonroot):
+    """/dev/shm: a tmpfs of min(tmp_mb, 64) MiB (64 MiB fit, then ENOSPC), and /dev read-only."""
+    nonroot.run("check_dev_shm_capped")
+
+
+def test_only_staged_sources(nonroot):
+    """what of the host shows: staged tool sources and the mcp closure only; no task data, repo or venv."""
+    nonroot.run("check_only_staged_sources")
+
+
+def test_no_host_etc(nonroot):
+    """what of the host shows: /etc is the sandbox's own plus HOST_ETC."""
+    nonroot.run("check_no_host_etc")
+
+
+def test_only_host_usr_shows(nonroot):
+    """what of the host shows: only /usr and the libraries (read-only), /etc's few files, /proc, /dev,
+    /work, /tmp are mounted; host files and env stay hidden, writes outside /work and /tmp fail."""
+    nonroot.run("check_only_host_usr_shows")
+
+
+def test_host_path_names_shown(nonroot):
+    """host paths' names (documented leak): mountinfo and pid 1's command line show the state dir and the
+    staging folders, and not the repo or the venv."""
+    nonroot.run("check_host_path_names_shown")
+
+
+# ---- the other attacks ("contained, root or not"), as the uid -----------------------------------
+
+# what a check above already runs
+IN_A_CHECK = {"test_servers_memory_and_pipes_out_of_reach", "test_killing_the_exec_server_is_survivable",
+              "test_memory_bomb_contained", "test_fork_bomb_contained", "test_workdir_size_capped",
+              "test_nothing_of_the_grader_or_host_is_visible", "test_local_etc_is_the_sandbox_own",
+              "test_writes_outside_workdir_fail", "test_host_files_and_env_hidden"}
+SLOW = {"test_gigabytes_of_output_truncated"}
+
+
+def _attacks() -> list:
+    out = []
+    for module in ("test_sandbox_security", "test_attacks"):
+        tree = ast.parse((HERE.parent / f"{module}.py").read_text())
+        for fn in tree.body:
+            if (isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_") and fn.name not in IN_A_CHECK
+                    and any(a.arg == "backend" for a in fn.args.args)):
+                out.append(pytest.param(module, fn.name, id=f"{module}::{fn.name}",
+                                        marks=[pytest.mark.e2e] if fn.name in SLOW else []))
+    return out
+
+
+@pytest.mark.parametrize("module,name", _attacks())
+def test_attack_contained_unprivileged(nonroot, module, name):
+    """An attack the README says is contained on both backends "root or not" holds as the uid."""
+    nonroot.run("_attack", module, name)
+
+
+if __name__ == "__main__":  # a child: run one check as this uid
+    import traceback
+    from agentrl.sandboxes.local_backend import cgroup_mode
+    check, *args = sys.argv[1:]
+    try:
+        assert os.geteuid() != 0 and cgroup_mode() is None, "the checks must run unprivileged (rlimits, no cgroups)"
+        globals()[check](*args)
+    except pytest.skip.Exception as e:
+        print(f"SKIP: {e.msg}")
+        sys.exit(SKIP_RC)
+    except BaseException:  # noqa: BLE001 - reported to the parent whole
+        traceback.print_exc()
+        sys.exit(1)
