@@ -1,12 +1,11 @@
 """Issue 20 through `agentrl train`: a hook that always fails stops the run naming it, with
-what it made saved; SIGTERM and SIGINT mid-rollout (docker sandboxes held) stop the run within
-seconds, leave no process or container behind, and write the partial iteration."""
+what it made saved; SIGTERM and SIGINT mid-rollout (two engines behind sglang-router, MCP tool
+servers in docker sandboxes) stop the run within seconds, leave no process or container behind,
+and write the partial iteration."""
 
 import json
-import os
 import signal
 import subprocess
-import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -98,46 +97,109 @@ def test_a_rollout_function_whose_reward_hook_always_fails_stops_the_run(tmp_pat
     assert len(saved) == 4 and all("KeyError" in t["metadata"]["traceback"] for t in saved)
 
 
-SLOW_SANDBOX_ENV = '''
-import asyncio
+TOOLS_ENV = """
+import json
+import uuid
 from pathlib import Path
+
 import agentrl
+from agentrl.envs.math_python import MathPythonEnv
 
-@agentrl.register_env("slow-sandbox")
-class SlowSandbox(agentrl.Env):
-    """Holds a sandbox from the run's pool and never finishes: the run is always mid-rollout."""
+CALL = {"name": "python", "arguments": {"code": "import time\\ntime.sleep(600)", "timeout": 600}}
+SLEEP = "<tool_call>" + json.dumps(CALL) + "</tool_call>"
 
-    def __init__(self, sandbox=None):
-        self.pool, self.sb = sandbox, None
+
+@agentrl.register_env("tools-hang")
+class ToolsHang(MathPythonEnv):
+    \"\"\"math-python's python tool: an MCP server per trajectory in a docker sandbox of the run's pool.
+    The first group to get its tools finishes after one turn (reward 0.5); in every other group
+    the agent calls python with code that runs until the run stops: the run is always mid-rollout.\"\"\"
+
+    tool_timeout = 600.0
+    first_seed = None
+    finishes = False
 
     async def areset(self, *, seed=None, options=None):
-        self.sb = await self.pool.get()
-        Path(MARKER).touch()
-        await asyncio.sleep(3600)
+        out = await super().areset(seed=seed, options=options)  # the tool server is up in its sandbox
+        if ToolsHang.first_seed is None:
+            ToolsHang.first_seed = seed
+        self.finishes = seed == ToolsHang.first_seed
+        return out
 
-    async def astep(self, action):
-        raise AssertionError("never reached")
+    async def astep(self, action):  # after a first turn generated through the router
+        if self.finishes:
+            return [], 0.5, True, False, {}
+        Path(HANGING).touch()
+        return await super().astep(SLEEP)
 
     async def aclose(self):
-        if self.sb is not None:
-            await self.pool.release(self.sb)
-'''
+        await super().aclose()
+        if self.finishes:
+            (Path(DONE) / uuid.uuid4().hex).touch()
+"""
 
 
-def descendants_alive(marker: str) -> list[str]:
-    """Processes whose environment carries the run's marker: everything it started, Ray's included."""
-    found = []
+def processes(marker: str, where: str = "environ") -> dict[int, str]:
+    """{pid: command line} of the processes whose environment (or command line) holds `marker`."""
+    found = {}
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and marker.encode() in (proc / "environ").read_bytes():
-                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120])
+            if proc.name.isdigit() and marker.encode() in (proc / where).read_bytes():
+                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
     return found
 
 
+def descendants_alive(marker: str) -> list[str]:
+    """Processes whose environment carries the run's marker: what it started, Ray's included. Not
+    all: the MCP SDK starts tool servers with a minimal environment (`tool_server_clients`), and
+    a process that retitles itself (sglang-router: "sglang::router") overwrites what /proc shows
+    of its environment (`process_tree`)."""
+    return list(processes(marker).values())
+
+
+def tool_server_clients(container_ids: list[str]) -> list[str]:
+    """Host processes that talk into the run's containers (`docker exec -i ID ...`: the sandboxes'
+    exec servers and the MCP tool servers), found by the container ids on their command lines."""
+    return [cmd for cid in container_ids for cmd in processes(cid, "cmdline").values() if cmd.startswith("docker exec")]
+
+
+def _stat(pid: int) -> tuple[int, str, str] | None:
+    """(parent pid, start time, state) of a process; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[19], fields[0]
+
+
+def process_tree(root: int) -> dict[int, tuple[str, str]]:
+    """{pid: (start time, command line)} of every process descended from `root` now."""
+    parents = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and (st := _stat(int(proc.name))) is not None:
+            parents[int(proc.name)] = st[0]
+    tree, frontier = {}, {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in tree}
+        for pid in frontier:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                tree[pid] = (_stat(pid)[1], cmd)
+            except (OSError, TypeError):
+                continue
+    return tree
+
+
+def still_running(procs: dict[int, tuple[str, str]]) -> list[str]:
+    """The processes of `procs` that live on (the same pid and start time, not a zombie)."""
+    return [cmd for pid, (start, cmd) in procs.items()
+            if (st := _stat(pid)) is not None and st[1] == start and st[2] != "Z"]
+
+
 def containers(run_id: str) -> list[str]:
-    out = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=agentrl.run_id={run_id}"],
+    out = subprocess.run(["docker", "ps", "-aq", "--no-trunc", "--filter", f"label=agentrl.run_id={run_id}"],
                          capture_output=True, text=True, timeout=60)
     return out.stdout.split()
 
@@ -154,22 +216,47 @@ def docker_ready() -> bool:
 @pytest.mark.skipif(not docker_ready(), reason="needs docker and the sandbox image (scripts/build_sandbox_image.sh)")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_mid_rollout_stops_everything_within_seconds(tmp_path, signum):
+    """Two engines behind sglang-router, MCP tool servers in docker sandboxes of the run's pool, one
+    group finished, the others mid tool call or waiting for a sandbox: a signal stops it all within
+    seconds (no container, no process of the run), writes the finished group's trajectories and
+    marks the iteration's metrics partial."""
     marker, run_id = f"agentrl-test-{uuid.uuid4().hex[:8]}", f"run-{uuid.uuid4().hex[:12]}"
-    started = tmp_path / "started"
-    (tmp_path / "slow_env.py").write_text(f"MARKER = {str(started)!r}\n" + textwrap.dedent(SLOW_SANDBOX_ENV))
+    hanging, done = tmp_path / "hanging", tmp_path / "done"
+    done.mkdir()
+    (tmp_path / "tools_env.py").write_text(f"HANGING, DONE = {str(hanging)!r}, {str(done)!r}\n" + TOOLS_ENV)
     out = tmp_path / "run"
     env = run_env() | {"AGENTRL_TEST_MARKER": marker, "AGENTRL_RUN_ID": run_id}
-    proc = subprocess.Popen([agentrl_cli(), "train", "--env-module", str(tmp_path / "slow_env.py"), "--env",
-                             "slow-sandbox", "--sandbox", "docker", "--sandbox-max-active", "2", "--num-rollout", "2",
-                             "--output-dir", str(out), *SMALL], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # 3 groups (over-sampling) and 3 sandboxes: the first two trajectories of the finishing group
+    # and of the others take them in launch order; when the finishing group is done, 3 hang mid
+    # tool call and the last one waits for a sandbox
+    proc = subprocess.Popen([agentrl_cli(), "train", "--env-module", str(tmp_path / "tools_env.py"), "--env",
+                             "tools-hang", "--sandbox", "docker", "--sandbox-max-active", "3", "--num-engines", "2",
+                             "--engine-num-threads", "1", "--over-sampling-batch-size", "3", "--num-rollout", "2",
+                             "--output-dir", str(out), *SMALL],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        # What the run started is there to stop, and the checks below see each kind of it: Ray,
+        # the two engines, the router, the sandboxes' exec servers and the tool servers (the
+        # `docker exec` that runs each in its sandbox), as the run's process tree, as processes
+        # with the run's environment, and as `docker exec` into the run's containers.
+        kinds = {"ray": lambda cmd: "raylet" in cmd, "engine": lambda cmd: "agentrl.engines.embedded" in cmd,
+                 "router": lambda cmd: cmd.startswith("sglang::router"),
+                 "exec server": lambda cmd: cmd.startswith("docker exec") and "AGENTRL_MCP_SERVER=" not in cmd,
+                 "tool server": lambda cmd: cmd.startswith("docker exec") and "AGENTRL_MCP_SERVER=" in cmd}
         deadline = time.monotonic() + 240
-        while not started.exists():
+        while True:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the rollout never started"
+            ids = containers(run_id)
+            tree = process_tree(proc.pid)
+            seen = {kind: sum(map(found, (cmd for _, cmd in tree.values()))) for kind, found in kinds.items()}
+            if (hanging.exists() and len(list(done.iterdir())) == 2 and all(seen.values()) and seen["engine"] == 2
+                    and seen["tool server"] == 3):
+                break
+            assert time.monotonic() < deadline, f"the rollout never got there: {seen}"
             time.sleep(0.2)
-        assert containers(run_id) and descendants_alive(marker)  # what the run started is there to stop
+        marked, clients = descendants_alive(marker), tool_server_clients(ids)
+        assert all(any(map(kinds[kind], marked)) for kind in ("ray", "engine", "exec server"))
+        assert any(map(kinds["tool server"], clients))
         t0 = time.monotonic()
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
@@ -180,11 +267,20 @@ def test_a_signal_mid_rollout_stops_everything_within_seconds(tmp_path, signum):
             proc.wait()
     assert proc.returncode == 130, err[-3000:]
     assert "agentrl: interrupted" in err and "Future exception was never retrieved" not in err, err[-3000:]
+    assert "Task was destroyed but it is pending" not in err, err[-3000:]
     assert stopped_s < 30, f"took {stopped_s:.1f}s to stop"
-    time.sleep(1.0)
-    assert descendants_alive(marker) == [] and containers(run_id) == []
+    left = lambda: (still_running(tree), descendants_alive(marker), tool_server_clients(ids),  # noqa: E731
+                    containers(run_id))
+    deadline = time.monotonic() + 10  # what the stop killed may take a moment to be reaped
+    while any(left()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left() == ([], [], [], []), left()
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows == [rows[0]] and rows[0]["partial"] is True and rows[0]["rollout_id"] == 0
+    saved = [json.loads(x) for x in (out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()]
+    # the finished group (2 members), nothing of the groups stopped mid tool call
+    assert len(saved) == 2 and {t["status"] for t in saved} == {"completed"} and {t["reward"] for t in saved} == {0.5}
+    assert rows[0]["reward_mean"] == 0.5
     print(f"{signal.Signals(signum).name}: stopped in {stopped_s:.1f}s")
 
 

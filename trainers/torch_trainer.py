@@ -104,12 +104,18 @@ class TorchTrainer:
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], model=None) -> list[list[float]]:
-        """Per-sample response logprobs (no grad), micro-batched."""
+        """Per-sample response logprobs (no grad), micro-batched; dropout off (--lora-dropout), as
+        the engine sampled them and as the Megatron trainer computes them."""
         model = model or self.model
+        was_training = model.training
+        model.eval()
         out: list[list[float]] = []
-        for chunk in self._micro_batches(samples):
-            logp, _, _ = self._response_logprobs(model, chunk)
-            out += [logp[i, :s.response_length].tolist() for i, s in enumerate(chunk)]
+        try:
+            for chunk in self._micro_batches(samples):
+                logp, _, _ = self._response_logprobs(model, chunk)
+                out += [logp[i, :s.response_length].tolist() for i, s in enumerate(chunk)]
+        finally:
+            model.train(was_training)
         return out
 
     def _micro_batches(self, items: list, samples: list[Sample] | None = None) -> Iterator[list]:
@@ -256,6 +262,8 @@ class TorchTrainer:
             torch.save({"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},
                        folder / "critic.pt")
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():  # dropout on the GPU draws from the CUDA generators
+            rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, folder / "rng.pt")
         (folder / "trainer_state.json").write_text(json.dumps(
             {"version": self.version, "ref_model_path": str(Path(self.ref_path).resolve()), **extra_state}, indent=1))
@@ -294,6 +302,8 @@ class TorchTrainer:
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
         state = json.loads((folder / "trainer_state.json").read_text())
         self.version = state["version"]
         ref = state.get("ref_model_path")

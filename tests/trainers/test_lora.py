@@ -219,3 +219,19 @@ def test_engine_serves_adapter_on_policy(tiny_model, tokenizer, tmp_path):
     trainer.load_adapter_weights(tmp_path / "v2")
     v2 = as_sample(again)
     assert max(abs(a - b) for a, b in zip(trainer.compute_logprobs([v2])[0], v2.rollout_logprobs)) < TOLERANCE
+
+
+def test_logprobs_are_computed_without_dropout(tiny_model):
+    """--lora-dropout acts in the training steps only: the recomputed logprobs (the PPO ratio's
+    old side, the on-policy check against the engine's) are those of the whole adapter, the
+    same every time, and the model goes back to training mode."""
+    trainer = lora_trainer(tiny_model, lora_dropout=0.5)
+    randomize_adapter(trainer)
+    samples = [Sample(prompt_tokens=[5, 6, 7, 8], response_tokens=[9, 10, 11, 12, 13], loss_mask=[1] * 5,
+                      rollout_logprobs=[0.0] * 5)]
+    first, second = trainer.compute_logprobs(samples), trainer.compute_logprobs(samples)
+    assert first == second and trainer.model.training
+    trainer.model.eval()
+    with torch.no_grad():  # the adapter without dropout, by hand
+        expected = trainer.compute_logprobs(samples)
+    assert first == expected
