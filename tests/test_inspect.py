@@ -6,7 +6,7 @@ trajectories tokenized turn by turn by the tiny model's chat template, a truncat
 failed trajectory, and model output that tries to inject markup.
 
 The browser test opens the report in headless Chromium (Debian: `apt-get install -y
-chromium`) over the DevTools protocol (aiohttp websocket) and checks what a person sees:
+chromium`), driven by Playwright, and checks what a person sees:
 curves drawn, trained and masked tokens in different colours, logprobs on hover, the
 "failed only" filter and the search box working, injected markup inert. Set
 AGENTRL_INSPECT_SCREENSHOT_DIR to keep its screenshots.
@@ -14,16 +14,12 @@ AGENTRL_INSPECT_SCREENSHOT_DIR to keep its screenshots.
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import html.parser
 import io
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -285,194 +281,95 @@ def test_run_text_is_escaped_in_the_page(tmp_path):
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 
 
-class Browser:
-    """Headless Chromium driven over the DevTools protocol."""
-
-    def __init__(self, profile: Path, width: int = 1400, height: int = 1800):
-        self.proc = subprocess.Popen(
-            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-             "--hide-scrollbars", "--remote-debugging-port=0", f"--user-data-dir={profile}",
-             f"--window-size={width},{height}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        port_file = profile / "DevToolsActivePort"
-        deadline = time.monotonic() + 30
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("chromium did not start its DevTools endpoint")
-            time.sleep(0.1)
-        self.port = int(port_file.read_text().split()[0])
-        self._id = 0
-
-    async def __aenter__(self):
-        import aiohttp
-
-        self.http = aiohttp.ClientSession()
-        async with self.http.get(f"http://127.0.0.1:{self.port}/json/list") as r:
-            targets = await r.json()
-        page = next(t for t in targets if t["type"] == "page")
-        self.ws = await self.http.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0)
-        self.events: list[dict] = []
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.ws.close()
-        await self.http.close()
-
-    async def send(self, method: str, **params) -> dict:
-        self._id += 1
-        await self.ws.send_json({"id": self._id, "method": method, "params": params})
-        while True:
-            msg = await asyncio.wait_for(self.ws.receive_json(), 30)
-            if msg.get("id") == self._id:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                return msg["result"]
-            self.events.append(msg)
-
-    async def js(self, expression: str):
-        result = await self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
-        if "exceptionDetails" in result:
-            raise AssertionError(f"{expression}: {result['exceptionDetails']}")
-        return result["result"].get("value")
-
-    async def open(self, url: str) -> None:
-        await self.send("Page.enable")
-        await self.send("Page.navigate", url=url)
-        for _ in range(100):
-            if await self.js("document.body && document.body.dataset.ready === '1'"):
-                return
-            await asyncio.sleep(0.1)
-        raise AssertionError("the report's script did not finish")
-
-    async def _centre(self, selector: str) -> list[float]:
-        return await self.js(f"(() => {{ const e = document.querySelector({json.dumps(selector)});"
-                             " e.scrollIntoView({block: 'center'}); const r = e.getClientRects()[0];"
-                             " return [r.x + r.width / 2, r.y + r.height / 2]; })()")
-
-    async def click(self, selector: str) -> None:
-        """A real mouse click at the element's centre."""
-        x, y = await self._centre(selector)
-        for kind in ("mousePressed", "mouseReleased"):
-            await self.send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
-
-    async def hover(self, selector: str) -> None:
-        x, y = await self._centre(selector)
-        await self.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
-
-    async def screenshot(self, full: bool = False) -> bytes:
-        params = {"format": "png"}
-        if full:
-            params["captureBeyondViewport"] = True
-        return base64.b64decode((await self.send("Page.captureScreenshot", **params))["data"])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (Debian/Ubuntu: apt-get install -y chromium)")
 @pytest.mark.timeout(120)
 def test_report_in_browser(run_dir, tmp_path):
     from PIL import Image
+    from playwright.sync_api import sync_playwright
 
     out = tmp_path / "report.html"
     assert report.main([str(run_dir), "--out", str(out), "--iterations", "all"]) == 0
     keep = os.environ.get("AGENTRL_INSPECT_SCREENSHOT_DIR")
-    browser = Browser(tmp_path / "profile")
-
-    async def go():
-        async with browser as b:
-            await b.open(out.as_uri())
+    with sync_playwright() as pw:  # the system chromium, driven by Playwright (no browser download)
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            b = browser.new_page(viewport={"width": 1400, "height": 1800})
+            b.set_default_timeout(30_000)
+            b.goto(out.as_uri())
+            b.wait_for_function("() => document.body && document.body.dataset.ready === '1'")  # its script ran
             # curves: the reward line has one point per iteration, and pixels of its colour are on screen
-            points = await b.js("document.querySelector('figure[data-key=reward] path.series').dataset.points")
-            assert int(points) == NUM_ITERATIONS
-            d = await b.js("document.querySelector('figure[data-key=reward] path.series').getAttribute('d')")
+            reward_line = b.locator("figure[data-key=reward] path.series")
+            assert int(reward_line.get_attribute("data-points")) == NUM_ITERATIONS
+            d = reward_line.get_attribute("d")
             assert d.count("M") + d.count("L") == NUM_ITERATIONS
-            eval_points = await b.js("document.querySelector('figure[data-key=eval] path.series').dataset.points")
+            eval_points = b.locator("figure[data-key=eval] path.series").get_attribute("data-points")
             assert int(eval_points) == len(range(0, NUM_ITERATIONS, EVAL_EVERY))
-            rect = await b.js("(() => { const r = document.querySelector('figure[data-key=reward] svg').getBoundingClientRect();"
-                              " return [r.x, r.y, r.width, r.height, window.devicePixelRatio]; })()")
-            shot = Image.open(io.BytesIO(await b.screenshot())).convert("RGB")
+            chart = b.locator("figure[data-key=reward] svg").screenshot()
             if keep:
                 Path(keep).mkdir(parents=True, exist_ok=True)
-                shot.save(Path(keep) / "report-top.png")
-            x, y, w, h, dpr = rect
-            crop = shot.crop((int(x * dpr), int(y * dpr), int((x + w) * dpr), int((y + h) * dpr)))
-            px = np.asarray(crop).astype(int)
+                b.screenshot(path=str(Path(keep) / "report-top.png"))
+            px = np.asarray(Image.open(io.BytesIO(chart)).convert("RGB")).astype(int)
             r, g, bl = px[..., 0], px[..., 1], px[..., 2]
             blue = int(((bl > 180) & (r < 90) & (g > 60) & (g < 140)).sum())  # the line's colour, #2563eb
             assert blue > 100, f"the reward line is not drawn ({blue} pixels of its colour)"
 
             # the first trajectory is open: trained and masked tokens look different
             m1, m0 = ".traj-body .tokens .tok.m1", ".traj-body .tokens .tok.m0"
-            await b.hover(m1)  # the tooltip (title) of a token is made when the pointer reaches it
-            await b.hover(m0)
-            styles = await b.js(f"""(() => {{
+            b.hover(m1)  # the tooltip (title) of a token is made when the pointer reaches it
+            b.hover(m0)
+            styles = b.evaluate(f"""() => {{
                 const m1 = document.querySelector('{m1}'), m0 = document.querySelector('{m0}');
                 return [getComputedStyle(m1).backgroundColor, getComputedStyle(m0).backgroundColor, m1.title, m0.title,
                         m1.getBoundingClientRect().width > 0, m0.getBoundingClientRect().width > 0,
                         document.querySelectorAll('#legend .tok.m1, #legend .tok.m0').length];
-            }})()""")
+            }}""")
             bg1, bg0, title1, title0, seen1, seen0, legend = styles
             assert bg1 != bg0 and "rgba(0, 0, 0, 0)" not in (bg1, bg0), styles
             assert seen1 and seen0 and legend == 2
             assert "logprob" in title1 and "policy version" in title1 and "loss mask 1" in title1
             assert "loss mask 0" in title0
-            tool_call = await b.js("document.querySelector('.traj-body .call .name').textContent")
-            assert tool_call == "python"
+            assert b.locator(".traj-body .call .name").first.text_content() == "python"
 
-            total = await b.js("document.querySelectorAll('.traj').length")
+            total = b.locator(".traj").count()
             assert total == 5 * NUM_ITERATIONS
+            visible = "[...document.querySelectorAll('.traj')].filter(e => e.offsetParent !== null)"
 
             def visible_statuses():
-                return b.js("[...document.querySelectorAll('.traj')].filter(e => e.offsetParent !== null)"
-                            ".map(e => e.dataset.status)")
+                return b.evaluate(f"{visible}.map(e => e.dataset.status)")
 
-            assert len(await visible_statuses()) == total
-            await b.click("#failed-only")
-            statuses = await visible_statuses()
+            assert len(visible_statuses()) == total
+            b.click("#failed-only")  # a real mouse click
+            statuses = visible_statuses()
             assert statuses == ["failed"] * NUM_ITERATIONS, statuses
-            await b.click("#reset")
-            assert len(await visible_statuses()) == total
+            b.click("#reset")
+            assert len(visible_statuses()) == total
 
             # reward range
-            await b.js("(() => { const e = document.getElementById('reward-min'); e.value = '0.9';"
-                       " e.dispatchEvent(new Event('input')); })()")
-            rewards = await b.js("[...document.querySelectorAll('.traj')].filter(e => e.offsetParent !== null)"
-                                 ".map(e => e.querySelector('.traj-head').textContent)")
+            b.fill("#reward-min", "0.9")
+            rewards = b.evaluate(f"{visible}.map(e => e.querySelector('.traj-head').textContent)")
             assert rewards and all("reward 1" in r for r in rewards), rewards
-            await b.click("#reset")
+            b.click("#reset")
 
-            # search: typed text, trajectories holding it stay
-            await b.click("#search")
-            await b.send("Input.insertText", text="onerror")
-            await asyncio.sleep(0.4)
-            ids = await b.js("[...document.querySelectorAll('.traj')].filter(e => e.offsetParent !== null)"
-                             ".map(e => e.querySelector('.tid').textContent)")
+            # search: typed text, trajectories holding it stay (the box filters as it is typed, debounced)
+            b.click("#search")
+            b.keyboard.type("onerror")
+            b.wait_for_function(f"n => {visible}.length === n", arg=NUM_ITERATIONS)
+            ids = b.evaluate(f"{visible}.map(e => e.querySelector('.tid').textContent)")
             assert sorted(ids) == sorted(f"r{i}-g0-s1" for i in range(NUM_ITERATIONS)), ids
 
             # the injected markup is shown as text and never ran
-            await b.click(".traj:not(.hidden) .traj-head")
-            shown = await b.js("document.querySelector('.traj:not(.hidden) .traj-body').textContent")
+            b.click(".traj:not(.hidden) .traj-head")
+            shown = b.locator(".traj:not(.hidden) .traj-body").first.text_content()
             assert "<script>window.__pwned = 1</script>" in shown
-            assert await b.js("typeof window.__pwned") == "undefined"
-            assert await b.js("document.querySelectorAll('script').length") == 2
-            assert await b.js("document.querySelectorAll('img').length") == 0
+            assert b.evaluate("typeof window.__pwned") == "undefined"
+            assert b.locator("script").count() == 2
+            assert b.locator("img").count() == 0
             if keep:
-                await b.click("#reset")
-                await b.js("window.scrollTo(0, document.getElementById('trajectories').offsetTop)")
-                Image.open(io.BytesIO(await b.screenshot())).save(Path(keep) / "report-trajectory.png")
-
-    try:
-        asyncio.run(go())
-    finally:
-        browser.close()
+                b.click("#reset")
+                b.evaluate("window.scrollTo(0, document.getElementById('trajectories').offsetTop)")
+                b.screenshot(path=str(Path(keep) / "report-trajectory.png"))
+        finally:
+            browser.close()
 
 
 if __name__ == "__main__":
