@@ -175,6 +175,8 @@ class Env(gymnasium.Env):
         return await asyncio.to_thread(self.step, action)
 
     async def aclose(self) -> None:
+        if type(self).close is Env.close and self.__dict__.get("_sync_loop") is None:
+            return  # Env.close would do nothing: no worker thread for it (one per trajectory)
         await asyncio.to_thread(self.close)
 
     # -- data --------------------------------------------------------------------------------

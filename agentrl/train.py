@@ -37,6 +37,7 @@ from agentrl.orchestration import RemoteTrainer, reserve_placement, start_ray, s
 from agentrl.progress import Progress
 from agentrl.rollout.client import EngineClient
 from agentrl.rollout.control import RolloutControl
+from agentrl.rollout.gc_tuning import tune_gc_for_rollouts
 from agentrl.rollout.producer import RolloutProducer
 from agentrl.rollout.slime import check_hooks
 from agentrl.types import Sample
@@ -95,6 +96,7 @@ def train(cfg: Config) -> Path:
                                     "router": engines.router is not None})
         context.record(placement=placement.describe(), trainer_ranks=len(placement.trainer_bundles))
         runlog = RunLog(out, tokenizer=tokenizer, wandb_run=start_wandb(cfg.run, cfg.model_dump(mode="json"), out))
+        tune_gc_for_rollouts()  # what start-up built lives for the run: no collection walks it again
         asyncio.run(_loop(Run(cfg=cfg, trainer=trainer, engines=engines, tokenizer=tokenizer, source=source,
                               runlog=runlog, progress=progress, state=state, save_dir=save_dir, reward_fn=reward_fn,
                               replay=replay, eval_sets=eval_sets, context=context)))

@@ -53,7 +53,7 @@ class Sample:
             )
         self.response_tokens += tokens
         self.loss_mask += [1] * len(tokens)
-        self.rollout_logprobs += [float(x) for x in logprobs]
+        self.rollout_logprobs += map(float, logprobs)
         self.policy_versions += [policy_version] * len(tokens)
 
     def retract_generated(self, n: int) -> None:
@@ -130,7 +130,7 @@ class Sample:
                     f"trajectory {self.trajectory_id}: {name} has {len(getattr(self, name))} entries, "
                     f"response_tokens has {n}"
                 )
-        if any(m not in (0, 1) for m in self.loss_mask):
+        if self.loss_mask.count(0) + self.loss_mask.count(1) != n:
             raise SampleInvariantError(f"trajectory {self.trajectory_id}: loss_mask holds values other than 0/1")
         if not self.prompt_tokens:
             raise SampleInvariantError(f"trajectory {self.trajectory_id}: empty prompt")

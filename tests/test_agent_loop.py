@@ -130,3 +130,36 @@ def test_async_env_is_awaited_and_sync_env_does_not_block_the_loop(tokenizer):
     out, seconds = asyncio.run(go())
     assert all(s.reward == 1.0 for s in out)
     assert seconds < 1.5  # four 0.5 s steps ran in threads, not one after another
+
+
+def test_an_env_with_nothing_to_close_is_closed_without_a_thread(monkeypatch):
+    """Env.aclose runs the sync close in a worker thread only when there is one to run (the
+    env's own close, or the event loop its sync API made): not one thread per trajectory."""
+    threads = []
+    real = asyncio.to_thread
+
+    async def spy(fn, *args, **kwargs):
+        threads.append(fn)
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", spy)
+
+    class AsyncOnly(agentrl.Env):
+        async def areset(self, *, seed=None, options=None):
+            return "hi", {}
+
+    class WithClose(CountEnv):
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    asyncio.run(AsyncOnly().aclose())
+    assert threads == []
+    env = WithClose()
+    asyncio.run(env.aclose())
+    assert env.closed and len(threads) == 1
+    used_sync = AsyncOnly()
+    used_sync.reset()  # runs areset on the env's own loop, which close must close
+    asyncio.run(used_sync.aclose())
+    assert len(threads) == 2 and used_sync._sync_loop is None

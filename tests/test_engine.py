@@ -125,3 +125,14 @@ def test_stop_strings_end_the_generation(engine, tokenizer):
     assert cut.finish_reason == "stop" and stop in cut_text
     assert len(cut.output_ids) < 40 and text.startswith(cut_text)
     assert stop not in tokenizer.decode(cut.output_ids[:-1])  # it stopped at the first occurrence
+
+
+def test_the_client_pool_has_no_limit_of_its_own_unless_given():
+    """The rollout's --max-concurrency bounds the requests in flight; a smaller pool would make
+    turns wait for other trajectories' generations (bench/driver_scale.py)."""
+    async def limits():
+        async with EngineClient("http://127.0.0.1:9") as default, \
+                EngineClient("http://127.0.0.1:9", max_connections=8) as given:
+            return default.session.connector.limit, given.session.connector.limit
+
+    assert run(limits()) == (0, 8)

@@ -57,3 +57,30 @@ def test_the_first_rendering_is_remembered_and_never_shared_mutably(tokenizer):
     assert again_text == text and again == ids[:-1]
     assert renderer.prompt(CONVERSATIONS[1], None)[0] != text  # tools are part of the key
     assert renderer.prompt([{"role": "user", "content": object()}], None)  # not JSON: rendered, not cached
+
+
+def test_plain_messages_skip_transformers_copying_and_the_rest_go_through_it(tokenizer, monkeypatch):
+    """Messages whose fields are role/content/name/tool_call_id strings render with the compiled
+    template directly; reasoning fields, content blocks and non-JSON tools take transformers'
+    render_jinja_template as before. Both give exactly apply_chat_template's text."""
+    import agentrl.rollout.agent_loop as agent_loop
+
+    through = []
+    real = agent_loop._render_jinja_template
+    monkeypatch.setattr(agent_loop, "_render_jinja_template", lambda *a, **kw: through.append(1) or real(*a, **kw))
+    renderer = Renderer(tokenizer, True)
+    for tools in (None, TOOLS):
+        for messages in CONVERSATIONS:
+            expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+            assert renderer.render(messages, tools) == expected
+    assert through == []  # every one of them took the direct path
+    others = [
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "reasoning_content": "hmm"},
+          {"role": "user", "content": "and?"}], None),  # transformers aliases reasoning fields
+        ([{"role": "user", "content": [{"type": "text", "text": "blocks"}]}], None),  # not a str
+        (CONVERSATIONS[0], [{**TOOLS[0], "tags": ("a", "b")}]),  # a tuple in the tools: not plain JSON
+    ]
+    for messages, tools in others:
+        expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        assert renderer.render(messages, tools) == expected
+    assert len(through) == len(others)

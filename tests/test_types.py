@@ -44,3 +44,13 @@ def test_failed_samples_are_not_trainable():
     assert s.trainable
     s.status = SampleStatus.FAILED
     assert not s.trainable
+
+
+def test_validate_rejects_a_mask_value_other_than_0_or_1():
+    s = Sample(prompt_tokens=[1], trajectory_id="t1")
+    s.append_generated([2, 3], [-1.0, -1.0], 0)
+    s.loss_mask[1] = True  # equal to 1: accepted, as `m in (0, 1)` always did
+    s.validate()
+    s.loss_mask[1] = 2
+    with pytest.raises(SampleInvariantError, match="t1: loss_mask holds values other than 0/1"):
+        s.validate()

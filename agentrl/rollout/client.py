@@ -18,10 +18,10 @@ cached tokens) for the router_affinity and prefix_cache_hit_rate metrics.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 
 import aiohttp
-from multidict import CIMultiDict  # noqa: F401  (the type of reply headers)
 
 from agentrl.errors import EngineError
 from agentrl.rollout.affinity import TURN_LOG, Turn, TurnLog
@@ -42,9 +42,14 @@ class GenerateResult:
 
 
 class EngineClient:
-    """One aiohttp session to one base URL (an engine or a router)."""
+    """One aiohttp session to one base URL (an engine or a router).
 
-    def __init__(self, base_url: str, *, request_timeout_s: float = 600.0, max_connections: int = 1024,
+    `max_connections`: None (the default) sets no limit of its own: the rollout's
+    --max-concurrency already bounds the requests in flight, and a pool smaller than it
+    would hold turns back until other trajectories' generations end (at 2,000 trajectories
+    in flight and a 1,024 pool, p99 turn latency rose by 5 s: bench/driver_scale.py)."""
+
+    def __init__(self, base_url: str, *, request_timeout_s: float = 600.0, max_connections: int | None = None,
                  retries: int = 6, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
                  turn_log: TurnLog | None = None):
         self.base_url = base_url.rstrip("/")
@@ -67,7 +72,7 @@ class EngineClient:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                connector=aiohttp.TCPConnector(limit=self._max_connections or 0),  # 0: aiohttp's "no limit"
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
             )
         return self._session
@@ -81,8 +86,8 @@ class EngineClient:
         return min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
 
     async def _post(self, path: str, payload: dict, headers: dict | None = None,
-                    retries: int | None = None) -> tuple[dict | str | None, "CIMultiDict"]:
-        """(body, response headers)."""
+                    retries: int | None = None) -> tuple[dict | str | None, str | None]:
+        """(body, the engine that served it: the X-Agentrl-Engine header or None)."""
         retries = self.retries if retries is None else retries
         last: Exception | None = None
         timeouts = 0
@@ -97,10 +102,12 @@ class EngineClient:
                         continue
                     if resp.status != 200:
                         raise EngineError(f"POST {self.base_url}{path}: HTTP {resp.status}: {(await resp.text())[:500]}")
-                    # headers stay case-insensitive: sglang-router (hyper) sends them lower-cased
-                    if resp.content_type == "application/json":
-                        return await resp.json(), resp.headers.copy()
-                    return await resp.text(), resp.headers.copy()
+                    # a case-insensitive lookup: sglang-router (hyper) sends headers lower-cased
+                    engine = resp.headers.get(ENGINE_HEADER)
+                    if resp.content_type == "application/json":  # as resp.json(), without its checks redone
+                        data = (await resp.read()).strip()
+                        return (json.loads(data) if data else None), engine
+                    return await resp.text(), engine
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
                 last = exc
                 if isinstance(exc, asyncio.TimeoutError):
@@ -120,7 +127,7 @@ class EngineClient:
         if lora_path:
             payload["lora_path"] = lora_path
         headers = {ROUTING_KEY_HEADER: session_id} if session_id else None
-        body, resp_headers = await self._post("/generate", payload, headers)
+        body, engine = await self._post("/generate", payload, headers)
         try:
             meta = body["meta_info"]
             pairs = meta["output_token_logprobs"]
@@ -135,7 +142,7 @@ class EngineClient:
                 prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
                 cached_tokens=int(meta.get("cached_tokens") or 0),
                 weight_version=str(meta.get("weight_version", "0")),
-                engine_id=resp_headers.get(ENGINE_HEADER) or meta.get("engine_id"),
+                engine_id=engine or meta.get("engine_id"),
             )
         except (KeyError, TypeError, IndexError) as exc:
             raise EngineError(f"malformed /generate reply from {self.base_url}: {exc!r}: {str(body)[:300]}") from exc
