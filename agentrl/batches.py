@@ -46,21 +46,25 @@ class ProducerBatches:
         self.producer, self.batch_size, self.client, self.handover = producer, batch_size, client, handover
         self.runlog = runlog
         self.last_handover: dict = {}  # the last batch's handover figures (filled as the handover ends)
+        self.last_affinity: dict = {}  # router_affinity, prefix_cache_hit_rate of the last batch (engines' replies)
 
     async def next_batch(self, rollout_id: int, policy_version: int) -> list[Sample]:
         t0 = time.perf_counter()
         try:
             async with self.handover(drain=self.producer.requeue_inflight) as self.last_handover:
-                return await self.producer.next_batch(self.batch_size)
+                batch = await self.producer.next_batch(self.batch_size)
+            self.last_affinity = affinity_metrics(batch, self.client.turn_log)
+            return batch
         except BaseException:  # stopped (signal, failure bound): keep what this iteration made
             finished = self.producer.ready_samples()
             self.runlog.log(rollout_metrics(rollout_id, finished, time.perf_counter() - t0) | self.producer.stats()
-                            | {"partial": True})
+                            | affinity_metrics(finished, self.client.turn_log) | {"partial": True})
             self.runlog.save_trajectories(rollout_id, finished + self.producer.take_failed())
             raise
 
     def metrics(self) -> dict:
-        return self.last_handover | self.producer.stats() | {"requests_retried": self.client.retried}
+        return (self.last_handover | self.last_affinity | self.producer.stats()
+                | {"requests_retried": self.client.retried})
 
     def take_failed(self) -> list[Sample]:
         return self.producer.take_failed()
@@ -81,7 +85,9 @@ class HookBatches(ProducerBatches):
         t0 = time.perf_counter()
         try:
             async with self.handover() as self.last_handover:
-                return await self.hook.next_batch(rollout_id, policy_version)
+                batch = await self.hook.next_batch(rollout_id, policy_version)
+            self.last_affinity = affinity_metrics(batch, self.client.turn_log)  # turns made through agentrl's client
+            return batch
         except BaseException:  # stopped (signal, the failure bound): keep what the function returned, if it did
             self.runlog.log(rollout_metrics(rollout_id, self.hook.last_batch, time.perf_counter() - t0)
                             | {"partial": True})
@@ -137,5 +143,4 @@ def rollout_metrics(rollout_id: int, samples: list[Sample], seconds: float) -> d
         "env_s_mean": float(np.mean(env_s)) if env_s else 0.0,
         "generated_tokens": generated,
         "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
-        **affinity_metrics(samples),  # router_affinity, prefix_cache_hit_rate (from the engines' replies)
     }

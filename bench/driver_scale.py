@@ -97,7 +97,6 @@ async def _drive(url: str, engine_pid: int, gc_mode: str, in_flight: int, latenc
     import agentrl
     from agentrl.data import PromptSource
     from agentrl.models import build_tiny_model, load_tokenizer
-    from agentrl.rollout.affinity import TURN_LOG
     from agentrl.rollout.agent_loop import LoopSettings, Renderer
     from agentrl.rollout.client import EngineClient
     from agentrl.rollout.manager import GroupRunner
@@ -214,7 +213,7 @@ async def _drive(url: str, engine_pid: int, gc_mode: str, in_flight: int, latenc
         samples = await producer.next_batch(max(1, groups // 8))  # the rest stays in flight
         assert all(s.status.value == "completed" and s.num_turns == s.metadata["turns"] for s in samples), \
             samples[0].metadata
-        TURN_LOG.pop([s.trajectory_id for s in samples])  # as the metrics do after each batch
+        client.turn_log.pop([s.trajectory_id for s in samples])  # as the metrics do after each batch
     watcher.cancel()
     await producer.aclose()
     await client.close()

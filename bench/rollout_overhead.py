@@ -88,7 +88,6 @@ async def bare_loop(url: str, prompt: list[int], env_ids: list[int], trajectorie
 async def agentrl_loop(url: str, tokenizer, trajectories: int, turns: int, concurrency: int):
     """The production path: generate_rollout -> GroupRunner -> run_trajectory -> EngineClient."""
     import agentrl
-    from agentrl.rollout.affinity import TURN_LOG
     from agentrl.rollout.agent_loop import LoopSettings, Renderer
     from agentrl.rollout.client import EngineClient
     from agentrl.rollout.manager import generate_rollout
@@ -111,7 +110,7 @@ async def agentrl_loop(url: str, tokenizer, trajectories: int, turns: int, concu
             rollout_id=0, run_seed=0, max_concurrency=concurrency)
         seconds = time.perf_counter() - t0
     assert all(s.num_turns == turns and s.status.value == "completed" for s in samples), samples[0].metadata
-    TURN_LOG.pop([s.trajectory_id for s in samples])  # as the metrics do after each batch
+    client.turn_log.pop([s.trajectory_id for s in samples])  # as the metrics do after each batch
     return sum(s.num_turns for s in samples) / seconds, samples[0]
 
 

@@ -163,3 +163,19 @@ def test_an_env_with_nothing_to_close_is_closed_without_a_thread(monkeypatch):
     used_sync.reset()  # runs areset on the env's own loop, which close must close
     asyncio.run(used_sync.aclose())
     assert len(threads) == 2 and used_sync._sync_loop is None
+
+
+def test_clients_speak_the_generate_client_protocol():
+    """The loop needs only GenerateClient.generate: EngineClient and this file's scripted client
+    take the same parameters (names, kinds, defaults), so either drives run_trajectory."""
+    import inspect
+
+    from agentrl.rollout.client import EngineClient, GenerateClient
+
+    def params(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    want = params(GenerateClient.generate)
+    assert params(EngineClient.generate) == want
+    assert params(ScriptedClient.generate) == want
+    assert inspect.iscoroutinefunction(EngineClient.generate) and inspect.iscoroutinefunction(ScriptedClient.generate)

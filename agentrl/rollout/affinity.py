@@ -7,9 +7,9 @@ sglang-router passes the header through. Engines attached with --rollout-engine-
 were not started by agentrl do not name themselves: their turns count as unknown and the
 affinity figure is left out rather than guessed.
 
-The EngineClient records every /generate it completes in a TurnLog, keyed by the routing
-key (the trajectory id). `affinity_metrics(samples)` reads and forgets the trajectories
-of one rollout:
+Each EngineClient records every /generate it completes in its own TurnLog (`client.turn_log`),
+keyed by the routing key (the trajectory id). `affinity_metrics(samples, log)` reads and
+forgets the trajectories of one rollout:
 
 - router_affinity: the share of turns after the first that were served by the engine that
   served the trajectory's first turn (1.0: every trajectory stayed on its engine);
@@ -55,10 +55,7 @@ class TurnLog:
             return {sid: self._turns.pop(sid) for sid in session_ids if sid in self._turns}
 
 
-TURN_LOG = TurnLog()  # where EngineClients record unless given another log
-
-
-def affinity_metrics(samples, log: TurnLog = TURN_LOG) -> dict[str, float]:
+def affinity_metrics(samples, log: TurnLog) -> dict[str, float]:
     """router_affinity and prefix_cache_hit_rate of these samples' trajectories (keys with no
     data are left out)."""
     turns = log.pop([s.trajectory_id for s in samples])

@@ -25,7 +25,7 @@ from typing import Any
 
 from agentrl.env import Action, Env, as_messages
 from agentrl.errors import TemplateDriftError
-from agentrl.rollout.client import EngineClient
+from agentrl.rollout.client import GenerateClient
 from agentrl.rollout.control import RolloutControl
 from agentrl.types import Sample, SampleStatus, TurnTiming
 
@@ -199,7 +199,7 @@ class Renderer:
         return rendered[len(seen):]
 
 
-async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, client: EngineClient,
+async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, client: GenerateClient,
                          settings: LoopSettings, trajectory_id: str, group_id: int, seed: int,
                          env_name: str = "", control: RolloutControl | None = None) -> Sample:
     """Play one episode. Never raises for env or engine failures: the Sample says FAILED."""

@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
 from agentrl.errors import EngineError
-from agentrl.rollout.affinity import TURN_LOG, Turn, TurnLog
+from agentrl.rollout.affinity import Turn, TurnLog
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 ENGINE_HEADER = "X-Agentrl-Engine"
@@ -39,6 +40,17 @@ class GenerateResult:
     cached_tokens: int
     weight_version: str
     engine_id: str | None = None  # which engine served it (None: the engine did not say)
+
+
+class GenerateClient(Protocol):
+    """What the agent loop and the group runner ask of an engine client: EngineClient over HTTP,
+    or anything else that samples tokens with their logprobs (a test's scripted engine, an
+    in-process model). `session_id` is the routing key (the trajectory id: one engine per
+    trajectory behind sglang-router); `rid` lets the request be aborted; `lora_path` names a
+    loaded adapter (None: the base model)."""
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, *, session_id: str | None = None,
+                       rid: str | None = None, lora_path: str | None = None) -> GenerateResult: ...
 
 
 class EngineClient:
@@ -56,7 +68,7 @@ class EngineClient:
         self.request_timeout_s = request_timeout_s
         self.retries = retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self.turn_log = TURN_LOG if turn_log is None else turn_log
+        self.turn_log = TurnLog() if turn_log is None else turn_log  # which engine served each turn
         self.retried = 0  # requests sent again after a failure (all calls of this client)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None

@@ -9,7 +9,7 @@ from typing import Any, Awaitable, Callable
 
 from agentrl.env import Env
 from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory
-from agentrl.rollout.client import EngineClient
+from agentrl.rollout.client import GenerateClient
 from agentrl.rollout.control import RolloutControl
 from agentrl.types import Sample, SampleStatus
 
@@ -35,7 +35,7 @@ class GroupRunner:
     failure, not of its slowest member (a tool server that hangs at start: minutes)."""
 
     def __init__(self, *, make_env: Callable[[str | None], tuple[Env, str]], n_samples: int, renderer: Renderer,
-                 client: EngineClient, settings_for: Callable[[Env], LoopSettings], run_seed: int,
+                 client: GenerateClient, settings_for: Callable[[Env], LoopSettings], run_seed: int,
                  max_concurrency: int, reward_fn: Callable[[Sample], Awaitable] | None = None,
                  control: RolloutControl | None = None, on_done: Callable[[Sample], None] | None = None,
                  generate_fn: Callable[..., Awaitable[list[Sample]]] | None = None,
