@@ -1,47 +1,90 @@
-"""Samples/s of synchronous vs asynchronous training on the same budget, with a long-tail
-distribution of episode lengths.
+"""Synchronous vs asynchronous training on equal work: the same tasks, the same per-task
+episode lengths, the same episode-length distribution of the samples trained.
 
-    python bench/async_vs_sync.py [--iterations 8]
+    python bench/async_vs_sync.py [--iterations 12] [--configs sync,async,...] [--keep DIR]
 
-The env ends most episodes after one turn, some after 4 and a few after 12 (16 tokens a
-turn), so a synchronous batch waits for its slowest trajectory. The async run overlaps
-generation with training (--async) and keeps extra groups in flight
-(--over-sampling-batch-size), so a batch is made of the first groups to finish and the
-stragglers go on into the next batch (bounded by --max-staleness). Both runs train the same
-number of samples with the default tiny model; samples/s = trained samples / summed
-iteration wall time (start-up excluded). Writes bench/results/async_vs_sync.json.
+The env's tasks have long-tailed lengths: in every block of 20 consecutive tasks, 16 end
+after 1 turn, 3 after 4 and 1 after 12 (a seeded shuffle inside the block). A turn is always
+16 tokens (--rollout-ignore-eos). The length is a function of the prompt alone (its task
+index), not of the reset seed, and the k-th group launched gets the k-th task in every run.
+
+Each configuration trains 8 groups x 4 samples per iteration with the default tiny model on
+the CPU (engine and trainer share the machine's cores). From the trajectories each run
+saves, the bench recomputes what was trained: the batch less the samples --max-staleness
+drops (checked against metrics.jsonl's stale_dropped). Timings are summed iteration_s
+(start-up excluded) without iteration 0, whose first training step sets itself up; its
+samples count as trained. Per run:
+
+- at_target: the first iterations that trained as many samples as the sync run: the trained
+  samples' turns histogram and mean, which is "equal work" when the mean is within
+  MEAN_TOLERANCE and the histogram within TV_TOLERANCE (total variation) of the sync run's;
+  wall time and samples/s.
+- cover_sync_tasks: the first iterations that trained every task the sync run trained (and
+  maybe more): an upper bound on the time the sync run's work took.
+- drops and staleness as metrics.jsonl reports them, and each trained sample's lag (policy
+  versions between its oldest token's and the one it was trained at).
+
+A configuration's equal-work speedup is the sync time over its at_target time when its
+trained turns match, else over its cover_sync_tasks time (a lower bound). The sync run also
+gives rollout_s and train_s (+ weight_sync_s) per iteration and the ideal overlap speedup
+sum(iteration_s) / sum(max(rollout_s, train_s + weight_sync_s)): the most that hiding one
+behind the other can give. Configurations that keep groups in flight across iterations
+(over-sampling) run twice the iterations, so that their stragglers can finish. sync and
+async run a second time at the end (--repeat): the machine is shared, their times are
+averaged.
+
+Two failures are retried once with the next --seed (the runs' work does not depend on it):
+--partial-rollout runs can stop with a TemplateDriftError (a generation resumed after a
+weight update is decoded in pieces: a character split across the pieces does not re-render
+the same), and a run whose engine served another agentrl run too is thrown away (see
+contamination()). Every run uses one --seed, by default drawn from the process id.
+Writes bench/results/async_vs_sync.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
+from collections import Counter
 from pathlib import Path
 
 ENV = textwrap.dedent('''
     import random
     import agentrl
 
+    BLOCK = [1] * 16 + [4] * 3 + [12]  # per 20 tasks: 80% 1 turn, 15% 4 turns, 5% 12 turns
+
+
+    def task_turns(index: int) -> int:
+        """Episode length of task `index`: a seeded shuffle of BLOCK per block of 20 tasks."""
+        block = list(BLOCK)
+        random.Random(f"block-{index // len(BLOCK)}").shuffle(block)
+        return block[index % len(BLOCK)]
+
+
     @agentrl.register_env("long-tail")
     class LongTail(agentrl.Env):
-        """Episode length (turns) is long-tailed: 80% 1 turn, 15% 4 turns, 5% 12 turns."""
+        """Episode length (turns) is a function of the prompt (its task index), not of the seed."""
         max_turns = 12
 
         @classmethod
         def dataset(cls, seed=0, **kw):
-            rng = random.Random(seed)
+            index = 0
             while True:
-                yield {"prompt": f"keep talking {rng.randint(0, 10**6)}"}
+                yield {"prompt": f"keep talking, task {index}"}
+                index += 1
 
         def reset(self, *, seed=None, options=None):
-            rng = random.Random(seed)
-            u = rng.random()
-            self.turns, self.t = (1 if u < 0.8 else 4 if u < 0.95 else 12), 0
-            return options["prompt"], {}
+            prompt = options["prompt"]
+            self.turns, self.t = task_turns(int(prompt.rsplit(" ", 1)[1])), 0
+            return prompt, {}
 
         def step(self, action):
             self.t += 1
@@ -49,40 +92,282 @@ ENV = textwrap.dedent('''
             return "go on", (len(action) % 5) / 4 if done else 0.0, done, False, {}
 ''')
 
+BATCH_GROUPS, GROUP_SIZE = 8, 4
+WARMUP = 1  # iterations left out of every timing (the first training step sets itself up)
+MEAN_TOLERANCE = 0.02  # relative difference of the trained samples' mean turns that still counts as equal work
+TV_TOLERANCE = 0.02  # total variation distance between the trained turns histograms that still counts
+ATTEMPTS = 2  # a failed run is tried once more with the next --seed (see above)
 
-def run(out: Path, env_file: Path, iterations: int, extra: list[str]) -> dict:
+# name -> (extra flags of `agentrl train`, iterations as a multiple of --iterations)
+CONFIGS = {
+    "sync": ([], 1),
+    "async": (["--async"], 1),
+    "async+partial": (["--async", "--partial-rollout"], 1),
+    "async+over16": (["--async", "--over-sampling-batch-size", "16"], 2),
+    "async+over16+partial": (["--async", "--over-sampling-batch-size", "16", "--partial-rollout"], 2),
+    "async+over16+stale2": (["--async", "--over-sampling-batch-size", "16", "--max-staleness", "2"], 2),
+}
+
+
+def train(out: Path, env_file: Path, iterations: int, extra: list[str], seed: int) -> str | None:
+    """One `agentrl train` run; None, or the last line of its error."""
     args = [str(Path(sys.executable).parent / "agentrl"), "train", "--env", "long-tail", "--env-module", str(env_file),
-            "--num-rollout", str(iterations), "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
-            "--global-batch-size", "32", "--rollout-max-response-len", "1000", "--rollout-max-tokens-per-turn", "16",
-            "--no-progress", "--output-dir", str(out), *extra]
+            "--num-rollout", str(iterations), "--rollout-batch-size", str(BATCH_GROUPS),
+            "--n-samples-per-prompt", str(GROUP_SIZE), "--global-batch-size", str(BATCH_GROUPS * GROUP_SIZE),
+            "--rollout-max-response-len", "1000", "--rollout-max-tokens-per-turn", "16", "--rollout-ignore-eos",
+            "--seed", str(seed), "--no-progress", "--output-dir", str(out), *extra]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=3600)
     if proc.returncode:
-        raise SystemExit(f"run failed:\n{proc.stderr[-3000:]}")
+        return (proc.stderr.strip().splitlines() or ["exit status %d" % proc.returncode])[-1][:400]
+    return None
+
+
+def read_run(out: Path, staleness: int | None) -> dict:
+    """Per iteration: its times and the samples it trained (task, turns, lag), from metrics.jsonl
+    and the saved trajectories."""
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    trained = sum(r["num_samples"] - r.get("stale_dropped", 0) for r in rows)
-    seconds = sum(r["iteration_s"] for r in rows)
-    return {"samples_trained": trained, "seconds": round(seconds, 2), "samples_per_s": round(trained / seconds, 2),
-            "turns_mean": round(sum(r["turns_mean"] for r in rows) / len(rows), 2)}
+    iterations, not_trained = [], Counter()
+    for row in rows:
+        version = row["policy_version"] - 1  # metrics.jsonl logs the version after the step; it trained this one
+        path = out / "trajectories" / f"rollout_{row['rollout_id']:05d}.jsonl"
+        trained, stale = [], 0
+        for s in map(json.loads, path.read_text().splitlines()):
+            if s["metadata"].get("attempt_failed"):
+                not_trained["failed_attempt"] += 1
+                continue
+            versions = [v for v in s["policy_versions"] if v >= 0]
+            lag = version - min(versions) if versions else 0
+            if staleness is not None and lag > staleness:
+                stale += 1
+            elif s["status"] in ("failed", "aborted"):
+                not_trained[s["status"]] += 1
+            else:
+                task = int(re.search(r"task (\d+)", s["prompt_text"]).group(1))
+                trained.append((task, s["num_turns"], lag))
+        assert stale == row.get("stale_dropped", 0), \
+            f"iteration {row['rollout_id']}: {stale} stale samples, metrics.jsonl says {row.get('stale_dropped')}"
+        not_trained["stale"] += stale
+        iterations.append({"trained": trained, "iteration_s": row["iteration_s"], "rollout_s": row["rollout_s"],
+                           "train_s": row["train_s"], "sync_s": row.get("weight_sync_s", 0.0),
+                           "batch_turns_mean": row["turns_mean"], "batch_samples": row["num_samples"]})
+    drops = {k: sum(r.get(k, 0) for r in rows) for k in sorted(set().union(*rows))
+             if k.startswith("dropped_") or k in ("stale_dropped", "groups_retried", "trajectories_failed",
+                                                  "status_aborted", "status_failed")}
+    return {"iterations": iterations, "not_trained": dict(not_trained), "metrics_drops": drops,
+            "groups_in_flight_at_end": rows[-1].get("groups_in_flight")}
+
+
+def histogram(samples: list[tuple]) -> dict[int, int]:
+    return dict(sorted(Counter(turns for _, turns, _ in samples).items()))
+
+
+def mean_turns(samples: list[tuple]) -> float:
+    return sum(turns for _, turns, _ in samples) / max(len(samples), 1)
+
+
+def tv_distance(a: dict, b: dict) -> float:
+    na, nb = sum(a.values()) or 1, sum(b.values()) or 1
+    return 0.5 * sum(abs(a.get(k, 0) / na - b.get(k, 0) / nb) for k in set(a) | set(b))
+
+
+def summarize(run: dict, *, target: int, reference: dict | None, sync_tasks: set[int]) -> dict:
+    """at_target: the first iterations that trained `target` samples (the sync run's, iteration 0
+    included); their trained turns against the sync run's; their time and samples/s without
+    iteration 0. cover_sync_tasks: the first iterations that trained every task the sync run
+    trained, timed the same way."""
+    its = run["iterations"]
+    samples, k = [], len(its)
+    for i, it in enumerate(its):
+        samples += it["trained"]
+        if len(samples) >= target:
+            k = i + 1
+            break
+    window = its[WARMUP:k]
+    seconds = sum(it["iteration_s"] for it in window)
+    timed_samples = sum(len(it["trained"]) for it in window)
+    hist = histogram(samples)
+    at_target = {"reached": len(samples) >= target, "iterations": k, "samples": len(samples),
+                 "timed_samples": timed_samples, "seconds": round(seconds, 2),
+                 "samples_per_s": round(timed_samples / seconds, 2), "turns_hist": hist,
+                 "turns_mean": round(mean_turns(samples), 3),
+                 "batches_with_12_turns": sum(any(t == 12 for _, t, _ in it["trained"]) for it in its[:k]),
+                 **{k_: round(sum(it[k_] for it in window), 2) for k_ in ("rollout_s", "train_s", "sync_s")}}
+    if reference is not None:
+        tv = tv_distance(hist, reference["turns_hist"])
+        mean_diff = abs(at_target["turns_mean"] - reference["turns_mean"]) / reference["turns_mean"]
+        at_target |= {"tv_distance": round(tv, 4), "mean_rel_diff": round(mean_diff, 4),
+                      "equal_work": at_target["reached"] and tv <= TV_TOLERANCE and mean_diff <= MEAN_TOLERANCE}
+    done, cover = set(), None
+    for i, it in enumerate(its):
+        done |= {task for task, _, _ in it["trained"]}
+        if sync_tasks <= done:
+            upto = its[:i + 1]
+            cover = {"iterations": i + 1, "seconds": round(sum(x["iteration_s"] for x in upto[WARMUP:]), 2),
+                     "samples": sum(len(x["trained"]) for x in upto),
+                     "turns_mean": round(mean_turns([s for x in upto for s in x["trained"]]), 3)}
+            break
+    all_trained = [s for it in its for s in it["trained"]]
+    return {
+        "at_target": at_target,
+        "cover_sync_tasks": cover,
+        "iterations_run": len(its),
+        "all_iterations": {"samples": len(all_trained), "turns_hist": histogram(all_trained),
+                           "turns_mean": round(mean_turns(all_trained), 3),
+                           "batch_turns_mean": round(sum(it["batch_turns_mean"] * it["batch_samples"] for it in its)
+                                                     / sum(it["batch_samples"] for it in its), 3)},
+        "lag_hist": dict(sorted(Counter(lag for _, _, lag in all_trained).items())),
+        "not_trained": run["not_trained"], "metrics_drops": run["metrics_drops"],
+        "groups_in_flight_at_end": run["groups_in_flight_at_end"],
+        "per_iteration": [{"trained": len(it["trained"]), "turns_max": max((t for _, t, _ in it["trained"]), default=0),
+                           **{k_: round(it[k_], 3) for k_ in ("iteration_s", "rollout_s", "train_s", "sync_s")}}
+                          for it in its],
+    }
+
+
+def overlap_bound(run: dict) -> dict:
+    """From the sync run: what overlapping rollout with training could give at best."""
+    timed = run["iterations"][WARMUP:]
+    total = sum(it["iteration_s"] for it in timed)
+    best = sum(max(it["rollout_s"], it["train_s"] + it["sync_s"]) for it in timed)
+    return {"rollout_s": round(sum(it["rollout_s"] for it in timed), 2),
+            "train_s": round(sum(it["train_s"] for it in timed), 2),
+            "weight_sync_s": round(sum(it["sync_s"] for it in timed), 2),
+            "iteration_s": round(total, 2), "ideal_overlap_speedup": round(total / best, 3)}
+
+
+def contamination(out: Path, iterations: int) -> str | None:
+    """Why a run's engine was not its own alone, or None: a restart, or weight updates the run
+    did not push (then its samples carry versions it never trained). Concurrent agentrl runs
+    with the same --seed pick the same engine port (agentrl.engines.launch.free_port draws from
+    the `random` module that --seed seeds) and can end up sharing one engine."""
+    events = out / "logs" / "engine_events.jsonl"
+    if events.exists() and events.read_text().strip():
+        return "engine events: " + "; ".join(json.loads(x)["event"] for x in events.read_text().splitlines())[:300]
+    updates = (out / "logs" / "engine.log").read_text().count("weights updated")
+    if updates != iterations:
+        return f"the engine got {updates} weight updates for {iterations} iterations"
+    return None
+
+
+def base(name: str) -> str:
+    return name.split("#")[0]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=12, help="iterations of the sync run (>= 2)")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated, sync first: {', '.join(CONFIGS)}")
+    parser.add_argument("--repeat", default="sync,async",
+                        help="configurations run a second time at the end (their times are averaged); '' for none")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="--seed of every run (default: from the process id; see contamination())")
+    parser.add_argument("--keep", type=Path, help="keep the run folders here (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "async_vs_sync.json")
     args = parser.parse_args()
+    names = args.configs.split(",") + [f"{n}#2" for n in args.repeat.split(",") if n]
+    if names[0] != "sync" or any(base(n) not in CONFIGS for n in names):
+        parser.error(f"--configs: sync first, then any of {', '.join(CONFIGS)}")
+    seed = args.seed if args.seed is not None else 10_000 + os.getpid() % 50_000
+    runs, started = {}, time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        env_file = Path(tmp) / "long_tail.py"
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        env_file = root / "long_tail.py"
         env_file.write_text(ENV)
-        sync = run(Path(tmp) / "sync", env_file, args.iterations, [])
-        asyn = run(Path(tmp) / "async", env_file, args.iterations,
-                   ["--async", "--over-sampling-batch-size", "16", "--max-staleness", "2"])
-    ratio = asyn["samples_per_s"] / sync["samples_per_s"]
-    print(f"sync : {sync['samples_per_s']:7.2f} samples/s  ({sync['samples_trained']} samples in {sync['seconds']} s)")
-    print(f"async: {asyn['samples_per_s']:7.2f} samples/s  ({asyn['samples_trained']} samples in {asyn['seconds']} s)")
-    print(f"async / sync: {ratio:.2f}x   (mean turns per trained sample: sync {sync['turns_mean']}, "
-          f"async {asyn['turns_mean']}: async batches favour the groups that finish first)")
-    out = Path(__file__).parent / "results" / "async_vs_sync.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"sync": sync, "async": asyn, "async_over_sync": round(ratio, 3)}, indent=1) + "\n")
+        reference, target, sync_tasks = None, 0, set()
+        for name in names:
+            flags, scale = CONFIGS[base(name)]
+            staleness = int(flags[flags.index("--max-staleness") + 1]) if "--max-staleness" in flags else None
+            failures = []
+            for attempt in range(ATTEMPTS):
+                out = root / f"{name}-{attempt}"
+                load, t0 = os.getloadavg()[0], time.perf_counter()
+                error = train(out, env_file, args.iterations * scale, flags, seed=seed + attempt)
+                error = error or contamination(out, args.iterations * scale)
+                if error is None:
+                    break
+                failures.append({"seed": seed + attempt, "error": error})
+                print(f"{name}: run failed (seed {seed + attempt}): {error}", flush=True)
+            if error is not None:
+                runs[name] = {"flags": flags, "failed_attempts": failures}
+                continue
+            run = read_run(out, staleness)
+            if name == "sync":
+                target = sum(len(it["trained"]) for it in run["iterations"])
+                sync_tasks = {task for it in run["iterations"] for task, _, _ in it["trained"]}
+            r = runs[name] = {"flags": flags, "seed": seed + len(failures), "failed_attempts": failures,
+                              "run_wall_s": round(time.perf_counter() - t0, 1),
+                              "load_avg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
+                              **summarize(run, target=target, reference=reference, sync_tasks=sync_tasks)}
+            if name == "sync":
+                reference = r["at_target"]
+                r["overlap_bound"] = overlap_bound(run)
+            a = r["at_target"]
+            print(f"{name:22s} {a['samples_per_s']:6.2f} samples/s  {a['timed_samples']} samples in "
+                  f"{a['seconds']:6.2f} s  "
+                  f"turns {a['turns_hist']} mean {a['turns_mean']}"
+                  + (f"  equal work {a['equal_work']}" if "equal_work" in a else "")
+                  + f"  not trained {r['not_trained']}  lag {r['lag_hist']}  load {r['load_avg_1m']}", flush=True)
+
+    # per configuration: its runs' mean times against the sync runs' mean
+    ok = {n: r for n, r in runs.items() if "at_target" in r}
+    sync_seconds = [r["at_target"]["seconds"] for n, r in ok.items() if base(n) == "sync"]
+    sync_mean = sum(sync_seconds) / len(sync_seconds)
+    configs = {}
+    for name in dict.fromkeys(base(n) for n in names):
+        mine = [r for n, r in ok.items() if base(n) == name]
+        if not mine:
+            configs[name] = {"failed": [f for n, r in runs.items() if base(n) == name for f in r["failed_attempts"]]}
+            continue
+        seconds = [r["at_target"]["seconds"] for r in mine]
+        covers = [r["cover_sync_tasks"]["seconds"] for r in mine if r["cover_sync_tasks"]]
+        c = configs[name] = {
+            "at_target_seconds": seconds, "samples": mine[0]["at_target"]["samples"],
+            "samples_per_s": round(sum(r["at_target"]["samples_per_s"] for r in mine) / len(mine), 2),
+            "turns_mean": mine[0]["at_target"]["turns_mean"],
+            # summed over the timed iterations: rollout_s is what the loop waited for its batch
+            **{k: round(sum(r["at_target"][k] for r in mine) / len(mine), 2)
+               for k in ("rollout_s", "train_s", "sync_s")},
+            "equal_work": all(r["at_target"].get("equal_work", True) for r in mine),
+            "speedup_at_target": round(sync_mean / (sum(seconds) / len(seconds)), 3),
+            "speedup_cover_sync_tasks": round(sync_mean / (sum(covers) / len(covers)), 3) if len(covers) == len(mine)
+            else None}
+        # equal work: at the target when the trained turns match; else, a lower bound, until all of sync's tasks trained
+        c["equal_work_speedup"] = c["speedup_at_target"] if c["equal_work"] else c["speedup_cover_sync_tasks"]
+    bound = runs["sync"]["overlap_bound"]
+    rivals = {n: c for n, c in configs.items() if n != "sync" and c.get("equal_work_speedup")}
+    best = max(rivals, key=lambda n: rivals[n]["equal_work_speedup"], default=None)
+    headline = {"best": best, "equal_work_speedup": rivals[best]["equal_work_speedup"] if best else None,
+                "measured_as": None if best is None else "at_target" if rivals[best]["equal_work"]
+                else "cover_sync_tasks (a lower bound: it trained more than the sync run)",
+                "sync_seconds": sync_seconds, "best_seconds": rivals[best]["at_target_seconds"] if best else None,
+                "sync_samples_per_s": configs["sync"]["samples_per_s"],
+                "best_samples_per_s": rivals[best]["samples_per_s"] if best else None,
+                "ideal_overlap_speedup": bound["ideal_overlap_speedup"], "goal": 2.0}
+    print(f"sync: rollout {bound['rollout_s']} s + train {bound['train_s']} s + weight sync {bound['weight_sync_s']} s "
+          f"in {bound['iteration_s']} s of iterations: ideal overlap speedup {bound['ideal_overlap_speedup']}x; "
+          f"sync to the target: {sync_seconds} s (rollout {configs['sync']['rollout_s']} s, train "
+          f"{configs['sync']['train_s']} s: the runs' mean)")
+    for n, c in configs.items():
+        if n == "sync":
+            continue
+        if "failed" in c:
+            print(f"{n:22s} failed: {c['failed'][-1]['error'][:200]}")
+            continue
+        cover = c["speedup_cover_sync_tasks"]
+        print(f"{n:22s} {c['speedup_at_target']:.2f}x at the target ({c['at_target_seconds']} s; rollout wait "
+              f"{c['rollout_s']} s, train {c['train_s']} s)"
+              + ("" if c["equal_work"] else f" NOT equal work (mean turns {c['turns_mean']})")
+              + (f", {cover:.2f}x to train all of sync's tasks" if cover else ", never trained all of sync's tasks"))
+    print(f"headline (equal work): {best} {headline['equal_work_speedup']}x ({headline['measured_as']}); goal 2x; "
+          f"ideal overlap {bound['ideal_overlap_speedup']}x")
+    args.out.parent.mkdir(exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": " ".join(["python", "bench/async_vs_sync.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)), "cpus": os.cpu_count(),
+        "tolerance": {"mean_rel": MEAN_TOLERANCE, "tv": TV_TOLERANCE}, "warmup_iterations": WARMUP,
+        "headline": headline, "configs": configs, "runs": runs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
