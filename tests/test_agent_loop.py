@@ -179,3 +179,32 @@ def test_clients_speak_the_generate_client_protocol():
     assert params(EngineClient.generate) == want
     assert params(ScriptedClient.generate) == want
     assert inspect.iscoroutinefunction(EngineClient.generate) and inspect.iscoroutinefunction(ScriptedClient.generate)
+
+
+def test_a_resume_that_splits_a_character_keeps_the_text_whole(tokenizer):
+    """--partial-rollout: a weight update aborts a generation between the two byte tokens of
+    'é'; the resumed generation brings the second. The turn's text is decoded whole, so the
+    next turn's rendering still extends it (decoding the pieces apart gave two U+FFFD and a
+    TemplateDriftError)."""
+    from agentrl.rollout.control import RolloutControl
+
+    word = tokenizer.encode("café", add_special_tokens=False)
+    assert tokenizer.decode(word[:-1]).endswith("\ufffd")  # the split falls inside the character
+
+    class SplitClient(ScriptedClient):
+        async def generate(self, input_ids, sampling_params, *, session_id=None, rid=None, lora_path=None):
+            self.calls.append((list(input_ids), session_id))
+            if len(self.calls) == 1:  # aborted by a weight update after half of 'é'
+                return GenerateResult(word[:-1], [-0.5] * (len(word) - 1), "abort", len(input_ids), 0, "0")
+            if len(self.calls) == 2:
+                ids = word[-1:] + [self.tok.eos_token_id]
+                return GenerateResult(ids, [-0.5] * len(ids), "stop", len(input_ids), 0, "1")
+            return await super().generate(input_ids, sampling_params, session_id=session_id, rid=rid)
+
+    control = RolloutControl()
+    control.partial_rollout = True
+    client = SplitClient(tokenizer, ["yes", "yes"])
+    s = play(CountEnv(), client, tokenizer, control=control)
+    assert s.status == SampleStatus.COMPLETED and s.num_turns == 3, s.metadata
+    assert s.metadata["resumed"] == 1
+    assert "café" in tokenizer.decode(s.tokens)

@@ -49,6 +49,7 @@ def test_sync_is_on_policy_and_async_is_one_version_behind_with_staleness_bound(
     # Batch 1 was generated while batch 0 trained: by policy version 0, one behind the trainer.
     assert any(0 in policy_versions(t) for t in trajectories(asyn, 1))
     assert rows[0]["stale_dropped"] == 0 and rows[1]["stale_dropped"] > 0
+    assert all(r["trained_samples"] == r["num_samples"] - r["stale_dropped"] for r in rows)
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
 
 

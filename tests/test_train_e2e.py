@@ -35,6 +35,7 @@ def test_target_token_reward_rises_from_scratch(tmp_path):
     for key in ("reward_mean", "response_len_mean", "turns_mean", "tool_calls_mean", "rollout_s", "train_s",
                 "weight_sync_s", "tokens_per_s", "ppo_kl", "loss"):
         assert key in rows[-1]
+    assert all(r["trained_samples"] == r["num_samples"] - r["stale_dropped"] == 128 for r in rows)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     traj = [json.loads(x) for x in (out / "trajectories" / "rollout_00039.jsonl").read_text().splitlines()]
     assert len(traj) == 128 and {"response_tokens", "loss_mask", "rollout_logprobs", "reward", "status",

@@ -7,6 +7,7 @@ import atexit
 import ctypes
 import http.client
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,14 +26,18 @@ from agentrl.errors import EngineError
 ENGINE_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
 
 
+# its own generator, seeded by the OS: the global one is seeded by --seed, so two runs with the
+# same seed would try the same ports in the same order (and could both take one: the probe's
+# bind is released before the server binds)
+_PORTS = random.SystemRandom()
+
+
 def free_port(low: int | None = None, high: int | None = None) -> int:
     """A free TCP port: a server's (see `server_port`) or, with `low`/`high`, one in [low, high)."""
     if low is None:
         return server_port()
-    import random
-
     for _ in range(200):
-        port = random.randrange(low, high)
+        port = _PORTS.randrange(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

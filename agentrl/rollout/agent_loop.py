@@ -226,6 +226,7 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
             sample.turn_timings.append(timing)
             sample.num_turns = turn + 1
             out: list[int] = []  # this turn's tokens, across resumed generations
+            before = seen
             while True:
                 if control is not None:
                     await control.wait()  # closed while the weights change
@@ -236,8 +237,10 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                                                lora_path=control.lora_adapter if control is not None else None)
                 timing.generate_s += time.perf_counter() - t0
                 sample.append_generated(result.output_ids, result.logprobs, _version(result.weight_version))
-                seen += renderer.decode(result.output_ids)
                 out += result.output_ids
+                # the turn's tokens decoded whole: a character whose bytes a resume split in two
+                # decodes right only with both halves
+                seen = before + renderer.decode(out)
                 sample.metadata.setdefault("cached_tokens", []).append(result.cached_tokens)
                 sample.metadata.setdefault("turn_prompt_tokens", []).append(result.prompt_tokens)
                 resumable = control is not None and control.partial_rollout and len(out) < budget

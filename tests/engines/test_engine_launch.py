@@ -268,3 +268,15 @@ def test_sglang_replies_name_their_engine_and_the_client_reads_it():
 
     res, turns = asyncio.run(go())
     assert res.engine_id == "http://e1" and turns[0].engine == "http://e1" and turns[0].cached_tokens == 2
+
+
+def test_engine_ports_do_not_follow_the_run_seed():
+    """Two runs with the same --seed (seed_everything seeds the global random) must not try the
+    same ports in the same order: they could both take one before either server binds it."""
+    import random
+
+    def ports():
+        random.seed(0)
+        return [free_port() for _ in range(6)]
+
+    assert ports() != ports()
