@@ -3,9 +3,11 @@ Megatron-core one (megatron.MegatronTrainer), both behind `Trainer`."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
+import numpy as np
 import torch
 
 from agentrl.types import Sample
@@ -42,3 +44,20 @@ class Trainer(Protocol):
 
     def load(self, folder: Path) -> dict:
         """Restore a `save`d checkpoint; returns its extra_state."""
+
+
+def rng_state(device) -> dict:
+    """Every generator a training step may draw from (python, numpy, torch's CPU one and, on a
+    GPU, the device's): what a checkpoint carries so that a resume draws the same dropout."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(torch.device(device))
+    return state
+
+
+def set_rng_state(state: dict, device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.device(device).type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], torch.device(device))

@@ -9,17 +9,16 @@ is not wired yet. The Megatron trainer will sit behind the same methods.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import torch
 
 from agentrl.algorithms import (check_algo, entropy_from_logits, needs_reference, policy_objective, sft_loss,
                                 train_iteration, value_loss)
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.models import load_model, load_tokenizer
+from agentrl.trainers import rng_state, set_rng_state
 from agentrl.types import Sample
 
 
@@ -261,10 +260,7 @@ class TorchTrainer:
         if self.critic is not None:
             torch.save({"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},
                        folder / "critic.pt")
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():  # dropout on the GPU draws from the CUDA generators
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, folder / "rng.pt")
+        torch.save(rng_state(self.device), folder / "rng.pt")
         (folder / "trainer_state.json").write_text(json.dumps(
             {"version": self.version, "ref_model_path": str(Path(self.ref_path).resolve()), **extra_state}, indent=1))
 
@@ -298,12 +294,7 @@ class TorchTrainer:
             critic = torch.load(folder / "critic.pt", weights_only=False)
             self.critic.load_state_dict(critic["model"])
             self.critic_optimizer.load_state_dict(critic["optimizer"])
-        rng = torch.load(folder / "rng.pt", weights_only=False)
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        set_rng_state(torch.load(folder / "rng.pt", weights_only=False), self.device)
         state = json.loads((folder / "trainer_state.json").read_text())
         self.version = state["version"]
         ref = state.get("ref_model_path")

@@ -59,13 +59,13 @@ from dataclasses import dataclass, field
 import torch
 from aiohttp import web
 
+from agentrl.engines import ENGINE_HEADER
 from agentrl.engines.lora import LoraAdapter, LoraServing
 from agentrl.engines.prefix_cache import PrefixCache, build_cache, layer_kv
 from agentrl.models import load_model, load_tokenizer
 
 log = logging.getLogger("agentrl.engine")
 
-ENGINE_HEADER = "X-Agentrl-Engine"
 ENGINE_KIND = "agentrl-embedded"
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
 _SCHEDULER = web.AppKey("scheduler", asyncio.Task)

@@ -19,6 +19,8 @@ import os
 import runpy
 import sys
 
+from agentrl.engines import ENGINE_HEADER
+
 
 class EngineHeader:
     """ASGI middleware: add X-Agentrl-Engine to every HTTP response."""
@@ -33,7 +35,7 @@ class EngineHeader:
 
         async def send_with_header(message):
             if message.get("type") == "http.response.start":
-                message["headers"] = list(message.get("headers") or []) + [(b"x-agentrl-engine", self.value)]
+                message["headers"] = list(message.get("headers") or []) + [(ENGINE_HEADER.lower().encode(), self.value)]
             await send(message)
 
         return await self.app(scope, receive, send_with_header)

@@ -24,11 +24,11 @@ from typing import Protocol
 
 import aiohttp
 
+from agentrl.engines import ENGINE_HEADER
 from agentrl.errors import EngineError
 from agentrl.rollout.affinity import Turn, TurnLog
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-ENGINE_HEADER = "X-Agentrl-Engine"
 
 
 @dataclass

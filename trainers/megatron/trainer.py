@@ -17,18 +17,17 @@ on the response tokens, normalised by the global batch's trained-token count.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from functools import partial
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import torch
 
 from agentrl.algorithms import check_algo, needs_reference, policy_objective, sft_loss, train_iteration, value_loss
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.errors import ConfigError
+from agentrl.trainers import rng_state, set_rng_state
 from agentrl.trainers.megatron.args import parse_megatron_args
 from agentrl.trainers.megatron.logprobs import fused_logprobs
 from agentrl.trainers.megatron.model import (DTYPES, build_gpt, enable_position_rope, init_distributed, layer_spec,
@@ -468,8 +467,7 @@ class MegatronTrainer:
             dist_dir.mkdir(parents=True)
         dist.barrier()
         dist_checkpointing.save(self._sharded_state(), str(dist_dir))
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+        rng = rng_state(self.device)
         if self.device.type == "cuda":
             from megatron.core import tensor_parallel
             rng["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
@@ -512,11 +510,8 @@ class MegatronTrainer:
         rng_file = dist_dir / f"rng_rank{self.rank:05d}.pt"
         if rng_file.exists():
             rng = torch.load(rng_file, weights_only=False)
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
-            if self.device.type == "cuda" and rng.get("cuda") is not None:
-                torch.cuda.set_rng_state(rng["cuda"])
+            set_rng_state(rng, self.device)
+            if self.device.type == "cuda" and "tracker" in rng:  # megatron's model-parallel CUDA generators
                 from megatron.core import tensor_parallel
                 tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
         if (dist_dir / "schedulers.pt").exists():
