@@ -6,29 +6,37 @@ import pytest
 
 # What makes a test end to end (marked `e2e`; `pytest -m "not e2e"` is the fast lane): it runs
 # agentrl as a user does (the CLI in a subprocess, or `main(["train" | "sft" | "eval", ...])`),
-# starts engines or Ray, or drives a browser. Read from the test's source and from the
-# module-level helpers it calls, so a new test of that kind is marked without a list to keep.
+# starts engines or Ray, or drives a browser. Read from the test's source and from every test
+# helper it calls (in its module or a helper module of tests/, followed through their calls), so
+# a new test of that kind is marked without a list to keep.
 E2E_SIGNS = re.compile(r'agentrl_cli\(|main\(\["(train|sft|eval)"|start_engines\(|launch_embedded_engine\(|'
-                       r'ray\.init\(|importorskip\("ray"\)|chromium')
+                       r'ray\.init\(|importorskip\("ray"\)|chromium|(?i:agentrl)\W{0,4},\s*"(train|sft|eval|demos)"')
+TESTS = Path(__file__).resolve().parent
 
 
-def _e2e(function, module) -> bool:
+def _e2e(function, seen: set | None = None) -> bool:
+    seen = set() if seen is None else seen
+    if function in seen:
+        return False
+    seen.add(function)
     try:
         source = inspect.getsource(function)
     except (OSError, TypeError):
         return False
     if E2E_SIGNS.search(source):
         return True
-    helpers = {name for name, obj in vars(module).items()
-               if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("test_")}
-    called = set(re.findall(r"\b(\w+)\(", source)) & helpers
-    return any(E2E_SIGNS.search(inspect.getsource(getattr(module, name))) for name in called)
+    for name in set(re.findall(r"\b(\w+)\(", source)):
+        helper = function.__globals__.get(name)
+        if (inspect.isfunction(helper) and Path(helper.__code__.co_filename).resolve().is_relative_to(TESTS)
+                and _e2e(helper, seen)):
+            return True
+    return False
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         function = getattr(item, "function", None)
-        if function is not None and item.get_closest_marker("e2e") is None and _e2e(function, item.module):
+        if function is not None and item.get_closest_marker("e2e") is None and _e2e(function):
             item.add_marker(pytest.mark.e2e)
 
 
