@@ -253,9 +253,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "driver_scale.json"))
     args = parser.parse_args()
 
-    import urllib.request
-
-    from agentrl.engines.launch import free_port
+    from agentrl.engines.launch import free_port, http_ok
     from agentrl.models import build_tiny_model, load_tokenizer
 
     tokenizer = load_tokenizer(build_tiny_model())
@@ -266,12 +264,10 @@ def main() -> None:
         server = multiprocessing.get_context("spawn").Process(target=_serve, args=(port, reply, latency), daemon=True)
         server.start()
         url = f"http://127.0.0.1:{port}"
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while not http_ok(url + "/health", timeout=1):
+            assert time.monotonic() < deadline, "the stand-in engine did not start"
+            time.sleep(0.1)
         warmup = args.warmup if args.warmup is not None else 2.0 + 8 * latency  # the first wave has ended
         for gc_mode in args.gc:
             for n in args.in_flight:

@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
 
-    from agentrl.engines.launch import free_port
+    from agentrl.engines.launch import free_port, http_ok
     from agentrl.models import build_tiny_model, load_tokenizer
 
     tokenizer = load_tokenizer(build_tiny_model())
@@ -131,14 +131,10 @@ def main() -> None:
     server = multiprocessing.get_context("spawn").Process(target=_serve, args=(port, reply), daemon=True)
     server.start()
     url = f"http://127.0.0.1:{port}"
-    import urllib.request
-
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.1)
+    deadline = time.monotonic() + 30
+    while not http_ok(url + "/health", timeout=1):
+        assert time.monotonic() < deadline, "the stand-in engine did not start"
+        time.sleep(0.1)
     # a first run of each (not timed): the agent loop's tokens tell the bare loop what to send
     _, sample = asyncio.run(agentrl_loop(url, tokenizer, 8, args.turns, args.concurrency))
     n_env = (sample.response_length - args.turns * len(reply)) // max(args.turns - 1, 1)
