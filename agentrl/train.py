@@ -135,8 +135,8 @@ class Run:
     reward_fn: Callable | None  # --custom-rm-path
     replay: list[list[Sample]] | None  # --debug-train-only's saved rollouts
     eval_sets: list[tuple[str, list[dict]]]
+    context: RunContext  # run.json
     control: RolloutControl = field(default_factory=RolloutControl)  # the weight-update gate of the agent loops
-    context: RunContext | None = None  # run.json
 
 
 async def _loop(run: Run) -> None:
@@ -235,7 +235,7 @@ async def start_rollout(run: Run, stack: contextlib.AsyncExitStack, weights_lock
     evaluate_now(rollout_id, prefix) or None when no evaluation is due, sandbox pool or None)."""
     cfg, r, state = run.cfg, run.cfg.rollout, run.state
     pool = await start_sandbox_pool(cfg)
-    if pool is not None and run.context is not None:
+    if pool is not None:
         run.context.record(sandbox={"backend": pool.backend, "max_active": pool.max_active})
     # last out: what failed attempts left in reference cycles (a tool server's subprocess
     # transport held by its exception's traceback) is finalized while the loop still runs;

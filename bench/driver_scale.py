@@ -44,6 +44,7 @@ import multiprocessing
 import os
 import random
 import statistics
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -253,21 +254,16 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "driver_scale.json"))
     args = parser.parse_args()
 
-    from agentrl.engines.launch import free_port, http_ok
     from agentrl.models import build_tiny_model, load_tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rollout_overhead import start_stand_in
 
     tokenizer = load_tokenizer(build_tiny_model())
     reply = tokenizer.encode("yes, that is the answer") + [tokenizer.eos_token_id]
     runs = []
     for latency in args.engine_latency:
-        port = free_port()
-        server = multiprocessing.get_context("spawn").Process(target=_serve, args=(port, reply, latency), daemon=True)
-        server.start()
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while not http_ok(url + "/health", timeout=1):
-            assert time.monotonic() < deadline, "the stand-in engine did not start"
-            time.sleep(0.1)
+        server, url = start_stand_in(_serve, reply, latency)
         warmup = args.warmup if args.warmup is not None else 2.0 + 8 * latency  # the first wave has ended
         for gc_mode in args.gc:
             for n in args.in_flight:

@@ -59,6 +59,22 @@ def _serve(port: int, reply_ids: list[int]) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
+def start_stand_in(serve, *args) -> tuple[multiprocessing.Process, str]:
+    """`serve(port, *args)` (a stand-in engine) in a spawned process, once it answers /health:
+    (the process, its URL)."""
+    from agentrl.engines.launch import free_port, http_ok
+
+    port = free_port()
+    server = multiprocessing.get_context("spawn").Process(target=serve, args=(port, *args), daemon=True)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not http_ok(url + "/health", timeout=1):
+        assert time.monotonic() < deadline, "the stand-in engine did not start"
+        time.sleep(0.1)
+    return server, url
+
+
 async def bare_loop(url: str, prompt: list[int], env_ids: list[int], trajectories: int, turns: int,
                     concurrency: int) -> tuple[float, list[int]]:
     """The same /generate calls as the agent loop makes (input ids, sampling params, rid,
@@ -122,19 +138,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
 
-    from agentrl.engines.launch import free_port, http_ok
     from agentrl.models import build_tiny_model, load_tokenizer
 
     tokenizer = load_tokenizer(build_tiny_model())
     reply = tokenizer.encode("yes, that is the answer") + [tokenizer.eos_token_id]
-    port = free_port()
-    server = multiprocessing.get_context("spawn").Process(target=_serve, args=(port, reply), daemon=True)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not http_ok(url + "/health", timeout=1):
-        assert time.monotonic() < deadline, "the stand-in engine did not start"
-        time.sleep(0.1)
+    server, url = start_stand_in(_serve, reply)
     # a first run of each (not timed): the agent loop's tokens tell the bare loop what to send
     _, sample = asyncio.run(agentrl_loop(url, tokenizer, 8, args.turns, args.concurrency))
     n_env = (sample.response_length - args.turns * len(reply)) // max(args.turns - 1, 1)
