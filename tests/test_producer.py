@@ -206,6 +206,29 @@ def test_a_failed_group_is_rerun_whole_at_most_max_group_retries_times(caplog, r
     assert len(reports) == 1 and "first failure of its kind" in reports[0]
 
 
+def test_a_retry_waits_longer_each_time_up_to_30_s(caplog, monkeypatch):
+    # group 0 fails its first 6 attempts: the retries wait retry_backoff_s doubled each time, capped at 30 s
+    groups = FakeGroups(fails=lambda g, attempt: g == 0 and attempt < 6)
+    producer = make_producer(groups, over_sampling=1, max_group_retries=6, retry_backoff_s=1.5)
+    waits = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(delay, *args, **kwargs):
+        if delay:
+            waits.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", recording_sleep)
+
+    async def main():
+        batch = await asyncio.wait_for(producer.next_batch(1), 30)
+        await producer.aclose()
+        return batch
+
+    assert group_ids(run_clean(main, caplog)) == [0] and producer.retried == 6
+    assert waits == [1.5, 3.0, 6.0, 12.0, 24.0, 30.0]
+
+
 # -- stopping -------------------------------------------------------------------------------
 
 def test_an_async_stop_while_generating_ahead_leaves_nothing_pending_and_the_tasks_for_the_resume(caplog):

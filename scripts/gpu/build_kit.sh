@@ -66,7 +66,8 @@ build_b() {
   "$py" -m pip download -q --no-deps $plat -d "$kit/b/wheels" megatron-core==0.19.2 gymnasium==1.4.0 \
     farama-notifications==0.0.6 mcp==2.3.0 mcp-types==2.3.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
     pyjwt==2.15.1 cryptography==50.0.2 sse-starlette==3.7.0 pydantic-settings python-dotenv httpx-sse \
-    bm25s==0.3.16 math-verify==0.9.0 latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2 docker==7.2.0
+    bm25s==0.3.16 math-verify==0.9.0 latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2 docker==7.2.0 \
+    tenacity==9.2.1
   # bubblewrap for local sandboxes (unpacked there with dpkg -x, outside /)
   (cd "$kit/b/debs" && apt-get download bubblewrap) || echo "note: no bubblewrap .deb: run apt-get update first" >&2
 }

@@ -1,0 +1,99 @@
+"""EngineClient's retry policy, against an in-process HTTP server that answers as scripted:
+5xx, a dropped connection and a timeout are sent again with exponential backoff (a timeout only
+once more), 4xx never; the error after the last try names the URL, the tries and the cause."""
+
+import asyncio
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from agentrl.errors import EngineError
+from agentrl.rollout.client import EngineClient
+
+REPLY = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 1,
+                                          "output_token_logprobs": [[-0.5, 7, None]]}}
+
+
+def generate_with(script: list, *, retries: int = 3, backoff_s: float = 0.001, max_backoff_s: float = 0.004,
+                  monkeypatch=None):
+    """POST /generate to a server that answers request i with script[i] (an HTTP status, "drop" to
+    close the connection, "hang" to answer after the client's timeout). Returns (result or the
+    EngineError, requests served, client.retried, the client's back-off sleeps)."""
+    served = []
+    sleeps = []
+
+    async def generate(request):
+        step = script[min(len(served), len(script) - 1)]
+        served.append(step)
+        if step == "drop":
+            request.transport.close()
+            return web.Response()
+        if step == "hang":
+            await asyncio.sleep(5)
+        if step == 200:
+            return web.json_response(REPLY)
+        return web.Response(status=step, text=f"status {step}")
+
+    async def go():
+        if monkeypatch is not None:  # the client's own waits: every sleep longer than 0 (aiohttp sleeps 0)
+            real_sleep = asyncio.sleep
+
+            async def recording_sleep(delay, *args, **kwargs):
+                if delay:
+                    sleeps.append(delay)
+                return await real_sleep(0)
+
+            monkeypatch.setattr(asyncio, "sleep", recording_sleep)
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        server = TestServer(app)
+        await server.start_server()
+        try:
+            async with EngineClient(str(server.make_url("")).rstrip("/"), retries=retries, backoff_s=backoff_s,
+                                    max_backoff_s=max_backoff_s, request_timeout_s=0.5) as client:
+                try:
+                    result = await client.generate([1], {})
+                except EngineError as exc:
+                    result = exc
+                return result, client.retried
+        finally:
+            await server.close()
+
+    result, retried = asyncio.run(go())
+    return result, served, retried, sleeps
+
+
+def test_5xx_and_dropped_connections_are_sent_again_until_an_answer():
+    result, served, retried, _ = generate_with([503, "drop", 500, 200])
+    assert result.output_ids == [7] and served == [503, "drop", 500, 200] and retried == 3
+
+
+def test_5xx_on_the_last_try_is_the_error_with_the_answer():
+    error, served, retried, _ = generate_with([502], retries=2)
+    assert served == [502, 502, 502] and retried == 2
+    assert isinstance(error, EngineError) and str(error).endswith("/generate: HTTP 502: status 502")
+
+
+def test_4xx_is_not_sent_again():
+    error, served, retried, _ = generate_with([400, 200])
+    assert served == [400] and retried == 0 and "HTTP 400: status 400" in str(error)
+
+
+def test_dropped_connections_stop_after_the_retries_naming_the_tries():
+    error, served, retried, _ = generate_with(["drop"], retries=2)
+    assert served == ["drop"] * 3 and retried == 2
+    assert "/generate failed after 3 tries: " in str(error) and "ServerDisconnectedError" in str(error)
+
+
+def test_a_request_that_timed_out_twice_is_not_tried_a_third_time():
+    error, served, retried, _ = generate_with(["hang"], retries=5)
+    assert served == ["hang", "hang"] and retried == 1
+    assert "/generate failed after 2 tries: " in str(error) and "TimeoutError" in str(error)
+
+
+def test_the_back_off_doubles_up_to_its_cap(monkeypatch):
+    error, served, retried, sleeps = generate_with([503], retries=5, backoff_s=0.5, max_backoff_s=3.0,
+                                                   monkeypatch=monkeypatch)
+    assert len(served) == 6 and retried == 5 and "HTTP 503" in str(error)
+    assert sleeps == pytest.approx([0.5, 1.0, 2.0, 3.0, 3.0])  # none after the last try
