@@ -17,8 +17,9 @@ The engines keep their weights: the weight sync writes into them while the KV ca
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING
+
+import tenacity
 
 from agentrl.errors import EngineError
 
@@ -51,15 +52,15 @@ class EngineMemory:
 
 async def wait_idle(clients: list["EngineClient"], timeout_s: float = IDLE_TIMEOUT_S) -> None:
     """Until no engine has a request running or waiting (SGLang's /get_load)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    async def busy_engines() -> dict[str, int]:  # url -> requests running or waiting, for the busy ones
         loads = await asyncio.gather(*[c.get("/get_load") for c in clients])
         busy = {c.base_url: sum(int(r.get("num_reqs", 0)) for r in load or [])
                 for c, load in zip(clients, loads)}
-        busy = {url: n for url, n in busy.items() if n}
-        if not busy:
-            return
-        if time.monotonic() > deadline:
-            raise EngineError(f"engines still running requests {timeout_s:.0f} s after an abort: {busy}; "
-                              "their memory cannot be released for training (--colocate)")
-        await asyncio.sleep(0.05)
+        return {url: n for url, n in busy.items() if n}
+
+    busy = await tenacity.AsyncRetrying(retry=tenacity.retry_if_result(bool), stop=tenacity.stop_after_delay(timeout_s),
+                                        wait=tenacity.wait_fixed(0.05),
+                                        retry_error_callback=lambda state: state.outcome.result())(busy_engines)
+    if busy:
+        raise EngineError(f"engines still running requests {timeout_s:.0f} s after an abort: {busy}; "
+                          "their memory cannot be released for training (--colocate)")

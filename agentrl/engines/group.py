@@ -39,7 +39,7 @@ from typing import Callable
 
 from agentrl.config import RolloutConfig
 from agentrl.engines.colocate import EngineMemory
-from agentrl.engines.launch import ENGINE_ENV, ServerProcess, embedded_argv, http_ok, server_port
+from agentrl.engines.launch import ENGINE_ENV, ServerProcess, embedded_argv, http_ok, poll, server_port
 from agentrl.errors import ConfigError, EngineError
 
 log = logging.getLogger("agentrl.engines")
@@ -232,15 +232,20 @@ def _healthy(url: str, timeout: float = 10.0) -> bool:
 
 def detect_kind(url: str, timeout_s: float = 60.0) -> str:
     """"embedded" or "sglang", from /model_info (the embedded engine names itself there)."""
-    deadline = time.monotonic() + timeout_s
     last: Exception | None = None
-    while time.monotonic() < deadline:
+
+    def kind() -> str | None:
+        nonlocal last
         try:
             info = _get_json(url + "/model_info")
-            return "embedded" if (info or {}).get("engine") == "agentrl-embedded" else "sglang"
         except (OSError, ValueError) as exc:
             last = exc
-            time.sleep(0.5)
+            return None
+        return "embedded" if (info or {}).get("engine") == "agentrl-embedded" else "sglang"
+
+    found = poll(kind, timeout_s=timeout_s, interval_s=0.5)
+    if found:
+        return found
     raise EngineError(f"--rollout-engine-urls {url}: no engine answers /model_info after {timeout_s:.0f} s ({last!r})")
 
 

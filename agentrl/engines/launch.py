@@ -13,9 +13,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
+from typing import Callable, TypeVar
+
+import tenacity
 
 from agentrl.errors import EngineError
 
@@ -66,6 +68,18 @@ def server_port() -> int:
     if low - 10000 >= 2000:
         return free_port(10000, min(low, 25536))
     return free_port(high + 1, 65536)  # a range that starts low: above it instead
+
+
+T = TypeVar("T")
+
+
+def poll(check: Callable[[], T], *, timeout_s: float, interval_s: float) -> T:
+    """Call `check` every `interval_s` seconds until it returns something true, and return that;
+    stop before a call that would start `timeout_s` or more after the first, and return the last
+    (false) result. An exception from `check` ends the polling: it propagates."""
+    return tenacity.Retrying(retry=tenacity.retry_if_result(lambda result: not result),
+                             stop=tenacity.stop_before_delay(timeout_s), wait=tenacity.wait_fixed(interval_s),
+                             retry_error_callback=lambda state: state.outcome.result())(check)
 
 
 def http_ok(url: str, timeout: float = 5.0) -> bool:
@@ -130,14 +144,14 @@ class ServerProcess:
             return "(no log)"
 
     def wait_healthy(self, timeout_s: float = 300.0, path: str = "/health") -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise EngineError(f"{self.name} exited with code {self.proc.returncode} while starting "
                                   f"({' '.join(self.argv)}); last log lines:\n{self.log_tail()}")
-            if http_ok(self.url + path, timeout=2):
-                return
-            time.sleep(0.2)
+            return http_ok(self.url + path, timeout=2)
+
+        if poll(healthy, timeout_s=timeout_s, interval_s=0.2):
+            return
         self.stop()
         raise EngineError(f"{self.name} not healthy after {timeout_s:.0f} s at {self.url}{path}; "
                           f"last log lines:\n{self.log_tail()}")

@@ -25,12 +25,11 @@ import argparse
 import difflib
 import json
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from agentrl.engines.launch import ServerProcess, free_port
+from agentrl.engines.launch import ServerProcess, free_port, poll
 from agentrl.errors import ConfigError, EngineError
 
 OWNED = {"worker-urls": "--rollout-engine-urls / --num-engines", "host": "", "port": "", "prometheus-port": "",
@@ -116,19 +115,23 @@ class Router:
 
     def wait_workers(self, urls: list[str], timeout_s: float) -> None:
         """Until every URL is registered and healthy (registration runs in the background)."""
-        deadline = time.monotonic() + timeout_s
         missing = set(urls)
-        while time.monotonic() < deadline:
+
+        def all_registered() -> bool:
+            nonlocal missing
             try:
                 missing = set(urls) - self.healthy_urls()
                 if not missing:
-                    return
+                    return True
             except (OSError, ValueError, KeyError):
                 pass
             if self.process is not None and not self.process.alive():
                 raise EngineError(f"sglang-router exited with code {self.process.proc.returncode}; last log lines:\n"
                                   f"{self.process.log_tail()}")
-            time.sleep(0.2)
+            return False
+
+        if poll(all_registered, timeout_s=timeout_s, interval_s=0.2):
+            return
         tail = self.process.log_tail() if self.process else ""
         raise EngineError(f"sglang-router at {self.url}: engines {sorted(missing)} not registered and healthy after "
                           f"{timeout_s:.0f} s; last router log lines:\n{tail}")

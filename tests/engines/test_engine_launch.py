@@ -280,3 +280,32 @@ def test_engine_ports_do_not_follow_the_run_seed():
         return [free_port() for _ in range(6)]
 
     assert ports() != ports()
+
+
+def test_poll_returns_the_first_true_result_and_is_bounded():
+    from agentrl.engines.launch import poll
+
+    answers = iter([None, "", "up"])
+    assert poll(lambda: next(answers), timeout_s=10, interval_s=0.01) == "up"
+    calls = []
+    start = time.monotonic()
+    assert poll(lambda: calls.append(time.monotonic() - start), timeout_s=0.35, interval_s=0.1) is None
+    # a call every 0.1 s, none that would start 0.35 s or more after the first
+    assert len(calls) >= 3 and calls[-1] < 0.35 and time.monotonic() - start < 0.5
+
+    def dead():
+        raise EngineError("the server exited")
+
+    with pytest.raises(EngineError, match="the server exited"):  # an exception ends the polling at once
+        poll(dead, timeout_s=10, interval_s=0.01)
+
+
+def test_detect_kind_gives_up_after_its_timeout_naming_the_url():
+    from agentrl.engines.group import detect_kind
+
+    url = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=rf"--rollout-engine-urls {url}: no engine answers /model_info after 1 s "
+                                          r"\(URLError.*refused"):
+        detect_kind(url, timeout_s=1)
+    assert time.monotonic() - start < 1.5
