@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import tenacity
+
 log = logging.getLogger(__name__)
 
 
@@ -51,6 +53,10 @@ class Passage:
 
 class RetrievalError(RuntimeError):
     """The retriever could not answer (bad corpus, unreachable or malformed service)."""
+
+
+class _ClientErrorAnswer(Exception):
+    """A 4xx answer of the retrieval service: not sent again."""
 
 
 class Retriever(Protocol):
@@ -159,26 +165,28 @@ class RemoteRetriever:
         import aiohttp
 
         payload = {"queries": list(queries), "topk": int(topk), "return_scores": True}
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            try:
-                timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-                async with aiohttp.ClientSession(timeout=timeout) as http:
-                    async with http.post(self.url, json=payload) as resp:
-                        if resp.status >= 500:
-                            raise RetrievalError(f"{self.url}: HTTP {resp.status}: {(await resp.text())[:200]}")
-                        if resp.status != 200:  # a client error will not get better on retry
-                            error = f"{self.url}: HTTP {resp.status}: {(await resp.text())[:200]}"
-                            break
-                        body = await resp.json(content_type=None)
-                return self._parse(body, len(queries))
-            except (aiohttp.ClientError, asyncio.TimeoutError, RetrievalError) as exc:
-                last = exc
-                if attempt < self.retries:
-                    await asyncio.sleep(0.2 * 2**attempt)
-        else:
-            error = f"{type(last).__name__}: {last}"
-        raise RetrievalError(f"retrieval service {self.url} failed: {error}")
+
+        async def ask() -> list[list[Passage]]:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as http:
+                async with http.post(self.url, json=payload) as resp:
+                    if resp.status >= 500:
+                        raise RetrievalError(f"{self.url}: HTTP {resp.status}: {(await resp.text())[:200]}")
+                    if resp.status != 200:  # a client error will not get better on retry
+                        raise _ClientErrorAnswer(f"{self.url}: HTTP {resp.status}: {(await resp.text())[:200]}")
+                    body = await resp.json(content_type=None)
+            return self._parse(body, len(queries))
+
+        def give_up(state: tenacity.RetryCallState):
+            last = state.outcome.exception()
+            raise RetrievalError(f"retrieval service {self.url} failed: {type(last).__name__}: {last}")
+
+        try:
+            return await tenacity.AsyncRetrying(
+                retry=tenacity.retry_if_exception_type((aiohttp.ClientError, asyncio.TimeoutError, RetrievalError)),
+                stop=tenacity.stop_after_attempt(self.retries + 1), wait=tenacity.wait_exponential(multiplier=0.2),
+                retry_error_callback=give_up)(ask)
+        except _ClientErrorAnswer as exc:
+            raise RetrievalError(f"retrieval service {self.url} failed: {exc}") from None
 
     def _parse(self, body: Any, n: int) -> list[list[Passage]]:
         result = body.get("result") if isinstance(body, dict) else None

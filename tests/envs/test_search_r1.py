@@ -170,15 +170,15 @@ def test_bm25_index_is_cached(tmp_path, monkeypatch):
         BM25Retriever(bad)
 
 
-async def _retrieval_service(fail: bool = False):
-    """A stand-in for Search-R1's retrieval server: POST /retrieve."""
+async def _retrieval_service(fail: bool = False, status: int = 500):
+    """A stand-in for Search-R1's retrieval server: POST /retrieve (with `fail`, answers `status`)."""
     seen = []
 
     async def retrieve(request):
         body = await request.json()
         seen.append(body)
         if fail:
-            return web.Response(status=500, text="index not loaded")
+            return web.Response(status=status, text="index not loaded")
         result = [[{"document": {"id": f"{q}-{i}", "contents": f'"Title {i}"\nAbout {q}: passage {i}.'},
                     "score": 10.0 - i} for i in range(body["topk"])] for q in body["queries"]]
         return web.json_response({"result": result})
@@ -230,6 +230,27 @@ def test_retrieval_outage_fails_the_trajectory_not_the_answer(run_async):
             await runner.cleanup()
         with pytest.raises(RetrievalError, match="failed"):  # nobody listening
             await RemoteRetriever(url, retries=0, timeout_s=2).search(["q"])
+
+    run_async(main())
+
+
+def test_retrieval_5xx_is_retried_with_back_off_and_4xx_is_not(run_async):
+    async def main():
+        runner, url, seen = await _retrieval_service(fail=True)
+        start = time.monotonic()
+        try:
+            with pytest.raises(RetrievalError, match=r"failed: RetrievalError: .*HTTP 500: index not loaded"):
+                await RemoteRetriever(url, retries=2).search(["q"])
+            assert len(seen) == 3 and time.monotonic() - start >= 0.2 + 0.4  # waits of 0.2 s, then 0.4 s
+        finally:
+            await runner.cleanup()
+        runner, url, seen = await _retrieval_service(fail=True, status=400)
+        try:
+            with pytest.raises(RetrievalError, match=r"retrieval service .* failed: .*HTTP 400: index not loaded"):
+                await RemoteRetriever(url, retries=2).search(["q"])
+            assert len(seen) == 1
+        finally:
+            await runner.cleanup()
 
     run_async(main())
 
