@@ -484,6 +484,7 @@ async def _kill_proc(proc: asyncio.subprocess.Process | None) -> None:
 
 
 # ---- sync use ----------------------------------------------------------------------
+# not anyio's blocking portal: a context manager, where this loop must outlive every call (the process's life)
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
