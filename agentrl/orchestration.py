@@ -37,8 +37,12 @@ from agentrl.errors import ConfigError
 def start_ray(cfg: Config) -> None:
     import ray
 
+    from agentrl.registry import env_modules_environ
+
     if ray.is_initialized():
         return
+    # Ray's local workers start with this process's environment: they resolve --env-module envs from it
+    os.environ.update(env_modules_environ(cfg.run.env_module))
     if cfg.run.ray_address:
         ray.init(address=cfg.run.ray_address, log_to_driver=False, logging_level="ERROR")
         stop_on_signals()

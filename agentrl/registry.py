@@ -3,9 +3,10 @@
 1. ``@register_env("name")`` on an Env subclass or a factory function;
 2. the entry-point group ``agentrl.envs`` (``name = "package.module:Class"``), read lazily,
    so pip-installed envs (and agentrl's own built-ins) need no import by hand;
-3. ``--env-module MODULE_OR_PATH``: imported before lookup, and recorded in the
-   ``AGENTRL_ENV_MODULES`` environment variable so subprocesses and Ray workers import the
-   same modules and resolve the same names (nothing is pickled from the parent).
+3. ``--env-module MODULE_OR_PATH``: imported before lookup. A process started with the
+   ``AGENTRL_ENV_MODULES`` environment variable imports the modules it lists, so a parent hands
+   its modules to subprocesses and Ray workers there (`env_modules_environ`), and they resolve
+   the same names (nothing is pickled from the parent).
 """
 
 from __future__ import annotations
@@ -100,10 +101,14 @@ def load_entry_points() -> None:
         _add(EnvSpec(name=ep.name, entry_point=ep.value, source=f"entry point of {dist}"))
 
 
+def _is_file(module_or_path: str) -> bool:
+    return module_or_path.endswith(".py") or Path(module_or_path).exists()
+
+
 def import_env_module(module_or_path: str) -> None:
-    """Import a user's module (dotted name) or .py file, and remember it for child processes."""
+    """Import a user's module (dotted name) or .py file."""
     path = Path(module_or_path)
-    if module_or_path.endswith(".py") or path.exists():
+    if _is_file(module_or_path):
         if not path.is_file():
             raise EnvNotFoundError(f"--env-module {module_or_path}: no such file")
         path = path.resolve()
@@ -118,19 +123,30 @@ def import_env_module(module_or_path: str) -> None:
             except BaseException:
                 del sys.modules[mod_name]
                 raise
-        record = str(path)
     else:
         importlib.import_module(module_or_path)
-        record = module_or_path
-    known = [m for m in os.environ.get(ENV_MODULES_VAR, "").split(os.pathsep) if m]
-    if record not in known:
-        os.environ[ENV_MODULES_VAR] = os.pathsep.join(known + [record])
+
+
+def _given_modules() -> list[str]:
+    """The modules this process was started with (AGENTRL_ENV_MODULES)."""
+    return [m for m in os.environ.get(ENV_MODULES_VAR, "").split(os.pathsep) if m]
 
 
 def _import_recorded_modules() -> None:
-    for module in os.environ.get(ENV_MODULES_VAR, "").split(os.pathsep):
-        if module:
-            import_env_module(module)
+    for module in _given_modules():
+        import_env_module(module)
+
+
+def env_modules_environ(modules: list[str]) -> dict[str, str]:
+    """The environment variable that makes a child process import `modules` (--env-module values;
+    files as absolute paths) besides the ones this process was started with, and so resolve the
+    same env names: {} when there are none."""
+    records = _given_modules()
+    for module in modules:
+        record = str(Path(module).resolve()) if _is_file(module) else module
+        if record not in records:
+            records.append(record)
+    return {ENV_MODULES_VAR: os.pathsep.join(records)} if records else {}
 
 
 def list_envs() -> list[EnvSpec]:

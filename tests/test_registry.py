@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 import textwrap
@@ -84,6 +85,19 @@ def test_env_module_file_is_seen_by_a_subprocess(tmp_path):
                              text=True, timeout=120, env=run_env())
     assert "file-env" in listing.stdout and "an env from a file" in listing.stdout
     assert "target-token" in listing.stdout and "entry point of agentrl" in listing.stdout
+
+
+def test_env_modules_reach_children_through_the_environment_they_are_given(tmp_path, monkeypatch):
+    mod = tmp_path / "kid_env.py"
+    mod.write_text("import agentrl\n\n@agentrl.register_env('kid-env')\nclass KidEnv(agentrl.Env):\n    pass\n")
+    registry.import_env_module(str(mod))
+    assert registry.ENV_MODULES_VAR not in os.environ  # importing is no message to anyone
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(registry.ENV_MODULES_VAR, "given.module")  # what this process was started with
+    assert registry.env_modules_environ(["kid_env.py", "json", "given.module"]) == {
+        registry.ENV_MODULES_VAR: os.pathsep.join(["given.module", str(mod), "json"])}
+    monkeypatch.delenv(registry.ENV_MODULES_VAR)
+    assert registry.env_modules_environ([]) == {}
 
 
 def test_envs_show_describes_an_env():
