@@ -283,9 +283,11 @@ def main() -> None:
     args, rest = p.parse_known_args()
     global DEVICE
     DEVICE = args.device
-    if DEVICE == "cpu":
-        os.environ.setdefault("AGENTRL_MEGATRON_CPU_SHIM",
-                              str(Path(__file__).resolve().parents[1] / "tests/trainers/megatron_cpu_shim.py"))
+    if DEVICE == "cpu":  # megatron-core on CPU: the test-only shim
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "trainers"))
+        import megatron_cpu_shim
+
+        megatron_cpu_shim.apply()
     from agentrl.config import _split_passthrough
     _, passthrough = _split_passthrough(rest)
     args.megatron = passthrough["megatron_args"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -113,8 +112,11 @@ def main() -> None:
     p.add_argument("--length", type=int, default=1024)
     args = p.parse_args()
     dtype = "bfloat16" if args.device == "cuda" else "float32"
-    if args.device == "cpu":
-        os.environ.setdefault("AGENTRL_MEGATRON_CPU_SHIM", str(ROOT / "tests/trainers/megatron_cpu_shim.py"))
+    if args.device == "cpu":  # megatron-core on CPU: the test-only shim
+        sys.path.insert(0, str(ROOT / "tests" / "trainers"))
+        import megatron_cpu_shim
+
+        megatron_cpu_shim.apply()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "shape": args.shape,

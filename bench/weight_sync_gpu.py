@@ -524,9 +524,11 @@ def main() -> None:
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no step after this many seconds")
     args = p.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    if args.device == "cpu":
-        os.environ.setdefault("AGENTRL_MEGATRON_CPU_SHIM",
-                              str(Path(__file__).resolve().parents[1] / "tests/trainers/megatron_cpu_shim.py"))
+    if args.device == "cpu":  # megatron-core on CPU: the test-only shim
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "trainers"))
+        import megatron_cpu_shim
+
+        megatron_cpu_shim.apply()
     if args.device == "cuda":
         # as SGLang itself runs (unless told otherwise); NCCL reads it at this process's first communicator,
         # which the Megatron trainer makes when it is built. Mismatched, the NCCL broadcast fails (weight_sync.md).

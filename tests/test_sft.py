@@ -190,7 +190,10 @@ def test_megatron_trainer_runs_sft_like_the_pytorch_trainer(tmp_path, monkeypatc
     pytest.importorskip("megatron.core")
     from agentrl.sft import sft
 
-    monkeypatch.setenv("AGENTRL_MEGATRON_CPU_SHIM", str(SHIM))  # megatron-core on CPU (test-only)
+    monkeypatch.syspath_prepend(str(SHIM.parent))
+    import megatron_cpu_shim
+
+    megatron_cpu_shim.apply()  # megatron-core on CPU (test-only)
     data = write_rows(tmp_path / "d.jsonl", short_rows(4))
     cfg = sft_cfg("--prompt-data", str(data), "--global-batch-size", "4", "--micro-batch-size", "2", "--num-epoch", "2",
                   "--lr", "1e-3", "--no-progress")

@@ -23,13 +23,16 @@ in every already-imported `megatron.core.*` module that holds the name `torch`:
    `megatron.core.optimizer.optimizer`): the same scaling without the assertion
    `param.grad.type() == 'torch.cuda.FloatTensor'`.
 
-Call `apply()` after importing the trainer (it imports megatron-core) and before building it.
+Call `apply()` before building the trainer (it imports the trainer, and so megatron-core); a child
+process (a Ray trainer actor) applies it when started with `child_env(...)`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+from pathlib import Path
 
 import torch as _torch
 
@@ -136,6 +139,8 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
 
 def apply() -> None:
     global _applied
+    from agentrl.trainers.megatron import trainer  # it imports the megatron-core modules patched here
+
     import megatron.core.optimizer.clip_grads as clip_grads  # noqa: F401 (imported so it is patched)
     import megatron.core.optimizer.optimizer as optimizer_mod
     import megatron.core.pipeline_parallel.schedules  # noqa: F401
@@ -159,3 +164,11 @@ def apply() -> None:
     if hasattr(optimizer_mod, "clip_grad_by_total_norm_fp32"):
         optimizer_mod.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     _applied = True
+    trainer.megatron_patched_for_cpu = True  # the trainer's plugin point: it now accepts device "cpu"
+
+
+def child_env(env: dict) -> dict:
+    """`env` for a child process whose Megatron trainers (in its Ray actors too) run on CPU: this
+    shim applied by megatron_on_cpu/sitecustomize.py, put first on PYTHONPATH."""
+    hook = str(Path(__file__).resolve().parent / "megatron_on_cpu")
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (hook, env.get("PYTHONPATH")) if p)}

@@ -1,5 +1,5 @@
 """`agentrl train --trainer megatron --tensor-model-parallel-size 2 --actor-num-gpus-per-node 2` on CPU:
-two TrainerWorker actors (gloo ranks, the CPU shim applied in each through AGENTRL_MEGATRON_CPU_SHIM),
+two TrainerWorker actors (gloo ranks, the CPU shim applied in each: megatron_cpu_shim.child_env),
 one per bundle, driven by the loop as one trainer.
 
 - The 2-rank run's engine, after each weight sync, samples with the logprobs the trainer
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import megatron_cpu_shim
 from spine_helpers import agentrl_cli, run_env
 
 pytest.importorskip("megatron.core")
@@ -28,7 +29,7 @@ TP2 = [*COMMON, "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node"
 
 
 def train(*args):
-    env = dict(run_env(), AGENTRL_MEGATRON_CPU_SHIM=str(HERE / "megatron_cpu_shim.py"))
+    env = megatron_cpu_shim.child_env(run_env())
     proc = subprocess.run([agentrl_cli(), "train", *args], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc

@@ -1,5 +1,5 @@
-"""`agentrl train --trainer megatron` end to end on CPU (AGENTRL_MEGATRON_CPU_SHIM makes the trainer,
-in its Ray actor, apply the CPU shim): rollouts from the embedded engine, Megatron training steps, weight sync of the
+"""`agentrl train --trainer megatron` end to end on CPU (megatron_cpu_shim.child_env makes the
+trainer, in its Ray actor, apply the CPU shim): rollouts from the embedded engine, Megatron training steps, weight sync of the
 exported HF-named tensors into the engine every iteration, a distributed checkpoint, and a
 resume from it at the same data position."""
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import megatron_cpu_shim
 from spine_helpers import agentrl_cli, run_env
 
 pytest.importorskip("megatron.core")
@@ -20,7 +21,7 @@ SMALL = ["--env", "target-token", "--rollout-batch-size", "4", "--n-samples-per-
 
 
 def train(*args):
-    env = dict(run_env(), AGENTRL_MEGATRON_CPU_SHIM=str(HERE / "megatron_cpu_shim.py"))
+    env = megatron_cpu_shim.child_env(run_env())
     return subprocess.run([agentrl_cli(), "train", *args], capture_output=True, text=True, timeout=500, env=env)
 
 

@@ -36,6 +36,11 @@ from agentrl.trainers.megatron.packing import PackedBatch, micro_batches
 from agentrl.trainers.megatron.weights import HFCheckpoint, export_hf, load_hf_weights
 from agentrl.types import Sample
 
+#: The plugin point for running megatron-core on CPU: megatron-core assumes CUDA, so the trainer
+#: refuses device "cpu" unless a patch made it run there and set this (the test-only
+#: tests/trainers/megatron_cpu_shim.py's apply()).
+megatron_patched_for_cpu = False
+
 
 class MegatronTrainer:
     def __init__(self, model_path: str, *, train: TrainConfig, algo: AlgoConfig, temperature: float,
@@ -51,9 +56,9 @@ class MegatronTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.model_path = str(model_path)
         self.margs = parse_megatron_args(megatron_args or {})
-        if device == "cpu" and not _cpu_shim_active():
-            raise ConfigError("the Megatron trainer needs CUDA GPUs (on CPU use --trainer torch; tests set "
-                              "AGENTRL_MEGATRON_CPU_SHIM to tests/trainers/megatron_cpu_shim.py)")
+        if device == "cpu" and not megatron_patched_for_cpu:
+            raise ConfigError("the Megatron trainer needs CUDA GPUs (on CPU use --trainer torch; tests apply "
+                              "tests/trainers/megatron_cpu_shim.py)")
         if device.startswith("cuda") and device != "cuda":
             device = "cuda"  # the rank's GPU comes from LOCAL_RANK
         init_distributed(self.margs, device, seed)
@@ -530,25 +535,3 @@ class MegatronTrainer:
             self.ref_path = ref
         dist.barrier()
         return state
-
-
-def _cpu_shim_active() -> bool:
-    """Megatron on CPU only with the test-only shim: applied already in this process, or named
-    by AGENTRL_MEGATRON_CPU_SHIM (a file path; how tests reach trainer processes they don't
-    start themselves, such as the Ray trainer actor)."""
-    import importlib.util
-    import os
-    import sys
-
-    shim = sys.modules.get("megatron_cpu_shim")
-    if getattr(shim, "_applied", False):
-        return True
-    path = os.environ.get("AGENTRL_MEGATRON_CPU_SHIM")
-    if not path:
-        return False
-    spec = importlib.util.spec_from_file_location("megatron_cpu_shim", path)
-    shim = importlib.util.module_from_spec(spec)
-    sys.modules["megatron_cpu_shim"] = shim
-    spec.loader.exec_module(shim)
-    shim.apply()
-    return True
