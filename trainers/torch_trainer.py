@@ -244,8 +244,12 @@ class TorchTrainer:
 
     def save_adapter(self, folder: str | Path) -> Path:
         """The LoRA adapter alone, in peft's format (adapter_config.json, adapter_model.safetensors):
-        what `peft.PeftModel.from_pretrained` and SGLang's /load_lora_adapter read."""
-        self.model.save_pretrained(folder)
+        what `peft.PeftModel.from_pretrained` and SGLang's /load_lora_adapter read. In the base
+        weights' dtype, what the engines compute in (peft trains adapters in float32: half the bytes
+        to sync in bfloat16); checkpoints keep float32 (`save`)."""
+        dtype = self.model.get_base_model().dtype
+        self.model.save_pretrained(folder, state_dict={k: v.to(dtype) for k, v in self.model.state_dict().items()
+                                                       if "lora_" in k})
         return Path(folder)
 
     def save(self, folder: Path, extra_state: dict) -> None:
@@ -253,7 +257,7 @@ class TorchTrainer:
         if self.lora:  # model/: the frozen base (what engines start from), adapter/: what trained
             self.model.get_base_model().save_pretrained(folder / "model", state_dict=dict(self._base_tensors()))
             self.tokenizer.save_pretrained(folder / "model")
-            self.save_adapter(folder / "adapter")
+            self.model.save_pretrained(folder / "adapter")  # float32, as it trains: an exact resume
         else:
             self.save_hf(folder / "model")
         torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")

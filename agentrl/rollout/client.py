@@ -23,21 +23,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
-import tenacity
 
 from agentrl.engines import ENGINE_HEADER
 from agentrl.errors import EngineError
 from agentrl.rollout.affinity import Turn, TurnLog
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-
-
-class _ServerError(EngineError):
-    """An HTTP 5xx answer before the last try (the router's answer when the engine behind it died)."""
-
-
-# what a request is sent again after; any other error (a 4xx answer, a malformed reply) is raised at once
-RETRIED_ERRORS = (_ServerError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 
 
 @dataclass
@@ -103,40 +94,41 @@ class EngineClient:
             await self._session.close()
             self._session = None
 
+    def _delay(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
+
     async def _post(self, path: str, payload: dict, headers: dict | None = None,
                     retries: int | None = None) -> tuple[dict | str | None, str | None]:
         """(body, the engine that served it: the X-Agentrl-Engine header or None)."""
         retries = self.retries if retries is None else retries
-        url = self.base_url + path
+        last: Exception | None = None
         timeouts = 0
-
-        def timed_out_twice(state: tenacity.RetryCallState) -> bool:  # such a request is not tried a third time
-            nonlocal timeouts
-            timeouts += isinstance(state.outcome.exception(), asyncio.TimeoutError)
-            return timeouts > 1
-
-        def give_up(state: tenacity.RetryCallState):
-            raise EngineError(f"POST {url} failed after {state.attempt_number} tries: {state.outcome.exception()!r}")
-
-        async for attempt in tenacity.AsyncRetrying(
-                retry=tenacity.retry_if_exception_type(RETRIED_ERRORS),
-                stop=tenacity.stop_any(tenacity.stop_after_attempt(retries + 1), timed_out_twice),
-                wait=tenacity.wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
-                retry_error_callback=give_up):
-            if attempt.retry_state.attempt_number > 1:
+        for attempt in range(retries + 1):
+            if attempt:
                 self.retried += 1
-            with attempt:
-                async with self.session.post(url, json=payload, headers=headers) as resp:
-                    if resp.status >= 500 and attempt.retry_state.attempt_number <= retries:
-                        raise _ServerError(f"POST {url}: HTTP {resp.status} {(await resp.text())[:300]}")
+            try:
+                async with self.session.post(self.base_url + path, json=payload, headers=headers) as resp:
+                    if resp.status >= 500 and attempt < retries:
+                        last = EngineError(f"POST {self.base_url}{path}: HTTP {resp.status} {(await resp.text())[:300]}")
+                        await asyncio.sleep(self._delay(attempt))
+                        continue
                     if resp.status != 200:
-                        raise EngineError(f"POST {url}: HTTP {resp.status}: {(await resp.text())[:500]}")
+                        raise EngineError(f"POST {self.base_url}{path}: HTTP {resp.status}: {(await resp.text())[:500]}")
                     # a case-insensitive lookup: sglang-router (hyper) sends headers lower-cased
                     engine = resp.headers.get(ENGINE_HEADER)
                     if resp.content_type == "application/json":  # as resp.json(), without its checks redone
                         data = (await resp.read()).strip()
                         return (json.loads(data) if data else None), engine
                     return await resp.text(), engine
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+                last = exc
+                if isinstance(exc, asyncio.TimeoutError):
+                    timeouts += 1
+                    if timeouts > 1:  # a request that timed out twice is not tried a third time
+                        break
+                if attempt < retries:
+                    await asyncio.sleep(self._delay(attempt))
+        raise EngineError(f"POST {self.base_url}{path} failed after {attempt + 1} tries: {last!r}")
 
     async def generate(self, input_ids: list[int], sampling_params: dict, *, session_id: str | None = None,
                        rid: str | None = None, lora_path: str | None = None) -> GenerateResult:

@@ -36,7 +36,8 @@ def test_lora_learns_target_token(trainer):
     handover_figures(rows)
     print("weight sync MB per iteration:", [round(r.get("weight_sync_mb", 0), 2) for r in rows])
     check_learns_on_policy(run, rows, n)
-    assert all(r["weight_sync_mb"] < 40 for r in rows), [r["weight_sync_mb"] for r in rows]  # full weights: ~200 MB
+    # the rank-32 adapter in bfloat16 is ~19 MB; full weights ~200 MB (float32 adapters, ~37 MB, fail)
+    assert all(r["weight_sync_mb"] < 25 for r in rows), [r["weight_sync_mb"] for r in rows]
 
 
 def test_lora_bench_1_5b():

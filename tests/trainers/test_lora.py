@@ -235,3 +235,24 @@ def test_logprobs_are_computed_without_dropout(tiny_model):
     with torch.no_grad():  # the adapter without dropout, by hand
         expected = trainer.compute_logprobs(samples)
     assert first == expected
+
+
+def test_synced_adapter_is_in_the_engines_dtype_checkpoint_in_float32(tiny_model, tmp_path):
+    """peft trains the adapters in float32 over a bfloat16 base: the adapter the engines load is
+    bfloat16 (half the bytes; what they compute in), the checkpoint's keeps float32 for an exact resume."""
+    from safetensors.torch import load_file
+
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+    trainer = TorchTrainer(str(tiny_model), train=TrainConfig(lr=1e-2, micro_batch_size=8, global_batch_size=8,
+                                                              lora_rank=4, lora_alpha=8.0),
+                           algo=AlgoConfig(), temperature=1.0, dtype="bfloat16")
+    randomize_adapter(trainer, seed=1)
+    synced = load_file(str(trainer.save_adapter(tmp_path / "sync") / "adapter_model.safetensors"))
+    trainer.save(tmp_path / "ckpt", {})
+    kept = load_file(str(tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors"))
+    assert synced.keys() == kept.keys() and synced
+    assert {t.dtype for t in synced.values()} == {torch.bfloat16}
+    assert {t.dtype for t in kept.values()} == {torch.float32}
+    for k in kept:
+        torch.testing.assert_close(synced[k], kept[k].to(torch.bfloat16), atol=0, rtol=0)
