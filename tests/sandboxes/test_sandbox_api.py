@@ -196,7 +196,8 @@ def test_no_sandbox_survives_sigkill(backend, tmp_path):
     try:
         line = proc.stdout.readline()
         assert line.strip() == "READY", proc.stderr.read() if proc.poll() is not None else line
-        assert len(_sandboxes_of(backend, run_id)) == 2
+        names = _sandboxes_of(backend, run_id)
+        assert len(names) == 2
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
@@ -210,8 +211,9 @@ def test_no_sandbox_survives_sigkill(backend, tmp_path):
     while (left := _processes_with(f"sleep {marker}")) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert left == [], left
-    if backend == "local":  # nothing stays mounted
-        assert "agentrl-sandboxes" not in Path("/proc/self/mountinfo").read_text()
+    if backend == "local":  # nothing of them stays mounted (other sandboxes may live: xdist's other worker)
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+        assert not [name for name in names if name in mountinfo], mountinfo
 
 
 def _processes_with(text: str) -> list[str]:

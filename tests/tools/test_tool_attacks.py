@@ -103,7 +103,7 @@ def test_asking_for_a_long_timeout_is_not_a_hung_server(arun, backend):
     _skip_unless(backend)
 
     class Short(AttackEnv):
-        tool_timeout = 3.0
+        tool_timeout = 1.0  # each of the 4 calls waits this out: well short of the 6 s sleeps
 
     env = Short(sandbox=backend)
     try:
