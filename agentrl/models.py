@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 from agentrl.errors import ModelLoadError
@@ -129,7 +130,12 @@ def build_tiny_model(path: Path | None = None) -> Path:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     hf_tok.save_pretrained(tmp)
-    tmp.rename(path)  # atomic: a half-built folder is never mistaken for a model
+    try:
+        tmp.rename(path)  # atomic: a half-built folder is never mistaken for a model
+    except OSError:  # another process built it first (the same recipe: the same model)
+        if not (path / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
