@@ -357,6 +357,11 @@ class EmbeddedEngine:
         try:
             await self.queue.put(req)
             await req.future
+        except asyncio.CancelledError:  # the client went away: as SGLang, its request stops generating
+            self._abort_queued(lambda r: r is req)
+            if not req.future.done():
+                self.aborted.add(rid)
+            raise
         finally:
             self.inflight -= 1
         meta = {
@@ -826,7 +831,8 @@ def main(argv: list[str] | None = None) -> None:
         engine._run.clear()
     log.info("embedded engine %s serving %s on %s:%d (%s)", engine.engine_id, args.model_path, args.host, args.port,
              args.device)
-    web.run_app(engine.app(), host=args.host, port=args.port, print=None, access_log=None)
+    # handler_cancellation: a client's disconnect cancels its handler (generate aborts the request)
+    web.run_app(engine.app(), host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":

@@ -155,3 +155,28 @@ def test_server_ports_are_outside_the_ephemeral_range():
     low, high = ephemeral_range()
     ports = {server_port() for _ in range(50)}
     assert all(not low <= p <= high and p + 10000 < 65536 for p in ports)
+
+
+def test_a_client_that_goes_away_aborts_its_request(tiny_model, tmp_path):
+    """As SGLang (its tokenizer manager aborts a request whose HTTP client disconnected): a
+    3000-token generation whose client gave up stops, and the engine is idle and serving."""
+    server = launch_embedded_engine(str(tiny_model), log_dir=tmp_path, num_threads=1)
+
+    async def go():
+        async with EngineClient(server.url, request_timeout_s=30) as c:
+            long = asyncio.create_task(c.generate(IDS, {"max_new_tokens": 3000, "ignore_eos": True}))
+            while (await c.get("/get_load"))[0]["num_reqs"] == 0:
+                await asyncio.sleep(0.05)
+            long.cancel()  # closes its connection
+            await asyncio.gather(long, return_exceptions=True)
+            loop = asyncio.get_running_loop()
+            gave_up = loop.time()
+            while (await c.get("/get_load"))[0]["num_reqs"]:
+                assert loop.time() - gave_up < 5, "the engine still generates for a client that went away"
+                await asyncio.sleep(0.05)
+            return await c.generate(IDS, {"max_new_tokens": 2})
+
+    try:
+        assert len(asyncio.run(go()).output_ids) == 2
+    finally:
+        server.stop()
