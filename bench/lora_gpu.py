@@ -1,6 +1,6 @@
 """LoRA vs full fine-tuning with agentrl's PyTorch trainer, and the adapter-only weight sync
 into a real SGLang server. Not a test: it prints and saves figures (`--out DIR/lora_gpu.json`,
-written after every phase). NOT YET RUN ON A GPU (written in a CPU-only session).
+written after every phase). Figures of its run on an H100: bench/results/lora_gpu.md.
 
 Phases:
   train    trainer GPU memory (peak allocated, reserved) and step time of `train_rollout` on the
