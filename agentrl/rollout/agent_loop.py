@@ -65,6 +65,44 @@ except ImportError:
 _PLAIN_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id"})
 
 
+def _fast_sandbox_template(compiled, source: str):
+    """`compiled` (the template `source` of transformers' sandboxed environment) recompiled in a copy of
+    that environment whose attribute lookup skips the sandbox's checks where their answer is
+    known: a key of a plain dict (`message.role`: no dict attribute of that name, so the
+    sandbox would look the key up too) and a public attribute of a loop (`loop.first`: the
+    sandbox allows every name without a leading underscore on it). Everything else, and every
+    other environment, goes through the sandbox as before: the same text, the same refusals.
+    The sandbox's checks were more than half of a rendering's time. None: not such an environment."""
+    try:
+        from jinja2.runtime import LoopContext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
+    except ImportError:
+        return None
+    base = type(compiled.environment)
+    if base not in (SandboxedEnvironment, ImmutableSandboxedEnvironment) or compiled.environment.is_async:
+        return None
+    dict_attrs = frozenset(dir(dict))
+
+    class _Fast(base):
+        def getattr(self, obj, attribute):
+            kind = type(obj)
+            if kind is dict and attribute not in dict_attrs:
+                try:
+                    return obj[attribute]
+                except KeyError:
+                    return self.undefined(obj=obj, name=attribute)
+            if kind is LoopContext and attribute[:1] != "_":
+                try:
+                    return getattr(obj, attribute)
+                except AttributeError:
+                    pass
+            return super().getattr(obj, attribute)
+
+    environment = compiled.environment.overlay()  # the same filters, globals, extensions and options
+    environment.__class__ = _Fast
+    return environment.from_string(source)
+
+
 def _plain_messages(turns: list[dict]) -> bool:
     for m in turns:  # plain loops: this runs over the whole conversation every turn
         if not m.keys() <= _PLAIN_MESSAGE_KEYS:
@@ -111,6 +149,7 @@ class Renderer:
         self._template_kwargs = dict(tokenizer.special_tokens_map) if apply_chat_template else {}
         self._direct = _compile_jinja_template is not None and _is_plain_json(self._template_kwargs)
         self._prompts: dict[str, tuple[str, list[int]]] = {}  # a group's members share their first rendering
+        self._templates: dict[str, Any] = {}  # template text -> compiled (_compiled)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
         """The rendering of the episode's first messages and its tokens. Remembered for a while:
@@ -156,11 +195,22 @@ class Renderer:
             return self.tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
         template = self.tokenizer.get_chat_template(None, tools)
         if self._direct and _plain_messages(turns) and (tools is None or _is_plain_json(tools)):
-            return _compile_jinja_template(template).render(messages=turns, tools=tools, documents=None,
-                                                            add_generation_prompt=True, **self._template_kwargs)
+            return self._compiled(template).render(messages=turns, tools=tools, documents=None,
+                                                   add_generation_prompt=True, **self._template_kwargs)
         rendered, _ = _render_jinja_template(conversations=[turns], tools=tools, chat_template=template,
                                              add_generation_prompt=True, **self._template_kwargs)
         return rendered[0]
+
+    def _compiled(self, template: str):
+        """The compiled template, with the sandbox's fast lookups where they apply (_fast_sandbox_template)."""
+        compiled = self._templates.get(template)
+        if compiled is None:
+            compiled = _compile_jinja_template(template)
+            compiled = _fast_sandbox_template(compiled, template) or compiled
+            if len(self._templates) >= 8:
+                self._templates.clear()
+            self._templates[template] = compiled
+        return compiled
 
     def continues(self, observation: list[dict]) -> bool:
         """Whether `observation` is appended to the assistant's turn rather than opening a new one."""
