@@ -48,6 +48,7 @@ class LoopSettings:
 
 
 PROMPT_CACHE_SIZE = 256
+SUFFIX_CACHE_SIZE, SUFFIX_CACHE_MAX_CHARS = 1024, 2048  # encodings of short texts between turns (Renderer._encode_suffix)
 
 try:  # what tokenizer.apply_chat_template renders with (transformers >= 4.43)
     from transformers.utils.chat_template_utils import render_jinja_template as _render_jinja_template
@@ -150,6 +151,7 @@ class Renderer:
         self._direct = _compile_jinja_template is not None and _is_plain_json(self._template_kwargs)
         self._prompts: dict[str, tuple[str, list[int]]] = {}  # a group's members share their first rendering
         self._templates: dict[str, Any] = {}  # template text -> compiled (_compiled)
+        self._suffixes: dict[str, tuple[int, ...]] = {}  # text between turns -> its tokens (_encode_suffix)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
         """The rendering of the episode's first messages and its tokens. Remembered for a while:
@@ -231,7 +233,21 @@ class Renderer:
         """Tokens that extend `sample` (whose text is `seen`) to the rendering of `messages`,
         and that rendering; TemplateDriftError if the rendering does not extend `seen`."""
         new = self.suffix(sample, seen, messages, tools, turn)
-        return self.encode(new), seen + new
+        return self._encode_suffix(new), seen + new
+
+    def _encode_suffix(self, text: str) -> list[int]:
+        """encode(text), remembered for short texts: the template's text between turns (end of
+        turn, the env's message, the generation prompt) recurs across trajectories. Only with
+        the private backend, whose encoding no one else can change."""
+        if self._backend is None or len(text) > SUFFIX_CACHE_MAX_CHARS:
+            return self.encode(text)
+        ids = self._suffixes.get(text)
+        if ids is None:
+            ids = tuple(self.encode(text))
+            if len(self._suffixes) >= SUFFIX_CACHE_SIZE:
+                self._suffixes.pop(next(iter(self._suffixes)))  # the oldest
+            self._suffixes[text] = ids
+        return list(ids)
 
     def suffix(self, sample: Sample, seen: str, messages: list[dict], tools: list[dict] | None, turn: int) -> str:
         """The text the rendering of `messages` adds after `seen` (the text of `sample`'s tokens);
