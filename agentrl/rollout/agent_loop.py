@@ -101,7 +101,11 @@ def _fast_sandbox_template(compiled, source: str):
 
     environment = compiled.environment.overlay()  # the same filters, globals, extensions and options
     environment.__class__ = _Fast
-    return environment.from_string(source)
+    template = environment.from_string(source)
+    # its globals as one plain dict (a ChainMap of the template's and the environment's, fixed
+    # once transformers compiled the template): every rendering copies them into its context
+    template.globals = dict(template.globals)
+    return template
 
 
 def _plain_messages(turns: list[dict]) -> bool:
