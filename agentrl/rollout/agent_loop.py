@@ -108,6 +108,9 @@ def _fast_sandbox_template(compiled, source: str):
     return template
 
 
+_FAST_TEMPLATES: dict[str, Any] = {}  # template text -> compiled (Renderer._compiled), shared like transformers' own
+
+
 def _plain_messages(turns: list[dict]) -> bool:
     for m in turns:  # plain loops: this runs over the whole conversation every turn
         if not m.keys() <= _PLAIN_MESSAGE_KEYS:
@@ -154,7 +157,6 @@ class Renderer:
         self._template_kwargs = dict(tokenizer.special_tokens_map) if apply_chat_template else {}
         self._direct = _compile_jinja_template is not None and _is_plain_json(self._template_kwargs)
         self._prompts: dict[str, tuple[str, list[int]]] = {}  # a group's members share their first rendering
-        self._templates: dict[str, Any] = {}  # template text -> compiled (_compiled)
         self._suffixes: dict[str, tuple[int, ...]] = {}  # text between turns -> its tokens (_encode_suffix)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
@@ -207,15 +209,16 @@ class Renderer:
                                              add_generation_prompt=True, **self._template_kwargs)
         return rendered[0]
 
-    def _compiled(self, template: str):
+    @staticmethod
+    def _compiled(template: str):
         """The compiled template, with the sandbox's fast lookups where they apply (_fast_sandbox_template)."""
-        compiled = self._templates.get(template)
+        compiled = _FAST_TEMPLATES.get(template)
         if compiled is None:
             compiled = _compile_jinja_template(template)
             compiled = _fast_sandbox_template(compiled, template) or compiled
-            if len(self._templates) >= 8:
-                self._templates.clear()
-            self._templates[template] = compiled
+            if len(_FAST_TEMPLATES) >= 16:
+                _FAST_TEMPLATES.pop(next(iter(_FAST_TEMPLATES)), None)  # the oldest
+            _FAST_TEMPLATES[template] = compiled
         return compiled
 
     def continues(self, observation: list[dict]) -> bool:
