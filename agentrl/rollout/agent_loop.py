@@ -113,7 +113,7 @@ _FAST_TEMPLATES: dict[str, Any] = {}  # template text -> compiled (Renderer._com
 
 def _plain_messages(turns: list[dict]) -> bool:
     for m in turns:  # plain loops: this runs over the whole conversation every turn
-        if not m.keys() <= _PLAIN_MESSAGE_KEYS:
+        if type(m) is not dict or not m.keys() <= _PLAIN_MESSAGE_KEYS:
             return False
         for value in m.values():
             if type(value) is not str:
@@ -199,12 +199,13 @@ class Renderer:
         """tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True),
         without its per-call set-up when the messages are plain dicts (the agent loop's): the
         same template, the same renderer, the same variables."""
+        if self._direct and _render_jinja_template is not None and _plain_messages(turns) \
+                and (tools is None or _is_plain_json(tools)):  # plain dicts of str: no None, the one check
+            return self._compiled(self.tokenizer.get_chat_template(None, tools)).render(
+                messages=turns, tools=tools, documents=None, add_generation_prompt=True, **self._template_kwargs)
         if _render_jinja_template is None or not all(type(m) is dict and None not in m.values() for m in turns):
             return self.tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
         template = self.tokenizer.get_chat_template(None, tools)
-        if self._direct and _plain_messages(turns) and (tools is None or _is_plain_json(tools)):
-            return self._compiled(template).render(messages=turns, tools=tools, documents=None,
-                                                   add_generation_prompt=True, **self._template_kwargs)
         rendered, _ = _render_jinja_template(conversations=[turns], tools=tools, chat_template=template,
                                              add_generation_prompt=True, **self._template_kwargs)
         return rendered[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import traceback
 from typing import Any, Awaitable, Callable
@@ -14,6 +15,7 @@ from agentrl.rollout.control import RolloutControl
 from agentrl.types import Sample, SampleStatus
 
 
+@functools.lru_cache(maxsize=4096)  # the n members of a group ask in turn
 def group_seed(run_seed: int, group_id: int) -> int:
     """Every member of a group resets its env with the same seed: the same starting state."""
     digest = hashlib.sha256(f"{run_seed}:{group_id}".encode()).digest()
