@@ -144,7 +144,8 @@ class EngineClient:
             meta = body["meta_info"]
             pairs = meta["output_token_logprobs"]
             output_ids = [int(p[1]) for p in pairs]
-            if body.get("output_ids") is not None and list(body["output_ids"]) != output_ids:
+            sent_ids = body.get("output_ids")
+            if sent_ids is not None and (sent_ids if type(sent_ids) is list else list(sent_ids)) != output_ids:
                 raise EngineError("engine reply: output_ids and output_token_logprobs disagree")
             finish = meta["finish_reason"]
             result = GenerateResult(
