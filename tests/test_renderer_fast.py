@@ -84,3 +84,41 @@ def test_plain_messages_skip_transformers_copying_and_the_rest_go_through_it(tok
         expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         assert renderer.render(messages, tools) == expected
     assert len(through) == len(others)
+
+
+SANDBOX_PROBES = [
+    "{% for m in messages %}{{ loop.index }}{{ loop.first }}{{ m.role }}:{{ m.content }}{{ m.missing }}{% endfor %}",
+    "{{ messages[0].items() | list }}{{ messages[0].get('role') }}{{ messages | length }}",
+    "{% for m in messages %}{{ loop.cycle('a', 'b') }}{{ loop.revindex }}{{ loop.nextitem.role if loop.nextitem }}{% endfor %}",
+    "{{ messages.__class__ }}",
+    "{{ messages[0].__class__.__mro__ }}",
+    "{{ messages[0].pop('role') }}",
+    "{{ messages[0].update({'x': 1}) }}",
+    "{{ messages[0].__init__ }}",
+    "{% for m in messages %}{{ loop._after }}{{ loop.__class__.__init__.__globals__ }}{% endfor %}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__ }}",
+    "{% set ns = namespace(x=1) %}{% set ns.x = 2 %}{{ ns.x }}{{ ns.__class__ }}",
+    "{{ raise_exception('no') if messages | length > 5 }}{{ messages | tojson }}",
+]
+
+
+@pytest.mark.parametrize("source", SANDBOX_PROBES)
+def test_fast_template_keeps_the_sandbox(source):
+    """The render path's fast lookups (agent_loop._fast_sandbox_template) give what transformers'
+    sandboxed template gives, refusals included: the same text or the same error."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from agentrl.rollout.agent_loop import _fast_sandbox_template
+
+    def outcome(template):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+        try:
+            return "ok", template.render(messages=messages, tools=None, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - the error is what is compared
+            return type(exc).__name__, str(exc)
+
+    reference = _compile_jinja_template(source)
+    fast = _fast_sandbox_template(reference, source)
+    assert fast is not None and type(fast.environment) is not type(reference.environment)
+    assert outcome(fast) == outcome(reference)
