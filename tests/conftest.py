@@ -1,11 +1,10 @@
-import contextlib
-import fcntl
 import inspect
 import re
-import tempfile
 from pathlib import Path
 
 import pytest
+
+from machine_lock import machine_lock
 
 # What makes a test end to end (marked `e2e`; `pytest -m "not e2e"` is the fast lane): it runs
 # agentrl as a user does (the CLI in a subprocess, or `main(["train" | "sft" | "eval", ...])`),
@@ -41,15 +40,6 @@ def pytest_collection_modifyitems(config, items):
         function = getattr(item, "function", None)
         if function is not None and item.get_closest_marker("e2e") is None and _e2e(function):
             item.add_marker(pytest.mark.e2e)
-
-
-@contextlib.contextmanager
-def machine_lock(name: str):
-    """One builder at a time of what is built once per machine (~/.cache/agentrl): pytest-xdist's
-    workers, or a suite in another checkout, would build it at once."""
-    with open(Path(tempfile.gettempdir()) / f"agentrl-tests-{name}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
 
 
 @pytest.fixture(scope="session")

@@ -3,15 +3,12 @@ engine answers; the base image is built on demand, cached), bounded asyncio runs
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import tempfile
-from pathlib import Path
-
 import pytest
 
 from agentrl.sandboxes import SandboxLimits, create
 from agentrl.sandboxes.docker_backend import engine_available
 from agentrl.sandboxes.local_backend import local_available
+from machine_lock import machine_lock
 
 _image_ready: bool | None = None
 
@@ -25,9 +22,7 @@ def backend_or_skip(name: str) -> str:
         if _image_ready is None:
             from agentrl.sandboxes.image import ensure_image
             try:
-                # one build at a time on this machine (xdist workers, other checkouts): as conftest.machine_lock
-                with open(Path(tempfile.gettempdir()) / "agentrl-tests-sandbox-image.lock", "a") as lock:
-                    fcntl.flock(lock, fcntl.LOCK_EX)
+                with machine_lock("sandbox-image"):
                     ensure_image()
                 _image_ready = True
             except Exception as e:  # noqa: BLE001 - reported as the skip reason
