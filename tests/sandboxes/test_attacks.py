@@ -237,6 +237,7 @@ def test_pool_never_hands_out_a_tainted_sandbox(backend):
             async with pool.acquire() as sb:
                 first = sb
                 sb._chan.kill()
+                await sb._chan.wait()  # dead before the next request (not racing its answer)
                 await sb.exec("true")  # restarts the server: tainted
             async with pool.acquire() as sb:
                 assert sb is not first and first.closed

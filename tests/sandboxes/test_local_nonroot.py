@@ -64,7 +64,8 @@ class NonRoot:
         return {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin", "LANG": "C.UTF-8",
                 "HOME": str(self.home), "TMPDIR": str(self.home),
                 "AGENTRL_SANDBOX_DIR": str(self.home / "sandboxes"), "PYTHONDONTWRITEBYTECODE": "1",
-                "AGENTRL_TEST_HOST_PREFIX": sys.prefix}
+                "AGENTRL_TEST_HOST_PREFIX": sys.prefix,
+                "PYTHONPATH": str(REPO / "tests")}  # the tests' shared helpers (machine_lock)
 
     def argv(self, python: str, *args: str) -> list[str]:
         # through sh: setpriv execs its command before it drops every capability, so a path the
