@@ -91,6 +91,7 @@ def test_restarted_server_imports_nothing_planted_and_taints(backend):
                 await sb.write_file(f"{mod}.py", PLANT)
             await sb.write_file("sitecustomize.py", PLANT)
             sb._chan.kill()  # the server dies (what `kill -9` from inside does on local)
+            await sb._chan.wait()  # dead before the next request: a dying client could still forward it
             r = await sb.exec("echo honest-output; exit 3")
             assert r.exit_code == 137 and sb.tainted  # reported, then restarted
             r = await sb.exec("echo honest-output; exit 3")
