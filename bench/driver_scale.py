@@ -20,7 +20,8 @@ once), the start (2 s + 8 engine latencies) is skipped, then for `--seconds`:
   divided by the in-flight count (the peak seen during the measured window);
 - the driver's and the engine's share of the window on a CPU and waiting for one
   (/proc/PID/schedstat): a large wait share means other work on the machine held them back;
-- garbage collection: its CPU share, and full collections (each stops the event loop).
+- garbage collection: its CPU share, the collections of any generation and the longest one,
+  and full collections (each stops the event loop).
 
 `--gc default` runs with Python's GC thresholds; `tuned` calls
 agentrl.rollout.gc_tuning.tune_gc_for_rollouts() first. The stand-in engine always runs tuned:
@@ -195,11 +196,15 @@ async def _drive(url: str, engine_pid: int, gc_mode: str, in_flight: int, latenc
     full_gc = []  # seconds of each full (generation 2) collection in the window: the event loop stops for it
     gc_cpu = [0.0]  # CPU seconds of all collections in the window
 
+    gc_count, gc_max = [0], [0.0]  # collections of any generation in the window, the longest (s)
+
     def on_gc(phase, info, started=[0.0, 0.0]):
         if phase == "start":
             started[:] = time.perf_counter(), time.process_time()
         elif window[0] <= started[0] < window[1]:
             gc_cpu[0] += time.process_time() - started[1]
+            gc_count[0] += 1
+            gc_max[0] = max(gc_max[0], time.perf_counter() - started[0])
             if info["generation"] == 2:
                 full_gc.append(time.perf_counter() - started[0])
 
@@ -223,6 +228,9 @@ async def _drive(url: str, engine_pid: int, gc_mode: str, in_flight: int, latenc
             "turns_per_s": round(client.turns / seconds, 1),
             "added_latency_ms_p50": round(1000 * statistics.median(added), 2),
             "added_latency_ms_p99": round(1000 * added[int(0.99 * (len(added) - 1))], 2),
+            "added_latency_ms_p999": round(1000 * added[int(0.999 * (len(added) - 1))], 2),
+            "added_latency_ms_max": round(1000 * added[-1], 2),
+            "collections_per_s": round(gc_count[0] / seconds, 2), "collection_ms_max": round(1000 * gc_max[0], 1),
             "rss_per_trajectory_kb": round((peak - rss0) / in_flight / 1024, 1),
             "gc_cpu_share": round(gc_cpu[0] / seconds, 3), "full_gc_per_s": round(len(full_gc) / seconds, 2),
             "full_gc_ms_mean": round(1000 * statistics.mean(full_gc), 1) if full_gc else 0.0,
