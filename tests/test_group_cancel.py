@@ -81,7 +81,9 @@ def test_a_failed_member_cancels_its_hanging_siblings_and_the_run_stops_in_the_f
     assert all(s.metadata["aborted"] == "sibling failed" and not s.trainable and s.metadata["attempt_failed"]
                for s in aborted)
     assert {s.trajectory_id for s in kept} >= {f"g0-s{k}" for k in range(N)} | {f"g0-s{k}-a1" for k in range(N)}
-    assert len(closed) == len(kept)  # every env closed, the cancelled ones too
+    made = sum(closed[0].resets.values())  # every env made is reset once
+    # every env closed: the cancelled siblings', and those of a group the stop cut short (not kept)
+    assert len(closed) == made >= len(kept)
     assert len(reports) == 1
 
 

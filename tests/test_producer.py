@@ -176,6 +176,44 @@ def test_over_sampling_keeps_that_many_groups_in_flight_and_the_next_batch_uses_
     assert launched_after - 4 <= over_sampling  # never more than over_sampling groups launched and not handed out
 
 
+# -- paced starts --------------------------------------------------------------------------
+
+def test_groups_launched_together_start_one_per_turn_of_the_event_loop_in_launch_order(caplog):
+    """A batch's groups launched at once must not all start (and start their trajectories) in one
+    turn of the loop: that turn would hold back every running trajectory's reply for tens of ms."""
+    turn = 0  # turns of the event loop so far
+    started: list[tuple[int, int]] = []  # (group id, the turn it started in)
+
+    class Recording(FakeGroups):
+        async def __call__(self, task, group_id, attempt):
+            started.append((group_id, turn))
+            return await super().__call__(task, group_id, attempt)
+
+    producer = make_producer(Recording(), over_sampling=16)
+
+    async def main():
+        nonlocal turn
+
+        async def count_turns():
+            nonlocal turn
+            while True:
+                turn += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(count_turns())
+        batch = await asyncio.wait_for(producer.next_batch(16), 30)
+        ticker.cancel()
+        await producer.aclose()
+        return batch
+
+    batch = run_clean(main, caplog)
+    assert group_ids(batch) == list(range(16))
+    first = sorted(started)[:16]
+    assert [g for g, _ in first] == list(range(16))
+    turns = [t for _, t in first]
+    assert all(a < b for a, b in zip(turns, turns[1:])), turns  # each in a later turn than the one before
+
+
 # -- bounded retries ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("retries", [0, 2])

@@ -71,6 +71,7 @@ class RolloutProducer:
         self._inflight: dict[asyncio.Task, tuple[dict, int, int]] = {}  # task -> (task dict, group id, attempt)
         self._done: deque[asyncio.Task] = deque()  # finished jobs, in the order they finished, not yet collected
         self._wakeup: asyncio.Future | None = None  # set when a job finishes
+        self._starting = asyncio.Lock()  # paces group starts (_attempt)
         self._ready: list[tuple[int, dict, list[Sample]]] = []  # (group id, task, samples)
         self.max_failed_groups = max_failed_groups  # dropped in a row before the run stops; None: never
         self.report = report or log.warning  # the first failure of each kind, as it happens
@@ -98,6 +99,11 @@ class RolloutProducer:
     async def _attempt(self, task: dict, group_id: int, attempt: int) -> list[Sample]:
         if attempt:  # a retry waits (1 s, 2 s, 4 s, ... 30 s): an overloaded machine or service gets room to recover
             await asyncio.sleep(min(self.retry_backoff_s * 2 ** (attempt - 1), 30.0))
+        # one group starts per turn of the event loop, in launch order: a batch's groups launched
+        # at once would start all their trajectories in one turn (250 at 2,000 in flight: 7-23 ms
+        # in which no reply of the running ones is read; bench/driver_scale.py)
+        async with self._starting:
+            await asyncio.sleep(0)
         return await self.run_group(task, group_id, attempt)
 
     def _top_up(self, target: int) -> None:
