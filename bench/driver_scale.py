@@ -27,9 +27,10 @@ once), the start (2 s + 8 engine latencies) is skipped, then for `--seconds`:
 agentrl.rollout.gc_tuning.tune_gc_for_rollouts() first. The stand-in engine always runs tuned:
 its own collection pauses would otherwise count as the driver's latency.
 
-With an instant engine (latency 0) the driver is saturated: turns/s is its ceiling and the
-latency follows Little's law (in flight / turns/s), so it grows with the in-flight count by
-construction. With a paced engine (1 s stands for generation time) the offered load is
+With an instant engine (latency 0) the driver is saturated: turns/s is its ceiling. The
+producer starts groups one per turn of the event loop, so the trajectories in flight settle
+where the driver keeps up (in_flight_mean, far below the target); had they all started, the
+latency would follow Little's law (in flight / turns/s) and grow with the in-flight count. With a paced engine (1 s stands for generation time) the offered load is
 in-flight/latency turns/s and the added latency is what the driver itself adds at that load.
 Writes bench/results/driver_scale.json.
 """
