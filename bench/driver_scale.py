@@ -30,8 +30,9 @@ its own collection pauses would otherwise count as the driver's latency.
 With an instant engine (latency 0) the driver is saturated: turns/s is its ceiling. The
 producer starts groups one per turn of the event loop, so the trajectories in flight settle
 where the driver keeps up (in_flight_mean, far below the target); had they all started, the
-latency would follow Little's law (in flight / turns/s) and grow with the in-flight count. With a paced engine (1 s stands for generation time) the offered load is
-in-flight/latency turns/s and the added latency is what the driver itself adds at that load.
+latency would follow Little's law (in flight / turns/s) and grow with the in-flight count.
+With a paced engine (1 s stands for generation time) the offered load is in-flight/latency
+turns/s and the added latency is what the driver itself adds at that load.
 Writes bench/results/driver_scale.json.
 """
 
@@ -194,20 +195,15 @@ async def _drive(url: str, engine_pid: int, gc_mode: str, in_flight: int, latenc
                 sched[1:] = [(now, _schedstat(), _schedstat(engine_pid))]
                 sched[:1] = sched[:1] or sched[1:]
 
-    full_gc = []  # seconds of each full (generation 2) collection in the window: the event loop stops for it
+    pauses: list[tuple[int, float]] = []  # (generation, seconds) of each collection in the window: the loop stops
     gc_cpu = [0.0]  # CPU seconds of all collections in the window
-
-    gc_count, gc_max = [0], [0.0]  # collections of any generation in the window, the longest (s)
 
     def on_gc(phase, info, started=[0.0, 0.0]):
         if phase == "start":
             started[:] = time.perf_counter(), time.process_time()
         elif window[0] <= started[0] < window[1]:
             gc_cpu[0] += time.process_time() - started[1]
-            gc_count[0] += 1
-            gc_max[0] = max(gc_max[0], time.perf_counter() - started[0])
-            if info["generation"] == 2:
-                full_gc.append(time.perf_counter() - started[0])
+            pauses.append((info["generation"], time.perf_counter() - started[0]))
 
     if gc_mode == "tuned":
         from agentrl.rollout.gc_tuning import tune_gc_for_rollouts
@@ -225,13 +221,15 @@ async def _drive(url: str, engine_pid: int, gc_mode: str, in_flight: int, latenc
     await producer.aclose()
     await client.close()
     added = sorted(client.added)
+    full_gc = [pause for generation, pause in pauses if generation == 2]
     return {"gc": gc_mode, "in_flight": in_flight, "in_flight_mean": round(statistics.mean(seen_running)),
             "turns_per_s": round(client.turns / seconds, 1),
             "added_latency_ms_p50": round(1000 * statistics.median(added), 2),
             "added_latency_ms_p99": round(1000 * added[int(0.99 * (len(added) - 1))], 2),
             "added_latency_ms_p999": round(1000 * added[int(0.999 * (len(added) - 1))], 2),
             "added_latency_ms_max": round(1000 * added[-1], 2),
-            "collections_per_s": round(gc_count[0] / seconds, 2), "collection_ms_max": round(1000 * gc_max[0], 1),
+            "collections_per_s": round(len(pauses) / seconds, 2),
+            "collection_ms_max": round(1000 * max((p for _, p in pauses), default=0.0), 1),
             "rss_per_trajectory_kb": round((peak - rss0) / in_flight / 1024, 1),
             "gc_cpu_share": round(gc_cpu[0] / seconds, 3), "full_gc_per_s": round(len(full_gc) / seconds, 2),
             "full_gc_ms_mean": round(1000 * statistics.mean(full_gc), 1) if full_gc else 0.0,

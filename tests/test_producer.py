@@ -192,8 +192,6 @@ def test_groups_launched_together_start_one_per_turn_of_the_event_loop_in_launch
     producer = make_producer(Recording(), over_sampling=16)
 
     async def main():
-        nonlocal turn
-
         async def count_turns():
             nonlocal turn
             while True:
