@@ -55,9 +55,12 @@ def test_sync_is_on_policy_and_async_is_one_version_behind_with_staleness_bound(
 
 def test_partial_rollout_resumes_under_new_weights_and_masks_old_tokens(tmp_path):
     out = tmp_path / "run"
+    # Every response runs to its 400 tokens (past EOS): the next batch's decode (400 steps) then
+    # outlasts the training step it overlaps, so a weight update lands mid-decode however loaded
+    # the machine is (responses ending early at EOS made that a matter of timing).
     proc = train("--num-rollout", "4", "--async", "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
-                 "--rollout-max-response-len", "400", "--rollout-temperature", "1.0", "--output-dir", str(out),
-                 *SMALL)
+                 "--rollout-max-response-len", "400", "--rollout-ignore-eos", "--rollout-temperature", "1.0",
+                 "--output-dir", str(out), *SMALL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = [t for i in (1, 2, 3) for t in trajectories(out, i) if t["metadata"].get("resumed")]
     # Interrupted mid-decode: tokens of two policies in one response (a request still queued

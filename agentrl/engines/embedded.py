@@ -2,8 +2,10 @@
 
 It stands in for SGLang where there is no GPU (CPU, tests, laptops); the rollout code
 cannot tell the two apart, and sglang-router can sit in front of several of them.
-Concurrent /generate requests are batched: whatever is waiting when the model frees up
-is decoded together with one KV cache. Logprobs are those of the temperature-scaled
+Concurrent /generate requests are batched continuously, as SGLang's scheduler does: a
+request that arrives while others decode joins them between two decode steps (its prompt
+prefilled, its KV laid beside theirs), and a finished one leaves at once, so a short request
+never waits for a long one to end. Logprobs are those of the temperature-scaled
 distribution, as SGLang returns them, so the trainer recomputes them with logits / T.
 
 Prefix cache: the KV of recently finished sequences is kept (see prefix_cache.py); a
@@ -52,8 +54,8 @@ import io
 import itertools
 import logging
 import os
-import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +85,26 @@ class _Request:
     finish: dict | None = None
     cached_tokens: int = 0
     adapter: LoraAdapter | None = None  # the LoRA adapter named by `lora_path` (None: the base model)
+    cache_epoch: int = 0  # the prefix cache's epoch at its prefill (its KV is not reused across a clear)
+    # its sampling limits, read from params when it joins the decoding rows
+    max_new: int = 128
+    stop_ids: frozenset = frozenset()
+    stop_strs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Decoding:
+    """The requests decoding together: rows join between two steps and leave as they finish.
+    Row i of every tensor is rows[i]; KV and mask are left-padded to a common length."""
+    rows: list[_Request]
+    adapter: LoraAdapter | None
+    past: object  # HF cache, [B, kv_heads, T, head_dim] per layer
+    mask: torch.Tensor  # [B, T]: 1 where a row has a token
+    pos: torch.Tensor  # [B, 1]: the position of each row's last token fed
+    logits: torch.Tensor  # [B, vocab]: each row's next-token logits
+    temps: torch.Tensor  # [B]: sampling temperature (<= 0: greedy)
+    top_p: torch.Tensor  # [B]
+    top_k: list[int]  # -1: off
 
 
 def _stop_strings(value) -> list[str]:
@@ -126,23 +148,25 @@ class EmbeddedEngine:
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self.lora = LoraServing(self.model) if enable_lora else None  # --enable-lora, as SGLang's
         self._prefix_caches = {None: self.prefix_cache}  # by adapter name: KV under one adapter is not another's
-        self.queue: asyncio.Queue[_Request] = asyncio.Queue()
+        self.waiting: deque[_Request] = deque()  # received, not yet decoding (FIFO)
+        self._arrived = asyncio.Event()
         self.aborted: set[str] = set()
         self.abort_all = False
         self.paused = asyncio.Event()
         self.paused.set()  # set = running: the scheduler takes new batches
-        self.lock = asyncio.Lock()  # held while a batch decodes or weights change
-        # in-place pause: the decode thread parks between two steps until resumed
-        self._run = threading.Event()
+        self.lock = asyncio.Lock()  # held while requests decode or weights change
+        self._weights_waiting = 0  # weight changes waiting for the lock: no request joins meanwhile
+        # in-place pause: the decode loop parks between two steps until resumed
+        self._run = asyncio.Event()
         self._run.set()
-        self._parked = threading.Event()
+        self._parked = asyncio.Event()
         self._groups: dict[str, object] = {}  # weight-update process groups by name
         self._cache_epoch = 0
         self._rid = itertools.count()
-        self.stats = {"batches": 0, "requests": 0, "max_batch": 0}
+        self.stats = {"batches": 0, "requests": 0, "max_batch": 0}  # prefills, requests, most decoding at once
         self.released: set[str] = set()  # memory tags released (/release_memory_occupation)
         self.inflight = 0  # /generate requests received and not yet answered
-        self.decoding: list[_Request] = []  # the batch being decoded now (/get_load's num_tokens)
+        self.decoding: list[_Request] = []  # the requests decoding now (/get_load's num_tokens)
         self.dead: str | None = None  # why the engine died (see _fatal)
         self.exit_on_fatal = False  # the server process exits (main); in-process it answers 500 from then on
 
@@ -155,45 +179,66 @@ class EmbeddedEngine:
         return _error(f"fatal: {what}; the engine is dead (SGLang's scheduler dies here too)", status=500)
 
     # -- scheduling --------------------------------------------------------------------------
+    def _enqueue(self, req: _Request) -> None:
+        self.waiting.append(req)
+        self._arrived.set()
+
     async def scheduler(self) -> None:
         while True:
-            first = await self.queue.get()
+            while not self.waiting:
+                self._arrived.clear()
+                await self._arrived.wait()
             await self.paused.wait()
-            batch = [first]
-            while not self.queue.empty() and len(batch) < self.max_batch_size:
-                batch.append(self.queue.get_nowait())
-            batch = [r for r in batch if not r.future.done()]
-            if not batch:
-                continue
-            self.stats["batches"] += 1
-            self.stats["requests"] += len(batch)
-            self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
             async with self.lock:
-                try:
-                    for adapter, group in self._by_adapter(batch):
-                        self._use_adapter(adapter)
-                        self.decoding = group
-                        try:
-                            await asyncio.to_thread(self._decode_batch, group)
-                        finally:
-                            self.decoding = []
-                            self._use_adapter(None)  # stats and weight updates see the base model's cache
-                except Exception as exc:  # a failed batch fails its requests, not the server
-                    log.exception("batch failed")
-                    for r in batch:
-                        if not r.future.done():
-                            r.future.set_exception(exc)
-                    continue
-            for r in batch:
-                if not r.future.done():
-                    r.future.set_result(r)
+                served = await self._decode_while_requests()
+            if not served:  # none could join (all being aborted): let the abort end, without spinning
+                await asyncio.sleep(0.01)
 
-    @staticmethod
-    def _by_adapter(batch: list[_Request]) -> list[tuple[LoraAdapter | None, list[_Request]]]:
-        groups: dict[int, tuple[LoraAdapter | None, list[_Request]]] = {}
-        for r in batch:
-            groups.setdefault(id(r.adapter), (r.adapter, []))[1].append(r)
-        return list(groups.values())
+    def _admit(self, decoding: _Decoding | None) -> list[_Request]:
+        """Waiting requests that join now, in arrival order: the running rows' adapter only (the
+        first of another waits for them to finish), none while aborting, paused or a weight
+        change waits (the rows drain, then it runs, as SGLang's update lock lets it)."""
+        if self.abort_all or not self.paused.is_set() or self._weights_waiting or not self.waiting:
+            return []
+        adapter = decoding.adapter if decoding is not None else self.waiting[0].adapter
+        room = self.max_batch_size - (len(decoding.rows) if decoding is not None else 0)
+        joining = []
+        while self.waiting and len(joining) < room and self.waiting[0].adapter is adapter:
+            r = self.waiting.popleft()
+            if not r.future.done():
+                joining.append(r)
+        return joining
+
+    async def _decode_while_requests(self) -> bool:
+        """Decode steps until no request is left, admitting waiting ones between steps. False:
+        none was admitted."""
+        decoding, joining = None, []
+        try:
+            while True:
+                joining = self._admit(decoding)
+                if joining:
+                    if decoding is None:
+                        self._use_adapter(joining[0].adapter)
+                    decoding = await asyncio.to_thread(self._join, decoding, joining)
+                    joining = []
+                if decoding is None or not decoding.rows:
+                    return decoding is not None
+                self.decoding = list(decoding.rows)
+                if not self._run.is_set():  # paused in place: park at this safe point
+                    self._parked.set()
+                    await self._run.wait()
+                    self._parked.clear()
+                for r in await asyncio.to_thread(self._step, decoding):
+                    if not r.future.done():
+                        r.future.set_result(r)
+        except Exception as exc:  # a failed step fails its requests, not the server
+            log.exception("decode step failed")
+            for r in joining + (decoding.rows if decoding is not None else []):
+                if not r.future.done():
+                    r.future.set_exception(exc)
+        finally:
+            self.decoding = []
+            self._use_adapter(None)  # stats and weight updates see the base model's cache
 
     def _use_adapter(self, adapter: LoraAdapter | None) -> None:
         """The adapter (and its own prefix cache) the next decode runs with."""
@@ -242,71 +287,114 @@ class EmbeddedEngine:
             past = build_cache(layers)
         return ids, mask, positions, past
 
-    @torch.no_grad()
     def _decode_batch(self, batch: list[_Request]) -> None:
-        epoch = self._cache_epoch
-        ids, mask, positions, past = self._prefill_inputs(batch)
+        """Decode `batch` to its end with nothing joining (the server admits rows as they come)."""
+        decoding = self._join(None, batch)
+        while decoding.rows:
+            self._step(decoding)
+
+    @torch.no_grad()
+    def _join(self, decoding: _Decoding | None, joining: list[_Request]) -> _Decoding:
+        """Prefill `joining` and lay its rows beside the decoding ones (left-padded to one length)."""
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(joining)
+        for r in joining:
+            r.cache_epoch = self._cache_epoch
+            p = r.params
+            r.max_new = int(p["max_new_tokens"]) if p.get("max_new_tokens") is not None else 128
+            r.stop_ids = frozenset(p.get("stop_token_ids") or []) | frozenset(() if p.get("ignore_eos") else self.eos_ids)
+            r.stop_strs = _stop_strings(p.get("stop"))
+        ids, mask, positions, past = self._prefill_inputs(joining)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
                          use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1].float()
+        fresh = _Decoding(
+            joining, joining[0].adapter, out.past_key_values, mask, positions[:, -1:], out.logits[:, -1].float(),
+            temps=torch.tensor([float(r.params.get("temperature", 1.0)) for r in joining], device=self.device),
+            top_p=torch.tensor([float(r.params.get("top_p", 1.0)) for r in joining], device=self.device),
+            top_k=[int(r.params["top_k"]) if r.params.get("top_k") is not None else -1 for r in joining])
+        if decoding is None or not decoding.rows:
+            merged = fresh
+        else:
+            T = max(decoding.mask.shape[1], mask.shape[1])
+            layers = [(torch.cat([_left_pad(k0, T, 2), _left_pad(k1, T, 2)]),
+                       torch.cat([_left_pad(v0, T, 2), _left_pad(v1, T, 2)]))
+                      for (k0, v0), (k1, v1) in zip(layer_kv(decoding.past), layer_kv(fresh.past))]
+            merged = _Decoding(decoding.rows + joining, decoding.adapter, build_cache(layers),
+                               torch.cat([_left_pad(decoding.mask, T, 1), _left_pad(mask, T, 1)]),
+                               torch.cat([decoding.pos, fresh.pos]), torch.cat([decoding.logits, fresh.logits]),
+                               torch.cat([decoding.temps, fresh.temps]), torch.cat([decoding.top_p, fresh.top_p]),
+                               decoding.top_k + fresh.top_k)
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(merged.rows))
+        return merged
 
-        temps = torch.tensor([float(r.params.get("temperature", 1.0)) for r in batch], device=self.device)
-        top_p = torch.tensor([float(r.params.get("top_p", 1.0)) for r in batch], device=self.device)
-        top_k = [int(r.params.get("top_k", -1) if r.params.get("top_k") is not None else -1) for r in batch]
-        max_new = [int(r.params.get("max_new_tokens", 128) if r.params.get("max_new_tokens") is not None else 128)
-                   for r in batch]
-        stops = [set(r.params.get("stop_token_ids") or []) | (set() if r.params.get("ignore_eos") else self.eos_ids)
-                 for r in batch]
-        stop_strs = [_stop_strings(r.params.get("stop")) for r in batch]
-        active = [True] * len(batch)
-        pos = positions[:, -1:]
-        for step in range(max(max_new)):
-            if not self._run.is_set():  # paused in place: park at this safe point
-                self._parked.set()
-                self._run.wait()
-                self._parked.clear()
-            greedy = temps <= 0
-            scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-            logprobs = torch.log_softmax(scaled, dim=-1)
-            probs = self._filter(logprobs.exp(), top_p, top_k)
-            sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-            tokens = torch.where(greedy, logprobs.argmax(-1), sampled)
-            token_lp = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-            tokens_l, token_lp_l = tokens.tolist(), token_lp.tolist()
-            for i, r in enumerate(batch):
-                if not active[i]:
-                    continue
-                if self.abort_all or r.rid in self.aborted:
-                    r.finish, active[i] = _abort(), False
-                    continue
-                tok = tokens_l[i]
-                r.output_ids.append(tok)
-                r.logprobs.append(token_lp_l[i])
-                if tok in stops[i]:
-                    r.finish, active[i] = {"type": "stop", "matched": tok}, False
-                elif stop_strs[i] and (hit := self._ends_with_stop(r.output_ids, stop_strs[i])) is not None:
-                    r.finish, active[i] = {"type": "stop", "matched": hit}, False  # SGLang's `stop` strings
-                elif len(r.output_ids) >= max_new[i]:
-                    r.finish, active[i] = {"type": "length", "length": max_new[i]}, False
-            if not any(active):
-                break
-            mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=mask.dtype, device=self.device)], dim=1)
-            pos = pos + 1
-            out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos,
-                             past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1].float()
-        for r in batch:
-            self.aborted.discard(r.rid)
-        if self.prefix_cache is not None and epoch == self._cache_epoch:
-            self._remember(batch, mask, past)
+    @torch.no_grad()
+    def _step(self, decoding: _Decoding) -> list[_Request]:
+        """Sample one token for every row; the finished rows leave (returned), the others are
+        fed their token for the next step's logits."""
+        rows, temps = decoding.rows, decoding.temps
+        greedy = temps <= 0
+        scaled = decoding.logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        probs = self._filter(logprobs.exp(), decoding.top_p, decoding.top_k)
+        sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        tokens = torch.where(greedy, logprobs.argmax(-1), sampled)
+        token_lp = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        finished, keep = [], []
+        for i, (r, tok, lp) in enumerate(zip(rows, tokens.tolist(), token_lp.tolist())):
+            r.finish = self._finish(r, tok, lp)
+            (finished if r.finish is not None else keep).append(i)
+        if finished:
+            for i in finished:
+                self.aborted.discard(rows[i].rid)
+            self._remember([rows[i] for i in finished], decoding.mask[finished], decoding.past, finished)
+            if not keep:
+                decoding.rows = []
+                return [rows[i] for i in finished]
+            idx = torch.tensor(keep, device=self.device)
+            mask = decoding.mask.index_select(0, idx)
+            first = int(mask.any(0).nonzero()[0])  # columns every remaining row pads: dropped
+            decoding.mask = mask[:, first:]
+            decoding.past = build_cache([(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
+                                         for k, v in layer_kv(decoding.past)])
+            decoding.pos, tokens = decoding.pos.index_select(0, idx), tokens.index_select(0, idx)
+            decoding.temps, decoding.top_p = temps.index_select(0, idx), decoding.top_p.index_select(0, idx)
+            decoding.top_k = [decoding.top_k[i] for i in keep]
+            decoding.rows = [rows[i] for i in keep]
+        decoding.mask = torch.cat([decoding.mask, decoding.mask.new_ones((len(decoding.rows), 1))], dim=1)
+        decoding.pos = decoding.pos + 1
+        out = self.model(input_ids=tokens[:, None], attention_mask=decoding.mask, position_ids=decoding.pos,
+                         past_key_values=decoding.past, use_cache=True)
+        decoding.past, decoding.logits = out.past_key_values, out.logits[:, -1].float()
+        return [rows[i] for i in finished]
 
-    def _remember(self, batch: list[_Request], mask: torch.Tensor, past) -> None:
+    def _finish(self, r: _Request, tok: int, lp: float) -> dict | None:
+        """Append the sampled token unless `r` is aborted; why `r` ends now (None: it goes on)."""
+        if self.abort_all or r.rid in self.aborted:
+            return _abort()
+        if r.max_new <= 0:  # the prompt's prefill only
+            return {"type": "length", "length": r.max_new}
+        r.output_ids.append(tok)
+        r.logprobs.append(lp)
+        if tok in r.stop_ids:
+            return {"type": "stop", "matched": tok}
+        if r.stop_strs and (hit := self._ends_with_stop(r.output_ids, r.stop_strs)) is not None:
+            return {"type": "stop", "matched": hit}  # SGLang's `stop` strings
+        if len(r.output_ids) >= r.max_new:
+            return {"type": "length", "length": r.max_new}
+        return None
+
+    def _remember(self, rows: list[_Request], mask: torch.Tensor, past, at: list[int]) -> None:
         """Put each finished row's KV in the prefix cache: its prompt and all but the last
-        output token (the last one was never fed back, so it has no KV of its own)."""
+        output token (the last one was never fed back, so it has no KV of its own). `at`: the
+        rows' places in `past`; `mask`: theirs."""
+        if self.prefix_cache is None:
+            return
         kv = layer_kv(past)
-        for i, r in enumerate(batch):
+        for r, m, i in zip(rows, mask, at):
+            if r.cache_epoch != self._cache_epoch:  # the weights changed under it: its KV is stale
+                continue
             n = len(r.input_ids) + max(len(r.output_ids) - 1, 0)
-            cols = mask[i].nonzero().squeeze(-1)[:n]
+            cols = m.nonzero().squeeze(-1)[:n]
             self.prefix_cache.insert((r.input_ids + r.output_ids)[:n],
                                      [(k[i].index_select(1, cols), v[i].index_select(1, cols)) for k, v in kv])
 
@@ -355,7 +443,7 @@ class EmbeddedEngine:
         started = time.perf_counter()
         self.inflight += 1
         try:
-            await self.queue.put(req)
+            self._enqueue(req)
             await req.future
         except asyncio.CancelledError:  # the client went away: as SGLang, its request stops generating
             self._abort_queued(lambda r: r is req)
@@ -395,7 +483,7 @@ class EmbeddedEngine:
         req = _Request(rid=f"health-{next(self._rid)}", input_ids=[self.tokenizer.eos_token_id],
                        params={"max_new_tokens": 1, "temperature": 0.0}, return_logprob=False,
                        future=asyncio.get_running_loop().create_future())
-        await self.queue.put(req)
+        self._enqueue(req)
         try:
             await asyncio.wait_for(req.future, timeout=60)
         except asyncio.TimeoutError:
@@ -441,23 +529,21 @@ class EmbeddedEngine:
         return web.Response(status=200)
 
     def _abort_queued(self, which) -> None:
-        """Queued requests matching `which` answer at once with an empty abort."""
-        keep = []
-        while not self.queue.empty():
-            r = self.queue.get_nowait()
+        """Waiting requests matching `which` answer at once with an empty abort."""
+        keep = deque()
+        for r in self.waiting:
             if which(r) and not r.future.done():
                 r.finish = _abort()
                 r.future.set_result(r)
             else:
                 keep.append(r)
-        for r in keep:
-            self.queue.put_nowait(r)
+        self.waiting = keep
 
     async def _abort_everything(self) -> None:
         self.abort_all = True
         self._abort_queued(lambda r: True)
-        self._run.set()  # a batch parked by an in-place pause must see the flag
-        while self.lock.locked():  # the running batch sees the flag and stops
+        self._run.set()  # rows parked by an in-place pause must see the flag
+        while self.lock.locked():  # the decoding rows see the flag and stop
             await asyncio.sleep(0.01)
         self.abort_all = False
         if not self.paused.is_set():
@@ -487,15 +573,19 @@ class EmbeddedEngine:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     def _weights_guard(self):
-        """Exclusive access to the weights: the batch lock, unless the decode thread is
-        parked by an in-place pause (then it is at a safe point and holds the lock)."""
+        """Exclusive access to the weights: the decode lock (taken once the decoding requests
+        finish), unless they are parked by an in-place pause (a safe point; they hold the lock)."""
         engine = self
 
         class Guard:
             async def __aenter__(self):
                 self.held = not engine._parked.is_set()
                 if self.held:
-                    await engine.lock.acquire()
+                    engine._weights_waiting += 1  # no request joins the decoding ones meanwhile
+                    try:
+                        await engine.lock.acquire()
+                    finally:
+                        engine._weights_waiting -= 1
 
             async def __aexit__(self, *exc):
                 if self.held:
@@ -713,7 +803,7 @@ class EmbeddedEngine:
         """SGLang's /get_load shape: one entry per data-parallel rank; num_tokens, the tokens the
         running batch holds in its KV cache (prompts and what was generated so far)."""
         tokens = sum(len(r.input_ids) + len(r.output_ids) for r in list(self.decoding))
-        return web.json_response([{"dp_rank": 0, "num_reqs": self.inflight, "num_waiting_reqs": self.queue.qsize(),
+        return web.json_response([{"dp_rank": 0, "num_reqs": self.inflight, "num_waiting_reqs": len(self.waiting),
                                    "num_tokens": tokens, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
 
     async def workers(self, request: web.Request) -> web.Response:
@@ -723,7 +813,7 @@ class EmbeddedEngine:
 
     async def loads(self, request: web.Request) -> web.Response:
         """SGLang's /v1/loads, the count slime's abort waits to see at zero (server_control.py)."""
-        return web.json_response({"loads": [{"dp_rank": 0, "num_reqs": self.inflight + self.queue.qsize()}]})
+        return web.json_response({"loads": [{"dp_rank": 0, "num_reqs": self.inflight + len(self.waiting)}]})
 
     # -- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -775,6 +865,16 @@ class EmbeddedEngine:
         app.on_startup.append(start_scheduler)
         app.on_cleanup.append(stop_scheduler)
         return app
+
+
+def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """`t` with zeros before its entries along `dim`, to `length`."""
+    short = length - t.shape[dim]
+    if short == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = short
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 def _error(message: str, status: int = 400) -> web.Response:
