@@ -21,21 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def scenarios(url: str, repeat: int) -> dict[str, float]:
@@ -91,24 +83,14 @@ def main() -> None:
     if args.model is None:
         from agentrl.models import build_tiny_model
         args.model = str(build_tiny_model())
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "agentrl.engines.embedded", "--model-path", args.model,
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the engine did not start (exit {proc.poll()})")
-                time.sleep(0.2)
-        results = asyncio.run(scenarios(url, args.repeat))
-    finally:
-        proc.kill()
-        proc.wait()
+    from agentrl.engines.launch import launch_embedded_engine
+
+    with tempfile.TemporaryDirectory() as logs:
+        engine = launch_embedded_engine(args.model, log_dir=Path(logs))
+        try:
+            results = asyncio.run(scenarios(engine.url, args.repeat))
+        finally:
+            engine.stop()
     path = ROOT / "bench" / "results" / "embedded_batching.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {path}")

@@ -223,7 +223,7 @@ class EmbeddedEngine:
                     joining = []
                 if decoding is None or not decoding.rows:
                     return decoding is not None
-                self.decoding = list(decoding.rows)
+                self.decoding = decoding.rows  # _join and _step make new lists: never changed in place
                 if not self._run.is_set():  # paused in place: park at this safe point
                     self._parked.set()
                     await self._run.wait()
