@@ -179,7 +179,9 @@ def stage_throughput(args, path, results):
     world = dist.get_world_size()
     gpus = world
     runs = []
-    for budget in args.max_tokens:
+    from agentrl.trainers.megatron import logprobs
+    for impl, budget in [(i, b) for i in args.logprob_impls for b in args.max_tokens]:
+        logprobs.USE_TRITON = impl == "triton"  # A/B: the Triton kernels or the torch chunk loop
         trainer.max_tokens = budget
         try:
             sync()
@@ -195,13 +197,13 @@ def stage_throughput(args, path, results):
             for step in range(args.steps + 1):  # the first is a warm-up
                 sync()
                 t0 = time.perf_counter()
-                stats = trainer._policy_step(idx, samples, adv, old, None)
+                stats = trainer.policy_step(idx, samples, adv, old, None)
                 sync()
                 if step:
                     times.append(time.perf_counter() - t0)
             t_step = sum(times) / len(times)
             f_step, f_fwd = flops(hf_config, samples, 3), flops(hf_config, samples, 1)
-            run = {"max_tokens_per_gpu": budget, "samples": len(samples), "tokens": tokens,
+            run = {"logprob_impl": impl, "max_tokens_per_gpu": budget, "samples": len(samples), "tokens": tokens,
                    "micro_batches": len(trainer._batches(samples, idx)), "gpus": gpus,
                    "train_step_s": t_step, "train_tokens_per_s": tokens / t_step,
                    "train_tflops_per_gpu": f_step / t_step / gpus / 1e12,
@@ -211,7 +213,7 @@ def stage_throughput(args, path, results):
                    "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None,
                    "grad_norm": stats["grad_norm"], "loss": stats["loss"], "step_times_s": times}
         except torch.OutOfMemoryError as exc:
-            run = {"max_tokens_per_gpu": budget, "error": f"OOM: {str(exc)[:200]}"}
+            run = {"logprob_impl": impl, "max_tokens_per_gpu": budget, "error": f"OOM: {str(exc)[:200]}"}
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
         runs.append(run)
@@ -219,22 +221,30 @@ def stage_throughput(args, path, results):
     results["throughput"] = runs
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
-        trainer.max_tokens = args.max_tokens[-1]
+        logprobs.USE_TRITON = args.logprob_impls[-1] == "triton"
+        fitted = [r["max_tokens_per_gpu"] for r in runs if "error" not in r and r["logprob_impl"] == args.logprob_impls[-1]]
+        trainer.max_tokens = max(fitted or args.max_tokens[:1])
+        results["profile_max_tokens"] = trainer.max_tokens
         old = trainer.compute_logprobs(samples)
         adv = compute_advantages(samples, trainer.algo, old_logprobs=old).advantages
         idx = list(range(len(samples)))
         sync()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
-            trainer._policy_step(idx, samples, adv, old, None)
+            trainer.policy_step(idx, samples, adv, old, None)
             sync()
             wall = time.perf_counter() - t0
         events = prof.key_averages()
         gpu_total = sum(e.self_device_time_total for e in events) / 1e6
         table = events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
+        cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+        kernels = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        syncs = {e.key: e.count for e in events if "Synchronize" in e.key or e.key == "aten::_local_scalar_dense"}
+        results["profile"] = {"wall_s": wall, "kernel_launches": kernels, "syncs": syncs}
         if int(os.environ.get("RANK", 0)) == 0:
-            (Path(args.out) / "profile.txt").write_text(f"wall {wall:.3f} s, summed GPU kernel time {gpu_total:.3f} s\n"
-                                                       + table)
+            (Path(args.out) / "profile.txt").write_text(
+                f"wall {wall:.3f} s, summed GPU kernel time {gpu_total:.3f} s, {kernels} kernel launches, "
+                f"syncs {syncs}\n{table}\nby CPU time:\n{cpu_table}")
         log(f"PROFILE wall {wall:.3f} s, summed GPU kernel time {gpu_total:.3f} s")
         log(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
 
@@ -278,7 +288,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 16384])
     p.add_argument("--save", default=None, help="also time save_hf into this folder")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--profile", action="store_true", help="profile one train step (torch.profiler)")
+    p.add_argument("--profile", action="store_true", help="profile one train step (torch.profiler; the last "
+                   "--logprob-impls at its largest --max-tokens that fitted)")
+    p.add_argument("--logprob-impls", type=lambda s: s.split(","), default=["triton"],
+                   help="comma list of triton (the kernels, what the trainer uses on CUDA) and torch (the chunk loop)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run on the tiny model (tests/trainers shim)")
     args, rest = p.parse_known_args()
     global DEVICE

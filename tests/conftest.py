@@ -1,8 +1,15 @@
 import inspect
+import os
 import re
+import shutil
 from pathlib import Path
 
-import pytest
+# The Triton kernels' CPU tests run them in Triton's interpreter, which is chosen when Triton is
+# first imported (by any test of the process); on a GPU machine they are compiled (tests/gpu).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from machine_lock import machine_lock
 

@@ -189,9 +189,11 @@ def test_parallel_layouts_equal_one_process(tiny_model, tmp_path, layout):
                        worker="megatron_lora_worker.py")
     print(f"{layout}: loss {result['metrics']['loss']:.6f} vs {metrics['loss']:.6f}; grad norm "
           f"{result['metrics']['grad_norm']:.6f} vs {metrics['grad_norm']:.6f}")
-    assert max_diff(result["before"], before) < LOGPROB_TOL
+    # TP=2 splits every matmul's reduction over two ranks: another fp32 summation order. Seen on
+    # a 2-core machine: logprobs 2.1e-5 apart (|logprob| ~6), grad norm 6.5e-6 relative
+    assert max_diff(result["before"], before) < 5 * LOGPROB_TOL
     for key in ("loss", "grad_norm"):
-        assert result["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
+        assert result["metrics"][key] == pytest.approx(metrics[key], rel=3e-5), key
     assert max_diff(result["after"], after) < STEP_TOL
     mine, theirs = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("after", "ref_after"))
     assert set(mine) == set(theirs)

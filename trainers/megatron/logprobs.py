@@ -5,7 +5,9 @@ A straightforward `log_softmax(logits.float() / T)` keeps [N, V] fp32 tensors al
 backward pass (two of them with entropy): at N = 16k response tokens and a 152k vocabulary
 that is ~10 GB each. `fused_logprobs` reads the (bf16) logits chunk by chunk in fp32, keeps
 only per-row statistics (log-sum-exp, entropy), and recomputes each chunk's softmax in the
-backward pass, writing the gradient straight into a tensor shaped like the logits.
+backward pass, writing the gradient straight into a tensor shaped like the logits. On CUDA
+the per-row work runs as the Triton kernels of logprob_kernels.py (one read of each row
+forward, one read and write backward); elsewhere as the torch chunk loop below.
 
 Tensor parallelism: each rank holds a vocab slice; the slices' log-sum-exps are all-gathered
 and the target logit and the entropy's weighted sum all-reduced over the TP group in the
@@ -28,24 +30,11 @@ class _FusedLogprobs(torch.autograd.Function):
         # the slice's softmax-weighted mean logit; slices are combined after the loop.
         import torch.distributed as dist
 
-        n, part = rows.numel(), logits.shape[-1]
-        dev = logits.device
-        lse = torch.empty(n, dtype=torch.float32, device=dev)
-        picked = torch.zeros(n, dtype=torch.float32, device=dev)
-        mean_x = torch.zeros(n, dtype=torch.float32, device=dev) if with_entropy else None
+        n, dev = rows.numel(), logits.device
         local_t = targets - vocab_start
-        inside = (local_t >= 0) & (local_t < vocab_valid)
-        for s in range(0, n, CHUNK_ROWS):
-            e = slice(s, s + CHUNK_ROWS)
-            x = _chunk(logits, rows[e], temperature, vocab_valid)
-            m = x.max(dim=-1, keepdim=True).values
-            ex = (x - m).exp()
-            se = ex.sum(-1)
-            lse[e] = m.squeeze(-1) + se.log()
-            idx = local_t[e].clamp(0, part - 1)
-            picked[e] = x.gather(-1, idx[:, None]).squeeze(-1) * inside[e]
-            if with_entropy:
-                mean_x[e] = (ex * x.masked_fill(torch.isinf(x), 0.0)).sum(-1) / se
+        kernels = _kernels(logits, vocab_valid)
+        stats = kernels.forward_stats if kernels is not None else _forward_stats
+        lse, picked, mean_x = stats(logits, rows, local_t, temperature, vocab_valid, with_entropy)
         tp = dist.get_world_size(group) if (group is not None and dist.is_initialized()) else 1
         if tp > 1:
             every = torch.empty(tp * n, dtype=torch.float32, device=dev)
@@ -58,17 +47,23 @@ class _FusedLogprobs(torch.autograd.Function):
             lse = total
         logp = picked - lse
         entropy = (lse - mean_x) if with_entropy else None
-        ctx.save_for_backward(logits, rows, local_t, inside, lse, entropy if with_entropy else lse)
+        ctx.save_for_backward(logits, rows, local_t, lse, entropy if with_entropy else lse)
         ctx.meta = (temperature, vocab_valid, with_entropy)
         return logp, entropy if with_entropy else logp.new_zeros(n)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        logits, rows, local_t, inside, lse, entropy = ctx.saved_tensors
+        logits, rows, local_t, lse, entropy = ctx.saved_tensors
         temperature, vocab_valid, with_entropy = ctx.meta
         part = logits.shape[-1]
         grad = torch.zeros_like(logits)
         n = rows.numel()
+        inside = (local_t >= 0) & (local_t < vocab_valid)
+        kernels = _kernels(logits, vocab_valid)
+        if kernels is not None:
+            kernels.backward_into(grad, logits, rows, local_t, lse, entropy if with_entropy else None, g_logp,
+                                  g_ent if with_entropy else None, temperature, vocab_valid)
+            return grad, None, None, None, None, None, None, None
         for s in range(0, n, CHUNK_ROWS):
             e = slice(s, s + CHUNK_ROWS)
             x = _chunk(logits, rows[e], temperature, vocab_valid)
@@ -83,6 +78,43 @@ class _FusedLogprobs(torch.autograd.Function):
                 gx -= g_ent[e, None] * p * (logp_all.masked_fill(torch.isinf(logp_all), 0.0) + entropy[e, None])
             grad[rows[e]] = (gx / temperature).to(grad.dtype)
         return grad, None, None, None, None, None, None, None
+
+
+USE_TRITON = True  # on CUDA; False forces the torch chunk loop (set when Triton does not import; benches A/B it)
+
+
+def _kernels(logits, vocab_valid):
+    """The Triton kernels module for CUDA logits when Triton imports, else None (torch loop)."""
+    global USE_TRITON
+    if not logits.is_cuda or USE_TRITON is False or logits.stride(-1) != 1 or vocab_valid == 0:
+        return None
+    try:
+        from agentrl.trainers.megatron import logprob_kernels
+    except ImportError:
+        USE_TRITON = False
+        return None
+    return logprob_kernels
+
+
+def _forward_stats(logits, rows, local_t, temperature, vocab_valid, with_entropy):
+    """The torch version of logprob_kernels.forward_stats: chunk by chunk in fp32."""
+    n, part = rows.numel(), logits.shape[-1]
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    picked = torch.zeros_like(lse)
+    mean_x = torch.zeros_like(lse) if with_entropy else None
+    inside = (local_t >= 0) & (local_t < vocab_valid)
+    for s in range(0, n, CHUNK_ROWS):
+        e = slice(s, s + CHUNK_ROWS)
+        x = _chunk(logits, rows[e], temperature, vocab_valid)
+        m = x.max(dim=-1, keepdim=True).values
+        ex = (x - m).exp()
+        se = ex.sum(-1)
+        lse[e] = m.squeeze(-1) + se.log()
+        idx = local_t[e].clamp(0, part - 1)
+        picked[e] = x.gather(-1, idx[:, None]).squeeze(-1) * inside[e]
+        if with_entropy:
+            mean_x[e] = (ex * x.masked_fill(torch.isinf(x), 0.0)).sum(-1) / se
+    return lse, picked, mean_x
 
 
 def _chunk(logits, rows, temperature, vocab_valid):

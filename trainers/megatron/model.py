@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from agentrl.errors import ConfigError
 from agentrl.trainers.megatron.args import MegatronArgs
+from agentrl.trainers.megatron import wgrad
 from agentrl.trainers.megatron.families import family_for
 from agentrl.trainers.megatron.families.common import Family, Layout, head_dim, rope_theta
 
@@ -118,9 +119,10 @@ def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype:
         bias_activation_fusion=device != "cpu",  # fused SwiGLU (megatron's jit-scripted kernel) on GPUs
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=device != "cpu" and not te and _fused_rope(hf_config),  # rope_kernels.py
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        # weight gradients accumulate into main_grad inside the GEMM (wgrad.py stands in for Apex)
+        gradient_accumulation_fusion=device != "cpu" and params_dtype != torch.float32 and wgrad.install(),
         attention_softmax_in_fp32=True,
     )
     kw.update(margs.transformer)
@@ -128,6 +130,19 @@ def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype:
     if kw.get("sequence_parallel") and kw.get("tensor_model_parallel_size", 1) == 1:
         kw["sequence_parallel"] = False  # as megatron.training does
     return TransformerConfig(**kw)
+
+
+def _fused_rope(hf_config) -> bool:
+    """The Triton RoPE kernels in megatron-core's fused-RoPE slots, where they cover the model
+    (rotary over whole heads) and Triton imports."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        return False
+    try:
+        from agentrl.trainers.megatron import rope_kernels
+    except ImportError:
+        return False
+    return rope_kernels.install()
 
 
 def layer_spec(config, family: Family, te: bool):
