@@ -1,7 +1,7 @@
 """The Megatron trainer's GPU kernels compiled on a GPU at Qwen2.5-1.5B's sizes: the Triton
 logprob kernels (padded 152k vocabulary) against the torch chunk loop they replace and float64
 autograd; the fused RoPE against megatron-core's unfused RoPE; the Apex-free wgrad accumulation
-(wgrad.py) against an fp64 GEMM. Each faster than what it replaces. Figures go to
+(no_apex.py) against an fp64 GEMM. Each faster than what it replaces. Figures go to
 $AGENTRL_GPU_OUT/kernels_*.json. Needs torch, Triton and (RoPE) megatron-core; no kit."""
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_fused_rope_matches_megatron_unfused_and_is_faster():
 
 
 def test_wgrad_accumulates_in_place_in_fp32():
-    from agentrl.trainers.megatron import wgrad
+    from agentrl.trainers.megatron import no_apex
 
     torch.manual_seed(0)
     x = torch.randn(4, 4096, 1536, device="cuda", dtype=torch.bfloat16)  # [b, s, in] as megatron passes it
@@ -134,12 +134,12 @@ def test_wgrad_accumulates_in_place_in_fp32():
     main_grad = torch.randn(8960, 1536, device="cuda")
     want = main_grad.double() + g.reshape(-1, 8960).double().t() @ x.reshape(-1, 1536).double()
     ptr = main_grad.data_ptr()
-    wgrad.wgrad_gemm_accum_fp32(x, g, main_grad)
+    no_apex.wgrad_gemm_accum_fp32(x, g, main_grad)
     assert main_grad.data_ptr() == ptr and main_grad.dtype == torch.float32
     rel = ((main_grad.double() - want).norm() / want.norm()).item()
 
     def fused():
-        wgrad.wgrad_gemm_accum_fp32(x, g, main_grad)
+        no_apex.wgrad_gemm_accum_fp32(x, g, main_grad)
 
     def unfused():  # what megatron does without the fusion: a bf16 weight gradient, then add_
         main_grad.add_(g.reshape(-1, 8960).t().matmul(x.reshape(-1, 1536)))

@@ -209,3 +209,22 @@ def test_save_and_load_resume_exactly(tiny_model, tmp_path):
     assert b.load(tmp_path / "ckpt")["data"] == {"epoch": 0, "offset": 6} and b.version == 1
     b.train_rollout(samples)  # same optimizer moments: the same second step
     assert max_diff(b.compute_logprobs(samples), expected) < 1e-6
+
+
+def test_multi_tensor_ops_without_apex():
+    """no_apex's foreach grad norm and master->model copy replace megatron-core's fallbacks (one
+    host sync per parameter, a Python copy loop) and compute the same values."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from agentrl.trainers.megatron import no_apex
+
+    assert no_apex.install_multi_tensor_ops()
+    assert clip_grads.l2_norm_impl is no_apex.foreach_l2_norm
+    assert optimizer._multi_tensor_copy_this_to_that is no_apex.foreach_copy
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 7, generator=g), torch.randn(3, generator=g), torch.randn(11, 2, generator=g)]
+    norm, _ = no_apex.foreach_l2_norm(0, None, [grads], False)
+    assert norm.shape == (1,) and torch.allclose(norm[0], torch.cat([x.flatten() for x in grads]).norm())
+    model = [torch.empty(x.shape, dtype=torch.bfloat16) for x in grads]
+    no_apex.foreach_copy(grads, model)
+    assert all(torch.equal(m, x.bfloat16()) for m, x in zip(model, grads))

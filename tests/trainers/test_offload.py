@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from agentrl.config import AlgoConfig, TrainConfig
-from agentrl.trainers.offload import TRAINER_PARTS, held_tensors, offload_trainer
+from agentrl.trainers.offload import TRAINER_PARTS, gradient_tensors, held_tensors, offload_trainer
 from agentrl.trainers.torch_trainer import TorchTrainer
 from megatron_helpers import make_samples
 
@@ -37,10 +37,15 @@ def test_offload_frees_everything_and_training_goes_on_exactly(tiny_model, make)
     a.train_rollout(samples)
     b.train_rollout(samples)
     held = list(held_tensors([getattr(a, n, None) for n in TRAINER_PARTS]))
+    grads = list(gradient_tensors([getattr(a, n, None) for n in TRAINER_PARTS]))
+    assert grads and all(g.abs().sum() > 0 for g in grads)  # the last step's, still there
     stash = offload_trainer(a)
-    assert stash.bytes > 2 * sum(p.numel() * p.element_size() for p in a.model.parameters())  # + grads, Adam
+    weights = sum(p.numel() * p.element_size() for p in a.model.parameters())
+    assert stash.bytes > 2 * weights  # + Adam's moments (and Megatron's master weights)
+    assert stash.dropped_bytes >= weights  # the gradients: freed, not copied
     assert all(t.untyped_storage().nbytes() == 0 for t in held)
     stash.restore()
+    assert all(not g.any() for g in grads)  # back as zeros
     again = offload_trainer(a, spare=stash.hosts)  # the next iteration reuses the host buffers
     assert len(again.hosts) == len(stash.hosts) and all(x is y for x, y in zip(again.hosts, stash.hosts))
     again.restore()

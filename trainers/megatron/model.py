@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from agentrl.errors import ConfigError
 from agentrl.trainers.megatron.args import MegatronArgs
-from agentrl.trainers.megatron import wgrad
+from agentrl.trainers.megatron import no_apex
 from agentrl.trainers.megatron.families import family_for
 from agentrl.trainers.megatron.families.common import Family, Layout, head_dim, rope_theta
 
@@ -121,8 +121,8 @@ def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype:
         bias_dropout_fusion=False,
         apply_rope_fusion=device != "cpu" and not te and _fused_rope(hf_config),  # rope_kernels.py
         persist_layer_norm=False,
-        # weight gradients accumulate into main_grad inside the GEMM (wgrad.py stands in for Apex)
-        gradient_accumulation_fusion=device != "cpu" and params_dtype != torch.float32 and wgrad.install(),
+        # weight gradients accumulate into main_grad inside the GEMM (no_apex.py stands in for Apex)
+        gradient_accumulation_fusion=device != "cpu" and params_dtype != torch.float32 and no_apex.install_wgrad_fusion(),
         attention_softmax_in_fp32=True,
     )
     kw.update(margs.transformer)

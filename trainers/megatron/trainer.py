@@ -28,6 +28,7 @@ from agentrl.algorithms import check_algo, needs_reference, policy_objective, sf
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.errors import ConfigError
 from agentrl.trainers import rng_state, set_rng_state
+from agentrl.trainers.megatron import no_apex
 from agentrl.trainers.megatron.args import parse_megatron_args
 from agentrl.trainers.megatron.logprobs import fused_logprobs
 from agentrl.trainers.megatron.model import (DTYPES, build_gpt, enable_position_rope, init_distributed, layer_spec,
@@ -128,6 +129,7 @@ class MegatronTrainer:
                       use_distributed_optimizer=ddp_kw["use_distributed_optimizer"])
         opt_kw.update(self.margs.optimizer)
         opt_kw["lr"] = lr
+        no_apex.install_multi_tensor_ops()  # grad norm and weight copies on the device, without host syncs
         optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), [ddp])
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddp.no_sync
