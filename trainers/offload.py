@@ -61,8 +61,8 @@ def gradient_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 class Offloaded:
     """The storages of `tensors` (each once), moved to host memory; `restore()` brings them back.
-    `spare`: the host buffers of an earlier offload of the same tensors (`.hosts`), reused when
-    the sizes match: pinning fresh host memory costs far more than the copy (1.5B, H200: 26 s
+    `spare`: the host buffers of an earlier offload (`.hosts`), each reused for a storage of its
+    size: pinning fresh host memory costs far more than the copy (1.5B, H200: 26 s
     to pin and copy Megatron's 29 GiB the first time). `discard`: tensors whose contents need
     not survive (gradients): freed without a copy, restored as zeros."""
 
@@ -70,7 +70,9 @@ class Offloaded:
         self.saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         self.hosts: list[torch.Tensor] = []
         self.dropped: list[tuple[torch.UntypedStorage, int]] = []
-        spare = list(spare or [])
+        pool: dict[int, list[torch.Tensor]] = {}  # spare buffers by size: storages may come and go between
+        for host in spare or []:                  # offloads (Adam's moments appear at the first step)
+            pool.setdefault(host.numel(), []).append(host)
         dropped = {t.untyped_storage().data_ptr() for t in discard}
         seen = set()
         for t in tensors:
@@ -85,9 +87,9 @@ class Offloaded:
                 self.dropped.append((storage, storage.nbytes()))
                 storage.resize_(0)
                 continue
-            i = len(self.hosts)
-            if i < len(spare) and spare[i].numel() == storage.nbytes():
-                host = spare[i]
+            same_size = pool.get(storage.nbytes())
+            if same_size:
+                host = same_size.pop(0)
             else:
                 host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
             host.untyped_storage().copy_(storage)
