@@ -20,6 +20,7 @@ same code: the trainer actors just get no GPU (several Megatron ranks talk gloo 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import signal
@@ -85,6 +86,8 @@ def stop_ray() -> None:
 
 CPU_SLICE = 0.01  # what a bundle and an actor ask of a CPU: placed, never waiting for a core
 TIMEOUT_S = 120.0  # a call into an engine actor (the server's own health waits have theirs)
+PIN_AHEAD_TIMEOUT_S = 600.0  # the first offload's wait for the host memory pinned at start-up
+log = logging.getLogger("agentrl.orchestration")
 
 
 @dataclass
@@ -375,6 +378,10 @@ class TrainerWorker:
         self.trainer = build_trainer(cfg, Path(model_path), device)
         self.offloaded = None  # the host copy while --colocate lends the GPU to the engines
         self.host_buffers: list = []
+        self.pinning: threading.Thread | None = None
+        if cfg.run.colocate and device == "cuda":  # pin the offload's host memory while the engines start
+            self.pinning = threading.Thread(target=self._pin_ahead, name="pin-host-buffers", daemon=True)
+            self.pinning.start()
         self.groups: dict[str, Any] = {}  # engine url -> WeightUpdateGroup (--weight-sync-mode distributed)
         self.group_count = 0
         self.saved_version: int | None = None  # what --weight-sync-mode disk last wrote
@@ -530,14 +537,28 @@ class TrainerWorker:
                 destroy(group.group)
             await asyncio.gather(*[c.close() for c in group.clients])
 
+    def _pin_ahead(self) -> None:
+        from agentrl.trainers.offload import host_buffers_for
+
+        start = time.monotonic()
+        self.pinned_ahead = host_buffers_for(self.trainer)
+        log.info("pinned %.1f GiB of host memory for --colocate in %.1f s",
+                 sum(b.numel() for b in self.pinned_ahead) / 2**30, time.monotonic() - start)
+
     def offload(self) -> None:
-        """--colocate: give the GPU to the engines during rollout (weights, grads and grad buffers,
-        optimizer state and master weights, reference and critic to host memory)."""
+        """--colocate: give the GPU to the engines during rollout (weights, optimizer state and
+        master weights, reference and critic to host memory; gradients are dropped)."""
         from agentrl.trainers.offload import offload_trainer
 
+        if self.pinning is not None:  # bounded: without the buffers the offload pins its own
+            self.pinning.join(timeout=PIN_AHEAD_TIMEOUT_S)
+            if not self.pinning.is_alive():
+                self.host_buffers = self.host_buffers or getattr(self, "pinned_ahead", [])
+            self.pinning = None
         if self.trainer.device != "cpu" and self.offloaded is None:
             self.offloaded = offload_trainer(self.trainer, spare=self.host_buffers)
-            self.host_buffers = self.offloaded.hosts  # pinned once, reused every iteration
+            # pinned once, reused every iteration (and those made ahead for storages still to come)
+            self.host_buffers = self.offloaded.hosts + self.offloaded.spare_left
 
     def onload(self) -> None:
         if self.offloaded is not None:

@@ -309,3 +309,43 @@ def test_detect_kind_gives_up_after_its_timeout_naming_the_url():
                                           r"\(URLError.*refused"):
         detect_kind(url, timeout_s=1)
     assert time.monotonic() - start < 1.5
+
+
+def test_warm_up_asks_what_rollouts_ask_and_only_warns_on_failure(caplog):
+    """SGLang engines agentrl launches get one generation with the rollout's sampling settings
+    and logprobs before iteration 0 (the kernels SGLang compiles on its first such request would
+    otherwise be timed in the first rollout); an engine that fails it is only warned about."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from agentrl.engines.group import warm_up
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            body = b'{"text": "", "meta_info": {}}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = RolloutConfig(rollout_temperature=0.7, rollout_top_p=0.9, rollout_top_k=20)
+        dead = f"http://127.0.0.1:{free_port()}"
+        with caplog.at_level("WARNING", logger="agentrl.engines"):
+            warm_up([f"http://127.0.0.1:{server.server_port}/", dead], cfg, timeout_s=10)
+    finally:
+        server.shutdown()
+    assert len(seen) == 1 and seen[0][0] == "/generate"
+    payload = seen[0][1]
+    assert payload["return_logprob"] is True and payload["input_ids"]
+    assert payload["sampling_params"] == {"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 20}
+    assert any(dead in r.getMessage() and "warm-up" in r.getMessage() for r in caplog.records)

@@ -68,3 +68,24 @@ def test_host_buffers_are_reused_by_size_when_storages_appear():
     assert second.hosts[1] is first.hosts[0] and second.hosts[2] is first.hosts[1]
     second.restore()
     assert a.eq(1).all() and b.eq(2).all() and moment.eq(3).all()
+
+
+def test_host_buffers_made_ahead_serve_every_offload(tiny_model):
+    """--colocate pins the offload's host memory while the engines start: buffers for what the
+    trainer holds and for the Adam moments its first step creates. Neither the offload before
+    iteration 0 (no moments yet) nor the one after the first step then allocates any."""
+    from agentrl.trainers.offload import host_buffers_for
+
+    a = torch_trainer(tiny_model)
+    for t in held_tensors([getattr(a, n, None) for n in TRAINER_PARTS]):
+        if not t.untyped_storage().resizable():
+            t.data = t.data.clone()
+    made = host_buffers_for(a, device_type="cpu")
+    first = offload_trainer(a, spare=made)
+    first.restore()
+    assert first.spare_left  # the moments' buffers, kept for the next offload
+    a.train_rollout(make_samples())  # Adam's moments appear
+    second = offload_trainer(a, spare=first.hosts + first.spare_left)
+    second.restore()
+    big = [h for h in second.hosts if h.numel() > 64]  # (Adam's step counters are 4-byte CPU tensors)
+    assert big and {id(h) for h in big} <= {id(h) for h in made}
