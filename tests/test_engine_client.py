@@ -97,3 +97,28 @@ def test_the_back_off_doubles_up_to_its_cap(monkeypatch):
                                                    monkeypatch=monkeypatch)
     assert len(served) == 6 and retried == 5 and "HTTP 503" in str(error)
     assert sleeps == pytest.approx([0.5, 1.0, 2.0, 3.0, 3.0])  # none after the last try
+
+
+def test_the_json_codec_sends_and_reads_what_the_standard_library_does():
+    """The client's JSON goes through orjson (rollout overhead, issue 16); what orjson does not take
+    falls back to json: the same values either way."""
+    import json
+    import math
+
+    from agentrl.rollout.client import _dumps, _loads
+
+    payloads = [
+        {"input_ids": list(range(300)), "sampling_params": {"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 9,
+                                                            "stop": ["</answer>", "ünï 🙂"], "stop_token_ids": None},
+         "return_logprob": True, "rid": "g1-s0-t2-0", "lora_path": "v3"},
+        {"sampling_params": {"logit_bias": {5: -1.5, 7: 2.0}}},  # int keys: json writes them as strings
+        {"big": 2 ** 70, "tuple": (1, 2)},  # past 64 bits: orjson refuses, json takes it
+    ]
+    for payload in payloads:
+        assert json.loads(_dumps(payload)) == json.loads(json.dumps(payload))
+    body = json.dumps({"output_ids": [1, 2], "meta_info": {"output_token_logprobs": [[-0.25, 1, None], [-1e-9, 2, None]],
+                                                           "finish_reason": {"type": "stop"}, "engine_id": "é"}})
+    assert _loads(body.encode()) == json.loads(body)
+    assert math.isnan(_loads(b'{"a": NaN}')["a"])  # not JSON, but json reads it: so does the client, as before
+    with pytest.raises(ValueError):
+        _loads(b"{not json")

@@ -23,12 +23,31 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
+import orjson
 
 from agentrl.engines import ENGINE_HEADER
 from agentrl.errors import EngineError
 from agentrl.rollout.affinity import Turn, TurnLog
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+
+# JSON both ways through orjson: the standard library's codec was ~10% of a turn's client CPU with a
+# 100-token context (bench/rollout_overhead.py), and grows with the context. What orjson refuses to
+# write (integers past 64 bits) or read (NaN) goes through json as before. Unlike json, orjson writes
+# NaN and infinities as null and reads integers past 64 bits as floats: no engine reply holds those.
+def _dumps(value) -> str:
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError:
+        return json.dumps(value)
+
+
+def _loads(data: bytes):
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 @dataclass
@@ -85,7 +104,7 @@ class EngineClient:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self._max_connections or 0),  # 0: aiohttp's "no limit"
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s), json_serialize=_dumps,
             )
         return self._session
 
@@ -118,7 +137,7 @@ class EngineClient:
                     engine = resp.headers.get(ENGINE_HEADER)
                     if resp.content_type == "application/json":  # as resp.json(), without its checks redone
                         data = (await resp.read()).strip()
-                        return (json.loads(data) if data else None), engine
+                        return (_loads(data) if data else None), engine
                     return await resp.text(), engine
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
                 last = exc
