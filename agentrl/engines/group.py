@@ -132,7 +132,6 @@ def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int
         engines, servers = _launch_sglang(cfg, model_path=model_path, seed=seed, log_dir=log_dir,
                                           sglang_args=sglang_args, launch=launch,
                                           gpu_ids=placement.rollout_gpu_ids() if placement is not None else None)
-        warm_up([e.url for e in engines], cfg)
     else:
         if sglang_args:
             raise ConfigError("--sglang-* arguments need --rollout-engine sglang")
@@ -158,36 +157,6 @@ def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int
         raise
     _stop_on_sigterm()
     return group
-
-
-WARM_UP_TIMEOUT_S = 300.0
-
-
-def warm_up(urls: list[str], cfg: RolloutConfig, timeout_s: float = WARM_UP_TIMEOUT_S) -> None:
-    """One short generation per engine, with the rollout's sampling settings and logprobs, as
-    rollouts ask. SGLang compiles kernels on its first such request (its own start-up warm-up
-    and /health ask no logprobs): 8 s at 1.5B on an H100 with the Triton attention backend,
-    which otherwise lands in iteration 0's rollout. A failure only warns: rollouts will say."""
-    payload = json.dumps({"input_ids": list(range(1, 17)), "return_logprob": True,
-                          "sampling_params": {"max_new_tokens": 8, "temperature": cfg.rollout_temperature,
-                                              "top_p": cfg.rollout_top_p, "top_k": cfg.rollout_top_k}}).encode()
-
-    def one(url: str) -> None:
-        start = time.monotonic()
-        try:
-            request = urllib.request.Request(url.rstrip("/") + "/generate", data=payload,
-                                             headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                response.read()
-            log.info("engine %s warmed up in %.1f s", url, time.monotonic() - start)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("engine %s: warm-up generation failed (%s); going on", url, exc)
-
-    threads = [threading.Thread(target=one, args=(u,), daemon=True) for u in urls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s + 5)
 
 
 def _local_launcher(index: int, argv: list[str], *, url: str, name: str, env: dict | None, log_dir: Path):
