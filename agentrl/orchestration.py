@@ -378,6 +378,7 @@ class TrainerWorker:
         self.trainer = build_trainer(cfg, Path(model_path), device)
         self.offloaded = None  # the host copy while --colocate lends the GPU to the engines
         self.host_buffers: list = []
+        self.pinned_ahead: list = []  # _pin_ahead's, taken by the first offload
         self.pinning: threading.Thread | None = None
         if cfg.run.colocate and device == "cuda":  # pin the offload's host memory while the engines start
             self.pinning = threading.Thread(target=self._pin_ahead, name="pin-host-buffers", daemon=True)
@@ -553,7 +554,7 @@ class TrainerWorker:
         if self.pinning is not None:  # bounded: without the buffers the offload pins its own
             self.pinning.join(timeout=PIN_AHEAD_TIMEOUT_S)
             if not self.pinning.is_alive():
-                self.host_buffers = self.host_buffers or getattr(self, "pinned_ahead", [])
+                self.host_buffers = self.host_buffers or self.pinned_ahead
             self.pinning = None
         if self.trainer.device != "cpu" and self.offloaded is None:
             self.offloaded = offload_trainer(self.trainer, spare=self.host_buffers)

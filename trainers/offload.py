@@ -36,20 +36,40 @@ def held_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from (g for g in (p.grad, getattr(p, "main_grad", None)) if g is not None)
         for _, b in obj.named_buffers():
             yield b
-    elif isinstance(obj, torch.optim.Optimizer):
-        for group in obj.param_groups:
-            for p in group["params"]:
-                yield p
-                if p.grad is not None:
-                    yield p.grad
-        for state in obj.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             yield from held_tensors(item)
-    else:  # Megatron's optimizer wrappers: the torch optimizer inside, or a chain of them
-        yield from held_tensors(getattr(obj, "chained_optimizers", None))
-        yield from held_tensors(getattr(obj, "optimizer", None))
+    else:
+        for opt in _torch_optimizers(obj):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    yield p
+                    if p.grad is not None:
+                        yield p.grad
+            for state in opt.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _torch_optimizers(obj: Any) -> Iterator[torch.optim.Optimizer]:
+    """torch optimizers, themselves or inside Megatron's wrappers (one, or a chain), in lists."""
+    if isinstance(obj, torch.optim.Optimizer):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _torch_optimizers(item)
+    elif obj is not None and not isinstance(obj, (torch.Tensor, torch.nn.Module)):
+        yield from _torch_optimizers(getattr(obj, "chained_optimizers", None))
+        yield from _torch_optimizers(getattr(obj, "optimizer", None))
+
+
+def _storages(tensors) -> Iterator[tuple[torch.Tensor, torch.UntypedStorage]]:
+    """Each non-empty storage behind `tensors` once, with the first tensor seen on it."""
+    seen = set()
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            yield t, storage
 
 
 def gradient_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -74,12 +94,7 @@ class Offloaded:
         for host in spare or []:                  # offloads (Adam's moments appear at the first step)
             pool.setdefault(host.numel(), []).append(host)
         dropped = {t.untyped_storage().data_ptr() for t in discard}
-        seen = set()
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage.nbytes() == 0 or storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
+        for t, storage in _storages(tensors):
             if not storage.resizable():  # CUDA allocations always are; a CPU tensor may map a file
                 raise RuntimeError(f"cannot offload a tensor of shape {tuple(t.shape)}: its storage is not "
                                    "resizable (memory-mapped weights?)")
@@ -111,17 +126,6 @@ class Offloaded:
         self.dropped.clear()
 
 
-def _torch_optimizers(obj: Any) -> Iterator[torch.optim.Optimizer]:
-    if isinstance(obj, torch.optim.Optimizer):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _torch_optimizers(item)
-    elif obj is not None and not isinstance(obj, (torch.Tensor, torch.nn.Module)):  # Megatron's wrappers
-        yield from _torch_optimizers(getattr(obj, "chained_optimizers", None))
-        yield from _torch_optimizers(getattr(obj, "optimizer", None))
-
-
 def host_buffers_for(trainer, device_type: str = "cuda") -> list[torch.Tensor]:
     """Pinned host buffers for what offloading `trainer` will copy, made ahead of time (pinning
     runs at ~3 GB/s, about ten times slower than the copy: at 1.5B, 6-9 s in each of iterations
@@ -129,13 +133,8 @@ def host_buffers_for(trainer, device_type: str = "cuda") -> list[torch.Tensor]:
     Adam optimizer that has not stepped yet, two per parameter for the moments it will create."""
     parts = [getattr(trainer, name, None) for name in TRAINER_PARTS]
     gradients = {g.untyped_storage().data_ptr() for g in gradient_tensors(parts)}
-    sizes, seen = [], set()
-    for t in held_tensors(parts):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if storage.device.type == device_type and storage.nbytes() and ptr not in seen and ptr not in gradients:
-            seen.add(ptr)
-            sizes.append(storage.nbytes())
+    sizes = [storage.nbytes() for _, storage in _storages(held_tensors(parts))
+             if storage.device.type == device_type and storage.data_ptr() not in gradients]
     for opt in _torch_optimizers(parts):
         if "Adam" in type(opt).__name__:
             sizes += [p.numel() * p.element_size() for g in opt.param_groups for p in g["params"]

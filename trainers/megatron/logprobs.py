@@ -26,8 +26,8 @@ class _FusedLogprobs(torch.autograd.Function):
     def forward(ctx, logits, rows, targets, temperature, vocab_start, vocab_valid, with_entropy, group):
         # logits: [T, Vp] (this rank's slice, any float dtype); rows: [N] rows of logits to use;
         # targets: [N] global token ids; vocab_valid: how many of this slice's columns are real.
-        # One pass over the logits: per chunk, this slice's log-sum-exp, the target's logit and
-        # the slice's softmax-weighted mean logit; slices are combined after the loop.
+        # One pass over the logits (Triton kernels or the chunk loop): this slice's log-sum-exp, the
+        # target's logit and the slice's softmax-weighted mean logit; slices are combined after it.
         import torch.distributed as dist
 
         n, dev = rows.numel(), logits.device
@@ -55,15 +55,14 @@ class _FusedLogprobs(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent):
         logits, rows, local_t, lse, entropy = ctx.saved_tensors
         temperature, vocab_valid, with_entropy = ctx.meta
-        part = logits.shape[-1]
         grad = torch.zeros_like(logits)
-        n = rows.numel()
-        inside = (local_t >= 0) & (local_t < vocab_valid)
         kernels = _kernels(logits, vocab_valid)
         if kernels is not None:
             kernels.backward_into(grad, logits, rows, local_t, lse, entropy if with_entropy else None, g_logp,
                                   g_ent if with_entropy else None, temperature, vocab_valid)
             return grad, None, None, None, None, None, None, None
+        part, n = logits.shape[-1], rows.numel()
+        inside = (local_t >= 0) & (local_t < vocab_valid)
         for s in range(0, n, CHUNK_ROWS):
             e = slice(s, s + CHUNK_ROWS)
             x = _chunk(logits, rows[e], temperature, vocab_valid)
