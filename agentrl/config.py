@@ -263,6 +263,10 @@ class RunConfig(Section):
     colocate: bool = False
     """Trainer and engines time-share the same GPUs (engine memory released during training,
     trainer offloaded during rollout); without it they get disjoint GPUs."""
+    colocate_offload: Literal["fit", "all"] = "fit"
+    """--colocate with SGLang: `fit` keeps the trainer's state on the GPU during rollout as far
+    as it fits beside what the engines take back (--sglang-mem-fraction-static of the GPU) and a
+    headroom, and moves only the rest to host memory; `all` moves everything every rollout."""
     actor_num_nodes: int = Field(1, ge=1)
     """Nodes for the trainer."""
     actor_num_gpus_per_node: int = Field(1, ge=1)

@@ -546,25 +546,45 @@ class TrainerWorker:
         log.info("pinned %.1f GiB of host memory for --colocate in %.1f s",
                  sum(b.numel() for b in self.pinned_ahead) / 2**30, time.monotonic() - start)
 
-    def offload(self) -> None:
+    def offload(self, engines_released: bool = True) -> dict[str, float]:
         """--colocate: give the GPU to the engines during rollout (weights, optimizer state and
-        master weights, reference and critic to host memory; gradients are dropped)."""
-        from agentrl.trainers.offload import offload_trainer
+        master weights, reference and critic to host memory; gradients are dropped), all of it or,
+        with --colocate-offload fit, what does not fit beside the engines. `engines_released`:
+        the engines gave their memory back before (they will take it again on resume)."""
+        from agentrl.trainers.offload import bytes_to_keep, offload_trainer
 
         if self.pinning is not None:  # bounded: without the buffers the offload pins its own
             self.pinning.join(timeout=PIN_AHEAD_TIMEOUT_S)
             if not self.pinning.is_alive():
                 self.host_buffers = self.host_buffers or self.pinned_ahead
             self.pinning = None
-        if self.trainer.device != "cpu" and self.offloaded is None:
-            self.offloaded = offload_trainer(self.trainer, spare=self.host_buffers)
-            # pinned once, reused every iteration (and those made ahead for storages still to come)
-            self.host_buffers = self.offloaded.hosts + self.offloaded.spare_left
+        if self.trainer.device == "cpu" or self.offloaded is not None:
+            return {}
+        fraction = engine_memory_fraction(self.cfg)
+        keep = bytes_to_keep(self.trainer, fraction, engines_released) if fraction is not None else 0
+        self.offloaded = offload_trainer(self.trainer, spare=self.host_buffers, keep_bytes=keep)
+        # pinned once, reused every iteration (and those made ahead for storages still to come)
+        self.host_buffers = self.offloaded.hosts + self.offloaded.spare_left
+        return {"colocate/kept_gib": self.offloaded.kept_bytes / 2**30,
+                "colocate/moved_gib": self.offloaded.bytes / 2**30}
 
     def onload(self) -> None:
         if self.offloaded is not None:
             self.offloaded.restore()
             self.offloaded = None
+
+
+def engine_memory_fraction(cfg: Config) -> float | None:
+    """The share of each GPU the colocated engines take back when they resume (SGLang sizes
+    weights + KV pool to --mem-fraction-static of the whole GPU; agentrl's engines share
+    --sglang-mem-fraction-static, see agentrl.engines.sglang); None where it is not known
+    (--colocate-offload all, the embedded engine, engines attached by URL): keep nothing."""
+    from agentrl.engines.sglang import DEFAULT_SHARED_MEM_FRACTION
+
+    if cfg.run.colocate_offload != "fit" or cfg.rollout.rollout_engine != "sglang" or cfg.rollout.rollout_engine_urls:
+        return None
+    given = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}.get("mem-fraction-static")
+    return float(given) if given else DEFAULT_SHARED_MEM_FRACTION
 
 
 def gpu_memory() -> dict[str, float]:
@@ -718,8 +738,8 @@ class RemoteTrainer:
     def load(self, folder: Path) -> dict[str, Any]:
         return self._all("load", str(folder))[0]
 
-    async def offload(self) -> None:
-        await asyncio.gather(*[a.offload.remote() for a in self.actors])
+    async def offload(self, engines_released: bool = True) -> dict[str, float]:
+        return (await asyncio.gather(*[a.offload.remote(engines_released) for a in self.actors]))[0]
 
     async def onload(self) -> None:
         await asyncio.gather(*[a.onload.remote() for a in self.actors])

@@ -32,7 +32,7 @@ async def colocated(cfg: Config, trainer, engines: EngineGroup, clients: list[En
         yield out
         return
     t0 = time.perf_counter()
-    await trainer.offload()
+    out |= await trainer.offload(engines_released=bool(engines.memory.released)) or {}
     t1 = time.perf_counter()
     await engines.memory.resume(clients)
     out |= {"colocate/offload_s": t1 - t0, "colocate/resume_s": time.perf_counter() - t1}

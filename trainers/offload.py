@@ -12,6 +12,10 @@ Megatron's buffers and the optimizer's master weights behind.
 Gradients are the exception: both trainers zero them at the start of every step, so their
 storages are freed without a copy and come back zeroed (at 1.5B, Megatron's fp32 grad buffers
 are 6 of the 29 GiB: a fifth of each switch's host traffic).
+
+What fits beside the engines stays (`keep_bytes`, from `bytes_to_keep`): every byte moved
+crosses the host link twice an iteration (~50 GB/s: at 1.5B, ~1 s of a 15-s iteration), while
+SGLang's engines take back only their static share of the GPU on resume.
 """
 
 from __future__ import annotations
@@ -84,21 +88,30 @@ class Offloaded:
     `spare`: the host buffers of an earlier offload (`.hosts`), each reused for a storage of its
     size: pinning fresh host memory costs far more than the copy (1.5B, H200: 26 s
     to pin and copy Megatron's 29 GiB the first time). `discard`: tensors whose contents need
-    not survive (gradients): freed without a copy, restored as zeros."""
+    not survive (gradients): freed without a copy, restored as zeros. `keep_bytes`: up to this
+    many bytes of the rest stay where they are (the largest storages that fit)."""
 
-    def __init__(self, tensors, spare: list[torch.Tensor] | None = None, discard=()):
+    def __init__(self, tensors, spare: list[torch.Tensor] | None = None, discard=(), keep_bytes: int = 0):
         self.saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         self.hosts: list[torch.Tensor] = []
         self.dropped: list[tuple[torch.UntypedStorage, int]] = []
         pool: dict[int, list[torch.Tensor]] = {}  # spare buffers by size: storages may come and go between
         for host in spare or []:                  # offloads (Adam's moments appear at the first step)
             pool.setdefault(host.numel(), []).append(host)
-        dropped = {t.untyped_storage().data_ptr() for t in discard}
-        for t, storage in _storages(tensors):
+        discarded = {t.untyped_storage().data_ptr() for t in discard}
+        storages = list(_storages(tensors))
+        kept, self.kept_bytes = set(), 0
+        for _, storage in sorted(storages, key=lambda ts: -ts[1].nbytes()):  # largest first: the fewest
+            if storage.data_ptr() not in discarded and self.kept_bytes + storage.nbytes() <= keep_bytes:
+                kept.add(storage.data_ptr())
+                self.kept_bytes += storage.nbytes()
+        for t, storage in storages:
+            if storage.data_ptr() in kept:
+                continue
             if not storage.resizable():  # CUDA allocations always are; a CPU tensor may map a file
                 raise RuntimeError(f"cannot offload a tensor of shape {tuple(t.shape)}: its storage is not "
                                    "resizable (memory-mapped weights?)")
-            if storage.data_ptr() in dropped:
+            if storage.data_ptr() in discarded:
                 self.dropped.append((storage, storage.nbytes()))
                 storage.resize_(0)
                 continue
@@ -142,9 +155,34 @@ def host_buffers_for(trainer, device_type: str = "cuda") -> list[torch.Tensor]:
     return [torch.empty(n, dtype=torch.uint8, pin_memory=device_type == "cuda") for n in sizes]
 
 
-def offload_trainer(trainer, spare: list[torch.Tensor] | None = None) -> Offloaded:
+# What the engines may allocate beyond their static pool while they generate (activations,
+# sampling buffers): the kept state leaves at least this much of the GPU free after their resume.
+ENGINE_HEADROOM_BYTES, ENGINE_HEADROOM_SHARE = 4 << 30, 0.06
+
+
+def resident_budget(*, free: int, total: int, offloadable: int, engines_take: int) -> int:
+    """Bytes of a trainer's state that may stay on a GPU of `total` bytes while engines take back
+    `engines_take` of it: what would be free with all `offloadable` bytes gone, less that and
+    the headroom."""
+    headroom = max(ENGINE_HEADROOM_BYTES, ENGINE_HEADROOM_SHARE * total)
+    return max(0, int(free + offloadable - engines_take - headroom))
+
+
+def bytes_to_keep(trainer, engine_fraction: float, engines_released: bool) -> int:
+    """resident_budget on this process's GPU as it is now. SGLang's engines resume into at most
+    `engine_fraction` of the GPU (--mem-fraction-static sizes weights + KV pool against the
+    total); before their first release (iteration 0) they still hold it, and `free` says so."""
     parts = [getattr(trainer, name, None) for name in TRAINER_PARTS]
-    out = Offloaded(held_tensors(parts), spare, discard=list(gradient_tensors(parts)))
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    offloadable = sum(s.nbytes() for _, s in _storages(held_tensors(parts)) if s.device.type == "cuda")
+    return resident_budget(free=free, total=total, offloadable=offloadable,
+                           engines_take=int(engine_fraction * total) if engines_released else 0)
+
+
+def offload_trainer(trainer, spare: list[torch.Tensor] | None = None, keep_bytes: int = 0) -> Offloaded:
+    parts = [getattr(trainer, name, None) for name in TRAINER_PARTS]
+    out = Offloaded(held_tensors(parts), spare, discard=list(gradient_tensors(parts)), keep_bytes=keep_bytes)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out

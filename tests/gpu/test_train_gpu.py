@@ -34,7 +34,7 @@ def check_learns_on_policy(run, rows, n):
 
 def handover_figures(rows):
     keys = ("rollout_s", "train_s", "weight_sync_s", "colocate/offload_s", "colocate/resume_s", "colocate/release_s",
-            "colocate/onload_s", "tokens_per_s", "gpu/trainer_peak_gib", "gpu/trainer_reserved_gib", "gpu/used_rollout_gib", "gpu/used_train_gib")
+            "colocate/onload_s", "colocate/kept_gib", "colocate/moved_gib", "tokens_per_s", "gpu/trainer_peak_gib", "gpu/trainer_reserved_gib", "gpu/used_rollout_gib", "gpu/used_train_gib")
     for r in rows:
         print(f"iter {r['rollout_id']}: " + "  ".join(f"{k.split('/')[-1]} {r[k]:.2f}" for k in keys if k in r))
 

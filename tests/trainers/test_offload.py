@@ -89,3 +89,102 @@ def test_host_buffers_made_ahead_serve_every_offload(tiny_model):
     second.restore()
     big = [h for h in second.hosts if h.numel() > 64]  # (Adam's step counters are 4-byte CPU tensors)
     assert big and {id(h) for h in big} <= {id(h) for h in made}
+
+
+def test_keep_bytes_leaves_the_largest_storages_on_the_device():
+    """--colocate-offload fit: what fits the budget stays (no copy, no free), largest first;
+    gradients are dropped whatever the budget; the rest moves and comes back."""
+    from agentrl.trainers.offload import Offloaded
+
+    big, mid, small, grad = torch.ones(100), torch.full((50,), 2.0), torch.full((10,), 3.0), torch.full((100,), 4.0)
+    stash = Offloaded([small, big, mid, grad], discard=[grad], keep_bytes=4 * 100 + 4 * 10)
+    assert stash.kept_bytes == 4 * 110  # big and small fit together; mid would not
+    assert big.untyped_storage().nbytes() == 400 and big.eq(1).all() and small.eq(3).all()
+    assert mid.untyped_storage().nbytes() == 0 and grad.untyped_storage().nbytes() == 0
+    assert stash.bytes == 4 * 50 and stash.dropped_bytes == 400
+    stash.restore()
+    assert mid.eq(2).all() and not grad.any() and big.eq(1).all()
+    everything = Offloaded([small, big, mid], keep_bytes=0)
+    assert everything.kept_bytes == 0 and everything.bytes == 4 * 160
+    everything.restore()
+
+
+def test_resident_budget_leaves_the_engines_their_share_and_a_headroom():
+    from agentrl.trainers.offload import ENGINE_HEADROOM_SHARE, resident_budget
+
+    gib = 2**30
+    total = 80 * gib
+    headroom = ENGINE_HEADROOM_SHARE * total  # 4.8 GiB: above the 4 GiB floor on this GPU
+    # 1.5B colocated: engines released (40 GiB to take back), the trainer holds 26 GiB, 48 GiB free
+    keep = resident_budget(free=48 * gib, total=total, offloadable=26 * gib, engines_take=40 * gib)
+    assert keep == int(48 * gib + 26 * gib - 40 * gib - headroom)
+    # after the resume, what is free is at least the headroom
+    assert 48 * gib + 26 * gib - keep - 40 * gib >= headroom
+    # a GPU too full to keep anything
+    assert resident_budget(free=2 * gib, total=total, offloadable=20 * gib, engines_take=70 * gib) == 0
+    # a small GPU: the 4 GiB floor
+    assert resident_budget(free=10 * gib, total=24 * gib, offloadable=0, engines_take=0) == 6 * gib
+
+
+def test_engine_memory_fraction_follows_the_flags():
+    from agentrl.config import parse_config
+    from agentrl.engines.sglang import DEFAULT_SHARED_MEM_FRACTION
+    from agentrl.orchestration import engine_memory_fraction
+
+    def load_config(argv):
+        return parse_config(argv)[0]
+
+    sglang = ["--rollout-engine", "sglang", "--colocate"]
+    assert engine_memory_fraction(load_config(sglang + ["--sglang-mem-fraction-static", "0.5"])) == 0.5
+    assert engine_memory_fraction(load_config(sglang)) == DEFAULT_SHARED_MEM_FRACTION
+    assert engine_memory_fraction(load_config(sglang + ["--colocate-offload", "all"])) is None
+    assert engine_memory_fraction(load_config(["--colocate"])) is None  # the embedded engine: unknown
+    assert engine_memory_fraction(load_config(sglang + ["--rollout-engine-urls", "http://127.0.0.1:30000"])) is None
+
+
+def test_the_handover_tells_the_trainer_whether_the_engines_released_their_memory():
+    """Before the engines' first release they still hold their share (iteration 0): the offload's
+    budget must not count it twice. The offload's figures reach the iteration's metrics."""
+    import asyncio
+
+    from agentrl.config import parse_config
+    from agentrl.engines.colocate import EngineMemory
+    from agentrl.weight_update import colocated
+
+    class Trainer:
+        def __init__(self):
+            self.calls = []
+
+        async def offload(self, engines_released):
+            self.calls.append(engines_released)
+            return {"colocate/kept_gib": 1.5}
+
+        async def onload(self):
+            pass
+
+        async def gpu_memory(self):
+            return {}
+
+    class Client:
+        base_url = "http://engine"
+
+        async def post(self, path, payload):
+            return {}
+
+        async def get(self, path):
+            return [{"num_reqs": 0}]
+
+    class Engines:
+        memory = EngineMemory()
+
+    cfg = parse_config(["--rollout-engine", "sglang", "--colocate"])[0]
+    trainer, engines = Trainer(), Engines()
+
+    async def iteration():
+        async with colocated(cfg, trainer, engines, [Client()]) as out:
+            pass
+        return out
+
+    first, second = asyncio.run(iteration()), asyncio.run(iteration())
+    assert trainer.calls == [False, True]
+    assert first["colocate/kept_gib"] == second["colocate/kept_gib"] == 1.5
