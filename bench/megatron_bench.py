@@ -179,9 +179,12 @@ def stage_throughput(args, path, results):
     world = dist.get_world_size()
     gpus = world
     runs = []
-    from agentrl.trainers.megatron import logprobs
-    for impl, budget in [(i, b) for i in args.logprob_impls for b in args.max_tokens]:
+    from agentrl.trainers.megatron import layers, logprobs
+    for attention, impl, budget in [(a, i, b) for a in args.attention_impls for i in args.logprob_impls
+                                    for b in args.max_tokens]:
         logprobs.USE_TRITON = impl == "triton"  # A/B: the Triton kernels or the torch chunk loop
+        # packed attention: flash with k/v repeated per query head (before), flash or cuDNN with GQA
+        layers.PACKED_ATTENTION, layers.NATIVE_GQA = attention.split("-")[0], not attention.endswith("-repeated")
         trainer.max_tokens = budget
         try:
             sync()
@@ -203,7 +206,8 @@ def stage_throughput(args, path, results):
                     times.append(time.perf_counter() - t0)
             t_step = sum(times) / len(times)
             f_step, f_fwd = flops(hf_config, samples, 3), flops(hf_config, samples, 1)
-            run = {"logprob_impl": impl, "max_tokens_per_gpu": budget, "samples": len(samples), "tokens": tokens,
+            run = {"attention_impl": attention, "attention_gqa_kept": layers.NATIVE_GQA, "logprob_impl": impl,
+                   "max_tokens_per_gpu": budget, "samples": len(samples), "tokens": tokens,
                    "micro_batches": len(trainer._batches(samples, idx)), "gpus": gpus,
                    "train_step_s": t_step, "train_tokens_per_s": tokens / t_step,
                    "train_tflops_per_gpu": f_step / t_step / gpus / 1e12,
@@ -212,8 +216,10 @@ def stage_throughput(args, path, results):
                    "logprob_mfu": f_fwd / t_fwd / gpus / PEAK_FLOPS,
                    "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None,
                    "grad_norm": stats["grad_norm"], "loss": stats["loss"], "step_times_s": times}
-        except torch.OutOfMemoryError as exc:
-            run = {"logprob_impl": impl, "max_tokens_per_gpu": budget, "error": f"OOM: {str(exc)[:200]}"}
+        except (torch.OutOfMemoryError, RuntimeError) as exc:  # (a kernel this build lacks: the next run goes on)
+            kind = "OOM" if isinstance(exc, torch.OutOfMemoryError) else type(exc).__name__
+            run = {"attention_impl": attention, "logprob_impl": impl, "max_tokens_per_gpu": budget,
+                   "error": f"{kind}: {str(exc)[:200]}"}
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
         runs.append(run)
@@ -222,7 +228,10 @@ def stage_throughput(args, path, results):
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         logprobs.USE_TRITON = args.logprob_impls[-1] == "triton"
-        fitted = [r["max_tokens_per_gpu"] for r in runs if "error" not in r and r["logprob_impl"] == args.logprob_impls[-1]]
+        attention = args.attention_impls[-1]
+        layers.PACKED_ATTENTION, layers.NATIVE_GQA = attention.split("-")[0], not attention.endswith("-repeated")
+        fitted = [r["max_tokens_per_gpu"] for r in runs if "error" not in r and r["logprob_impl"] == args.logprob_impls[-1]
+                  and r["attention_impl"] == attention]
         trainer.max_tokens = max(fitted or args.max_tokens[:1])
         results["profile_max_tokens"] = trainer.max_tokens
         old = trainer.compute_logprobs(samples)
@@ -290,6 +299,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--profile", action="store_true", help="profile one train step (torch.profiler; the last "
                    "--logprob-impls at its largest --max-tokens that fitted)")
+    p.add_argument("--attention-impls", type=lambda s: s.split(","), default=["flash"],
+                   help="packed attention kernels to compare: flash (GQA kept), flash-repeated (k/v repeated per "
+                        "query head: before), cudnn, cudnn-repeated; the profile uses the last")
     p.add_argument("--logprob-impls", type=lambda s: s.split(","), default=["triton"],
                    help="comma list of triton (the kernels, what the trainer uses on CUDA) and torch (the chunk loop)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run on the tiny model (tests/trainers shim)")

@@ -9,8 +9,12 @@ PyTorch's fused kernels instead:
 - padded batches `[s, b, h, d]` -> `scaled_dot_product_attention(is_causal=True, enable_gqa=True)`
   (flash / memory-efficient kernels on CUDA);
 - packed sequences (`PackedSeqParams`, qkv_format "thd", `[t, h, d]`) -> on CUDA
-  `torch.nn.attention.varlen.varlen_attn` (flash varlen) where this torch has it, else one
-  causal SDPA call per sequence (also the CPU path).
+  `PACKED_ATTENTION`: "flash", PyTorch's flash varlen kernel (the op behind
+  `torch.nn.attention.varlen.varlen_attn`), or "cudnn", cuDNN's fused attention over the same
+  ragged layout (the backend varlen_attn has but leaves switched off); else one causal SDPA
+  call per sequence (also the CPU path). Both kernels take fewer key/value heads than query
+  heads (GQA) as they are; `varlen_attn` has no `enable_gqa`, so calling it means repeating
+  k and v per query head (6x at Qwen2.5-1.5B) and summing their gradients back.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ try:
 except Exception:  # older torch
     _varlen_attn, _VARLEN_PARAMS = None, set()
 
+PACKED_ATTENTION = "flash"  # or "cudnn" (bench/megatron_bench.py --attention-impls compares them)
+NATIVE_GQA = True  # k/v go to the kernel with their own head count (False: repeated per query head)
 _varlen_broken = False  # set once if the varlen kernel refuses these inputs; then the loop is used
 
 
@@ -65,6 +71,8 @@ class SDPAttention(torch.nn.Module):
             try:
                 return _varlen(q, k, v, cu, int(params.max_seqlen_q), self.scale)
             except (RuntimeError, TypeError, NotImplementedError) as exc:  # no kernel for this dtype/arch
+                if PACKED_ATTENTION != "flash":  # chosen on purpose: say it failed
+                    raise
                 _varlen_broken = True
                 import warnings
                 warnings.warn(f"varlen_attn unavailable ({exc}); packed attention falls back to per-sequence SDPA")
@@ -89,7 +97,20 @@ def _sdpa(q, k, v, p, scale):
 
 
 def _varlen(q, k, v, cu, max_len: int, scale: float):
+    global NATIVE_GQA
     cu = cu.to(torch.int32)
+    if PACKED_ATTENTION == "cudnn":
+        if not NATIVE_GQA and q.shape[1] != k.shape[1]:
+            k, v = _repeat_kv(k, v, q.shape[1])
+        return _CudnnVarlen.apply(q, k, v, cu, max_len, scale)
+    if NATIVE_GQA and q.shape[1] != k.shape[1] and hasattr(torch.ops.torch_attn, "_varlen_attn"):
+        try:  # varlen_attn's own op (its autograd included), causal, with k/v unrepeated
+            return torch.ops.torch_attn._varlen_attn(q, k, v, cu, cu, max_len, max_len, True, scale, [-1, 0])[0]
+        except RuntimeError as exc:  # a kernel that wants equal head counts: repeat k/v from now on
+            NATIVE_GQA = False
+            import warnings
+            warnings.warn(f"flash varlen refused {k.shape[1]} key/value heads for {q.shape[1]} query heads ({exc}); "
+                          "repeating them")
     kwargs = {"scale": scale}
     if "is_causal" in _VARLEN_PARAMS:
         kwargs["is_causal"] = True
@@ -99,9 +120,35 @@ def _varlen(q, k, v, cu, max_len: int, scale: float):
         if "enable_gqa" in _VARLEN_PARAMS:
             kwargs["enable_gqa"] = True
         else:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            k, v = _repeat_kv(k, v, q.shape[1])
     return _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+def _repeat_kv(k, v, heads: int):
+    rep = heads // k.shape[1]
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+class _CudnnVarlen(torch.autograd.Function):
+    """Causal attention over packed sequences `[t, h, d]` (cu_seqlens `cu`) by cuDNN's fused
+    kernels, through the aten ops varlen_attn's cuDNN branch calls."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len: int, scale: float):
+        out, lse, *_rest = torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale)
+        seed, offset = _rest[4], _rest[5]  # (cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, ...)
+        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, seed, offset,
+            scale=ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 class RMSNorm(torch.nn.Module):
