@@ -1,0 +1,87 @@
+"""Issue 16's rollout goal on a GPU: in `agentrl train` with SGLang, the rollout phase's output
+tokens/s at least 0.9x what the same SGLang server does for the same requests driven by a bare
+client. The 1.5B colocated run of test_megatron_1_5b_memory_flat, then bench/rollout_vs_bare.py
+replays its iterations' requests against a fresh SGLang with the run's arguments (method:
+bench/results/gpu_e2e.md). Iterations from AGENTRL_GPU_ITERS (default 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_helpers import COLOCATE, OUT, SGLANG, agentrl_train, random_qwen2
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "rollout_vs_bare.py"
+BUDGET_S = 540  # one device call is 600 s
+
+
+def run_bench(args: list[str], timeout_s: float) -> None:
+    """The bench as a subprocess of this python, its console streamed and kept in OUT."""
+    cmd = [sys.executable, str(BENCH), *args]
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.time()
+    with open(OUT / "rollout_vs_bare.bench.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                print(line, end="", flush=True)
+                if time.time() - t0 > timeout_s:
+                    raise TimeoutError(f"bench/rollout_vs_bare.py still running after {timeout_s:.0f} s")
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()  # SIGTERM: the bench stops its engines on the way out
+                proc.wait(timeout=60)
+    assert proc.returncode == 0, f"bench/rollout_vs_bare.py exited {proc.returncode} (log: {log.name})"
+
+
+def test_rollout_phase_vs_bare_client():
+    t0 = time.time()
+    n = int(os.environ.get("AGENTRL_GPU_ITERS", 3))
+    assert n >= 2, "the ratio is taken over iterations >= 1: AGENTRL_GPU_ITERS must be 2 or more"
+    # the run's final checkpoint (GBs: Megatron's optimizer too) outside OUT, which comes back
+    save = Path(tempfile.mkdtemp(prefix="agentrl-rollout-vs-bare-"))
+    run, rows = agentrl_train("rollout_vs_bare_1_5b", "--env", "target-token", "--device", "cuda", "--dtype",
+                              "bfloat16", "--model", str(random_qwen2("1.5b")), "--trainer", "megatron", *SGLANG,
+                              *COLOCATE, "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+                              "--global-batch-size", "256", "--rollout-max-response-len", "1024",
+                              "--rollout-ignore-eos", "--micro-batch-size", "8", "--num-rollout", str(n),
+                              "--save", str(save), timeout_s=BUDGET_S - 200)
+    shutil.rmtree(save, ignore_errors=True)
+    assert len(rows) == n
+    print(f"train: {time.time() - t0:.0f} s", flush=True)
+
+    out = OUT / "rollout_vs_bare.json"
+    run_bench(["--run", str(run), "--repeats", "3", "--out", str(out)], timeout_s=BUDGET_S - (time.time() - t0))
+    report = json.loads(out.read_text())
+    print(f"machine: {report['machine']}; engine: {report['engine']['kind']}, router {report['engine']['router']}, "
+          f"started in {report['engine']['start_s']:.0f} s")
+    for it in report["iterations"]:
+        b = it["bare_tokens_per_s"]
+        print(f"iteration {it['rollout_id']}: {it['output_tokens']} tokens, {it['requests']} requests; train "
+              f"{it['train_rollout_s']:.2f} s = {it['train_tokens_per_s']:.0f} tok/s (colocate switch "
+              f"{it['switch_s']:.2f} s); bare {b['median']:.0f} tok/s [{b['min']:.0f}, {b['max']:.0f}]; "
+              f"ratio {it['ratio']:.3f}, without the switch {it['ratio_without_switch']}")
+    print(f"ratio, median over iterations >= 1: {report['ratio_median']:.3f} (without the switch "
+          f"{report['ratio_without_switch_median']}; iteration 0: {report['iteration_0']}); whole test "
+          f"{time.time() - t0:.0f} s", flush=True)
+
+    assert [it["rollout_id"] for it in report["iterations"]] == list(range(n))
+    for it, row in zip(report["iterations"], rows):  # the replay generated what the run did, every repeat
+        assert it["output_tokens"] == row["generated_tokens"] > 0
+        assert it["replayed_tokens"] == [row["generated_tokens"]] * 3
+        assert it["trajectories"] == 256
+    assert report["ratio_median"] >= 0.9, f"rollout phase / bare client: {report['ratio_median']:.3f} (goal 0.9)"
