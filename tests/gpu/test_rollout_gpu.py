@@ -48,6 +48,21 @@ def run_bench(args: list[str], timeout_s: float) -> None:
     assert proc.returncode == 0, f"bench/rollout_vs_bare.py exited {proc.returncode} (log: {log.name})"
 
 
+def wait_gpu_free(timeout_s: float = 60.0, below_mib: int = 2048) -> None:
+    """Until the run's processes (Ray's workers, its engine) have let go of the GPU: SGLang sizes its
+    pool from the memory free when it starts (nvidia-smi, so this process makes no CUDA context)."""
+    t0 = time.time()
+    used = None
+    while time.time() - t0 < timeout_s:
+        found = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True)
+        used = max((int(x) for x in found.stdout.split() if x.strip().isdigit()), default=0)
+        if used < below_mib:
+            break
+        time.sleep(1)
+    print(f"GPU memory used before the bench: {used} MiB (waited {time.time() - t0:.0f} s)", flush=True)
+
+
 def test_rollout_phase_vs_bare_client():
     t0 = time.time()
     n = int(os.environ.get("AGENTRL_GPU_ITERS", 3))
@@ -64,20 +79,23 @@ def test_rollout_phase_vs_bare_client():
     assert len(rows) == n
     print(f"train: {time.time() - t0:.0f} s", flush=True)
 
+    wait_gpu_free()
     out = OUT / "rollout_vs_bare.json"
     run_bench(["--run", str(run), "--repeats", "3", "--out", str(out)], timeout_s=BUDGET_S - (time.time() - t0))
     report = json.loads(out.read_text())
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     print(f"machine: {report['machine']}; engine: {report['engine']['kind']}, router {report['engine']['router']}, "
-          f"started in {report['engine']['start_s']:.0f} s")
+          f"started in {report['engine']['start_s']:.0f} s; SGLang's pool: run {report['engine']['capacity_run']}, "
+          f"replay {report['engine']['capacity_replay']}; notes: {report['notes']}")
     for it in report["iterations"]:
         b = it["bare_tokens_per_s"]
         print(f"iteration {it['rollout_id']}: {it['output_tokens']} tokens, {it['requests']} requests; train "
               f"{it['train_rollout_s']:.2f} s = {it['train_tokens_per_s']:.0f} tok/s (colocate switch "
               f"{it['switch_s']:.2f} s); bare {b['median']:.0f} tok/s [{b['min']:.0f}, {b['max']:.0f}]; "
-              f"ratio {it['ratio']:.3f}, without the switch {it['ratio_without_switch']}")
-    print(f"ratio, median over iterations >= 1: {report['ratio_median']:.3f} (without the switch "
-          f"{report['ratio_without_switch_median']}; iteration 0: {report['iteration_0']}); whole test "
-          f"{time.time() - t0:.0f} s", flush=True)
+              f"ratio {fmt(it['ratio'])}, without the switch {fmt(it['ratio_without_switch'])}")
+    print(f"ratio, median over iterations >= 1: {fmt(report['ratio_median'])} (without the switch "
+          f"{fmt(report['ratio_without_switch_median'])}; iteration 0: {fmt(report['iteration_0']['ratio'])}); "
+          f"whole test {time.time() - t0:.0f} s", flush=True)
 
     assert [it["rollout_id"] for it in report["iterations"]] == list(range(n))
     for it, row in zip(report["iterations"], rows):  # the replay generated what the run did, every repeat
