@@ -36,7 +36,9 @@ reply. ratio = the run's tokens_per_s / the replay's (median of the repeats); th
 median over iterations >= 1 (iteration 0 apart: the run's first batch pays one-time costs).
 Colocated, the run's rollout_s also holds the GPU switch (colocate/offload_s, resume_s,
 release_s, onload_s): ratio_without_switch takes it out, for understanding; the goal's figure is
-`ratio`. Prints a table and writes JSON (--out; default RUN_DIR/rollout_vs_bare.json).
+`ratio`. Iterations >= 1 are replayed first, iteration 0 last, and the JSON report (--out; default
+RUN_DIR/rollout_vs_bare.json) is rewritten after each iteration ("complete": false until the last),
+so a bench stopped half-way keeps what it measured. Prints a table at the end.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 import yaml
@@ -258,8 +261,9 @@ async def replay(session: aiohttp.ClientSession, url: str, engine_urls: list[str
 
 
 async def replay_all(url: str, engine_urls: list[str], batches: dict[int, list[Trajectory]], *, sampling: dict,
-                     concurrency: int, repeats: int, warmup: int, timeout_s: float,
-                     notes: list[str]) -> dict[int, list[tuple]]:
+                     concurrency: int, repeats: int, warmup: int, timeout_s: float, notes: list[str],
+                     done: Callable[[int, list[tuple[float, int]]], None]) -> None:
+    """Replays every batch `repeats` times; `done(rollout_id, [(seconds, tokens), ...])` after each batch."""
     # no connection limit of the client's own (aiohttp's default is 100): the concurrency bound
     # is the run's --max-concurrency, as in agentrl's EngineClient
     connector = aiohttp.TCPConnector(limit=0)
@@ -268,15 +272,14 @@ async def replay_all(url: str, engine_urls: list[str], batches: dict[int, list[T
         for i in range(warmup):
             seconds, _ = await replay(session, url, engine_urls, batches[first], sampling, concurrency, notes)
             print(f"warm-up {i + 1}/{warmup} (iteration {first}, untimed): {seconds:.2f} s", flush=True)
-        out: dict[int, list[tuple]] = {}
         for rollout_id, batch in batches.items():
-            out[rollout_id] = []
+            runs = []
             for k in range(repeats):
                 seconds, tokens = await replay(session, url, engine_urls, batch, sampling, concurrency, notes)
-                out[rollout_id].append((seconds, tokens))
+                runs.append((seconds, tokens))
                 print(f"iteration {rollout_id} replay {k + 1}/{repeats}: {tokens} tokens in {seconds:.3f} s, "
                       f"{tokens / seconds:.0f} tok/s", flush=True)
-    return out
+            done(rollout_id, runs)
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -390,48 +393,55 @@ def run(argv: list[str]) -> dict:
     from agentrl.engines.group import start_engines
 
     log_dir = Path(args.log_dir or folder / "replay_logs")
+    out = Path(args.out or folder / "rollout_vs_bare.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     print(f"starting {r.rollout_engine if not r.rollout_engine_urls else 'attached'} engine(s) on {model} "
           f"(logs: {log_dir})", flush=True)
     t0 = time.perf_counter()
     group = start_engines(r, model_path=model, device=device, seed=cfg.run.seed, log_dir=log_dir,
                           sglang_args=cfg.sglang_args, router_args=cfg.router_args, dtype=cfg.model.dtype)
-    try:
-        started_s = time.perf_counter() - t0
-        print(f"engine(s) up in {started_s:.1f} s: /generate at {group.url}", flush=True)
-        replays = asyncio.run(replay_all(group.url, group.engine_urls, batches, sampling=sampling,
-                                         concurrency=r.max_concurrency, repeats=args.repeats, warmup=args.warmup,
-                                         timeout_s=r.request_timeout_s, notes=notes))
-    finally:
-        group.stop()
-    iterations = [iteration_report(row, batches[row["rollout_id"]], replays[row["rollout_id"]]) for row in rows]
-    later = [it for it in iterations if it["rollout_id"] >= 1]
-    first = next((it for it in iterations if it["rollout_id"] == 0), None)
     facts = json.loads((folder / "run.json").read_text()) if (folder / "run.json").is_file() else {}
     report = {
         "run": str(folder.resolve()), "command": shlex.join([sys.executable, str(Path(__file__).resolve()), *argv]),
         "train_command": facts.get("command"), "machine": machine(),
         "engine": {"kind": group.kind, "urls": group.engine_urls, "generate_url": group.url,
                    "router": group.router is not None, "model": model, "sglang_args": cfg.sglang_args,
-                   "router_args": cfg.router_args, "start_s": started_s,
+                   "router_args": cfg.router_args, "start_s": time.perf_counter() - t0,
                    "capacity_run": sglang_capacity(folder / "logs"), "capacity_replay": sglang_capacity(log_dir)},
         "sampling_params": {**sampling, "ignore_eos": True}, "max_concurrency": r.max_concurrency,
-        "repeats": args.repeats, "warmup": args.warmup, "goal": GOAL,
-        "iterations": iterations,
-        "ratio_median": _median([it["ratio"] for it in later]),
-        "ratio_without_switch_median": _median([it["ratio_without_switch"] for it in later
-                                                if it["ratio_without_switch"] is not None]),
-        "iteration_0": {"ratio": first["ratio"], "ratio_without_switch": first["ratio_without_switch"]}
-        if first else None,
+        "repeats": args.repeats, "warmup": args.warmup, "goal": GOAL, "complete": False, "iterations": [],
+        "notes": notes,
     }
-    report["goal_met"] = None if report["ratio_median"] is None else report["ratio_median"] >= GOAL
     if report["engine"]["capacity_run"] != report["engine"]["capacity_replay"]:
         notes.append(f"SGLang's pool differs: the run's {report['engine']['capacity_run']}, the replay's "
                      f"{report['engine']['capacity_replay']} (--sglang-max-total-tokens pins it)")
         print(f"note: {notes[-1]}", flush=True)
-    report["notes"] = notes
-    out = Path(args.out or folder / "rollout_vs_bare.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    rows_by_id = {row["rollout_id"]: row for row in rows}
+
+    def done(rollout_id: int, runs: list[tuple[float, int]]) -> None:
+        # the report is rewritten after each iteration: a bench stopped half-way keeps what it measured
+        report["iterations"] = sorted(report["iterations"] + [
+            iteration_report(rows_by_id[rollout_id], batches[rollout_id], runs)], key=lambda it: it["rollout_id"])
+        later = [it for it in report["iterations"] if it["rollout_id"] >= 1]
+        first = next((it for it in report["iterations"] if it["rollout_id"] == 0), None)
+        report["ratio_median"] = _median([it["ratio"] for it in later])
+        report["ratio_without_switch_median"] = _median([it["ratio_without_switch"] for it in later
+                                                         if it["ratio_without_switch"] is not None])
+        report["iteration_0"] = first and {"ratio": first["ratio"], "ratio_without_switch":
+                                           first["ratio_without_switch"]}
+        report["goal_met"] = None if report["ratio_median"] is None else report["ratio_median"] >= GOAL
+        report["complete"] = len(report["iterations"]) == len(batches)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+
+    try:
+        print(f"engine(s) up in {report['engine']['start_s']:.1f} s: /generate at {group.url}", flush=True)
+        # iterations >= 1 first (the goal's figure), iteration 0 last
+        order = {k: batches[k] for k in sorted(batches, key=lambda k: (k == 0, k))}
+        asyncio.run(replay_all(group.url, group.engine_urls, order, sampling=sampling, concurrency=r.max_concurrency,
+                               repeats=args.repeats, warmup=args.warmup, timeout_s=r.request_timeout_s, notes=notes,
+                               done=done))
+    finally:
+        group.stop()
     print_table(report)
     print(f"wrote {out}", flush=True)
     return report
