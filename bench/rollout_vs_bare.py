@@ -26,10 +26,10 @@ sent `--repeats` times by one aiohttp session: every trajectory at once (at most
 run's temperature, top_p and top_k, max_new_tokens = the turn's token count and ignore_eos (so
 the engine generates exactly that many: checked on every reply), return_logprob as agentrl
 asks, and the trajectory id as the routing key (X-SMG-Routing-Key), as agentrl sends it. The
-env's stop strings are not sent (with ignore_eos they would still end a turn early). Before each
+env's stop strings are not sent (they could end a turn early; target-token has none). Before each
 replay the engines' prefix caches are flushed: a training iteration starts with an empty cache
 too (a weight update or, colocated, the KV cache's release clears it). `--warmup` replays of the
-first selected iteration go first, untimed (kernels SGLang compiles on first use).
+first iteration to be replayed go first, untimed (kernels SGLang compiles on first use).
 
 Output tokens/s of a replay = tokens generated / seconds from its first request to its last
 reply. ratio = the run's tokens_per_s / the replay's (median of the repeats); the summary is the
@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Callable
 
 import aiohttp
+import orjson
 import yaml
 
 try:
@@ -247,7 +248,7 @@ async def replay(session: aiohttp.ClientSession, url: str, engine_urls: list[str
                 async with session.post(url + "/generate", json=payload, headers={ROUTING_KEY_HEADER: t.id}) as resp:
                     if resp.status != 200:
                         raise ReplayError(f"POST {url}/generate: HTTP {resp.status}: {(await resp.text())[:300]}")
-                    meta = (await resp.json())["meta_info"]
+                    meta = (await resp.json(loads=orjson.loads, content_type=None))["meta_info"]
                 got = int(meta["completion_tokens"])
                 if got != n or len(meta.get("output_token_logprobs", [None] * n)) != n:
                     raise ReplayError(f"trajectory {t.id}: asked for {n} tokens after {length} (ignore_eos), the "
@@ -265,9 +266,11 @@ async def replay_all(url: str, engine_urls: list[str], batches: dict[int, list[T
                      done: Callable[[int, list[tuple[float, int]]], None]) -> None:
     """Replays every batch `repeats` times; `done(rollout_id, [(seconds, tokens), ...])` after each batch."""
     # no connection limit of the client's own (aiohttp's default is 100): the concurrency bound
-    # is the run's --max-concurrency, as in agentrl's EngineClient
+    # is the run's --max-concurrency, as in agentrl's EngineClient; JSON through orjson both ways,
+    # as there (the standard library's would be client time agentrl does not spend)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     json_serialize=lambda value: orjson.dumps(value).decode()) as session:
         first = next(iter(batches))
         for i in range(warmup):
             seconds, _ = await replay(session, url, engine_urls, batches[first], sampling, concurrency, notes)
