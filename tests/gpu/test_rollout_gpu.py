@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "rollout_vs_bare.py"
-BUDGET_S = 540  # one device call is 600 s
+BUDGET_S = 520  # one device call is 600 s, run.sh unpacks and installs before pytest starts
 
 
 def run_bench(args: list[str], timeout_s: float) -> str:
