@@ -1,0 +1,112 @@
+"""Issue 16's rollout goal on a GPU: in `agentrl train` with SGLang, the rollout phase's output
+tokens/s at least 0.9x what the same SGLang server does for the same requests driven by a bare
+client. The 1.5B colocated run of test_megatron_1_5b_memory_flat, then bench/rollout_vs_bare.py
+replays its iterations' requests against a fresh SGLang with the run's arguments (method:
+bench/results/gpu_e2e.md). Iterations from AGENTRL_GPU_ITERS (default 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_helpers import COLOCATE, OUT, SGLANG, agentrl_train, random_qwen2
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "rollout_vs_bare.py"
+BUDGET_S = 520  # one device call is 600 s, run.sh unpacks and installs before pytest starts
+
+
+def run_bench(args: list[str], timeout_s: float) -> str:
+    """The bench as a subprocess of this python, its console streamed and kept in OUT; -> what
+    went wrong ("" if nothing). Its JSON report is rewritten after each iteration, so a bench
+    stopped by the time limit still leaves the iterations it measured."""
+    cmd = [sys.executable, str(BENCH), *args]
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.time()
+    with open(OUT / "rollout_vs_bare.bench.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                print(line, end="", flush=True)
+                if time.time() - t0 > timeout_s:
+                    return f"bench/rollout_vs_bare.py still running after {timeout_s:.0f} s"
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()  # SIGTERM: the bench stops its engines on the way out
+                proc.wait(timeout=60)
+    return "" if proc.returncode == 0 else f"bench/rollout_vs_bare.py exited {proc.returncode} (log: {log.name})"
+
+
+def wait_gpu_free(timeout_s: float = 60.0, below_mib: int = 2048) -> None:
+    """Until the run's processes (Ray's workers, its engine) have let go of the GPU: SGLang sizes its
+    pool from the memory free when it starts (nvidia-smi, so this process makes no CUDA context)."""
+    t0 = time.time()
+    used = None
+    while time.time() - t0 < timeout_s:
+        found = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True)
+        used = max((int(x) for x in found.stdout.split() if x.strip().isdigit()), default=0)
+        if used < below_mib:
+            break
+        time.sleep(1)
+    print(f"GPU memory used before the bench: {used} MiB (waited {time.time() - t0:.0f} s)", flush=True)
+
+
+def test_rollout_phase_vs_bare_client():
+    t0 = time.time()
+    n = int(os.environ.get("AGENTRL_GPU_ITERS", 3))
+    assert n >= 2, "the ratio is taken over iterations >= 1: AGENTRL_GPU_ITERS must be 2 or more"
+    # the run's final checkpoint (GBs: Megatron's optimizer too) outside OUT, which comes back
+    save = Path(tempfile.mkdtemp(prefix="agentrl-rollout-vs-bare-"))
+    run, rows = agentrl_train("rollout_vs_bare_1_5b", "--env", "target-token", "--device", "cuda", "--dtype",
+                              "bfloat16", "--model", str(random_qwen2("1.5b")), "--trainer", "megatron", *SGLANG,
+                              *COLOCATE, "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+                              "--global-batch-size", "256", "--rollout-max-response-len", "1024",
+                              "--rollout-ignore-eos", "--micro-batch-size", "8", "--num-rollout", str(n),
+                              "--save", str(save), timeout_s=BUDGET_S - 150)
+    shutil.rmtree(save, ignore_errors=True)
+    assert len(rows) == n
+    print(f"train: {time.time() - t0:.0f} s", flush=True)
+
+    wait_gpu_free()
+    out = OUT / "rollout_vs_bare.json"
+    out.unlink(missing_ok=True)  # an earlier call's report on the same machine
+    failed = run_bench(["--run", str(run), "--repeats", "3", "--out", str(out)],
+                       timeout_s=BUDGET_S - (time.time() - t0))
+    assert out.exists(), failed or f"the bench wrote no {out}"
+    report = json.loads(out.read_text())
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    print(f"machine: {report['machine']}; engine: {report['engine']['kind']}, router {report['engine']['router']}, "
+          f"started in {report['engine']['start_s']:.0f} s; SGLang's pool: run {report['engine']['capacity_run']}, "
+          f"replay {report['engine']['capacity_replay']}; notes: {report['notes']}")
+    for it in report["iterations"]:
+        b = it["bare_tokens_per_s"]
+        print(f"iteration {it['rollout_id']}: {it['output_tokens']} tokens, {it['requests']} requests; train "
+              f"{it['train_rollout_s']:.2f} s = {it['train_tokens_per_s']:.0f} tok/s (colocate switch "
+              f"{it['switch_s']:.2f} s); bare {b['median']:.0f} tok/s [{b['min']:.0f}, {b['max']:.0f}]; "
+              f"ratio {fmt(it['ratio'])}, without the switch {fmt(it['ratio_without_switch'])}")
+    first = report.get("iteration_0") or {}
+    print(f"ratio, median over iterations >= 1: {fmt(report.get('ratio_median'))} (without the switch "
+          f"{fmt(report.get('ratio_without_switch_median'))}; iteration 0: {fmt(first.get('ratio'))}); "
+          f"whole test {time.time() - t0:.0f} s", flush=True)
+    assert not failed, failed
+
+    assert [it["rollout_id"] for it in report["iterations"]] == list(range(n))
+    for it, row in zip(report["iterations"], rows):  # the replay generated what the run did, every repeat
+        assert it["output_tokens"] == row["generated_tokens"] > 0
+        assert it["replayed_tokens"] == [row["generated_tokens"]] * 3
+        assert it["trajectories"] == 256
+    assert report["ratio_median"] >= 0.9, f"rollout phase / bare client: {report['ratio_median']:.3f} (goal 0.9)"
