@@ -5,7 +5,9 @@
 #   bash scripts/gpu/run.sh SCENARIO [...]  unpack what is carried, install agentrl from this tree as
 #                                           a wheel, run `pytest tests/gpu -k SCENARIO` (a -k expression:
 #                                           "colocated and megatron", "1_5b", "tool_envs"); each scenario's
-#                                           figures and metrics go to $OUT (or $AGENTRL_GPU_OUT)
+#                                           figures and metrics go to $OUT (or $AGENTRL_GPU_OUT);
+#                                           AGENTRL_NO_INSTALL=1: use the agentrl an earlier call installed
+#                                           (scenarios run side by side on different GPUs install once)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 kit=${AGENTRL_KIT:-/root/agentrl-kit}; site=$kit/site
@@ -60,7 +62,7 @@ case "${1:-}" in
   *)
     scenario=$1; shift
     unpack || exit 3  # the machine went back between calls: carry both parts again
-    environment; install_agentrl
+    environment; [ -n "${AGENTRL_NO_INSTALL:-}" ] || install_agentrl
     export AGENTRL_GPU_OUT=${AGENTRL_GPU_OUT:-${OUT:-/root/agentrl-gpu-out}}; mkdir -p "$AGENTRL_GPU_OUT"
     # outside the tree: its agentrl/ folder must not shadow the installed package
     work=$(mktemp -d); cd "$work"

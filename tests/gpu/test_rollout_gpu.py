@@ -56,8 +56,9 @@ def wait_gpu_free(timeout_s: float = 60.0, below_mib: int = 2048) -> None:
     t0 = time.time()
     used = None
     while time.time() - t0 < timeout_s:
-        found = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                               capture_output=True, text=True)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # nvidia-smi lists every GPU: only ours count
+        found = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                *(["-i", visible] if visible else [])], capture_output=True, text=True)
         used = max((int(x) for x in found.stdout.split() if x.strip().isdigit()), default=0)
         if used < below_mib:
             break
