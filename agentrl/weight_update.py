@@ -55,20 +55,26 @@ async def colocated(cfg: Config, trainer, engines: EngineGroup, clients: list[En
 
 async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGroup, trainer, version: int) -> dict:
     """New weights into every live engine. The gate keeps agent loops from sending requests
-    and the engines pause in place, so no generation sees half-updated weights. With
-    --partial-rollout in-flight generations are aborted first and resume under the new
-    weights, so every token's policy version is exact; without it a generation paused in
-    place finishes under the new weights and carries the version it finished under (as
-    SGLang reports it). An engine that misses the update leaves the pool until it catches up."""
+    and the engines pause, so no generation sees half-updated weights. With --partial-rollout
+    in-flight generations are aborted first and resume under the new weights; without it the
+    update waits for them to finish under the old ones. Either way no request is in an engine
+    when its weights change, which SGLang requires: it flushes its prefix cache after the
+    update and asserts that nothing runs (its scheduler dies otherwise), and a generation
+    paused in place would keep KV of the old weights. An engine that misses the update leaves
+    the pool until it catches up."""
     clients = [EngineClient(u, request_timeout_s=cfg.rollout.request_timeout_s) for u in engines.live()]
     control.pause()
     try:
         if cfg.rollout.partial_rollout:
             await _each(clients, "/abort_request", {"abort_all": True})
-        # SGLang's pause without a mode aborts; "in_place" keeps the requests to finish later.
+        t0 = time.perf_counter()
+        await _drain(clients, cfg.rollout.request_timeout_s)
+        drained = time.perf_counter() - t0
+        # SGLang's pause without a mode aborts; "in_place" leaves requests be (there should be none)
         await _each(clients, "/pause_generation", {"mode": "in_place"})
         try:
             out = await trainer.sync_weights([c.base_url for c in clients], version)
+            out["weight_update_drain_s"] = drained  # waiting for the generations in flight
             control.policy_version = version
             if lora_engine_args(cfg):  # from now on every request names this version's adapter
                 from agentrl.weight_sync import lora_adapter_name
@@ -105,6 +111,17 @@ def catch_up_fn(cfg: Config, trainer, state, weights_lock: asyncio.Lock):
 
     return lambda url: asyncio.run_coroutine_threadsafe(asyncio.wait_for(push(url), cfg.rollout.request_timeout_s),
                                                         loop)
+
+
+async def _drain(clients: list[EngineClient], timeout_s: float) -> None:
+    """Until the engines hold no request (the gate is closed: the ones in flight finish or,
+    aborted, end). One that does not answer is the sync's to find: it misses the update."""
+    try:
+        await wait_idle(clients, timeout_s)
+        await asyncio.sleep(0.05)  # a turn let through just before the gate closed may still be on its way
+        await wait_idle(clients, timeout_s)
+    except Exception as exc:
+        log.warning("engines not idle before a weight update: %r", exc)
 
 
 async def _each(clients: list[EngineClient], path: str, payload: dict) -> None:

@@ -39,9 +39,9 @@ def test_sync_is_on_policy_and_async_is_one_version_behind_with_staleness_bound(
     assert proc.returncode == 0, proc.stderr[-3000:]
     for i in range(3):
         assert all(policy_versions(t) == {i} for t in trajectories(sync, i))
-    # --partial-rollout: a generation in flight at a weight update is cut there, so every
-    # token's version is exact (without it, SGLang-style in-place pausing labels a whole
-    # response with the version it finished under).
+    # --partial-rollout: a generation in flight at a weight update is cut there and resumes
+    # under the new weights, so every token's version is exact (without it, the update waits
+    # for the generation to finish under the old ones).
     proc = train("--num-rollout", "3", "--async", "--partial-rollout", "--max-staleness", "0",
                  "--output-dir", str(asyn), *SMALL)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -31,8 +31,9 @@ Strict where SGLang is: what kills SGLang's scheduler kills this engine too (the
 500 naming the cause, then the process exits), so a caller that would crash SGLang on a GPU
 fails here on the CPU first: resuming a memory tag that is not released (SGLang: KeyError in
 `offload_tags.remove`), releasing memory while a request runs (SGLang asserts the scheduler
-is fully idle), and generating while memory is released (SGLang's kernels read freed
-memory). /health runs a one-token generation as SGLang's does, unless
+is fully idle), generating while memory is released (SGLang's kernels read freed memory),
+and a weight update that flushes the cache (SGLang's default) while requests are paused in
+place (SGLang asserts the flush after an update). /health runs a one-token generation as SGLang's does, unless
 SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (agentrl starts engines so).
 
 `serialized_named_tensors` format: SGLang's own is a CUDA-IPC `MultiprocessingSerializer`
@@ -644,12 +645,19 @@ class EmbeddedEngine:
             return self._lora_reply(str(exc))
         return self._lora_reply()
 
-    def _loaded(self, body: dict, what: str) -> None:
+    def _loaded(self, body: dict, what: str) -> web.Response | None:
+        """After new weights: None, or the fatal reply where SGLang's scheduler dies. It flushes
+        its cache after an update unless told not to, and asserts the flush worked, which it
+        does not while requests paused in place hold KV of the old weights."""
         # KV computed under the old weights is never reused, whatever `flush_cache` says
         self._clear_prefix_cache()
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
         log.info("weights updated (%s), version %s", what, self.weight_version)
+        if body.get("flush_cache", True) and self._parked.is_set():
+            return self._fatal(f"Cache flush failed after updating weights ({what}): {len(self.decoding)} requests "
+                               "paused in place (drain the engine before a flushing update)")
+        return None
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -659,7 +667,8 @@ class EmbeddedEngine:
             named = [nt for chunk in body["serialized_named_tensors"][:1] for nt in decode_named_tensors(chunk)]
             async with self._weights_guard():
                 await asyncio.to_thread(self._load_named, named)
-                self._loaded(body, "tensor")
+                if fatal := self._loaded(body, "tensor"):
+                    return fatal
         except Exception as exc:
             return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"}, status=400)
         return web.json_response({"success": True, "message": f"Succeeded to update {len(named)} tensors."})
@@ -684,7 +693,8 @@ class EmbeddedEngine:
                 fresh = await asyncio.to_thread(load_model, body["model_path"], device=self.device, dtype=self.dtype)
                 await asyncio.to_thread(self._load_named, list(fresh.state_dict().items()))
                 self.model_path = body["model_path"]
-                self._loaded(body, "disk")
+                if fatal := self._loaded(body, "disk"):
+                    return fatal
         except Exception as exc:
             return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}",
                                       "num_paused_requests": 0}, status=400)
@@ -722,7 +732,8 @@ class EmbeddedEngine:
                 named = await asyncio.to_thread(self._receive, body["names"], body["dtypes"], body["shapes"],
                                                 self._groups[name])
                 await asyncio.to_thread(self._load_named, named)
-                self._loaded(body, "distributed")
+                if fatal := self._loaded(body, "distributed"):
+                    return fatal
         except Exception as exc:
             return web.json_response({"success": False, "message": f"Failed to update parameter online: "
                                                                    f"{type(exc).__name__}: {exc}"}, status=400)

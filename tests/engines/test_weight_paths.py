@@ -75,9 +75,9 @@ def test_pause_in_place_keeps_requests_and_pause_abort_ends_them(tiny_model):
                 await c.post("/pause_generation", {"mode": "in_place"})  # answers once the loop is parked
                 parked = eng._parked.is_set()
                 held = not running.done()
-                reply = await c.post("/update_weights_from_tensor", {  # allowed while parked
+                reply = await c.post("/update_weights_from_tensor", {  # allowed while parked, without a flush
                     "serialized_named_tensors": [encode_named_tensors([("model.norm.weight", norm)])],
-                    "weight_version": "4"})
+                    "weight_version": "4", "flush_cache": False})
                 held = held and not running.done() and eng._parked.is_set()
                 await c.post("/continue_generation", {})
                 kept = await asyncio.wait_for(running, 120)
@@ -101,3 +101,80 @@ def test_pause_in_place_keeps_requests_and_pause_abort_ends_them(tiny_model):
     assert kept.finish_reason == "length" and len(kept.output_ids) == 1500 and kept.weight_version == "4"
     assert aborted.finish_reason == "abort" and len(aborted.output_ids) < 1500
     assert queued and served.finish_reason == "length"
+
+
+def test_a_flushing_weight_update_over_requests_paused_in_place_kills_the_engine(tiny_model):
+    """SGLang flushes its cache after a weight update (its default) and asserts the flush
+    worked, which it does not while requests paused in place hold KV: its scheduler dies.
+    So does the embedded engine (agentrl's update drains the engines first)."""
+    torch.set_num_threads(1)
+    eng = EmbeddedEngine(str(tiny_model))
+    norm = eng.model.model.norm.weight.detach().clone()
+
+    async def go():
+        server = TestServer(eng.app())
+        await server.start_server()
+        url = str(server.make_url("")).rstrip("/")
+        try:
+            async with EngineClient(url) as c:
+                running = asyncio.create_task(c.generate([5, 6, 7], {"max_new_tokens": 1500, "ignore_eos": True}))
+                await until(eng.lock.locked, "decoding")
+                await c.post("/pause_generation", {"mode": "in_place"})
+                try:
+                    await c.post("/update_weights_from_tensor", {
+                        "serialized_named_tensors": [encode_named_tensors([("model.norm.weight", norm)])]},
+                        retries=0)
+                    error = None
+                except Exception as exc:  # noqa: BLE001 - the reply is a 500
+                    error = str(exc)
+                eng._run.set()  # unpark the decode loop so the request can end
+                running.cancel()
+            return error
+        finally:
+            await server.close()
+
+    error = asyncio.run(go())
+    assert error and "Cache flush failed after updating weights" in error and eng.dead
+
+
+def test_a_weight_update_waits_for_the_generation_in_flight(tiny_model):
+    """update_engines without --partial-rollout: the generation in flight finishes under the old
+    weights, then the engine takes the new ones and flushes (over a generation paused in place,
+    the flush would kill SGLang's scheduler, and the embedded engine: the test above)."""
+    from types import SimpleNamespace
+
+    from agentrl.config import parse_config
+    from agentrl.rollout.control import RolloutControl
+    from agentrl.weight_sync import sync_weights_from_tensor
+    from agentrl.weight_update import update_engines
+
+    torch.set_num_threads(1)
+    eng = EmbeddedEngine(str(tiny_model))
+    named = [(n, p.detach().clone()) for n, p in eng.model.named_parameters()]
+
+    class Trainer:  # the real weight path into the engine, flush on the last bucket
+        async def sync_weights(self, urls, version, fresh=False):
+            async with EngineClient(urls[0]) as c:
+                out = await sync_weights_from_tensor([c], named, version=version, bucket_bytes=1 << 30)
+            return out | {"failed_engines": []}
+
+    async def go():
+        server = TestServer(eng.app())
+        await server.start_server()
+        url = str(server.make_url("")).rstrip("/")
+        try:
+            async with EngineClient(url) as c:
+                running = asyncio.create_task(c.generate([5, 6, 7], {"max_new_tokens": 1500, "ignore_eos": True}))
+                await until(eng.lock.locked, "decoding")
+                cfg, _ = parse_config([])
+                out = await update_engines(cfg, RolloutControl(), SimpleNamespace(live=lambda: [url], monitor=None),
+                                           Trainer(), 1)
+                return out, await asyncio.wait_for(running, 120)
+        finally:
+            await server.close()
+
+    out, result = asyncio.run(go())
+    assert eng.dead is None and eng.weight_version == "1"
+    assert result.finish_reason == "length" and len(result.output_ids) == 1500
+    assert result.weight_version == "0"  # finished before the update, under the old weights
+    assert out["weight_update_drain_s"] > 0
