@@ -47,13 +47,17 @@ def random_qwen2(shape: str) -> Path:
     config.max_position_embeddings = 8192
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    tmp = out.with_name(out.name + ".tmp")
+    # this process's own folder: scenarios run side by side on two GPUs build the same model at once
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     for f in tiny.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy2(f, tmp / f.name)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # the other one finished first: the same seed, the same model
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -131,13 +131,14 @@ def _repeat_kv(k, v, heads: int):
 
 class _CudnnVarlen(torch.autograd.Function):
     """Causal attention over packed sequences `[t, h, d]` (cu_seqlens `cu`) by cuDNN's fused
-    kernels, through the aten ops varlen_attn's cuDNN branch calls."""
+    kernels, through the aten ops varlen_attn's (switched-off) cuDNN branch would call. Arguments
+    go by the ops' schema names: torch 2.11's own positional call to the backward has them in an
+    older order (philox state before attn_bias now)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu, max_len: int, scale: float):
-        out, lse, *_rest = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale)
-        seed, offset = _rest[4], _rest[5]  # (cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, ...)
+        out, lse, _cu_q, _cu_k, _max_q, _max_k, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
+            **cudnn_forward_args(q, k, v, cu, max_len, scale))
         ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
         ctx.max_len, ctx.scale = max_len, scale
         return out
@@ -146,9 +147,19 @@ class _CudnnVarlen(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, seed, offset,
-            scale=ctx.scale)
+            **cudnn_backward_args(grad_out.contiguous(), q, k, v, out, lse, seed, offset, cu, ctx.max_len, ctx.scale))
         return dq, dk, dv, None, None, None
+
+
+def cudnn_forward_args(q, k, v, cu, max_len: int, scale: float) -> dict:
+    return dict(query=q, key=k, value=v, attn_bias=None, cum_seq_q=cu, cum_seq_k=cu, max_q=max_len, max_k=max_len,
+                compute_log_sumexp=True, dropout_p=0.0, is_causal=True, return_debug_mask=False, scale=scale)
+
+
+def cudnn_backward_args(grad_out, q, k, v, out, lse, seed, offset, cu, max_len: int, scale: float) -> dict:
+    return dict(grad_out=grad_out, query=q, key=k, value=v, out=out, logsumexp=lse, philox_seed=seed,
+                philox_offset=offset, attn_bias=q.new_empty(0), cum_seq_q=cu, cum_seq_k=cu, max_q=max_len,
+                max_k=max_len, dropout_p=0.0, is_causal=True, scale=scale)
 
 
 class RMSNorm(torch.nn.Module):
