@@ -186,8 +186,18 @@ def test_stop_takes_the_whole_process_tree(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_and_sigterm_stop_the_engines(tmp_path, sig):
-    """A parent that started servers and is interrupted (Ctrl-C) or terminated leaves none behind."""
+    """A parent that started servers and is interrupted (Ctrl-C) or terminated leaves none behind.
+    The parent starts as from a terminal: SIGINT raising KeyboardInterrupt and not blocked. A child
+    inherits an ignored or blocked SIGINT from its launcher, and in the full suite (two xdist
+    workers) this test's worker had one, left by a test or library before it: then the parent slept on."""
+    handler, blocked = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if handler is not signal.default_int_handler or signal.SIGINT in blocked:
+        import warnings
+        warnings.warn(f"this pytest process's SIGINT: handler {handler!r}, blocked signals {sorted(blocked)}")
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import signal
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT, signal.SIGTERM}})
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         import sys, time
         from agentrl.engines.group import _stop_on_sigterm
         from agentrl.engines.launch import ServerProcess
