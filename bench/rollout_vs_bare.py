@@ -69,6 +69,7 @@ except ImportError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agentrl.config import Config  # noqa: E402
+from agentrl.data import iter_jsonl  # noqa: E402
 from agentrl.rollout.client import ROUTING_KEY_HEADER  # noqa: E402
 from agentrl.types import Sample  # noqa: E402
 
@@ -119,13 +120,7 @@ def read_metrics(run: Path) -> list[dict]:
     if not path.is_file():
         raise ReplayError(f"{path}: missing ({run} is not the folder of a finished `agentrl train` run)")
     rows: dict[int, dict] = {}
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ReplayError(f"{path}:{lineno}: not JSON ({exc})") from None
+    for lineno, row in iter_jsonl(path, ReplayError):
         lacks = [k for k in ("rollout_id", "rollout_s", "generated_tokens") if k not in row]
         if lacks:
             raise ReplayError(f"{path}:{lineno}: not a metrics row of agentrl train (no {', '.join(lacks)})")

@@ -28,6 +28,11 @@ import torch
 TRAINER_PARTS = ("model", "ddp", "ref_model", "critic", "critic_ddp", "optimizer", "critic_optimizer")
 
 
+def trainer_parts(trainer) -> list:
+    """What `trainer` holds on the device, by TRAINER_PARTS (None where it has no such part)."""
+    return [getattr(trainer, name, None) for name in TRAINER_PARTS]
+
+
 def held_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor reachable from modules, optimizers (torch's or Megatron's wrappers) and lists."""
     if obj is None:
@@ -144,7 +149,7 @@ def host_buffers_for(trainer, device_type: str = "cuda") -> list[torch.Tensor]:
     runs at ~3 GB/s, about ten times slower than the copy: at 1.5B, 6-9 s in each of iterations
     0 and 1 before). One per device storage the trainer holds (gradients excepted) and, for an
     Adam optimizer that has not stepped yet, two per parameter for the moments it will create."""
-    parts = [getattr(trainer, name, None) for name in TRAINER_PARTS]
+    parts = trainer_parts(trainer)
     gradients = {g.untyped_storage().data_ptr() for g in gradient_tensors(parts)}
     sizes = [storage.nbytes() for _, storage in _storages(held_tensors(parts))
              if storage.device.type == device_type and storage.data_ptr() not in gradients]
@@ -172,7 +177,7 @@ def bytes_to_keep(trainer, engine_fraction: float, engines_released: bool) -> in
     """resident_budget on this process's GPU as it is now. SGLang's engines resume into at most
     `engine_fraction` of the GPU (--mem-fraction-static sizes weights + KV pool against the
     total); before their first release (iteration 0) they still hold it, and `free` says so."""
-    parts = [getattr(trainer, name, None) for name in TRAINER_PARTS]
+    parts = trainer_parts(trainer)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     offloadable = sum(s.nbytes() for _, s in _storages(held_tensors(parts)) if s.device.type == "cuda")
@@ -181,7 +186,7 @@ def bytes_to_keep(trainer, engine_fraction: float, engines_released: bool) -> in
 
 
 def offload_trainer(trainer, spare: list[torch.Tensor] | None = None, keep_bytes: int = 0) -> Offloaded:
-    parts = [getattr(trainer, name, None) for name in TRAINER_PARTS]
+    parts = trainer_parts(trainer)
     out = Offloaded(held_tensors(parts), spare, discard=list(gradient_tensors(parts)), keep_bytes=keep_bytes)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

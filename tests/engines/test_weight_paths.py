@@ -2,6 +2,7 @@
 and pause/continue with SGLang's semantics (abort by default; in place keeps requests)."""
 
 import asyncio
+import contextlib
 
 import torch
 from aiohttp.test_utils import TestServer
@@ -58,16 +59,24 @@ async def until(condition, what: str, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def serving(eng):
+    """The engine's app on a local test server: its URL, for the length of the block."""
+    server = TestServer(eng.app())
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
 def test_pause_in_place_keeps_requests_and_pause_abort_ends_them(tiny_model):
     torch.set_num_threads(1)
     eng = EmbeddedEngine(str(tiny_model))
     norm = eng.model.model.norm.weight.detach().clone()
 
     async def go():
-        server = TestServer(eng.app())
-        await server.start_server()
-        url = str(server.make_url("")).rstrip("/")
-        try:
+        async with serving(eng) as url:
             async with EngineClient(url) as c:
                 params = {"max_new_tokens": 1500, "ignore_eos": True}
                 running = asyncio.create_task(c.generate([5, 6, 7], params))
@@ -93,8 +102,6 @@ def test_pause_in_place_keeps_requests_and_pause_abort_ends_them(tiny_model):
                 await c.post("/continue_generation", {})
                 served = await asyncio.wait_for(waiting, 30)
             return parked, held, reply, kept, aborted, queued, served
-        finally:
-            await server.close()
 
     parked, held, reply, kept, aborted, queued, served = asyncio.run(go())
     assert parked and held and reply["success"]
@@ -112,10 +119,7 @@ def test_a_flushing_weight_update_over_requests_paused_in_place_kills_the_engine
     norm = eng.model.model.norm.weight.detach().clone()
 
     async def go():
-        server = TestServer(eng.app())
-        await server.start_server()
-        url = str(server.make_url("")).rstrip("/")
-        try:
+        async with serving(eng) as url:
             async with EngineClient(url) as c:
                 running = asyncio.create_task(c.generate([5, 6, 7], {"max_new_tokens": 1500, "ignore_eos": True}))
                 await until(eng.lock.locked, "decoding")
@@ -130,8 +134,6 @@ def test_a_flushing_weight_update_over_requests_paused_in_place_kills_the_engine
                 eng._run.set()  # unpark the decode loop so the request can end
                 running.cancel()
             return error
-        finally:
-            await server.close()
 
     error = asyncio.run(go())
     assert error and "Cache flush failed after updating weights" in error and eng.dead
@@ -159,10 +161,7 @@ def test_a_weight_update_waits_for_the_generation_in_flight(tiny_model):
             return out | {"failed_engines": []}
 
     async def go():
-        server = TestServer(eng.app())
-        await server.start_server()
-        url = str(server.make_url("")).rstrip("/")
-        try:
+        async with serving(eng) as url:
             async with EngineClient(url) as c:
                 running = asyncio.create_task(c.generate([5, 6, 7], {"max_new_tokens": 1500, "ignore_eos": True}))
                 await until(eng.lock.locked, "decoding")
@@ -170,8 +169,6 @@ def test_a_weight_update_waits_for_the_generation_in_flight(tiny_model):
                 out = await update_engines(cfg, RolloutControl(), SimpleNamespace(live=lambda: [url], monitor=None),
                                            Trainer(), 1)
                 return out, await asyncio.wait_for(running, 120)
-        finally:
-            await server.close()
 
     out, result = asyncio.run(go())
     assert eng.dead is None and eng.weight_version == "1"

@@ -69,26 +69,35 @@ def agentrl_train(name: str, *args: str, timeout_s: float) -> tuple[Path, list[d
     cmd = [sys.executable, "-m", "agentrl.cli", "train", *args, "--output-dir", str(run), "--no-progress"]
     print("$ agentrl train", " ".join(args), flush=True)
     t0 = time.time()
-    with open(OUT / f"{name}.log", "w") as log:
+    returncode = stream(cmd, OUT / f"{name}.log", timeout_s, what=name)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
+        if (run / "metrics.jsonl").exists() else []
+    if rows:
+        shutil.copy2(run / "metrics.jsonl", OUT / f"{name}.metrics.jsonl")
+    assert returncode == 0, f"{name}: agentrl train exited {returncode} (log: {OUT / (name + '.log')})"
+    print(f"{name}: {len(rows)} iterations in {time.time() - t0:.0f} s", flush=True)
+    return run, rows
+
+
+def stream(cmd: list[str], log_path: Path, timeout_s: float | None = None, what: str = "") -> int:
+    """Run `cmd`, its console printed and kept in `log_path`; -> its exit status. Past
+    `timeout_s` it is stopped (SIGTERM: agentrl and the benches stop what they started) and
+    TimeoutError raised."""
+    t0 = time.time()
+    with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             for line in proc.stdout:
                 log.write(line)
                 print(line, end="", flush=True)
-                if time.time() - t0 > timeout_s:
-                    raise TimeoutError(f"{name}: still running after {timeout_s:.0f} s")
+                if timeout_s is not None and time.time() - t0 > timeout_s:
+                    raise TimeoutError(f"{what or cmd[0]}: still running after {timeout_s:.0f} s")
             proc.wait(timeout=60)
         finally:
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=60)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
-        if (run / "metrics.jsonl").exists() else []
-    if rows:
-        shutil.copy2(run / "metrics.jsonl", OUT / f"{name}.metrics.jsonl")
-    assert proc.returncode == 0, f"{name}: agentrl train exited {proc.returncode} (log: {OUT / (name + '.log')})"
-    print(f"{name}: {len(rows)} iterations in {time.time() - t0:.0f} s", flush=True)
-    return run, rows
+    return proc.returncode
 
 
 def trajectories(run: Path, rollout_id: int) -> list[dict]:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from gpu_helpers import OUT, SGLANG, random_qwen2
+from gpu_helpers import OUT, SGLANG, random_qwen2, stream
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
@@ -41,13 +40,8 @@ def test_async_vs_sync_two_gpus():
            "--deadline-s", str(DEADLINE_S), "--model", str(random_qwen2("135m")), *SGLANG,
            *shlex.split(os.environ.get("AGENTRL_ASYNC_BENCH_ARGS", ""))]  # e.g. "--iterations 8"
     print("$", " ".join(cmd), flush=True)
-    with open(OUT / "async_vs_sync_gpu.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            log.write(line)
-            print(line, end="", flush=True)
-        proc.wait()
-    assert result_path.exists(), f"the bench wrote no results (exit status {proc.returncode})"
+    returncode = stream(cmd, OUT / "async_vs_sync_gpu.log")
+    assert result_path.exists(), f"the bench wrote no results (exit status {returncode})"
     result = json.loads(result_path.read_text())
     runs, configs, headline = result["runs"], result["configs"], result["headline"]
     print(json.dumps({"gpus": result.get("gpus"), "headline": headline, "configs": configs,
@@ -57,7 +51,7 @@ def test_async_vs_sync_two_gpus():
 
     failed = {n: r["failed_attempts"] for n, r in runs.items() if "at_target" not in r}
     assert not failed, failed
-    assert proc.returncode == 0, f"bench exit status {proc.returncode}"
+    assert returncode == 0, f"bench exit status {returncode}"
     for name, run in runs.items():
         placement = run["placement"]
         trainer, engines = placement["trainer_gpus"], placement["engine_gpus"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import COLOCATE, OUT, SGLANG, agentrl_train, random_qwen2
+from gpu_helpers import COLOCATE, OUT, SGLANG, agentrl_train, random_qwen2, stream
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
@@ -35,21 +35,12 @@ def run_bench(args: list[str], timeout_s: float) -> str:
     stopped by the time limit still leaves the iterations it measured."""
     cmd = [sys.executable, str(BENCH), *args]
     print("$", " ".join(cmd), flush=True)
-    t0 = time.time()
-    with open(OUT / "rollout_vs_bare.bench.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            for line in proc.stdout:
-                log.write(line)
-                print(line, end="", flush=True)
-                if time.time() - t0 > timeout_s:
-                    return f"bench/rollout_vs_bare.py still running after {timeout_s:.0f} s"
-            proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.terminate()  # SIGTERM: the bench stops its engines on the way out
-                proc.wait(timeout=60)
-    return "" if proc.returncode == 0 else f"bench/rollout_vs_bare.py exited {proc.returncode} (log: {log.name})"
+    log = OUT / "rollout_vs_bare.bench.log"
+    try:
+        returncode = stream(cmd, log, timeout_s)
+    except TimeoutError:
+        return f"bench/rollout_vs_bare.py still running after {timeout_s:.0f} s"
+    return "" if returncode == 0 else f"bench/rollout_vs_bare.py exited {returncode} (log: {log})"
 
 
 def wait_gpu_free(timeout_s: float = 60.0, below_mib: int = 2048) -> None:
