@@ -50,6 +50,9 @@ def start_ray(cfg: Config) -> None:
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only cluster: no ~/.ray/auth_token
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray starts its workers at nice 15: on a shared machine the trainer and the engines
+    # (its actors) would then starve behind any other work while this driver does not.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1",
              num_gpus=None)
     stop_on_signals()  # ray.init put its own SIGTERM handler (sys.exit, no cleanup) in place of ours

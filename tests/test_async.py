@@ -55,11 +55,12 @@ def test_sync_is_on_policy_and_async_is_one_version_behind_with_staleness_bound(
 
 def test_partial_rollout_resumes_under_new_weights_and_masks_old_tokens(tmp_path):
     out = tmp_path / "run"
-    # Every response runs to its 400 tokens (past EOS): the next batch's decode (400 steps) then
-    # outlasts the training step it overlaps, so a weight update lands mid-decode however loaded
-    # the machine is (responses ending early at EOS made that a matter of timing).
+    # Every response runs to its 1000 tokens (past EOS): the next batch's decode (1000 steps, ~7 s
+    # here) then outlasts the training step it overlaps (~1 s), so a weight update lands mid-decode
+    # on a loaded machine too (responses ending early at EOS made that a matter of timing; so did
+    # Ray's nice-15 trainer, starved by a parallel test until start_ray put it at nice 0).
     proc = train("--num-rollout", "4", "--async", "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
-                 "--rollout-max-response-len", "400", "--rollout-ignore-eos", "--rollout-temperature", "1.0",
+                 "--rollout-max-response-len", "1000", "--rollout-ignore-eos", "--rollout-temperature", "1.0",
                  "--output-dir", str(out), *SMALL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = [t for i in (1, 2, 3) for t in trajectories(out, i) if t["metadata"].get("resumed")]

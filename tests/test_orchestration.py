@@ -112,3 +112,20 @@ def test_out_of_memory_names_the_knobs():
     msg = out_of_memory_hint(cfg, {"used_gib": 79.0, "total_gib": 79.6, "mine_gib": 40.0}, 256)
     assert "--sglang-mem-fraction-static" in msg and "now 0.5" in msg and "--micro-batch-size (now 8;" in msg
     assert "other processes (engines) 39.0 GiB" in msg and "256 samples" in msg
+
+
+def test_ray_workers_run_at_the_drivers_priority():
+    """Ray starts workers at nice 15: the trainer and engines (its actors) then starved behind
+    any other load on a shared machine (a parallel test made the trainer 40x slower)."""
+    code = ("import os, ray\n"
+            "from agentrl.config import Config\n"
+            "from agentrl.orchestration import start_ray\n"
+            "start_ray(Config())\n"
+            "print(ray.get(ray.remote(lambda: os.nice(0)).remote()), os.nice(0))\n"
+            "ray.shutdown()\n")
+    env = run_env()
+    env.pop("RAY_worker_niceness", None)
+    proc = subprocess.run([str(BIN / "python"), "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    worker, driver = proc.stdout.split()[-2:]
+    assert worker == driver
