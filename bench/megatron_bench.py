@@ -179,10 +179,11 @@ def stage_throughput(args, path, results):
     world = dist.get_world_size()
     gpus = world
     runs = []
-    from agentrl.trainers.megatron import layers, logprobs
-    for attention, impl, budget in [(a, i, b) for a in args.attention_impls for i in args.logprob_impls
-                                    for b in args.max_tokens]:
+    from agentrl.trainers.megatron import layers, logprobs, model as megatron_model
+    for attention, impl, head, budget in [(a, i, h, b) for a in args.attention_impls for i in args.logprob_impls
+                                          for h in args.head_impls for b in args.max_tokens]:
         logprobs.USE_TRITON = impl == "triton"  # A/B: the Triton kernels or the torch chunk loop
+        megatron_model.RESPONSE_HEAD = head == "response"  # A/B: the LM head over response positions or all
         # packed attention: flash with k/v repeated per query head (before), flash or cuDNN with GQA
         layers.PACKED_ATTENTION, layers.NATIVE_GQA = attention.split("-")[0], not attention.endswith("-repeated")
         trainer.max_tokens = budget
@@ -207,6 +208,7 @@ def stage_throughput(args, path, results):
             t_step = sum(times) / len(times)
             f_step, f_fwd = flops(hf_config, samples, 3), flops(hf_config, samples, 1)
             run = {"attention_impl": attention, "attention_gqa_kept": layers.NATIVE_GQA, "logprob_impl": impl,
+                   "lm_head_rows": head,
                    "max_tokens_per_gpu": budget, "samples": len(samples), "tokens": tokens,
                    "micro_batches": len(trainer._batches(samples, idx)), "gpus": gpus,
                    "train_step_s": t_step, "train_tokens_per_s": tokens / t_step,
@@ -218,7 +220,8 @@ def stage_throughput(args, path, results):
                    "grad_norm": stats["grad_norm"], "loss": stats["loss"], "step_times_s": times}
         except (torch.OutOfMemoryError, RuntimeError) as exc:  # (a kernel this build lacks: the next run goes on)
             kind = "OOM" if isinstance(exc, torch.OutOfMemoryError) else type(exc).__name__
-            run = {"attention_impl": attention, "logprob_impl": impl, "max_tokens_per_gpu": budget,
+            run = {"attention_impl": attention, "logprob_impl": impl, "lm_head_rows": head,
+                   "max_tokens_per_gpu": budget,
                    "error": f"{kind}: {str(exc)[:200]}"}
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
@@ -228,6 +231,7 @@ def stage_throughput(args, path, results):
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         logprobs.USE_TRITON = args.logprob_impls[-1] == "triton"
+        megatron_model.RESPONSE_HEAD = args.head_impls[-1] == "response"
         attention = args.attention_impls[-1]
         layers.PACKED_ATTENTION, layers.NATIVE_GQA = attention.split("-")[0], not attention.endswith("-repeated")
         fitted = [r["max_tokens_per_gpu"] for r in runs if "error" not in r and r["logprob_impl"] == args.logprob_impls[-1]
@@ -304,6 +308,9 @@ def main() -> None:
                         "query head: before), cudnn, cudnn-repeated; the profile uses the last")
     p.add_argument("--logprob-impls", type=lambda s: s.split(","), default=["triton"],
                    help="comma list of triton (the kernels, what the trainer uses on CUDA) and torch (the chunk loop)")
+    p.add_argument("--head-impls", type=lambda s: s.split(","), default=["response"],
+                   help="the LM head over response positions only (response: what the trainer does) or every "
+                        "position (full: before); MFU counts every position's head FLOPs either way")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run on the tiny model (tests/trainers shim)")
     args, rest = p.parse_known_args()
     global DEVICE

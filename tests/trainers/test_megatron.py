@@ -149,7 +149,10 @@ def test_fused_logprobs_equal_plain_autograd(padded):
 def test_grpo_step_matches_the_pytorch_trainer(tiny_model):
     mt, tt = trainers(tiny_model)
     samples = make_samples()
+    head_rows = []  # the LM head runs over response positions only (enable_response_head)
+    mt.model.output_layer.register_forward_hook(lambda m, args, out: head_rows.append(out[0].shape[0]))
     m1, m2 = mt.train_rollout(samples), tt.train_rollout(samples)
+    assert head_rows and sum(head_rows) == 2 * sum(len(s.response_tokens) for s in samples)  # old logprobs + step
     print("megatron GRPO step:", json.dumps(m1))
     assert mt.version == 1
     assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)

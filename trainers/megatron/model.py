@@ -225,6 +225,32 @@ def enable_position_rope(model) -> None:
     rope.forward = forward
 
 
+RESPONSE_HEAD = True  # the trainer sets rows while this holds (bench/megatron_bench.py's A/B switch)
+
+
+def enable_response_head(model) -> None:
+    """The LM head over response positions only (set per micro-batch in
+    `model.output_layer.rows`): prompt positions' logits were computed over the whole
+    vocabulary, and their gradient (zeros) pushed back through the head, only to be dropped.
+    The logits come back as [1, len(rows), V]. Not with sequence parallelism (the hidden
+    states reach the head split over the sequence) nor for the critic's value head."""
+    head = getattr(model, "output_layer", None)
+    if head is None or isinstance(head, ValueHead) or getattr(head, "sequence_parallel", False):
+        return
+    if getattr(head, "rows", "unset") != "unset":
+        return
+    inner = head.forward
+    head.rows = None
+
+    def forward(hidden_states, *args, **kwargs):  # hidden_states: [s, b, h]
+        rows, head.rows = head.rows, None  # for this call only: a later direct call gets every position
+        if rows is not None:
+            hidden_states = hidden_states.index_select(0, rows)
+        return inner(hidden_states, *args, **kwargs)
+
+    head.forward = forward
+
+
 def mark_tensor_parallel(model) -> None:
     """Tag TP-sharded weights as megatron-core's initialisers would. With
     perform_initialization=False (weights come from the checkpoint) megatron-core skips its

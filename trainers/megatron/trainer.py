@@ -31,8 +31,10 @@ from agentrl.trainers import rng_state, set_rng_state
 from agentrl.trainers.megatron import no_apex
 from agentrl.trainers.megatron.args import parse_megatron_args
 from agentrl.trainers.megatron.logprobs import fused_logprobs
-from agentrl.trainers.megatron.model import (DTYPES, build_gpt, enable_position_rope, init_distributed, layer_spec,
-                                             layout_for, transformer_config, use_te_spec)
+from agentrl.trainers.megatron.model import (DTYPES, build_gpt, enable_position_rope, enable_response_head,
+                                             init_distributed, layer_spec, layout_for, transformer_config,
+                                             use_te_spec)
+from agentrl.trainers.megatron import model as megatron_model
 from agentrl.trainers.megatron.packing import PackedBatch, micro_batches
 from agentrl.trainers.megatron.weights import HFCheckpoint, export_hf, load_hf_weights
 from agentrl.types import Sample
@@ -94,6 +96,7 @@ class MegatronTrainer:
                                        padded_vocab=self.layout.padded_vocab).to(self.device)
             if not self.te:
                 enable_position_rope(self.ref_model)
+            enable_response_head(self.ref_model)
             load_hf_weights(self.ref_model, ckpt, self.family, self.layout, self.tp_rank)
             self.ref_model.eval().requires_grad_(False)
         self.critic = self.critic_ddp = self.critic_optimizer = self.critic_scheduler = None
@@ -115,6 +118,7 @@ class MegatronTrainer:
                           padded_vocab=self.layout.padded_vocab, value_head=value_head).to(self.device)
         if not self.te:
             enable_position_rope(model)
+        enable_response_head(model)
         load_hf_weights(model, ckpt, self.family, self.layout, self.tp_rank, value_head=value_head)
         if self.lora and not value_head:  # frozen base + adapters: only they get grad buffers and optimizer state
             from agentrl.trainers.megatron.lora import add_lora
@@ -177,6 +181,9 @@ class MegatronTrainer:
             by_position = not self.te and hasattr(gpt.rotary_pos_emb, "positions")
             if by_position:
                 gpt.rotary_pos_emb.positions = (mb.position_ids[0], mb.max_seqlen)
+            head = getattr(gpt, "output_layer", None)
+            if megatron_model.RESPONSE_HEAD and getattr(head, "rows", "unset") != "unset":  # enable_response_head
+                head.rows = mb.logit_index
             out = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(by_position))
             return out, partial(loss_fn, mb)
 
@@ -186,8 +193,12 @@ class MegatronTrainer:
             forward_only=forward_only)
 
     def _logprobs(self, logits: torch.Tensor, mb: PackedBatch, with_entropy: bool):
-        """Logprobs (and entropies) of mb's response tokens from vocab-parallel logits [1, T, V/tp]."""
-        return fused_logprobs(logits[0], mb.logit_index, mb.targets, temperature=self.temperature,
+        """Logprobs (and entropies) of mb's response tokens from vocab-parallel logits [1, T, V/tp],
+        or [1, N, V/tp] when the head ran over the response positions only (enable_response_head)."""
+        rows = mb.logit_index
+        if logits.shape[1] != mb.num_tokens:  # N < T: every sample has a prompt token
+            rows = torch.arange(rows.numel(), device=rows.device)
+        return fused_logprobs(logits[0], rows, mb.targets, temperature=self.temperature,
                               vocab_size=self.layout.vocab, tp_group=self.tp_group, tp_rank=self.tp_rank,
                               with_entropy=with_entropy)
 
