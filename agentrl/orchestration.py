@@ -247,6 +247,7 @@ class EngineServer:
     def __init__(self, argv: list[str], *, url: str, name: str, env: dict | None, log_dir: str, driver_ip: str):
         from agentrl.engines.launch import ServerProcess, rehost, server_port
 
+        normal_priority()
         # The driver chose a loopback URL; on another node the server binds this node's address
         # (the router and the trainer reach it there) on a port free here, also after restarts.
         here = node_ip()
@@ -284,6 +285,18 @@ class EngineServer:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+def normal_priority() -> None:
+    """Back to nice 0 in a Ray actor of a joined cluster (`--ray-address`), whose raylet started
+    it at Ray's default nice 15 (start_ray's local cluster starts them at 0): the trainer and the
+    engines would starve behind any other work on the node. Allowed to root (CAP_SYS_NICE)."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except PermissionError:
+        log.warning("this Ray worker runs at nice %d (start the cluster with RAY_worker_niceness=0)",
+                    os.getpriority(os.PRIO_PROCESS, 0))
 
 
 def node_ip() -> str:
@@ -373,6 +386,7 @@ class TrainerWorker:
 
         from agentrl.build import build_trainer, seed_everything
 
+        normal_priority()
         os.environ.update(dist_env or {})
         seed_everything(cfg.run.seed)
         if device == "cuda" and not torch.cuda.is_available():

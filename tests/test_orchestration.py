@@ -129,3 +129,14 @@ def test_ray_workers_run_at_the_drivers_priority():
     assert proc.returncode == 0, proc.stderr[-3000:]
     worker, driver = proc.stdout.split()[-2:]
     assert worker == driver
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="lowering a nice value takes root (CAP_SYS_NICE)")
+def test_actors_of_a_joined_cluster_return_to_nice_0():
+    """A cluster started with `ray start` (no RAY_worker_niceness) runs workers at nice 15;
+    the trainer and engine actors put themselves back at 0 (orchestration.normal_priority)."""
+    code = "import os\nfrom agentrl.orchestration import normal_priority\nnormal_priority()\nprint(os.nice(0))\n"
+    proc = subprocess.run(["nice", "-n", "15", str(BIN / "python"), "-c", code], capture_output=True, text=True,
+                          timeout=120, env=run_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "0"
