@@ -208,8 +208,15 @@ COMMANDS = {
 }
 
 
+def _prints_only(args: list[str]) -> bool:
+    return not args or args[0] in ("envs", "--version") or "-h" in args or "--help" in args
+
+
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # as a command: `agentrl ... | head` ends quietly, like any Unix tool
+    if argv is None and _prints_only(sys.argv[1:]):
+        # `agentrl envs list | head` ends quietly, like any Unix tool. Only there: with SIGPIPE's
+        # default, a write into the pipe of a child that exited (an MCP server over stdio) killed
+        # a training run on the spot (exit -13), its cleanup and all.
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):

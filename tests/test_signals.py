@@ -412,3 +412,25 @@ def test_a_second_signal_exits_at_once(signum):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_run_survives_sigpipe_and_a_listing_ends_quietly_in_a_closed_pipe(tmp_path):
+    """`agentrl train` keeps Python's SIGPIPE handling (ignored: a write into the pipe of a child
+    that exited raises BrokenPipeError where it happened). With SIGPIPE's default for every
+    command, an MCP server that died before the client wrote to its stdin killed the whole run
+    (exit -13, nothing cleaned up). A listing piped into a reader that left ends quietly."""
+    proc = subprocess.Popen([agentrl_cli(), "train", "--num-rollout", "1", "--output-dir", str(tmp_path / "run"),
+                             *SMALL], stderr=subprocess.PIPE, text=True, env=run_env())
+    try:
+        assert proc.stderr.readline()  # its first line comes after main() began
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        ignored = int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (signal.SIGPIPE - 1)), "agentrl train dies of SIGPIPE"
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=120)
+    listing = subprocess.Popen([agentrl_cli(), "envs", "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=run_env())
+    listing.stdout.close()  # the reader left before the first line
+    _, err = listing.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()[-2000:]
