@@ -225,7 +225,7 @@ def enable_position_rope(model) -> None:
     rope.forward = forward
 
 
-RESPONSE_HEAD = True  # the trainer sets rows while this holds (bench/megatron_bench.py's A/B switch)
+RESPONSE_HEAD = True  # False: the head runs over every position (bench/megatron_bench.py's A/B switch)
 
 
 def enable_response_head(model) -> None:
@@ -237,14 +237,14 @@ def enable_response_head(model) -> None:
     head = getattr(model, "output_layer", None)
     if head is None or isinstance(head, ValueHead) or getattr(head, "sequence_parallel", False):
         return
-    if getattr(head, "rows", "unset") != "unset":
+    if hasattr(head, "rows"):
         return
     inner = head.forward
     head.rows = None
 
     def forward(hidden_states, *args, **kwargs):  # hidden_states: [s, b, h]
         rows, head.rows = head.rows, None  # for this call only: a later direct call gets every position
-        if rows is not None:
+        if rows is not None and RESPONSE_HEAD:
             hidden_states = hidden_states.index_select(0, rows)
         return inner(hidden_states, *args, **kwargs)
 

@@ -34,7 +34,6 @@ from agentrl.trainers.megatron.logprobs import fused_logprobs
 from agentrl.trainers.megatron.model import (DTYPES, build_gpt, enable_position_rope, enable_response_head,
                                              init_distributed, layer_spec, layout_for, transformer_config,
                                              use_te_spec)
-from agentrl.trainers.megatron import model as megatron_model
 from agentrl.trainers.megatron.packing import PackedBatch, micro_batches
 from agentrl.trainers.megatron.weights import HFCheckpoint, export_hf, load_hf_weights
 from agentrl.types import Sample
@@ -182,7 +181,7 @@ class MegatronTrainer:
             if by_position:
                 gpt.rotary_pos_emb.positions = (mb.position_ids[0], mb.max_seqlen)
             head = getattr(gpt, "output_layer", None)
-            if megatron_model.RESPONSE_HEAD and getattr(head, "rows", "unset") != "unset":  # enable_response_head
+            if hasattr(head, "rows"):  # enable_response_head
                 head.rows = mb.logit_index
             out = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(by_position))
             return out, partial(loss_fn, mb)
