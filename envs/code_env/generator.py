@@ -207,12 +207,17 @@ def _caesar(r):
 
 @family("string")
 def _acronym(r):
-    sep, name = r.choice(("", ".", "-", " ")), r.choice(("acronym", "initials"))
-    return Spec(name, f"Write a function `{name}(s)` that returns the first letter of each word of s (split on "
+    sep, k = r.choice(("", ".", "-", " ")), r.randint(1, 4)
+    name = r.choice(("acronym", "initials", "abbreviate"))
+    which = "each word" if k == 1 else f"each word of at least {k} letters"
+    return Spec(name, f"Write a function `{name}(s)` that returns the first letter of {which} of s (split on "
                       f"whitespace), uppercased, joined by {sep!r}.",
-                _src("def $n(s):\n    return $sep.join(w[0].upper() for w in s.split())", n=name, sep=repr(sep)),
-                _src("def $n(s):\n    return $sep.join(w[0] for w in s.split())", n=name, sep=repr(sep)),
-                (("",), ("portable network graphics",)), lambda rr: (sentence(rr),))
+                _src("def $n(s):\n    return $sep.join(w[0].upper() for w in s.split()$cond)", n=name,
+                     sep=repr(sep), cond=f" if len(w) >= {k}" if k > 1 else ""),
+                _src("def $n(s):\n    return $sep.join(w[0] for w in s.split()$cond)", n=name,
+                     sep=repr(sep), cond=f" if len(w) >= {k}" if k > 1 else ""),
+                (("",), ("portable network graphics",)),
+                lambda rr: (" ".join(word(rr, n=(1, 6)) for _ in range(rr.randint(2, 6))),))
 
 
 # -- list -----------------------------------------------------------------------------------------
@@ -279,15 +284,17 @@ def _rotate(r):
 
 @family("list")
 def _running(r):
-    op, name = r.choice((("sum", "running_sum"), ("max", "running_max"), ("min", "running_min"),
-                         ("product", "running_product")))
+    op, absolute = r.choice(("sum", "max", "min", "product")), r.random() < 0.5
+    name = r.choice((f"running_{op}", f"cumulative_{op}", f"prefix_{op}"))
     step = {"sum": "acc = x if i == 0 else acc + x", "max": "acc = x if i == 0 else max(acc, x)",
             "min": "acc = x if i == 0 else min(acc, x)", "product": "acc = x if i == 0 else acc * x"}[op]
+    of, get = ("the absolute values of ", "abs(x)") if absolute else ("", "x")
+    take = "\n        x = abs(x)" if absolute else ""
     return Spec(name, f"Write a function `{name}(xs)` that returns a list whose i-th element is the {op} of "
-                      f"xs[0], ..., xs[i] (the running {op}).",
-                _src(f"def $n(xs):\n    out = []\n    for i, x in enumerate(xs):\n        {step}\n"
+                      f"{of}xs[0], ..., xs[i] (the running {op}).",
+                _src(f"def $n(xs):\n    out = []\n    for i, x in enumerate(xs):{take}\n        {step}\n"
                      f"        out.append(acc)\n    return out", n=name),
-                _src(f"def $n(xs):\n    out = []\n    for i, x in enumerate(xs):\n        out.append(x)\n"
+                _src(f"def $n(xs):\n    out = []\n    for i, x in enumerate(xs):\n        out.append({get})\n"
                      f"    return out", n=name),
                 (([],), ([3, -1, 4, 2],)), lambda rr: (ints(rr, -5, 9),))
 
@@ -439,19 +446,17 @@ def _to_base(r):
 
 @family("arithmetic")
 def _divisors(r):
-    variant = r.choice(("count", "sum of the proper"))
-    name = {"count": r.choice(("count_divisors", "num_divisors")),
-            "sum of the proper": r.choice(("proper_divisor_sum", "aliquot_sum"))}[variant]
-    if variant == "count":
-        text, sol, wrong = ("the number of positive divisors of the positive integer n",
-                            "return sum(1 for d in range(1, n + 1) if n % d == 0)",
-                            "return sum(1 for d in range(1, n) if n % d == 0)")
-    else:
-        text, sol, wrong = ("the sum of the divisors of the positive integer n that are smaller than n",
-                            "return sum(d for d in range(1, n) if n % d == 0)",
-                            "return sum(d for d in range(1, n + 1) if n % d == 0)")
-    return Spec(name, f"Write a function `{name}(n)` that returns {text}.", _src(f"def $n(n):\n    {sol}", n=name),
-                _src(f"def $n(n):\n    {wrong}", n=name), ((1,), (12,)), lambda rr: (rr.randint(1, 300),))
+    op, parity, proper = r.choice(("count", "sum")), r.choice(("", "odd ", "even ")), r.random() < 0.5
+    name = r.choice((f"{op}_{parity.strip() or 'all'}_divisors", f"divisor_{op}", f"{op}_divisors"))
+    what = {"count": "the number", "sum": "the sum"}[op]
+    cond = "n % d == 0" + {"": "", "odd ": " and d % 2 == 1", "even ": " and d % 2 == 0"}[parity]
+    agg = f"sum(1 for d in range(1, $top) if {cond})" if op == "count" else f"sum(d for d in range(1, $top) if {cond})"
+    which = "that are smaller than n" if proper else "(n itself included)"
+    return Spec(name, f"Write a function `{name}(n)` that returns {what} of the {parity}positive divisors of the "
+                      f"positive integer n {which}.",
+                _src(f"def $n(n):\n    return {agg}", n=name, top="n" if proper else "n + 1"),
+                _src(f"def $n(n):\n    return {agg}", n=name, top="n + 1" if proper else "n"),
+                ((1,), (12,), (9,), (16,)), lambda rr: (rr.randint(1, 300),))
 
 
 @family("arithmetic")
@@ -469,7 +474,7 @@ def _fizzbuzz(r):
                 _src("def $n(n):\n    out = []\n    for i in range(1, n + 1):\n        if i % $a == 0:\n"
                      "            out.append('$wa')\n        elif i % $b == 0:\n            out.append('$wb')\n"
                      "        else:\n            out.append(str(i))\n    return out", n=name, a=a, b=b, wa=wa, wb=wb),
-                ((0,), (a * b,)), lambda rr: (rr.randint(1, 60),))
+                ((0,), (a * b,)), lambda rr: (rr.randint(1, 2 * a * b),))
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -580,11 +585,14 @@ def _search_sorted(r):
 
 @family("algorithms")
 def _longest_run(r):
-    kind, name = r.choice((("equal", "longest_streak"), ("increasing", "longest_climb"),
-                           ("non-decreasing", "longest_non_decreasing")))
-    cond = {"equal": "xs[i] == xs[i - 1]", "increasing": "xs[i] > xs[i - 1]", "non-decreasing": "xs[i] >= xs[i - 1]"}[kind]
+    kind = r.choice(("equal", "increasing", "non-decreasing", "decreasing", "non-increasing"))
+    name = r.choice(("longest_run", "longest_streak", f"longest_{kind.replace('-', '_')}_run"))
+    cond = {"equal": "xs[i] == xs[i - 1]", "increasing": "xs[i] > xs[i - 1]", "non-decreasing": "xs[i] >= xs[i - 1]",
+            "decreasing": "xs[i] < xs[i - 1]", "non-increasing": "xs[i] <= xs[i - 1]"}[kind]
     what = {"equal": "of equal consecutive elements", "increasing": "of consecutive elements, each greater than the one before",
-            "non-decreasing": "of consecutive elements, each at least the one before"}[kind]
+            "non-decreasing": "of consecutive elements, each at least the one before",
+            "decreasing": "of consecutive elements, each smaller than the one before",
+            "non-increasing": "of consecutive elements, each at most the one before"}[kind]
     return Spec(name, f"Write a function `{name}(xs)` that returns the length of the longest run {what} "
                       f"in xs (0 for an empty list).",
                 _src(f"def $n(xs):\n    best = cur = 0\n    for i in range(len(xs)):\n"
