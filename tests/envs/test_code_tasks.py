@@ -142,3 +142,28 @@ def test_expert_reference_for_every_source():
         for task in read_tasks(DATA_DIR / "tasks.jsonl" if path == "builtin" else path):
             ref = code_reference(task, solutions)
             assert ref is not None and grade(task, ref).fraction == 1.0, (path, task["metadata"])
+
+
+def test_agentrl_demos_env_code(tmp_path, capsys):
+    """`agentrl demos --env code`: the expert's episodes on the train split, each graded 1.0 by the
+    env (tools and grading on the host: only the expert's own reference code runs)."""
+    from agentrl.cli import main
+
+    out = tmp_path / "demos.jsonl"
+    assert main(["demos", "--env", "code", "--n", "2", "--out", str(out), "--env-kwargs", '{"sandbox": null}']) == 0
+    assert "code: 2 demonstrations (reward 1.0)" in capsys.readouterr().err
+    rows = _rows(out)
+    assert len(rows) == 2 and all(r["reward"] == 1.0 and r["task"]["task_id"].startswith("gen/") for r in rows)
+    assert all(split_of(r["messages"][1]["content"].split("\n\n")[0]) == "train" for r in rows)
+    for r in rows:
+        calls = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+        assert '"write_file"' in calls[0] and '"python"' in calls[1] and "<tool_call>" not in calls[-1]
+        assert [m["content"] for m in r["messages"] if m["role"] == "tool"][-1].strip() == "example ok"
+
+
+@pytest.mark.parametrize("path", [MBPP_SAMPLE, HUMANEVAL_SAMPLE], ids=["mbpp", "humaneval"])
+def test_demos_from_a_task_file(path):
+    from agentrl.demos import make_demos
+
+    rows, failed = make_demos("code", 3, env_kwargs={"sandbox": None, "tasks": str(path)})
+    assert failed == [] and sorted(str(r["task"]["task_id"]) for r in rows) == sorted(str(r["task_id"]) for r in _rows(path))
