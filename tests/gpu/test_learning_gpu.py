@@ -221,9 +221,10 @@ GAIN = {
         "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--global-batch-size", "256",
         "--micro-batch-size", "16", "--rollout-max-response-len", "384", "--eval-interval", "20",
         "--n-samples-per-eval-prompt", "2"]),
-    "math-python": dict(iters=8, data=lambda: heldout_math(100), args=[
+    # math's 200 held-out problems (so the two compare), one sample each: tool episodes are the slow ones
+    "math-python": dict(iters=8, data=lambda: heldout_math(200), args=[
         "--sandbox", "local", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size",
-        "128", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "8", "--n-samples-per-eval-prompt", "2"]),
+        "128", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "8", "--n-samples-per-eval-prompt", "1"]),
     "code": dict(iters=10, data=lambda: heldout_code(100), args=[
         "--sandbox", "local", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size",
         "128", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "10",
