@@ -695,6 +695,10 @@ def _copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+def _says_little(value: Any) -> bool:
+    return value is None or (not isinstance(value, bool) and not value)
+
+
 def _assert(entry: str, args: tuple, expected: Any) -> str:
     return f"assert {entry}({', '.join(repr(a) for a in args)}) == {expected!r}"
 
@@ -729,9 +733,10 @@ def build(family_name: str, instance: int) -> Task:
             break
     if not caught:
         raise AssertionError(f"code tasks: {family_name}/{instance}: no input tells the wrong solution apart")
-    # drawn inputs first: the env shows the first test as the example, and an edge case ('' -> 0) says little
+    # the env shows the first test as the example: a drawn input with a telling answer first (an
+    # edge case such as '' -> 0, or an empty result, says little about the function)
     edges = {repr(a) for a in spec.edge_inputs}
-    inputs.sort(key=lambda pair: repr(pair[0]) in edges)
+    inputs.sort(key=lambda pair: (repr(pair[0]) in edges, _says_little(pair[1])))
     tests = tuple(_assert(spec.entry_point, args, expected) for args, expected in inputs)
     return Task(family_name, f"gen/{family_name}/{instance}", spec.entry_point, spec.text, spec.solution,
                 spec.wrong, tests)
