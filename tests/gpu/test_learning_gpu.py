@@ -100,7 +100,7 @@ def test_smollm2_math_python_calls_tools(smollm2):
 SFT_DEMOS = {"math": ["--n", "1024"], "search-r1": ["--n", "512"],
              "math-python": ["--n", "256", "--concurrency", "16", "--env-kwargs", '{"sandbox": "local"}'],
              # the generator's train split (its test split is the held-out set below)
-             "code": ["--n", "512", "--concurrency", "16", "--env-kwargs", '{"sandbox": "local"}']}
+             "code": ["--n", "512", "--concurrency", "32", "--env-kwargs", '{"sandbox": "local"}']}
 
 
 def agentrl_cmd(name: str, *args: str, timeout_s: float = 300) -> None:
@@ -124,7 +124,7 @@ def sft_model(base: Path, env: str) -> Path:
     if done:
         return done[-1].parent
     demos = OUT / f"demos_{env}.jsonl"
-    agentrl_cmd(f"demos_{env}", "demos", "--env", env, *SFT_DEMOS[env], "--out", str(demos))
+    agentrl_cmd(f"demos_{env}", "demos", "--env", env, *SFT_DEMOS[env], "--out", str(demos), timeout_s=420)
     agentrl_cmd(f"sft_{env}", "sft", "--prompt-data", str(demos), "--model", str(base), "--trainer", TRAINER,
                 "--device", "cuda", "--dtype", "bfloat16", "--num-epoch", "2", "--lr", "3e-5",
                 "--global-batch-size", "32", "--micro-batch-size", "16", "--output-dir", str(out), "--no-progress",
