@@ -15,7 +15,8 @@ Tasks. By default a seeded generator (envs/code_env/generator.py) supplies them:
 small problems (string, list, dict, arithmetic, parsing, simple algorithms) with varied
 parameters, hidden tests and a reference solution each, split by statement into "train" and
 "test" (``--env-kwargs '{"split": "test"}'``; no statement is in both). The 20 hand-written
-tasks of data/tasks.jsonl: ``{"tasks": "builtin"}``. Or a task file (JSONL), MBPP- or HumanEval-shaped: ``text`` or ``prompt`` (the statement),
+tasks of data/tasks.jsonl: ``{"tasks": "builtin"}``. Or a task file (JSONL), MBPP- or
+HumanEval-shaped: ``text`` or ``prompt`` (the statement),
 ``test_list`` or ``test`` (the hidden tests), ``entry_point``, optional ``test_setup_code``
 / ``test_imports``. A test is Python the judge runs on the host (``assert f(2) == 4``, or a
 HumanEval ``check(candidate)``); the solution's functions in it must take and return plain

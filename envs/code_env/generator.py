@@ -757,10 +757,15 @@ def generate_tasks(seed: int = 0, split: str = "train", n: int | None = None,
     split ran out drops out); without: an endless stream, where a statement may come again."""
     if split not in SPLITS:
         raise ValueError(f"code tasks: split must be one of {SPLITS}, got {split!r}")
-    active = list(families or FAMILIES)
-    for name in active:
+    names = list(families or FAMILIES)
+    for name in names:
         if name not in FAMILIES:
             raise ValueError(f"code tasks: unknown family {name!r}; families: {', '.join(FAMILIES)}")
+    return _stream(seed, split, n, names)  # checked above, at the call: not at the first task
+
+
+def _stream(seed: int, split: str, n: int | None, active: list[str]) -> Iterator[Task]:
+    families = list(active)
     rng = random.Random(f"agentrl-code-{seed}-{split}")
     seen: set[str] = set()
     misses = dict.fromkeys(active, 0)  # draws in a row that gave nothing new, per family
@@ -779,7 +784,7 @@ def generate_tasks(seed: int = 0, split: str = "train", n: int | None = None,
             count += 1
             if n is not None and count >= n:
                 return
-    raise ValueError(f"code tasks: only {count} distinct {split} tasks in families {families or list(FAMILIES)}")
+    raise ValueError(f"code tasks: only {count} distinct {split} tasks in families {families}")
 
 
 def generate(seed: int = 0, split: str = "train", n: int | None = None,
