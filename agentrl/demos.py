@@ -13,8 +13,9 @@ the env's tools the way a good agent would, and the env grades it:
 - ``search-r1``: <search>es the question, then follows the passages (the entity named next
   to the question's subject) until the gold answer is in what it retrieved, then <answer>s;
   a question whose answer is never retrieved within the env's turns is skipped;
-- ``code``: writes the task's reference solution to solution.py with `write_file`, runs the
-  example test with `bash`, and finishes with a short message.
+- ``code``: writes the task's reference solution (the generator's, or the task file's
+  ``canonical_solution`` / MBPP ``code``) to solution.py with `write_file`, runs the example
+  test with `python`, and finishes with a short message.
 
 Only episodes the env scored 1.0 are written; each row is a conversation as `agentrl sft`
 reads it: ``{"messages": [...], "tools": [...], "env", "task", "reward"}`` (messages exactly
@@ -149,12 +150,36 @@ POLICIES = {"target-token": policy_target_token, "math": policy_math, "math-pyth
 
 
 def _code_solutions(env) -> dict[str, str]:
-    """task_id -> reference solution of the code env's task file (its canonical_solution field)."""
+    """task_id -> reference solution of the code env's task file: ``canonical_solution`` (a whole
+    module; HumanEval's is the body under its ``prompt``) or MBPP's ``code``. Generated tasks
+    need none: their reference comes from the generator (`code_reference`)."""
     from agentrl.envs.code_env import DEFAULT_TASKS
 
-    path = env.dataset_kwargs.get("tasks") or DEFAULT_TASKS
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return {r["task_id"]: r["canonical_solution"] for r in rows if r.get("task_id") and r.get("canonical_solution")}
+    path = env.dataset_kwargs.get("tasks")
+    if not path:
+        return {}
+    rows = [json.loads(line) for line in Path(DEFAULT_TASKS if path == "builtin" else path).read_text().splitlines()
+            if line.strip()]
+    out = {}
+    for r in rows:
+        if r.get("task_id") is None:
+            continue
+        if r.get("canonical_solution") and "def check(" in str(r.get("test", "")):  # HumanEval
+            out[str(r["task_id"])] = str(r.get("prompt", "")) + r["canonical_solution"]
+        elif r.get("canonical_solution") or r.get("code"):
+            out[str(r["task_id"])] = r.get("canonical_solution") or r["code"]
+    return out
+
+
+def code_reference(task: dict, file_solutions: dict[str, str]) -> str | None:
+    """The reference solution of a code task: the generator's for a generated one, else the task file's."""
+    from agentrl.envs.code_env.generator import task_from_id
+
+    task_id = (task.get("metadata") or {}).get("task_id")
+    generated = task_from_id(task_id) if task_id is not None else None
+    if generated is not None:
+        return generated.solution
+    return file_solutions.get(str(task_id))
 
 
 # -- playing ---------------------------------------------------------------------------------------
@@ -217,11 +242,11 @@ def make_demos(env_name: str, n: int, *, seed: int = 0, env_kwargs: dict | None 
             if ctx["steps"] is None:
                 continue
         if env_name == "code":
-            ctx["solution"] = solutions.get((task.get("metadata") or {}).get("task_id"))
+            ctx["solution"] = code_reference(task, solutions)
             if ctx["solution"] is None:
                 continue
         tasks.append((task, ctx))
-        if env_name == "code" and len(tasks) >= len(solutions) and len(tasks) >= n:
+        if solutions and len(tasks) >= len(solutions) and len(tasks) >= n:  # a task file: each task is in
             break
 
     async def run_all():

@@ -1,5 +1,6 @@
 """Learning curves of the real-model GPU runs (tests/gpu/test_learning_gpu.py): train reward per
-iteration and held-out reward at each evaluation, one panel per run, from the runs' metrics.jsonl.
+iteration and held-out reward at each evaluation, one panel per run, from the runs' metrics.jsonl,
+over the held-out reward of a constant and of a random answer (bench/learning_baselines.py).
 
     python bench/learning_curves.py                       # bench/results/learning/*.metrics.jsonl
     python bench/learning_curves.py RUN.metrics.jsonl ... --out curves.png
@@ -14,6 +15,15 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def baseline_env(run_name: str) -> str:
+    """The env whose baselines go under a run's curves (math-python has math's problems)."""
+    for prefix, env in (("search_r1", "search-r1"), ("math", "math"), ("code", "code"), ("smollm2_code", "code"),
+                        ("smollm2_math", "math"), ("smollm2_search_r1", "search-r1")):
+        if run_name.startswith(prefix):
+            return env
+    return ""
+
+
 def main() -> None:
     import matplotlib
 
@@ -25,6 +35,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "learning.png")
     args = parser.parse_args()
     files = args.files or sorted((RESULTS / "learning").glob("*.metrics.jsonl"))
+    base_file = RESULTS / "learning_baselines.json"  # python bench/learning_baselines.py
+    baselines = json.loads(base_file.read_text()) if base_file.exists() else {}
     fig, axes = plt.subplots(1, len(files), figsize=(4.2 * len(files), 3.4), squeeze=False)
     for ax, path in zip(axes[0], files):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -36,6 +48,11 @@ def main() -> None:
         if any(r.get("tool_calls_mean") for r in rows):
             ax.plot([r["rollout_id"] for r in rows], [r["tool_calls_mean"] / 10 for r in rows], "--",
                     label="tool calls / episode / 10")
+        env = baseline_env(path.name)
+        for kind, style in (("constant", ":"), ("random", "-.")):
+            if env in baselines:
+                ax.axhline(baselines[env][kind], color="grey", linestyle=style, linewidth=1,
+                           label=f"{kind} answer (held-out)")
         ax.set_title(path.name.removesuffix(".metrics.jsonl"), fontsize=9)
         ax.set_xlabel("iteration")
         ax.set_ylim(-0.02, 1.0)

@@ -11,7 +11,12 @@ those answers (envs/code_env/grader.py says how); reward = share of tests passed
 ``all_or_nothing=True``. What the agent's own actions break (a solution file that is a FIFO,
 its sandbox's exec server killed) scores 0 with ``info["agent_fault"]``, never a failed group.
 
-Task files (JSONL), MBPP- or HumanEval-shaped: ``text`` or ``prompt`` (the statement),
+Tasks. By default a seeded generator (envs/code_env/generator.py) supplies them: 39 families of
+small problems (string, list, dict, arithmetic, parsing, simple algorithms) with varied
+parameters, hidden tests and a reference solution each, split by statement into "train" and
+"test" (``--env-kwargs '{"split": "test"}'``; no statement is in both). The 20 hand-written
+tasks of data/tasks.jsonl: ``{"tasks": "builtin"}``. Or a task file (JSONL), MBPP- or
+HumanEval-shaped: ``text`` or ``prompt`` (the statement),
 ``test_list`` or ``test`` (the hidden tests), ``entry_point``, optional ``test_setup_code``
 / ``test_imports``. A test is Python the judge runs on the host (``assert f(2) == 4``, or a
 HumanEval ``check(candidate)``); the solution's functions in it must take and return plain
@@ -28,6 +33,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from agentrl.envs.code_env.generator import SPLITS, generate
 from agentrl.envs.code_env.grader import GradeResult, HiddenTests, grade, hidden_tests
 from agentrl.data import shuffled_epochs
 from agentrl.errors import AgentFault
@@ -86,6 +92,8 @@ def normalize_task(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_tasks(path: str | Path) -> list[dict[str, Any]]:
+    if not Path(path).is_file():
+        raise ValueError(f"code: task file {str(path)!r} not found (tasks: a JSONL path, or 'builtin')")
     tasks = []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
@@ -102,7 +110,9 @@ def read_tasks(path: str | Path) -> list[dict[str, Any]]:
 class CodeEnv(ToolEnv):
     """Sandboxed code agent: python/bash/files tools in a sandbox; hidden tests run in a fresh sandbox.
 
-    kwargs: ``tasks`` (JSONL of MBPP/HumanEval-shaped tasks; default the 20 built-in ones),
+    kwargs: ``tasks`` (JSONL of MBPP/HumanEval-shaped tasks, or "builtin": the 20 hand-written ones;
+    default None: the task generator), ``split`` ("train" | "test": the generator's split),
+    ``families`` (the generator's families to draw from; default all),
     ``sandbox`` ("auto" | "docker" | "local" | a SandboxPool; where the agent works), ``grader_sandbox``
     (where the solution runs for grading: a backend name or a pool; default "same": the pool, or
     a new sandbox of the same backend; None: a host process, trusted code only), ``all_or_nothing`` (False:
@@ -125,7 +135,7 @@ class CodeEnv(ToolEnv):
                  all_or_nothing: bool = False, solution_files: list[str] | tuple[str, ...] = ("solution.py",),
                  answer_in_message: bool = True, show_example: bool = True, max_turns: int | None = None,
                  test_timeout: float = 10, grade_timeout: float = 60, system_prompt: str | None = None,
-                 **tool_env_kwargs):
+                 split: str = "train", families: list[str] | None = None, **tool_env_kwargs):
         super().__init__(system_prompt=system_prompt, **tool_env_kwargs)
         self.sandbox = sandbox
         self.grader_sandbox = sandbox if grader_sandbox == "same" else grader_sandbox
@@ -140,15 +150,21 @@ class CodeEnv(ToolEnv):
             self.max_turns = int(max_turns)
         self.test_timeout = float(test_timeout)
         self.grade_timeout = float(grade_timeout)
-        self.dataset_kwargs = {"tasks": tasks}  # reset() without a task draws one from them
+        if split not in SPLITS:
+            raise ValueError(f"code: split must be one of {SPLITS}, got {split!r}")
+        # reset() without a task draws one from them
+        self.dataset_kwargs = {"tasks": tasks, "split": split, "families": families}
         if system_prompt is None:
             self.system_prompt = SYSTEM_PROMPT.format(solution_file=self.solution_files[0])
         self.hidden: HiddenTests | None = None  # not `spec`: gymnasium's env.spec is the EnvSpec
         self.tool_calls = 0
 
     @classmethod
-    def dataset(cls, seed: int = 0, tasks: str | None = None, **_) -> Iterator[dict]:
-        return shuffled_epochs(read_tasks(tasks or DEFAULT_TASKS), seed)
+    def dataset(cls, seed: int = 0, tasks: str | None = None, split: str = "train",
+                families: list[str] | None = None, **_) -> Iterator[dict]:
+        if tasks:  # a file is one set: no split of its own
+            return shuffled_epochs(read_tasks(DEFAULT_TASKS if tasks == "builtin" else tasks), seed)
+        return generate(seed=seed, split=split, families=families)
 
     # -- episode ---------------------------------------------------------------------------------
     async def setup(self, task):

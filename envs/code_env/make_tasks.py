@@ -3,6 +3,12 @@
 hidden assert tests. Deterministic; rerun after editing TASKS:
 
     python -m agentrl.envs.code_env.make_tasks
+
+It also writes a split of the task generator (generator.py) as a task file of the same shape,
+for `--env-kwargs '{"tasks": FILE}'`, or as env rows ({prompt, label, metadata}) for
+`--eval-prompt-data NAME FILE`:
+
+    python -m agentrl.envs.code_env.make_tasks --split test --n 200 --seed 1 --out heldout.jsonl [--env-rows]
 """
 
 from __future__ import annotations
@@ -99,10 +105,28 @@ def rows() -> list[dict]:
              "canonical_solution": solution} for i, (name, text, solution, tests) in enumerate(TASKS)]
 
 
-def main() -> int:
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text("".join(json.dumps(r) + "\n" for r in rows()))
-    print(f"{OUT}: {len(TASKS)} tasks")
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--split", choices=("train", "test"), help="write the generator's split (else the 20 built-in tasks)")
+    parser.add_argument("--n", type=int, default=200, help="distinct tasks of the split (default 200)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--env-rows", action="store_true", help="{prompt, label, metadata} rows, not MBPP-shaped")
+    args = parser.parse_args(argv)
+    if args.split is None:
+        out, lines = args.out or OUT, rows()
+    else:
+        from agentrl.envs.code_env.generator import generate_tasks
+
+        if args.out is None:
+            parser.error("--split needs --out")
+        tasks = generate_tasks(seed=args.seed, split=args.split, n=args.n)
+        out, lines = args.out, [t.env_task() if args.env_rows else t.row() for t in tasks]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    print(f"{out}: {len(lines)} tasks")
     return 0
 
 

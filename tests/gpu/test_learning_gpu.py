@@ -98,7 +98,9 @@ def test_smollm2_math_python_calls_tools(smollm2):
 # reward 0.000 before and after 43 iterations; 0 tool calls in 8 math-python iterations): the issue's
 # path is `agentrl sft` on demonstrations first (`agentrl demos`, each graded 1.0 by the env), then RL.
 SFT_DEMOS = {"math": ["--n", "1024"], "search-r1": ["--n", "512"],
-             "math-python": ["--n", "256", "--concurrency", "16", "--env-kwargs", '{"sandbox": "local"}']}
+             "math-python": ["--n", "256", "--concurrency", "16", "--env-kwargs", '{"sandbox": "local"}'],
+             # the generator's train split (its test split is the held-out set below)
+             "code": ["--n", "512", "--concurrency", "32", "--env-kwargs", '{"sandbox": "local"}']}
 
 
 def agentrl_cmd(name: str, *args: str, timeout_s: float = 300) -> None:
@@ -122,7 +124,7 @@ def sft_model(base: Path, env: str) -> Path:
     if done:
         return done[-1].parent
     demos = OUT / f"demos_{env}.jsonl"
-    agentrl_cmd(f"demos_{env}", "demos", "--env", env, *SFT_DEMOS[env], "--out", str(demos))
+    agentrl_cmd(f"demos_{env}", "demos", "--env", env, *SFT_DEMOS[env], "--out", str(demos), timeout_s=420)
     agentrl_cmd(f"sft_{env}", "sft", "--prompt-data", str(demos), "--model", str(base), "--trainer", TRAINER,
                 "--device", "cuda", "--dtype", "bfloat16", "--num-epoch", "2", "--lr", "3e-5",
                 "--global-batch-size", "32", "--micro-batch-size", "16", "--output-dir", str(out), "--no-progress",
@@ -178,3 +180,108 @@ def test_smollm2_rl_after_sft(smollm2, env):
     before, after = rows[0]["eval_before_train/heldout/reward_mean"], rows[-1]["eval/heldout/reward_mean"]
     print(f"{env} held-out reward: SFT model {before:.3f}, after {n} RL iterations {after:.3f}")
     assert after > before, (before, after)
+
+
+# -- issue 36: a held-out gain per env, measured with its standard error, the same seed run twice --------
+def heldout_code(n: int = 100) -> Path:
+    """The code generator's test split (seed 1): statements the demonstrations and the training
+    stream (train split) never contain, as env rows {prompt, label, metadata}."""
+    from agentrl.envs.code_env.generator import generate
+
+    path = OUT / "code_heldout.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in generate(seed=1, split="test", n=n)))
+    return path
+
+
+def eval_rows(run: Path, after: bool) -> list[dict]:
+    """The held-out set's trajectories: before training (the starting model) or after the last iteration."""
+    if not after:
+        return [json.loads(x) for x in (run / "trajectories" / "eval_heldout_before_train_00000.jsonl").read_text()
+                .splitlines()]
+    last = sorted((run / "trajectories").glob("eval_heldout_0*.jsonl"))[-1]
+    return [json.loads(x) for x in last.read_text().splitlines()]
+
+
+def reward_of(row: dict) -> float:
+    r = row["reward"]
+    return float(r.get("score", 0.0)) if isinstance(r, dict) else float(r)
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """Mean and its standard error (sample std / sqrt(n))."""
+    m = mean(xs)
+    var = sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1)
+    return m, (var / len(xs)) ** 0.5
+
+
+# per env: RL flags (search-r1's: lr 1e-5, 8 samples per prompt, --eval-interval 10), default
+# iterations (each scenario one device call, about 8 minutes on one H100), held-out set
+GAIN = {
+    "math": dict(iters=40, data=lambda: heldout_math(200), args=[
+        "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--global-batch-size", "256",
+        "--micro-batch-size", "16", "--rollout-max-response-len", "384", "--eval-interval", "20",
+        "--n-samples-per-eval-prompt", "2"]),
+    # math's 200 held-out problems (so the two compare), one sample each: tool episodes are the slow ones
+    "math-python": dict(iters=8, data=lambda: heldout_math(200), args=[
+        "--sandbox", "local", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size",
+        "128", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "8", "--n-samples-per-eval-prompt", "1"]),
+    "code": dict(iters=10, data=lambda: heldout_code(100), args=[
+        "--sandbox", "local", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size",
+        "128", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "10",
+        "--n-samples-per-eval-prompt", "2"]),
+}
+
+
+def summary(env: str, run: Path, rows: list[dict]) -> dict:
+    """Held-out before/after with standard errors, train reward trend, tool use; written to OUT."""
+    before, after = eval_rows(run, after=False), eval_rows(run, after=True)
+    (b, b_se), (a, a_se) = mean_se([reward_of(r) for r in before]), mean_se([reward_of(r) for r in after])
+    out = {"env": env, "iterations": len(rows), "heldout_episodes": len(after),
+           "heldout_before": b, "heldout_before_se": b_se, "heldout_after": a, "heldout_after_se": a_se,
+           "gain": a - b, "gain_se": (a_se ** 2 + b_se ** 2) ** 0.5,
+           "pass_before": mean(reward_of(r) >= 1.0 for r in before), "pass_after": mean(reward_of(r) >= 1.0 for r in after),
+           "train_first5": mean(r["reward_mean"] for r in rows[:5]), "train_last5": mean(r["reward_mean"] for r in rows[-5:]),
+           "tool_use_after": mean((r.get("metadata") or {}).get("tool_calls", 0) > 0 for r in after),
+           "tool_calls_mean_last": rows[-1].get("tool_calls_mean", 0.0)}
+    print(f"{env}: held-out {b:.3f} +- {b_se:.3f} -> {a:.3f} +- {a_se:.3f} (gain {a - b:+.3f} +- {out['gain_se']:.3f}, "
+          f"{len(after)} episodes); all tests passed {out['pass_before']:.3f} -> {out['pass_after']:.3f}; train reward "
+          f"first 5 {out['train_first5']:.3f}, last 5 {out['train_last5']:.3f}; episodes using a tool "
+          f"{out['tool_use_after']:.2f}", flush=True)
+    return out
+
+
+@pytest.mark.parametrize("attempt", ["first", "rerun"])
+@pytest.mark.parametrize("env", list(GAIN))
+def test_smollm2_heldout_gain(smollm2, env, attempt):
+    """RL from the SFT model (test_smollm2_sft_on_demos[ENV] builds it, cached on the machine),
+    the held-out set evaluated before training and after the last iteration; `rerun` is the same
+    seed again (compared with the first run's summary when it is on this machine).
+    math: gain >= 0.10 and the train reward rising; math-python: a tool in most episodes and the
+    held-out reward above the SFT model's or above math's without the tool (math's summary,
+    when its scenario ran on this machine); code (local sandboxes): the pass rate rises."""
+    cfg = GAIN[env]
+    n = iters(cfg["iters"])
+    name = f"smollm2_{env.replace('-', '_')}_gain_{attempt}"
+    run, rows = real_model_run(name, sft_model(smollm2, env), "--env", env, "--lr", "1e-5", "--seed", "0",
+                               *cfg["args"], "--eval-prompt-data", "heldout", str(cfg["data"]()), n=n)
+    assert all(r["status_failed"] == 0 for r in rows)
+    out = summary(env, run, rows)
+    (OUT / f"{name}.summary.json").write_text(json.dumps(out, indent=1))
+    other = OUT / f"smollm2_{env.replace('-', '_')}_gain_{'first' if attempt == 'rerun' else 'rerun'}.summary.json"
+    if other.exists():
+        prev = json.loads(other.read_text())
+        print(f"{env}: the other run of the same seed: held-out {prev['heldout_before']:.3f} -> "
+              f"{prev['heldout_after']:.3f} (gain {prev['gain']:+.3f}); this run gain {out['gain']:+.3f}")
+    if env == "math":
+        assert out["gain"] >= 0.10, out
+        assert out["train_last5"] > out["train_first5"], out
+    elif env == "math-python":
+        assert out["tool_use_after"] > 0.5, out
+        math_run = OUT / f"smollm2_math_gain_{attempt}.summary.json"
+        without_tool = json.loads(math_run.read_text())["heldout_after"] if math_run.exists() else None
+        print(f"math-python held-out {out['heldout_after']:.3f}; SFT model {out['heldout_before']:.3f}; math without "
+              f"the tool {without_tool if without_tool is None else round(without_tool, 3)}")
+        assert out["heldout_after"] > out["heldout_before"] or (
+            without_tool is not None and out["heldout_after"] > without_tool), out
+    else:
+        assert out["pass_after"] > out["pass_before"], out
