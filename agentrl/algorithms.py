@@ -117,6 +117,24 @@ class Advantages:
     returns: list[list[float]] | None = None  # ppo: the critic's targets, same layout
 
 
+def overlong_penalty(length: int, *, max_len: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer_len tokens, then falling linearly
+    to -factor at max_len, and -factor beyond it."""
+    start = max_len - buffer_len
+    if length <= start:
+        return 0.0
+    return -factor * min(length - start, buffer_len) / buffer_len
+
+
+def shaped_rewards(samples, algo) -> list[float]:
+    """Each Sample's scalar reward with the configured shaping (--overlong-buffer-len) applied."""
+    rewards = [s.reward_value for s in samples]
+    if getattr(algo, "overlong_buffer_len", None) is None:
+        return rewards
+    return [r + overlong_penalty(s.response_length, max_len=algo.overlong_max_len, buffer_len=algo.overlong_buffer_len,
+                                 factor=algo.overlong_penalty_factor) for r, s in zip(rewards, samples)]
+
+
 def compute_advantages(samples, algo, *, old_logprobs: list[list[float]] | None = None,
                        ref_logprobs: list[list[float]] | None = None,
                        values: list[list[float]] | None = None) -> Advantages:
@@ -133,7 +151,8 @@ def compute_advantages(samples, algo, *, old_logprobs: list[list[float]] | None 
     idx = [i for i, s in enumerate(samples) if s.trainable]  # a failed trajectory neither gets nor gives signal
     if not idx:
         return Advantages(out, [list(r) for r in out] if est == "ppo" else None)
-    rewards = torch.tensor([samples[i].reward_value for i in idx], dtype=torch.float64)
+    shaped = shaped_rewards(samples, algo)
+    rewards = torch.tensor([shaped[i] for i in idx], dtype=torch.float64)
     if est in GROUP_ESTIMATORS or est == "reinforce_plus_plus":
         groups = torch.tensor([samples[i].group_id for i in idx])
         scalar = group_advantages(rewards, groups, est).tolist()
@@ -379,4 +398,8 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
     mismatch = [abs(a - b) for s, o in zip(samples, old) for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask) if m]
     out = {k: sum(v) / len(v) for k, v in metrics.items()}
     out["train_rollout_logprob_abs_diff"] = sum(mismatch) / len(mismatch) if mismatch else 0.0
+    if getattr(algo, "overlong_buffer_len", None) is not None:
+        penalties = [r - s.reward_value for r, s in zip(shaped_rewards(samples, algo), samples) if s.trainable]
+        out["overlong_penalty_mean"] = sum(penalties) / len(penalties) if penalties else 0.0
+        out["overlong_frac"] = sum(p < 0 for p in penalties) / len(penalties) if penalties else 0.0
     return out

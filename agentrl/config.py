@@ -173,6 +173,13 @@ class AlgoConfig(Section):
     """Upper bound of the --use-tis importance weights."""
     tis_clip_low: float = Field(0.0, ge=0)
     """Lower bound of the --use-tis importance weights."""
+    overlong_buffer_len: int | None = Field(None, ge=1)
+    """DAPO's overlong reward shaping: a response longer than --overlong-max-len minus this many
+    tokens loses reward linearly, --overlong-penalty-factor at --overlong-max-len and past it; None: off."""
+    overlong_max_len: int | None = Field(None, ge=1)
+    """Where the overlong buffer ends; None: --rollout-max-response-len."""
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    """Reward lost at --overlong-max-len (--overlong-buffer-len)."""
     custom_rm_path: str | None = None
     """Reward function overriding the env's: "module.fn" or "file.py:fn" with slime's signature
     `async def rm(args, sample) -> float | dict` (args is the resolved Config)."""
@@ -528,6 +535,11 @@ def resolve(layers: dict) -> Config:
         has_model = bool(layers.get("model", {}).get("model"))
         sft = layers["train"].get("loss_type") == "sft_loss"
         layers["train"]["lr"] = (SFT_CHECKPOINT_LR if sft else CHECKPOINT_LR) if has_model else TINY_MODEL_LR
+    algo = layers.get("algo", {})
+    if algo.get("overlong_buffer_len") is not None and algo.get("overlong_max_len") is None:
+        budget = layers.get("rollout", {}).get("rollout_max_response_len",
+                                               RolloutConfig.model_fields["rollout_max_response_len"].default)
+        layers["algo"] = {**algo, "overlong_max_len": budget}
     try:
         cfg = Config(**layers)
     except ValidationError as exc:
@@ -572,6 +584,11 @@ def resolve(layers: dict) -> Config:
                           "overlap them (--async): drop one of the two")
     if cfg.rollout.mask_offpolicy_in_partial_rollout and not cfg.rollout.partial_rollout:
         raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
+    if cfg.algo.overlong_buffer_len is not None:
+        if cfg.algo.overlong_buffer_len >= cfg.algo.overlong_max_len:
+            raise ConfigError(f"--overlong-buffer-len ({cfg.algo.overlong_buffer_len}) must be shorter than the length "
+                              f"it ends at, --overlong-max-len ({cfg.algo.overlong_max_len}; default "
+                              "--rollout-max-response-len): the penalty would start before the first token")
     steps = total // cfg.train.global_batch_size
     if cfg.train.num_steps_per_rollout is not None and cfg.train.num_steps_per_rollout != steps:
         raise ConfigError(
