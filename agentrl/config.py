@@ -56,6 +56,11 @@ class DataConfig(Section):
     """`agentrl sft`: row key of the tool JSON schemas given to the chat template (RL envs list their own tools)."""
     num_epoch: int = Field(1, ge=1)
     """`agentrl sft`: passes over --prompt-data (RL runs count iterations with --num-rollout)."""
+    difficulty_window: int | None = Field(None, ge=1)
+    """Difficulty-aware sampling: skip a prompt whose last N groups each gave all their samples one
+    reward (always or never solved: no signal), revisiting it with --difficulty-revisit-prob; None: off."""
+    difficulty_revisit_prob: float = Field(0.1, ge=0, le=1)
+    """Chance that a prompt skipped by --difficulty-window is sampled anyway."""
 
 
 class RolloutConfig(Section):
