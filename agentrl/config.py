@@ -178,6 +178,19 @@ class AlgoConfig(Section):
     """Upper bound of the --use-tis importance weights."""
     tis_clip_low: float = Field(0.0, ge=0)
     """Lower bound of the --use-tis importance weights."""
+    judge_url: str | None = None
+    """LLM judge reward (--custom-rm-path agentrl.judge:llm_judge): base URL of an OpenAI-compatible
+    endpoint serving the judge, e.g. http://host:30000/v1."""
+    judge_model: str = "default"
+    """The judge's model name in its requests."""
+    judge_rubric: str = "Score how correct and complete the answer is for the question."
+    """The judge's rubric: its text, or a file holding it."""
+    judge_max_score: int = Field(10, ge=1)
+    """The judge scores 0..N; the reward is score / N."""
+    judge_timeout_s: float = Field(60.0, gt=0)
+    """A judge request not answered in this time fails its trajectory (an infrastructure failure)."""
+    judge_max_concurrency: int = Field(16, ge=1)
+    """Judge requests in flight at once."""
     overlong_buffer_len: int | None = Field(None, ge=1)
     """DAPO's overlong reward shaping: a response longer than --overlong-max-len minus this many
     tokens loses reward linearly, --overlong-penalty-factor at --overlong-max-len and past it; None: off."""
