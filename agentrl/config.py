@@ -178,6 +178,17 @@ class AlgoConfig(Section):
     """Upper bound of the --use-tis importance weights."""
     tis_clip_low: float = Field(0.0, ge=0)
     """Lower bound of the --use-tis importance weights."""
+    use_opd: bool = False
+    """On-policy distillation: each trained token's advantage loses --opd-kl-coef x (student logprob -
+    teacher logprob), the per-token reverse KL to the teacher (--opd-teacher-load), on top of any
+    estimator (with a constant reward, distillation alone)."""
+    opd_type: Literal["megatron", "torch"] | None = None
+    """Where the teacher runs: beside the policy in the trainer ("megatron", slime's name, also for the
+    PyTorch trainer; "torch" is its alias). None with --use-opd: the trainer's."""
+    opd_kl_coef: float = Field(1.0, ge=0)
+    """Weight of the reverse-KL penalty of --use-opd."""
+    opd_teacher_load: str | None = None
+    """The teacher's HF checkpoint (same architecture and tokenizer as the policy)."""
     judge_url: str | None = None
     """LLM judge reward (--custom-rm-path agentrl.judge:llm_judge): base URL of an OpenAI-compatible
     endpoint serving the judge, e.g. http://host:30000/v1."""
@@ -602,6 +613,10 @@ def resolve(layers: dict) -> Config:
                           "overlap them (--async): drop one of the two")
     if cfg.rollout.mask_offpolicy_in_partial_rollout and not cfg.rollout.partial_rollout:
         raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
+    if cfg.algo.use_opd and not cfg.algo.opd_teacher_load:
+        raise ConfigError("--use-opd needs --opd-teacher-load PATH (the teacher's HF checkpoint)")
+    if cfg.algo.opd_teacher_load and not Path(cfg.algo.opd_teacher_load).exists():
+        raise ConfigError(f"--opd-teacher-load {cfg.algo.opd_teacher_load}: no such folder")
     if cfg.algo.overlong_buffer_len is not None:
         if cfg.algo.overlong_buffer_len >= cfg.algo.overlong_max_len:
             raise ConfigError(f"--overlong-buffer-len ({cfg.algo.overlong_buffer_len}) must be shorter than the length "
