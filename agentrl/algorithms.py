@@ -117,15 +117,46 @@ class Advantages:
     returns: list[list[float]] | None = None  # ppo: the critic's targets, same layout
 
 
+def overlong_penalty(length: int, *, max_len: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer_len tokens, then falling linearly
+    to -factor at max_len, and -factor beyond it."""
+    start = max_len - buffer_len
+    if length <= start:
+        return 0.0
+    return -factor * min(length - start, buffer_len) / buffer_len
+
+
+def shaped_rewards(samples, algo) -> list[float]:
+    """Each Sample's scalar reward with the configured shaping (--overlong-buffer-len) applied."""
+    rewards = [s.reward_value for s in samples]
+    if getattr(algo, "overlong_buffer_len", None) is None:
+        return rewards
+    return [r + overlong_penalty(s.response_length, max_len=algo.overlong_max_len, buffer_len=algo.overlong_buffer_len,
+                                 factor=algo.overlong_penalty_factor) for r, s in zip(rewards, samples)]
+
+
 def compute_advantages(samples, algo, *, old_logprobs: list[list[float]] | None = None,
                        ref_logprobs: list[list[float]] | None = None,
-                       values: list[list[float]] | None = None) -> Advantages:
+                       values: list[list[float]] | None = None,
+                       teacher_logprobs: list[list[float]] | None = None) -> Advantages:
     """Per-token advantages for each Sample (and returns for the critic under ppo).
 
     old_logprobs / ref_logprobs: the policy's and the reference model's logprobs of each
     response token (for the KL penalty in the reward, `--kl-coef`); values: the critic's
-    value of each response position (ppo).
+    value of each response position (ppo); teacher_logprobs: the --use-opd teacher's.
     """
+    adv = _estimator_advantages(samples, algo, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values)
+    if getattr(algo, "use_opd", False):
+        if old_logprobs is None or teacher_logprobs is None:
+            raise ValueError("--use-opd needs the policy's and the teacher's logprobs")
+        for i, s in enumerate(samples):
+            if s.trainable:  # slime's apply_opd_kl_to_advantages: after the estimator, per token
+                adv.advantages[i] = [a - algo.opd_kl_coef * (o - t) if m else a for a, o, t, m in
+                                     zip(adv.advantages[i], old_logprobs[i], teacher_logprobs[i], s.loss_mask)]
+    return adv
+
+
+def _estimator_advantages(samples, algo, *, old_logprobs, ref_logprobs, values) -> Advantages:
     est = algo.advantage_estimator
     if est not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {est!r}; choose from {ADVANTAGE_ESTIMATORS}")
@@ -133,7 +164,8 @@ def compute_advantages(samples, algo, *, old_logprobs: list[list[float]] | None 
     idx = [i for i, s in enumerate(samples) if s.trainable]  # a failed trajectory neither gets nor gives signal
     if not idx:
         return Advantages(out, [list(r) for r in out] if est == "ppo" else None)
-    rewards = torch.tensor([samples[i].reward_value for i in idx], dtype=torch.float64)
+    shaped = shaped_rewards(samples, algo)
+    rewards = torch.tensor([shaped[i] for i in idx], dtype=torch.float64)
     if est in GROUP_ESTIMATORS or est == "reinforce_plus_plus":
         groups = torch.tensor([samples[i].group_id for i in idx])
         scalar = group_advantages(rewards, groups, est).tolist()
@@ -367,7 +399,9 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
     old = trainer.compute_logprobs(samples)
     ref = trainer.compute_logprobs(samples, trainer.ref_model) if trainer.ref_model is not None else None
     values = trainer.compute_values(samples) if trainer.critic is not None else None
-    adv = compute_advantages(samples, algo, old_logprobs=old, ref_logprobs=ref, values=values)
+    teacher_model = getattr(trainer, "teacher_model", None)
+    teacher = trainer.compute_logprobs(samples, teacher_model) if teacher_model is not None else None
+    adv = compute_advantages(samples, algo, old_logprobs=old, ref_logprobs=ref, values=values, teacher_logprobs=teacher)
     metrics: dict[str, list[float]] = {}
     for start in range(0, len(samples), global_batch_size):
         idx = list(range(start, min(start + global_batch_size, len(samples))))
@@ -379,4 +413,12 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
     mismatch = [abs(a - b) for s, o in zip(samples, old) for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask) if m]
     out = {k: sum(v) / len(v) for k, v in metrics.items()}
     out["train_rollout_logprob_abs_diff"] = sum(mismatch) / len(mismatch) if mismatch else 0.0
+    if teacher is not None:  # the mean per-token reverse KL to the teacher, over trained tokens
+        kl = [o - t for s, lo, lt in zip(samples, old, teacher) if s.trainable
+              for o, t, m in zip(lo, lt, s.loss_mask) if m]
+        out["opd_reverse_kl"] = sum(kl) / len(kl) if kl else 0.0
+    if getattr(algo, "overlong_buffer_len", None) is not None:
+        penalties = [r - s.reward_value for r, s in zip(shaped_rewards(samples, algo), samples) if s.trainable]
+        out["overlong_penalty_mean"] = sum(penalties) / len(penalties) if penalties else 0.0
+        out["overlong_frac"] = sum(p < 0 for p in penalties) / len(penalties) if penalties else 0.0
     return out

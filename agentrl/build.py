@@ -191,7 +191,10 @@ def build_prompt_source(cfg: Config, env_cls) -> PromptSource:
         for task in tasks:  # rows naming their env must name a known one, before any work starts
             if task.get("env"):
                 get_spec(task["env"])
-        return PromptSource(tasks, shuffle=d.rollout_shuffle, seed=cfg.run.seed)
+        return PromptSource(tasks, shuffle=d.rollout_shuffle, seed=cfg.run.seed, difficulty_window=d.difficulty_window,
+                            revisit_prob=d.difficulty_revisit_prob)
+    if d.difficulty_window is not None:
+        PromptSource(generator=seed_tasks, difficulty_window=d.difficulty_window)  # refused: names the flag
     dataset = getattr(env_cls, "dataset", None)
     if dataset is None or dataset(**cfg.run.env_kwargs) is None:  # episodes from each group's seed
         return PromptSource(generator=seed_tasks, seed=cfg.run.seed)

@@ -56,6 +56,11 @@ class DataConfig(Section):
     """`agentrl sft`: row key of the tool JSON schemas given to the chat template (RL envs list their own tools)."""
     num_epoch: int = Field(1, ge=1)
     """`agentrl sft`: passes over --prompt-data (RL runs count iterations with --num-rollout)."""
+    difficulty_window: int | None = Field(None, ge=1)
+    """Difficulty-aware sampling: skip a prompt whose last N groups each gave all their samples one
+    reward (always or never solved: no signal), revisiting it with --difficulty-revisit-prob; None: off."""
+    difficulty_revisit_prob: float = Field(0.1, ge=0, le=1)
+    """Chance that a prompt skipped by --difficulty-window is sampled anyway."""
 
 
 class RolloutConfig(Section):
@@ -173,6 +178,37 @@ class AlgoConfig(Section):
     """Upper bound of the --use-tis importance weights."""
     tis_clip_low: float = Field(0.0, ge=0)
     """Lower bound of the --use-tis importance weights."""
+    use_opd: bool = False
+    """On-policy distillation: each trained token's advantage loses --opd-kl-coef x (student logprob -
+    teacher logprob), the per-token reverse KL to the teacher (--opd-teacher-load), on top of any
+    estimator (with a constant reward, distillation alone)."""
+    opd_type: Literal["megatron", "torch"] | None = None
+    """Where the teacher runs: beside the policy in the trainer ("megatron", slime's name, also for the
+    PyTorch trainer; "torch" is its alias). None with --use-opd: the trainer's."""
+    opd_kl_coef: float = Field(1.0, ge=0)
+    """Weight of the reverse-KL penalty of --use-opd."""
+    opd_teacher_load: str | None = None
+    """The teacher's HF checkpoint (same architecture and tokenizer as the policy)."""
+    judge_url: str | None = None
+    """LLM judge reward (--custom-rm-path agentrl.judge:llm_judge): base URL of an OpenAI-compatible
+    endpoint serving the judge, e.g. http://host:30000/v1."""
+    judge_model: str = "default"
+    """The judge's model name in its requests."""
+    judge_rubric: str = "Score how correct and complete the answer is for the question."
+    """The judge's rubric: its text, or a file holding it."""
+    judge_max_score: int = Field(10, ge=1)
+    """The judge scores 0..N; the reward is score / N."""
+    judge_timeout_s: float = Field(60.0, gt=0)
+    """A judge request not answered in this time fails its trajectory (an infrastructure failure)."""
+    judge_max_concurrency: int = Field(16, ge=1)
+    """Judge requests in flight at once."""
+    overlong_buffer_len: int | None = Field(None, ge=1)
+    """DAPO's overlong reward shaping: a response longer than --overlong-max-len minus this many
+    tokens loses reward linearly, --overlong-penalty-factor at --overlong-max-len and past it; None: off."""
+    overlong_max_len: int | None = Field(None, ge=1)
+    """Where the overlong buffer ends; None: --rollout-max-response-len."""
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    """Reward lost at --overlong-max-len (--overlong-buffer-len)."""
     custom_rm_path: str | None = None
     """Reward function overriding the env's: "module.fn" or "file.py:fn" with slime's signature
     `async def rm(args, sample) -> float | dict` (args is the resolved Config)."""
@@ -528,6 +564,11 @@ def resolve(layers: dict) -> Config:
         has_model = bool(layers.get("model", {}).get("model"))
         sft = layers["train"].get("loss_type") == "sft_loss"
         layers["train"]["lr"] = (SFT_CHECKPOINT_LR if sft else CHECKPOINT_LR) if has_model else TINY_MODEL_LR
+    algo = layers.get("algo", {})
+    if algo.get("overlong_buffer_len") is not None and algo.get("overlong_max_len") is None:
+        budget = layers.get("rollout", {}).get("rollout_max_response_len",
+                                               RolloutConfig.model_fields["rollout_max_response_len"].default)
+        layers["algo"] = {**algo, "overlong_max_len": budget}
     try:
         cfg = Config(**layers)
     except ValidationError as exc:
@@ -572,6 +613,15 @@ def resolve(layers: dict) -> Config:
                           "overlap them (--async): drop one of the two")
     if cfg.rollout.mask_offpolicy_in_partial_rollout and not cfg.rollout.partial_rollout:
         raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
+    if cfg.algo.use_opd and not cfg.algo.opd_teacher_load:
+        raise ConfigError("--use-opd needs --opd-teacher-load PATH (the teacher's HF checkpoint)")
+    if cfg.algo.opd_teacher_load and not Path(cfg.algo.opd_teacher_load).exists():
+        raise ConfigError(f"--opd-teacher-load {cfg.algo.opd_teacher_load}: no such folder")
+    if cfg.algo.overlong_buffer_len is not None:
+        if cfg.algo.overlong_buffer_len >= cfg.algo.overlong_max_len:
+            raise ConfigError(f"--overlong-buffer-len ({cfg.algo.overlong_buffer_len}) must be shorter than the length "
+                              f"it ends at, --overlong-max-len ({cfg.algo.overlong_max_len}; default "
+                              "--rollout-max-response-len): the penalty would start before the first token")
     steps = total // cfg.train.global_batch_size
     if cfg.train.num_steps_per_rollout is not None and cfg.train.num_steps_per_rollout != steps:
         raise ConfigError(

@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from agentrl.errors import DatasetError
+from agentrl.errors import ConfigError, DatasetError
 
 
 def _check_prompt(prompt: Any, where: str) -> None:
@@ -114,13 +114,22 @@ class PromptSource:
     """
 
     def __init__(self, tasks: list[dict] | None = None, *, generator: Callable[[], Iterator[dict]] | None = None,
-                 shuffle: bool = True, seed: int = 0):
+                 shuffle: bool = True, seed: int = 0, difficulty_window: int | None = None,
+                 revisit_prob: float = 0.1):
         if (tasks is None) == (generator is None):
             raise ValueError("give exactly one of tasks or generator")
+        if difficulty_window is not None and tasks is None:
+            raise ConfigError("--difficulty-window keeps each prompt's recent results, so it needs a finite dataset "
+                              "(--prompt-data); this env generates its tasks")
         self.tasks, self.generator, self.shuffle, self.seed = tasks, generator, shuffle, seed
         self.epoch, self.offset, self.consumed = 0, 0, 0
         self._order: list[int] = []
         self._iter: Iterator[dict] | None = None
+        # difficulty-aware sampling: per task index, whether each of its last groups had one reward for all
+        self.difficulty_window, self.revisit_prob = difficulty_window, revisit_prob
+        self._settled: dict[int, list[bool]] = {}
+        self._index = {id(t): i for i, t in enumerate(tasks)} if tasks is not None else {}
+        self.skipped = 0
         if tasks is not None:
             self._reshuffle()
 
@@ -133,11 +142,16 @@ class PromptSource:
         batch = []
         for _ in range(n):
             if self.tasks is not None:
-                if self.offset >= len(self._order):
-                    self.epoch, self.offset = self.epoch + 1, 0
-                    self._reshuffle()
-                batch.append(self.tasks[self._order[self.offset]])
-                self.offset += 1
+                for passed in range(max(1, len(self.tasks))):  # bounded: when every task is settled, the next one is taken
+                    if self.offset >= len(self._order):
+                        self.epoch, self.offset = self.epoch + 1, 0
+                        self._reshuffle()
+                    index = self._order[self.offset]
+                    self.offset += 1
+                    if passed + 1 >= len(self.tasks) or not self._skip(index):
+                        break
+                    self.skipped += 1
+                batch.append(self.tasks[index])
             else:
                 if self._iter is None:
                     self._iter = itertools.islice(iter(self.generator()), self.consumed, None)
@@ -153,11 +167,41 @@ class PromptSource:
                 _check_prompt(task.get("prompt"), f"task {self.consumed - len(batch) + i}")
         return batch
 
+    def _skip(self, index: int) -> bool:
+        """Difficulty-aware sampling: a task whose last --difficulty-window groups each gave every sample
+        the same reward (always or never solved: no GRPO signal) is skipped, but revisited with
+        probability --difficulty-revisit-prob (the policy may have changed). Seeded by position,
+        so a resumed run makes the same choices."""
+        recent = self._settled.get(index, [])
+        if self.difficulty_window is None or len(recent) < self.difficulty_window or not all(recent):
+            return False
+        return random.Random(f"{self.seed}:{self.epoch}:{self.offset}").random() >= self.revisit_prob
+
+    def observe(self, task: dict, rewards: list[float]) -> None:
+        """A finished group of `task` (from next_batch): remember whether its rewards were all equal."""
+        index = self._index.get(id(task))
+        if self.difficulty_window is None or index is None or not rewards:
+            return
+        recent = self._settled.setdefault(index, [])
+        recent.append(max(rewards) - min(rewards) < 1e-9)
+        del recent[:-self.difficulty_window]
+
+    def metrics(self) -> dict:
+        if self.difficulty_window is None:
+            return {}
+        settled = sum(len(r) >= self.difficulty_window and all(r) for r in self._settled.values())
+        return {"difficulty/skipped": self.skipped, "difficulty/settled_tasks": settled}
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset, "consumed": self.consumed}
+        state = {"epoch": self.epoch, "offset": self.offset, "consumed": self.consumed}
+        if self.difficulty_window is not None:
+            state |= {"settled": {str(i): r for i, r in self._settled.items()}, "skipped": self.skipped}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.offset, self.consumed = state["epoch"], state["offset"], state["consumed"]
+        self._settled = {int(i): list(r) for i, r in state.get("settled", {}).items()}
+        self.skipped = state.get("skipped", 0)
         if self.tasks is not None:
             self._reshuffle()
         self._iter = None

@@ -172,7 +172,7 @@ async def _loop(run: Run) -> None:
             metrics = (rollout_metrics(rollout_id, samples, t_rollout) | before_train | trained
                        | {"iteration_s": time.perf_counter() - t_start, "policy_version": state.policy_version,
                           "stale_dropped": len(stale), "trained_samples": len(fresh) if run.trainer is not None else 0,
-                          "offpolicy_tokens_masked": masked} | batches.metrics())
+                          "offpolicy_tokens_masked": masked} | batches.metrics() | run.source.metrics())
             before_train = {}
             last = rollout_id + 1 == r.num_rollout
             if evaluate_now is not None and is_due(cfg.eval.eval_interval, rollout_id, last):

@@ -239,3 +239,31 @@ def test_check_algo_rejects_kl_reward_for_group_estimators():
     check_algo(AlgoConfig(advantage_estimator="ppo", kl_coef=0.1))
     with pytest.raises(ConfigError, match="--tis-clip"):
         check_algo(AlgoConfig(use_tis=True, tis_clip=0.5, tis_clip_low=0.6))
+
+
+def test_overlong_penalty_is_dapos_linear_ramp():
+    from agentrl.algorithms import overlong_penalty
+
+    ramp = [overlong_penalty(n, max_len=10, buffer_len=4, factor=0.5) for n in (5, 6, 7, 8, 10, 12)]
+    assert ramp == [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]
+
+
+def test_overlong_shaping_moves_group_advantages_and_is_off_by_default():
+    # equal rewards: without shaping no signal; with it the long response is pushed down
+    short, long_ = _sample(1.0, [1] * 4), _sample(1.0, [1] * 10)
+    assert compute_advantages([short, long_], AlgoConfig(advantage_estimator="dr_grpo")).advantages == [[0.0] * 4,
+                                                                                                           [0.0] * 10]
+    algo = AlgoConfig(advantage_estimator="dr_grpo", overlong_buffer_len=4, overlong_max_len=10,
+                      overlong_penalty_factor=1.0)
+    adv = compute_advantages([short, long_], algo).advantages
+    assert adv[0] == [0.5] * 4 and adv[1] == [-0.5] * 10
+
+
+def test_overlong_flags_resolve_against_the_response_budget():
+    from agentrl.config import parse_config
+
+    cfg, _ = parse_config(["--overlong-buffer-len", "64", "--rollout-max-response-len", "512"])
+    assert (cfg.algo.overlong_buffer_len, cfg.algo.overlong_max_len) == (64, 512)
+    assert parse_config([])[0].algo.overlong_buffer_len is None
+    with pytest.raises(ConfigError, match="--overlong-buffer-len .*shorter"):
+        parse_config(["--overlong-buffer-len", "16"])  # the default budget is 16 tokens

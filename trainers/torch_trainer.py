@@ -53,6 +53,9 @@ class TorchTrainer:
         self.ref_model, self.ref_path = None, str(model_path)
         if needs_reference(algo):  # --use-kl-loss or --kl-coef: KL against the initial model
             self.ref_model = load_model(model_path, device=device, dtype=dtype).eval().requires_grad_(False)
+        self.teacher_model = None  # --use-opd: the teacher whose logprobs the advantages are pulled toward
+        if algo.use_opd:
+            self.teacher_model = load_model(algo.opd_teacher_load, device=device, dtype=dtype).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr, weight_decay=train.weight_decay,
                                            betas=(train.adam_beta1, train.adam_beta2))
         self.critic = self.critic_optimizer = None

@@ -134,6 +134,7 @@ class RolloutProducer:
                     f"The first failure: {self.first_failure}")
             return
         self.failed_in_row = 0
+        self.source.observe(task, [s.reward_value for s in samples if s.trainable])
         if self.group_filter is not None:
             keep, reason = self.group_filter(samples)
             if not keep:

@@ -89,15 +89,10 @@ class MegatronTrainer:
         self.model, self.ddp, self.optimizer, self.scheduler, self.config = self._build(ckpt, lr=train.lr)
         self.ref_model, self.ref_path = None, self.model_path
         if needs_reference(algo):  # frozen initial policy for --use-kl-loss / --kl-coef
-            cfg = transformer_config(self.hf_config, self.family, self.margs, dtype=dtype, device=device.split(":")[0],
-                                     te=self.te)
-            self.ref_model = build_gpt(self.hf_config, cfg, layer_spec(cfg, self.family, self.te),
-                                       padded_vocab=self.layout.padded_vocab).to(self.device)
-            if not self.te:
-                enable_position_rope(self.ref_model)
-            enable_response_head(self.ref_model)
-            load_hf_weights(self.ref_model, ckpt, self.family, self.layout, self.tp_rank)
-            self.ref_model.eval().requires_grad_(False)
+            self.ref_model = self._frozen_model(ckpt, dtype, device)
+        self.teacher_model = None  # --use-opd: the teacher whose logprobs the advantages are pulled toward
+        if algo.use_opd:
+            self.teacher_model = self._frozen_model(HFCheckpoint(algo.opd_teacher_load), dtype, device)
         self.critic = self.critic_ddp = self.critic_optimizer = self.critic_scheduler = None
         if algo.advantage_estimator == "ppo":
             (self.critic, self.critic_ddp, self.critic_optimizer, self.critic_scheduler,
@@ -216,6 +211,18 @@ class MegatronTrainer:
 
     # -- log-probabilities and values ----------------------------------------------------------
     @torch.no_grad()
+    def _frozen_model(self, ckpt, dtype: str, device: str):
+        """A model of the policy's shape and layout with `ckpt`'s weights, for logprobs only (reference, teacher)."""
+        cfg = transformer_config(self.hf_config, self.family, self.margs, dtype=dtype, device=device.split(":")[0],
+                                 te=self.te)
+        model = build_gpt(self.hf_config, cfg, layer_spec(cfg, self.family, self.te),
+                          padded_vocab=self.layout.padded_vocab).to(self.device)
+        if not self.te:
+            enable_position_rope(model)
+        enable_response_head(model)
+        load_hf_weights(model, ckpt, self.family, self.layout, self.tp_rank)
+        return model.eval().requires_grad_(False)
+
     def compute_logprobs(self, samples: list[Sample], model=None) -> list[list[float]]:
         """Per-sample response logprobs under the policy (or `model`, e.g. the reference)."""
         self._set_device()
