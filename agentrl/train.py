@@ -254,6 +254,8 @@ async def start_rollout(run: Run, stack: contextlib.AsyncExitStack, weights_lock
     handover = functools.partial(colocated, cfg, run.trainer, run.engines, engine_clients)
     runner = build_group_runner(cfg, run.tokenizer, client, pool, run.reward_fn, run.control,
                                 on_done=lambda s: run.progress.advance_samples())
+    if hasattr(runner.generate_fn, "aclose"):  # an agent env's gateway server
+        stack.push_async_callback(runner.generate_fn.aclose)
     producer = RolloutProducer(
         source=run.source, run_group=runner.run_group,
         over_sampling=r.over_sampling_batch_size or r.rollout_batch_size,
