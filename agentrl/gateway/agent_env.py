@@ -135,6 +135,14 @@ async def _run_command(command: str, task: dict, base_url: str, api_key: str, ti
     return lines[-1] if lines else ""
 
 
+def _require_openai() -> None:
+    try:
+        import openai  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("agent envs hand their agent an openai.AsyncOpenAI: install the openai package "
+                          "(pip install 'agentrl[agents]')") from exc
+
+
 class AgentRunner:
     """GroupRunner's `generate_fn` for agent envs: each trajectory is a gateway session whose
     agent runs under a time bound; returns the session's samples, scored."""
@@ -167,6 +175,8 @@ class AgentRunner:
         session = Session(trajectory_id=trajectory_id, group_id=group_id, env_name=env_name, task=task,
                           renderer=self.renderer, client=self.client, settings=settings, tool_parser=env.tool_parser,
                           control=self.control, honor_sampling=self.honor_sampling)
+        if env.agent is not None:
+            _require_openai()  # missing, every agent would fail alike: say so once, loudly
         base_url, key = self.gateway.open(session)
         fault = tb = output = None
         try:

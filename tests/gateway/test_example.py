@@ -56,5 +56,7 @@ def test_the_example_trains_end_to_end(tmp_path):
     for row in rows:
         assert row["status_failed"] == 0 and row["env/gateway_requests_mean"] >= 1 and row["generated_tokens"] > 0
         assert "loss" in row
+        # the trainer's logprobs of the recorded tokens are the engine's: the exact sampled tokens
+        assert row["train_rollout_logprob_abs_diff"] < 1e-3
     traj = [json.loads(line) for line in (out / "trajectories" / "rollout_00001.jsonl").read_text().splitlines()]
     assert len(traj) == 4 and all(sum(t["loss_mask"]) > 0 and "agent_fault" not in t["metadata"] for t in traj)
