@@ -43,6 +43,7 @@ from agentrl.rollout.control import RolloutControl
 from agentrl.types import Sample, SampleStatus
 
 DEFAULT_TIMEOUT_S = 600.0
+CANCEL_GRACE_S = 5.0  # how long a timed-out agent gets to stop; one that ignores cancellation is left behind
 COMMAND_OUTPUT_TAIL = 2000  # characters of a failed command's stderr kept in the fault reason
 
 
@@ -179,15 +180,23 @@ class AgentRunner:
             _require_openai()  # missing, every agent would fail alike: say so once, loudly
         base_url, key = self.gateway.open(session)
         fault = tb = output = None
+        playing = asyncio.ensure_future(self._play(env, task, base_url, key))
         try:
-            output = await asyncio.wait_for(self._play(env, task, base_url, key), env.timeout_s)
-        except asyncio.TimeoutError:
-            fault = f"timeout: the agent ran past {env.timeout_s:g} s"
-        except Exception as exc:
-            fault = f"the agent raised {type(exc).__name__}: {exc}"
-            tb = traceback.format_exc()
-        last_text = session.last_assistant_text()
-        samples = self.gateway.close(key)
+            done, _ = await asyncio.wait({playing}, timeout=env.timeout_s)
+            if not done:
+                fault = f"timeout: the agent ran past {env.timeout_s:g} s"
+            elif playing.exception() is not None:
+                exc = playing.exception()
+                fault = f"the agent raised {type(exc).__name__}: {exc}"
+                tb = "".join(traceback.format_exception(exc))
+            else:
+                output = playing.result()
+        finally:  # the trajectory ends now, even when the agent ignores its cancellation
+            if not playing.done():
+                playing.cancel()
+                await asyncio.wait({playing}, timeout=CANCEL_GRACE_S)
+            last_text = session.last_assistant_text()
+            samples = self.gateway.close(key)
         if not samples:
             fault = fault or "the agent never called the endpoint"
             samples = [Sample(prompt_tokens=[], trajectory_id=trajectory_id, group_id=group_id, env_name=env_name,

@@ -49,6 +49,17 @@ async def hangs(task, client):
     await asyncio.sleep(3600)
 
 
+@agent_env("test-gw-stubborn", timeout_s=0.5)
+async def ignores_cancellation(task, client):
+    """Swallows the runner's cancellation (and then the event loop's at its shutdown)."""
+    await ask(client, task)
+    for _ in range(2):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+
+
 @agent_env("test-gw-silent")
 async def never_calls(task, client):
     return 1.0
@@ -108,12 +119,13 @@ def test_command_line_agent_gets_the_endpoint_in_its_environment(tokenizer):
 @pytest.mark.parametrize("name, reason", [
     ("test-gw-raises", "the agent raised ValueError: the agent broke"),
     ("test-gw-hangs", "timeout: the agent ran past 0.5 s"),
+    ("test-gw-stubborn", "timeout: the agent ran past 0.5 s"),
     ("test-gw-silent", "the agent never called the endpoint"),
 ])
 def test_a_broken_agent_ends_its_trajectory_with_reward_0_and_a_reason(tokenizer, name, reason):
     t0 = time.monotonic()
     samples, _ = play(tokenizer, name, ["yes"])
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 15  # the time bound, plus the grace a cancelled agent gets, plus start-up
     assert len(samples) == 1 and samples[0].reward == 0.0 and samples[0].metadata["agent_fault"] == reason
     assert samples[0].status != SampleStatus.FAILED  # the agent's fault is scored, not masked
 
