@@ -72,6 +72,7 @@ async def _play(tokenizer, engine, name, n=1):
     return [s for samples in runs for s in samples]
 
 
+@pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
 @pytest.mark.parametrize("name", ["test-gw-openai-agents", "test-gw-langgraph"])
 def test_framework_tool_agent_trains_on_exact_tokens(tokenizer, name):
     engine = ScriptedEngine(tokenizer, [CALL, "The sum is \\boxed{3}."])
@@ -91,6 +92,7 @@ def test_framework_tool_agent_trains_on_exact_tokens(tokenizer, name):
                        + [tokenizer.eos_token_id])
 
 
+@pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
 @pytest.mark.parametrize("name", ["test-gw-openai-agents", "test-gw-langgraph"])
 def test_framework_agent_on_the_embedded_engine(tokenizer, engine, name):
     """The tiny model's replies (random text) end each agent's run at its first turn: a sample
