@@ -273,3 +273,20 @@ def test_errors_over_http_have_openai_shape(tokenizer):
     assert out["unknown_key"][0] == 401 and out["unknown_key"][1]["error"]["code"] == "invalid_api_key"
     assert out["no_route"][0] == 404 and set(out["no_route"][1]["error"]) == {"message", "type", "param", "code"}
     assert out["by_api_key"][0] == 200 and out["by_api_key"][1]["data"][0]["object"] == "model"
+
+
+def test_a_real_chat_template_continues_exactly(smollm2):
+    """SmolLM2's tokenizer and ChatML template: the record's text is the template's rendering of
+    the conversation (replies as sampled), and each request extends the last one's tokens."""
+    from agentrl.models import load_tokenizer
+
+    tok = load_tokenizer(smollm2)
+    engine = ScriptedEngine(tok, [CALL, "It is 3.\n", "Done!"])
+    session, samples, _ = run(_conversation(tok, engine, 3))
+    assert session.prefix_breaks == 0 and len(samples) == 1
+    sample = samples[0]
+    for (prev, _, _), (cur, _, _) in zip(engine.calls, engine.calls[1:]):
+        assert cur[:len(prev)] == prev
+    rendered = tok.apply_chat_template(sample.messages[:-1], tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(sample.tokens).startswith(rendered)  # what the model saw is the template's text
+    assert tok.decode(sample.tokens).endswith("Done!" + tok.eos_token)
