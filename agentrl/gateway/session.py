@@ -11,6 +11,8 @@ The token rules:
   framework adds or drops do not count) continues the same Sample: only the messages after
   it are rendered, and the template's text for them is appended as context (loss mask 0),
   the way the agent loop does (Renderer.extension).
+* The same request again, after one that got no reply (an engine error), is a retry: it
+  continues the same Sample.
 * A request that does not (the agent edited, dropped, summarised or branched the history, or
   changed its tools, or the template re-renders what the model saw differently) starts a new
   Sample from its own messages: the session ends as several Samples, one per unbroken prefix.
@@ -124,6 +126,8 @@ class Session:
         current = self.segments[-1] if self.segments else None
         if current is not None:
             n = len(current.history)
+            if current.tools_key == tools_key and keys == current.history and keys[-1][0] != "assistant":
+                return current  # the same request again: the last one got no reply (an engine error), a retry
             if current.tools_key == tools_key and len(keys) > n and keys[:n] == current.history:
                 new = [template_message(m) for m in request.messages[n:]]
                 sample = current.sample

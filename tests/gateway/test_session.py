@@ -290,3 +290,33 @@ def test_a_real_chat_template_continues_exactly(smollm2):
     rendered = tok.apply_chat_template(sample.messages[:-1], tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert tok.decode(sample.tokens).startswith(rendered)  # what the model saw is the template's text
     assert tok.decode(sample.tokens).endswith("Done!" + tok.eos_token)
+
+
+def test_an_engine_error_is_a_502_and_the_retry_continues_the_sample(tokenizer):
+    from agentrl.errors import EngineError
+
+    replies = iter([EngineError("engine died"), "fine"])
+
+    def reply(input_ids):
+        item = next(replies)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def go():
+        engine = ScriptedEngine(tokenizer, reply=reply)
+        gateway = await open_gateway()
+        session = new_session(tokenizer, engine)
+        base, key = gateway.open(session)
+        messages = [{"role": "user", "content": "hi"}]
+        async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0) as client:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await client.chat.completions.create(model="m", messages=messages)
+            reply_ = await client.chat.completions.create(model="m", messages=messages)
+        await gateway.aclose()
+        return caught.value, reply_, session, gateway.close(key)
+
+    error, reply_, session, samples = run(go())
+    assert error.status_code == 502 and error.body["code"] == "engine_error"
+    assert reply_.choices[0].message.content == "fine"
+    assert session.prefix_breaks == 0 and len(samples) == 1 and samples[0].num_turns == 1
