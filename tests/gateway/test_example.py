@@ -43,11 +43,14 @@ def test_the_example_agent_runs_its_python_tool(tokenizer, monkeypatch):
 
 def test_the_example_trains_end_to_end(tmp_path):
     out = tmp_path / "run"
+    heldout = tmp_path / "heldout.jsonl"  # an eval set: the agent env plays evaluation too
+    heldout.write_text("".join(json.dumps({"prompt": p, "label": str(a)}) + "\n" for p, a in [("2+2?", 4), ("3*3?", 9)]))
     proc = subprocess.run([agentrl_cli(), "train", "--config", str(EXAMPLE / "config.yaml"),
                            "--env-module", str(EXAMPLE / "agent.py"), "--num-rollout", "2",
                            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
                            "--rollout-max-response-len", "96", "--rollout-max-tokens-per-turn", "48",
-                           "--no-progress", "--output-dir", str(out)],
+                           "--eval-prompt-data", "heldout", str(heldout), "--eval-interval", "2",
+                           "--n-samples-per-eval-prompt", "1", "--no-progress", "--output-dir", str(out)],
                           capture_output=True, text=True, timeout=600, env={**run_env(), "OPENAI_API_KEY": ""},
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -58,5 +61,6 @@ def test_the_example_trains_end_to_end(tmp_path):
         assert "loss" in row
         # the trainer's logprobs of the recorded tokens are the engine's: the exact sampled tokens
         assert row["train_rollout_logprob_abs_diff"] < 1e-3
+    assert "eval/heldout/reward_mean" in rows[-1]
     traj = [json.loads(line) for line in (out / "trajectories" / "rollout_00001.jsonl").read_text().splitlines()]
     assert len(traj) == 4 and all(sum(t["loss_mask"]) > 0 and "agent_fault" not in t["metadata"] for t in traj)
