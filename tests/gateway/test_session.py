@@ -320,3 +320,17 @@ def test_an_engine_error_is_a_502_and_the_retry_continues_the_sample(tokenizer):
     assert error.status_code == 502 and error.body["code"] == "engine_error"
     assert reply_.choices[0].message.content == "fine"
     assert session.prefix_breaks == 0 and len(samples) == 1 and samples[0].num_turns == 1
+
+
+def test_replies_parsed_by_the_model_familys_parser():
+    from agentrl.gateway.protocol import assistant_message
+
+    ok = assistant_message(f"Let me add. {CALL}", "hermes", TOOLS, "c")
+    assert ok["content"] == "Let me add." and ok["tool_calls"] == [
+        {"id": "c_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
+    bad = '<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call>'  # the model's broken JSON
+    assert assistant_message(bad, "hermes", TOOLS, "c") == {"role": "assistant", "content": bad}
+    assert assistant_message(CALL, "hermes", None, "c") == {"role": "assistant", "content": CALL}  # no tools offered
+    xml = "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>"
+    coder = assistant_message(xml, "qwen3_coder", TOOLS, "c")
+    assert coder["content"] is None and json.loads(coder["tool_calls"][0]["function"]["arguments"]) == {"a": 1, "b": 2}
