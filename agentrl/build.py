@@ -84,10 +84,22 @@ def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, rewar
                                    args=slime_args(cfg, engine_url=client.base_url, model_path=tokenizer.name_or_path),
                                    max_new_tokens=max_response_len or r.rollout_max_response_len,
                                    reward_fn=reward_fn, control=control, evaluation=evaluation)
+    elif _is_agent_env(cfg.run.env):  # an agent program plays each trajectory through the OpenAI-compatible gateway
+        from agentrl.gateway import AgentRunner
+
+        generate_fn = AgentRunner(renderer=renderer, client=client, settings_for=settings_for, control=control,
+                                  model_name=str(tokenizer.name_or_path), request_timeout_s=r.request_timeout_s)
     return GroupRunner(make_env=make_env, n_samples=n_samples or r.n_samples_per_prompt, renderer=renderer,
                        client=client, settings_for=settings_for, run_seed=cfg.run.seed,
                        max_concurrency=r.max_concurrency, reward_fn=reward_fn, control=control, on_done=on_done,
                        generate_fn=generate_fn, cancel_siblings_on_failure=not evaluation)
+
+
+def _is_agent_env(name: str) -> bool:
+    from agentrl.gateway import AgentEnv
+
+    env_cls = get_spec(name).load()
+    return isinstance(env_cls, type) and issubclass(env_cls, AgentEnv)
 
 
 def build_rollout_hook(cfg: Config, tokenizer, client: EngineClient, source: PromptSource,

@@ -52,8 +52,12 @@ def evaluate_checkpoint(cfg: Config, *, limit: int | None = None) -> dict[str, f
                                             on_done=None, n_samples=e.n_samples_per_eval_prompt,
                                             temperature=e.eval_temperature, max_response_len=e.eval_max_response_len,
                                             evaluation=True)
-                return await evaluate(runner, eval_sets, save=lambda name, s: write_trajectories(
-                    eval_trajectories_path(out, name, 0), s, tokenizer))
+                try:
+                    return await evaluate(runner, eval_sets, save=lambda name, s: write_trajectories(
+                        eval_trajectories_path(out, name, 0), s, tokenizer))
+                finally:
+                    if hasattr(runner.generate_fn, "aclose"):  # an agent env's gateway server
+                        await runner.generate_fn.aclose()
         finally:
             if pool is not None:
                 await pool.close()

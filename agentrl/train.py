@@ -191,13 +191,15 @@ async def _loop(run: Run) -> None:
             run.progress.iteration_done(metrics)
 
 
-def eval_fn(run: Run, client: EngineClient, pool, handover):
+def eval_fn(run: Run, client: EngineClient, pool, handover, stack: contextlib.AsyncExitStack):
     """evaluate_now(rollout_id, prefix) -> the eval sets' figures, their trajectories saved;
     generated inside the handover (colocated, the engines hold the GPU only there)."""
     e = run.cfg.eval
     evaluator = build_group_runner(run.cfg, run.tokenizer, client, pool, run.reward_fn, run.control, on_done=None,
                                    n_samples=e.n_samples_per_eval_prompt, temperature=e.eval_temperature,
                                    max_response_len=e.eval_max_response_len, evaluation=True)
+    if hasattr(evaluator.generate_fn, "aclose"):  # an agent env's gateway server
+        stack.push_async_callback(evaluator.generate_fn.aclose)
 
     async def evaluate_now(rollout_id: int, prefix: str = "eval") -> dict:
         def save(name: str, samples: list[Sample]) -> None:
@@ -254,6 +256,8 @@ async def start_rollout(run: Run, stack: contextlib.AsyncExitStack, weights_lock
     handover = functools.partial(colocated, cfg, run.trainer, run.engines, engine_clients)
     runner = build_group_runner(cfg, run.tokenizer, client, pool, run.reward_fn, run.control,
                                 on_done=lambda s: run.progress.advance_samples())
+    if hasattr(runner.generate_fn, "aclose"):  # an agent env's gateway server
+        stack.push_async_callback(runner.generate_fn.aclose)
     producer = RolloutProducer(
         source=run.source, run_group=runner.run_group,
         over_sampling=r.over_sampling_batch_size or r.rollout_batch_size,
@@ -267,7 +271,7 @@ async def start_rollout(run: Run, stack: contextlib.AsyncExitStack, weights_lock
     parts = dict(batch_size=r.rollout_batch_size, client=client, handover=handover, runlog=run.runlog)
     batches: BatchSource = HookBatches(hook, producer, **parts) if hook else ProducerBatches(producer, **parts)
 
-    evaluate_now = eval_fn(run, client, pool, handover) if run.eval_sets and cfg.eval.eval_interval else None
+    evaluate_now = eval_fn(run, client, pool, handover, stack) if run.eval_sets and cfg.eval.eval_interval else None
     if run.trainer is not None:
         if state.rollout_id > 0:  # engines loaded the checkpoint: name its version
             await update_engines(cfg, run.control, run.engines, run.trainer, state.policy_version)

@@ -68,6 +68,9 @@ build_b() {
     pyjwt==2.15.1 cryptography==50.0.2 sse-starlette==3.7.0 pydantic-settings python-dotenv httpx-sse \
     bm25s==0.3.16 math-verify==0.9.0 latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2 docker==7.2.0 \
     tenacity==9.2.1
+  # the OpenAI Agents SDK of examples/openai_agent (tests/gpu/test_agents_gpu.py): 0.4.2 is the one that runs
+  # on part a's openai 2.6.1 (SGLang's pin) beside mcp 2.3 (checked on CPU with tests/gateway)
+  "$py" -m pip download -q --no-deps $plat -d "$kit/b/wheels" openai-agents==0.4.2 griffe==1.14.0 colorama==0.4.6
   # bubblewrap for local sandboxes (unpacked there with dpkg -x, outside /)
   (cd "$kit/b/debs" && apt-get download bubblewrap) || echo "note: no bubblewrap .deb: run apt-get update first" >&2
 }

@@ -1,0 +1,263 @@
+"""Agent envs: any agent program, trained through the gateway.
+
+    from agentrl.gateway import agent_env
+
+    @agent_env("my-agent", grader="math")           # tasks and grading from the math env
+    async def my_agent(task, client):               # client: openai.AsyncOpenAI at this trajectory's session
+        reply = await client.chat.completions.create(model="any", messages=[{"role": "user", "content": task["prompt"]}])
+        return reply.choices[0].message.content      # the answer the grader scores
+
+    agentrl train --env my-agent --env-module my_agent.py
+
+`client.base_url` and `client.api_key` are the session's, for a framework that builds its
+own client. Or `@agent_env("name", command="node agent.js")`: the command runs per trajectory
+(a host subprocess, with OPENAI_BASE_URL, OPENAI_API_KEY and AGENTRL_TASK, the task as JSON,
+set); the last line it prints is its output.
+
+The reward, first that applies: the agent raised, timed out (`timeout_s`), or never called
+the endpoint: 0, the reason in the sample's metadata["agent_fault"] (scored, not FAILED).
+Else `reward(task, result)` if given (result: AgentResult, the output and the conversation);
+else the `grader` env: reset with the task, one step with the output (a string; else the
+last reply's text): the env's own grading (the code env's hidden tests, unchanged); else the
+output itself, a number or a dict with "score".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from agentrl.env import Env
+from agentrl.errors import ConfigError
+from agentrl.gateway.server import Gateway
+from agentrl.gateway.session import Session
+from agentrl.registry import get_spec, make, register_env
+from agentrl.rollout.agent_loop import TRUNCATED_RESPONSE_LEN, TRUNCATED_MAX_TURNS, LoopSettings, Renderer
+from agentrl.rollout.client import GenerateClient
+from agentrl.rollout.control import RolloutControl
+from agentrl.types import Sample, SampleStatus
+
+DEFAULT_TIMEOUT_S = 600.0
+CANCEL_GRACE_S = 5.0  # how long a timed-out agent gets to stop; one that ignores cancellation is left behind
+COMMAND_OUTPUT_TAIL = 2000  # characters of a failed command's stderr kept in the fault reason
+
+
+@dataclass
+class AgentResult:
+    """What a reward function sees: the agent's output and the conversation of its last request."""
+    output: Any
+    messages: list[dict] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+
+
+class AgentEnv(Env):
+    """An env played by an agent program through the gateway (see the module docstring); built
+    by `agent_env`. The agent loop does not step it: the run's AgentRunner plays it."""
+
+    agent: Callable[..., Awaitable[Any]] | None = None
+    command: str | None = None
+    reward: Callable[[dict, AgentResult], Any] | None = None
+    grader: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    tool_parser: str | None = "hermes"
+    max_turns = 32
+    tasks: Callable[..., Any] | None = None
+
+    def __init__(self, **grader_kwargs):
+        self.grader_kwargs = grader_kwargs  # --env-kwargs, for the grader env
+
+    @classmethod
+    def dataset(cls, **kwargs):
+        if cls.tasks is not None:
+            return cls.tasks(**kwargs)
+        if cls.grader is not None:
+            return get_spec(cls.grader).load().dataset(**kwargs)
+        return None
+
+    async def areset(self, *, seed=None, options=None):
+        raise TypeError(f"{type(self).__name__} is an agent env: its agent plays it through the gateway "
+                        "(agentrl.gateway.AgentRunner), not the agent loop")
+
+    async def astep(self, action):
+        raise TypeError(f"{type(self).__name__} is an agent env: it has no step")
+
+
+def agent_env(name: str, *, command: str | None = None, reward: Callable | None = None, grader: str | None = None,
+              tasks: Callable | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, tool_parser: str | None = "hermes",
+              max_turns: int = 32, description: str | None = None):
+    """Register an agent env: decorate `async def agent(task, client)`, or call with `command=`
+    (and no function: ``agent_env("name", command="...")(None)``)."""
+
+    def decorator(fn):
+        if command is None and not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"@agent_env({name!r}): {getattr(fn, '__name__', fn)!r} must be an `async def "
+                            "agent(task, client)`")
+        if command is not None and fn is not None:
+            raise TypeError(f"@agent_env({name!r}): give a command or a function, not both")
+        needs_label = bool(grader and getattr(get_spec(grader).load(), "needs_label", False))
+        attrs = {"agent": staticmethod(fn) if fn else None, "command": command,
+                 "reward": staticmethod(reward) if reward else None, "grader": grader,
+                 "tasks": staticmethod(tasks) if tasks else None, "timeout_s": float(timeout_s),
+                 "tool_parser": tool_parser, "max_turns": int(max_turns), "needs_label": needs_label,
+                 "description": description or ((inspect.getdoc(fn) or "").split("\n")[0] if fn else
+                                                f"agent command: {command}"),
+                 "__module__": getattr(fn, "__module__", __name__)}
+        cls = type(f"AgentEnv_{name.replace('-', '_')}", (AgentEnv,), attrs)
+        register_env(name)(cls)
+        return fn if fn is not None else cls
+
+    return decorator
+
+
+async def _run_command(command: str, task: dict, base_url: str, api_key: str, timeout_s: float) -> str:
+    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
+           "AGENTRL_TASK": json.dumps(task, default=str)}
+    proc = await asyncio.create_subprocess_shell(command, env=env, stdin=asyncio.subprocess.DEVNULL,
+                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                 start_new_session=True)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except BaseException:
+        try:
+            os.killpg(proc.pid, 9)  # the command's whole process group: it may have started others
+        except ProcessLookupError:
+            pass
+        await proc.wait()
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"the command exited with {proc.returncode}: "
+                           f"{err.decode(errors='replace')[-COMMAND_OUTPUT_TAIL:]}")
+    lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _require_openai() -> None:
+    try:
+        import openai  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("agent envs hand their agent an openai.AsyncOpenAI: install the openai package "
+                          "(pip install 'agentrl[agents]')") from exc
+
+
+class AgentRunner:
+    """GroupRunner's `generate_fn` for agent envs: each trajectory is a gateway session whose
+    agent runs under a time bound; returns the session's samples, scored."""
+
+    def __init__(self, *, renderer: Renderer, client: GenerateClient, settings_for: Callable[[Env], LoopSettings],
+                 control: RolloutControl | None = None, reward_fn: Callable | None = None,
+                 model_name: str = "agentrl-policy", host: str = "127.0.0.1", honor_sampling: bool = False,
+                 request_timeout_s: float = 600.0):
+        self.renderer, self.client, self.settings_for, self.control = renderer, client, settings_for, control
+        self.reward_fn, self.honor_sampling, self.request_timeout_s = reward_fn, honor_sampling, request_timeout_s
+        self.gateway = Gateway(host=host, model_name=model_name)
+        self._starting = asyncio.Lock()
+        self._http = None  # the agents' HTTP connection pool (an httpx AsyncClient), made on first use
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        await self.gateway.aclose()
+
+    async def __call__(self, env: Env, task: dict, *, trajectory_id: str, group_id: int, index: int, seed: int,
+                       env_name: str) -> list[Sample]:
+        if not isinstance(env, AgentEnv):
+            return [Sample(prompt_tokens=[], trajectory_id=trajectory_id, group_id=group_id, env_name=env_name,
+                           status=SampleStatus.FAILED, metadata={
+                               "error": f"env {env_name!r} is not an agent env: a run of agent envs plays only those"})]
+        async with self._starting:
+            await self.gateway.start()
+        settings = self.settings_for(env)
+        session = Session(trajectory_id=trajectory_id, group_id=group_id, env_name=env_name, task=task,
+                          renderer=self.renderer, client=self.client, settings=settings, tool_parser=env.tool_parser,
+                          control=self.control, honor_sampling=self.honor_sampling)
+        if env.agent is not None:
+            _require_openai()  # missing, every agent would fail alike: say so once, loudly
+        base_url, key = self.gateway.open(session)
+        fault = tb = output = None
+        playing = asyncio.ensure_future(self._play(env, task, base_url, key))
+        try:
+            done, _ = await asyncio.wait({playing}, timeout=env.timeout_s)
+            if not done:
+                fault = f"timeout: the agent ran past {env.timeout_s:g} s"
+            elif playing.exception() is not None:
+                exc = playing.exception()
+                fault = f"the agent raised {type(exc).__name__}: {exc}"
+                tb = "".join(traceback.format_exception(exc))
+            else:
+                output = playing.result()
+        finally:  # the trajectory ends now, even when the agent ignores its cancellation
+            if not playing.done():
+                playing.cancel()
+                await asyncio.wait({playing}, timeout=CANCEL_GRACE_S)
+            last_text = session.last_assistant_text()
+            samples = self.gateway.close(key)
+        if not samples:
+            fault = fault or "the agent never called the endpoint"
+            samples = [Sample(prompt_tokens=[], trajectory_id=trajectory_id, group_id=group_id, env_name=env_name,
+                              metadata={"label": task.get("label"), **(task.get("metadata") or {})})]
+        reward, failure = 0.0, None
+        if fault is None:
+            try:
+                reward = await self._score(env, task, AgentResult(output, samples[-1].messages, samples), seed,
+                                           last_text)
+            except ConfigError:
+                raise  # the env's definition is wrong: every trajectory would be; stop the run
+            except Exception as exc:  # the grader or reward function failed: infrastructure, masked
+                failure = f"scoring: {type(exc).__name__}: {exc}"
+                tb = traceback.format_exc()
+        for sample in samples:
+            sample.reward = reward
+            sample.metadata["agent_output"] = output if isinstance(output, (str, int, float, type(None))) else repr(output)
+            sample.metadata["tool_calls"] = sum(m.get("role") == "tool" for m in sample.messages)
+            if fault is not None:
+                sample.metadata["agent_fault"] = fault
+                if fault.startswith("the agent raised") and tb:
+                    sample.metadata["traceback"] = tb
+            if failure is not None:
+                sample.status = SampleStatus.FAILED
+                sample.metadata["error"], sample.metadata["traceback"] = failure, tb
+            elif session.aborted:
+                sample.status = SampleStatus.ABORTED
+            elif session.truncated:
+                sample.status = SampleStatus.TRUNCATED
+                sample.metadata["truncation"] = TRUNCATED_MAX_TURNS if session.requests > settings.max_turns \
+                    else TRUNCATED_RESPONSE_LEN
+        return samples
+
+    async def _play(self, env: AgentEnv, task: dict, base_url: str, key: str):
+        if env.command is not None:
+            return await _run_command(env.command, task, base_url, key, env.timeout_s)
+        import openai
+
+        if self._http is None:  # one connection pool for every session: a client's own costs an SSL context (~0.1 s)
+            self._http = openai.DefaultAsyncHttpxClient(timeout=self.request_timeout_s)
+        # not closed after the agent: closing it would close the shared pool (closed in aclose)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, http_client=self._http)
+        return await env.agent(task, client)
+
+    async def _score(self, env: AgentEnv, task: dict, result: AgentResult, seed: int, last_text: str | None):
+        if env.reward is not None:
+            out = env.reward(task, result)
+            out = await out if inspect.isawaitable(out) else out
+        elif env.grader is not None:
+            answer = result.output if isinstance(result.output, str) else (last_text or "")
+            grader = make(env.grader, **env.grader_kwargs)
+            try:
+                await grader.areset(seed=seed, options=task or None)
+                _, out, *_ = await grader.astep(answer)
+            finally:
+                await grader.aclose()
+        else:
+            out = result.output
+        if isinstance(out, dict) and "score" in out:
+            return {k: float(v) for k, v in out.items()}
+        if isinstance(out, bool) or not isinstance(out, (int, float)):
+            raise ConfigError(f"agent env {type(env).__name__}: the reward must be a number or a dict with 'score', "
+                              f"got {out!r} (return one from the agent, or give reward= or grader= to @agent_env)")
+        return float(out)

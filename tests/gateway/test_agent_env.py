@@ -1,0 +1,144 @@
+"""@agent_env and AgentRunner: rewards from the return value, a reward function or an env's
+grader; agents that raise, hang or never call end with reward 0 and a reason, within a bound;
+a command line agent gets OPENAI_BASE_URL."""
+
+import asyncio
+import sys
+import time
+
+import pytest
+from helpers import ScriptedEngine, settings
+
+from agentrl.errors import ConfigError
+from agentrl.gateway import AgentRunner, agent_env
+from agentrl.registry import make
+from agentrl.rollout.agent_loop import Renderer
+from agentrl.types import SampleStatus
+
+
+async def ask(client, task):
+    reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task["prompt"]}])
+    return reply.choices[0].message.content
+
+
+@agent_env("test-gw-return")
+async def returns_score(task, client):
+    """Scores itself: 1 when the reply says yes."""
+    return float((await ask(client, task)).strip() == "yes")
+
+
+@agent_env("test-gw-grader", grader="math")
+async def graded_by_math(task, client):
+    return await ask(client, task)
+
+
+@agent_env("test-gw-reward", reward=lambda task, result: {"score": len(result.messages) / 10, "turns": 1.0})
+async def with_reward(task, client):
+    await ask(client, task)
+
+
+@agent_env("test-gw-raises")
+async def raises(task, client):
+    await ask(client, task)
+    raise ValueError("the agent broke")
+
+
+@agent_env("test-gw-hangs", timeout_s=0.5)
+async def hangs(task, client):
+    await ask(client, task)
+    await asyncio.sleep(3600)
+
+
+@agent_env("test-gw-stubborn", timeout_s=0.5)
+async def ignores_cancellation(task, client):
+    """Swallows the runner's cancellation (and then the event loop's at its shutdown)."""
+    await ask(client, task)
+    for _ in range(2):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+
+
+@agent_env("test-gw-silent")
+async def never_calls(task, client):
+    return 1.0
+
+
+@agent_env("test-gw-no-reward")
+async def returns_text(task, client):
+    await ask(client, task)
+    return "not a number"
+
+
+agent_env("test-gw-command", grader="math", timeout_s=60, command=(
+    f"{sys.executable} -c \"import json, os, openai; task = json.loads(os.environ['AGENTRL_TASK']); "
+    "c = openai.OpenAI(max_retries=0); "
+    "r = c.chat.completions.create(model='x', messages=[{'role': 'user', 'content': task['prompt']}]); "
+    "print('log line'); print(r.choices[0].message.content)\""))(None)
+
+
+def play(tokenizer, name, replies, task=None):
+    engine = ScriptedEngine(tokenizer, replies)
+
+    async def go():
+        runner = AgentRunner(renderer=Renderer(tokenizer, True), client=engine, settings_for=lambda env: settings())
+        try:
+            return await runner(make(name), task or {"prompt": "say yes", "label": "3"}, trajectory_id="g0-s0",
+                                group_id=0, index=0, seed=1, env_name=name)
+        finally:
+            await runner.aclose()
+
+    return asyncio.run(go()), engine
+
+
+def test_reward_from_the_return_value(tokenizer):
+    samples, _ = play(tokenizer, "test-gw-return", ["yes"])
+    assert len(samples) == 1 and samples[0].reward == 1.0 and samples[0].status == SampleStatus.COMPLETED
+    assert samples[0].num_trained_tokens == len(tokenizer.encode("yes", add_special_tokens=False)) + 1
+    samples, _ = play(tokenizer, "test-gw-return", ["no"])
+    assert samples[0].reward == 0.0 and "agent_fault" not in samples[0].metadata
+
+
+@pytest.mark.parametrize("answer, reward", [("so \\boxed{3}", 1.0), ("\\boxed{4}", 0.0)])
+def test_reward_from_an_env_grader(tokenizer, answer, reward):
+    samples, _ = play(tokenizer, "test-gw-grader", [answer], {"prompt": "1+2?", "label": "3"})
+    assert samples[0].reward == reward
+
+
+def test_reward_function_over_the_final_state(tokenizer):
+    samples, _ = play(tokenizer, "test-gw-reward", ["hello"])
+    assert samples[0].reward == {"score": pytest.approx(0.2), "turns": 1.0}  # user + assistant messages
+
+
+def test_command_line_agent_gets_the_endpoint_in_its_environment(tokenizer):
+    samples, engine = play(tokenizer, "test-gw-command", ["\\boxed{3}"], {"prompt": "1+2?", "label": "3"})
+    assert len(engine.calls) == 1 and samples[0].reward == 1.0 and samples[0].metadata["agent_output"] == "\\boxed{3}"
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("test-gw-raises", "the agent raised ValueError: the agent broke"),
+    ("test-gw-hangs", "timeout: the agent ran past 0.5 s"),
+    ("test-gw-stubborn", "timeout: the agent ran past 0.5 s"),
+    ("test-gw-silent", "the agent never called the endpoint"),
+])
+def test_a_broken_agent_ends_its_trajectory_with_reward_0_and_a_reason(tokenizer, name, reason):
+    t0 = time.monotonic()
+    samples, _ = play(tokenizer, name, ["yes"])
+    assert time.monotonic() - t0 < 15  # the time bound, plus the grace a cancelled agent gets, plus start-up
+    assert len(samples) == 1 and samples[0].reward == 0.0 and samples[0].metadata["agent_fault"] == reason
+    assert samples[0].status != SampleStatus.FAILED  # the agent's fault is scored, not masked
+
+
+def test_an_agent_env_without_a_reward_source_stops_the_run(tokenizer):
+    with pytest.raises(ConfigError, match="reward must be a number"):
+        play(tokenizer, "test-gw-no-reward", ["hi"])
+
+
+def test_agent_env_lends_the_graders_tasks_and_label_requirement():
+    from agentrl.registry import get_spec
+
+    cls = get_spec("test-gw-grader").load()
+    assert cls.needs_label and next(iter(cls.dataset(seed=0)))["label"] is not None
+    with pytest.raises(TypeError, match="async def"):
+        agent_env("test-gw-sync")(lambda task, client: None)
