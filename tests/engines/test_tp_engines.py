@@ -1,0 +1,134 @@
+"""Engines of several TP ranks, on the CPU: the embedded engine's --tp-size emulation is as strict
+as SGLang about `serialized_named_tensors` (one payload per TP rank, every one the same weights),
+the weight sync sends one payload per rank, and the weight check catches an engine that does not
+hold the trainer's weights."""
+
+import asyncio
+
+import pytest
+import torch
+from aiohttp.test_utils import TestServer
+
+from agentrl.config import parse_config
+from agentrl.engines.embedded import EmbeddedEngine, encode_named_tensors
+from agentrl.engines.group import EngineGroup
+from agentrl.errors import EngineError
+from agentrl.rollout.client import EngineClient
+from agentrl.weight_sync import sync_weights_from_tensor
+from agentrl.weight_update import check_probe, probe_engines, weight_check_due
+
+
+def _serve(engine: EmbeddedEngine, go):
+    async def main():
+        server = TestServer(engine.app())
+        await server.start_server()
+        try:
+            async with EngineClient(str(server.make_url("")).rstrip("/"), request_timeout_s=60) as client:
+                return await go(client)
+        finally:
+            await server.close()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def engine2(tiny_model):
+    torch.set_num_threads(1)
+    return EmbeddedEngine(str(tiny_model), prefix_cache_tokens=0, tp_size=2)
+
+
+def _one_weight(engine: EmbeddedEngine, scale: float = 2.0) -> list[tuple[str, torch.Tensor]]:
+    name, param = next(iter(engine.model.state_dict().items()))
+    return [(name, param.detach().clone() * scale)]
+
+
+def test_emulated_tp_engine_takes_exactly_one_identical_payload_per_rank(engine2):
+    named = _one_weight(engine2)
+    other = [(named[0][0], named[0][1] + 1)]
+
+    async def go(client):
+        info = await client.get("/server_info")
+        assert info["tp_size"] == 2
+        replies = {}
+        for label, payloads in (("one", [encode_named_tensors(named)]),
+                                ("different", [encode_named_tensors(named), encode_named_tensors(other)])):
+            with pytest.raises(EngineError) as err:
+                await client.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads,
+                                                                  "flush_cache": True}, retries=0)
+            replies[label] = str(err.value)
+        # the weight sync reads tp_size from /server_info and sends one payload per rank
+        out = await sync_weights_from_tensor([client], named, version=7, bucket_bytes=1 << 20)
+        return replies, out
+
+    replies, out = _serve(engine2, go)
+    assert "holds 1 payloads for 2 TP ranks" in replies["one"]
+    assert "TP rank 1 got other weights than TP rank 0" in replies["different"]
+    assert out["weight_sync_buckets"] == 1
+    assert torch.equal(engine2.model.state_dict()[named[0][0]], named[0][1]) and engine2.weight_version == "7"
+
+
+def test_emulated_tp_engine_refuses_a_distributed_group(engine2):
+    async def go(client):
+        with pytest.raises(EngineError) as err:
+            await client.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                             "rank_offset": 1, "world_size": 3, "group_name": "g"},
+                              retries=0)
+        return str(err.value)
+
+    assert "emulates --tp-size 2 for tensor updates only" in _serve(engine2, go)
+
+
+class ProbeTrainer:
+    """The trainer's half of the weight check: its model's logprobs of the probe's tokens."""
+
+    def __init__(self, model, temperature: float):
+        self.model, self.temperature = model, temperature
+
+    async def probe_logprobs(self, samples):
+        out = []
+        with torch.no_grad():
+            for s in samples:
+                ids = torch.tensor([s.prompt_tokens + s.response_tokens])
+                logits = self.model(ids).logits[0, len(s.prompt_tokens) - 1:-1].float() / self.temperature
+                lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_tokens)[:, None])[:, 0]
+                out.append(lp.tolist())
+        return out
+
+
+def test_weight_check_passes_on_the_same_weights_and_fails_loudly_on_others(tiny_model):
+    torch.set_num_threads(1)
+    engine = EmbeddedEngine(str(tiny_model), prefix_cache_tokens=0)
+    engine.weight_version = "1"
+    cfg, _ = parse_config(["--weight-check-interval", "3"])
+    assert [v for v in range(1, 8) if weight_check_due(cfg, v)] == [1, 3, 6]
+    assert not weight_check_due(parse_config(["--weight-check-interval", "0"])[0], 1)
+    same = ProbeTrainer(engine.model, cfg.rollout.rollout_temperature)
+    other_model = EmbeddedEngine(str(tiny_model), prefix_cache_tokens=0).model
+    with torch.no_grad():
+        for p in other_model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    other = ProbeTrainer(other_model, cfg.rollout.rollout_temperature)
+
+    async def go(client):
+        group = EngineGroup(url=client.base_url, engine_urls=[client.base_url])
+        results = {}
+        for label, trainer in (("same", same), ("other", other)):
+            group.probe_prompts = [[5, 6, 7, 8], [9, 10]]
+            await probe_engines(cfg, group, [client])
+            assert group.probe_prompts is None and len(group.probe_results) == 2
+            try:
+                results[label] = await check_probe(cfg, trainer, group, version=1)
+            except EngineError as exc:
+                results[label] = str(exc)
+            assert group.probe_results is None
+        group.probe_prompts = [[5, 6, 7, 8]]
+        await probe_engines(cfg, group, [client])
+        with pytest.raises(EngineError, match="reports weight version 1, the trainer synced version 2"):
+            await check_probe(cfg, same, group, version=2)
+        return results
+
+    results = _serve(engine, go)
+    assert results["same"]["weight_check/mean_abs_diff"] < 1e-4, results
+    assert results["same"]["weight_check/tokens"] == 16
+    assert isinstance(results["other"], str) and "engine http://" in results["other"], results
+    assert "disagrees with the trainer" in results["other"] and "--weight-check-max-diff 0.25" in results["other"]
