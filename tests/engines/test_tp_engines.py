@@ -132,3 +132,35 @@ def test_weight_check_passes_on_the_same_weights_and_fails_loudly_on_others(tiny
     assert results["same"]["weight_check/tokens"] == 16
     assert isinstance(results["other"], str) and "engine http://" in results["other"], results
     assert "disagrees with the trainer" in results["other"] and "--weight-check-max-diff 0.25" in results["other"]
+
+
+def test_two_megatron_ranks_feed_an_engine_of_two_tp_ranks_each_its_own_copy(tmp_path):
+    """`agentrl train --trainer megatron --tensor-model-parallel-size 2 --actor-num-gpus-per-node 2
+    --rollout-num-gpus-per-engine 2` on the CPU: the embedded engine emulates two TP ranks, each
+    gets the payload of another trainer rank (the per-rank path: every rank's collectives in step
+    with rank 0's), it checks both are the same weights, and the weight check agrees."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("megatron.core")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainers"))
+    import megatron_cpu_shim
+    from spine_helpers import agentrl_cli, run_env
+
+    out = tmp_path / "run"
+    args = ["--env", "target-token", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+            "--global-batch-size", "4", "--rollout-max-response-len", "8", "--no-progress", "--trainer", "megatron",
+            "--max-tokens-per-gpu", "256", "--lr", "1e-3", "--seed", "3", "--num-rollout", "2",
+            "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",
+            "--rollout-num-gpus-per-engine", "2", "--weight-check-interval", "1", "--weight-sync-bucket-mb", "0.5",
+            "--output-dir", str(out)]
+    proc = subprocess.run([agentrl_cli(), "train", *args], capture_output=True, text=True, timeout=600,
+                          env=megatron_cpu_shim.child_env(run_env()))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == [1, 2]
+    assert all(r["weight_sync_per_rank"] == 1.0 and r["weight_sync_buckets"] > 1 for r in rows), rows
+    assert rows[1]["weight_check/mean_abs_diff"] < 1e-4 and rows[1]["weight_check/tokens"] > 0
+    assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-4
