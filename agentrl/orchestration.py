@@ -262,12 +262,11 @@ def reserve_placement(cfg: Config, device: str, *, trainer: bool, engines: bool,
         raise ConfigError(f"Ray could not reserve the bundles {plan.bundles} within {timeout_s:.0f} s (cluster: "
                           f"{ray.cluster_resources()})") from None
     plan.bundle_nodes = bundle_nodes(plan.pg)
-    for index, slots in enumerate(plan.engine_gpus):
-        if len({plan.node_of(g) for g in slots}) > 1:
-            plan.release()
-            raise ConfigError(f"engine {index}'s {len(slots)} GPUs landed on different nodes "
-                              f"({[plan.node_of(g) for g in slots]}): an engine's TP ranks share one node; give "
-                              "each node a multiple of --rollout-num-gpus-per-engine GPUs")
+    try:
+        check_engines_on_one_node(plan)
+    except ConfigError:
+        plan.release()
+        raise
     gpu_slots = sum(1 for b in plan.bundles if "GPU" in b)
     if gpu_slots:  # which physical GPU each slot holds
         probe = ray.remote(num_cpus=0, num_gpus=0.01)(lambda: int(ray.get_gpu_ids()[0]))
@@ -292,6 +291,15 @@ def pin_to_resources(plan: Placement, *, trainer: str | None, engines: str | Non
     for index, b in enumerate(plan.engine_bundles):
         for slot in plan.engine_gpus[index] or [b]:
             ask(slot, engines)
+
+
+def check_engines_on_one_node(plan: Placement) -> None:
+    """An engine's TP ranks talk over its node's GPUs (SGLang's one process group per engine)."""
+    for index, slots in enumerate(plan.engine_gpus):
+        if len({plan.node_of(g) for g in slots}) > 1:
+            raise ConfigError(f"engine {index}'s {len(slots)} GPUs landed on different nodes "
+                              f"({[plan.node_of(g) for g in slots]}): an engine's TP ranks share one node; give "
+                              "each node a multiple of --rollout-num-gpus-per-engine GPUs")
 
 
 def bundle_nodes(pg) -> list[tuple[str, str]]:
