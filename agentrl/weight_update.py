@@ -94,6 +94,7 @@ async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGr
             engines.quarantine(url)
         if probe_prompts and weight_check_due(cfg, version):
             engines.probe_prompts = [p[-PROBE_CONTEXT:] for p in probe_prompts[:PROBE_PROMPTS] if p]
+            engines.probe_lora = control.lora_adapter  # --lora-sync adapter: the probe names the new adapter
         return out | ({"weight_sync_failed": len(failed)} if failed else {})
     finally:
         control.resume()
@@ -105,7 +106,8 @@ PROBE_PROMPTS, PROBE_TOKENS, PROBE_CONTEXT = 2, 8, 256  # per engine: 16 sampled
 
 def weight_check_due(cfg: Config, version: int) -> bool:
     n = cfg.train.weight_check_interval
-    return bool(n) and (version == 1 or version % n == 0)
+    # temperature 0 (greedy) has no logprobs to compare: the trainer's are of logits / T
+    return bool(n) and cfg.rollout.rollout_temperature > 0 and (version == 1 or version % n == 0)
 
 
 async def probe_engines(cfg: Config, engines: EngineGroup | None, clients: list[EngineClient]) -> None:
@@ -120,9 +122,12 @@ async def probe_engines(cfg: Config, engines: EngineGroup | None, clients: list[
     params = {"max_new_tokens": PROBE_TOKENS, "temperature": cfg.rollout.rollout_temperature, "top_p": 1.0,
               "top_k": -1, "min_p": 0.0}
 
+    request = {"sampling_params": params, "return_logprob": True}
+    if engines.probe_lora:
+        request["lora_path"] = engines.probe_lora
+
     async def one(client: EngineClient, prompt: list[int]):
-        reply = await client.post("/generate", {"input_ids": prompt, "sampling_params": params,
-                                                "return_logprob": True})
+        reply = await client.post("/generate", {"input_ids": prompt, **request})
         meta = reply["meta_info"]
         pairs = [(int(t), float(lp)) for lp, t, *_ in meta["output_token_logprobs"]]
         return client.base_url, str(meta.get("weight_version")), Sample(

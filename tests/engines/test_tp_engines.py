@@ -102,6 +102,7 @@ def test_weight_check_passes_on_the_same_weights_and_fails_loudly_on_others(tiny
     cfg, _ = parse_config(["--weight-check-interval", "3"])
     assert [v for v in range(1, 8) if weight_check_due(cfg, v)] == [1, 3, 6]
     assert not weight_check_due(parse_config(["--weight-check-interval", "0"])[0], 1)
+    assert not weight_check_due(parse_config(["--rollout-temperature", "0"])[0], 1)
     same = ProbeTrainer(engine.model, cfg.rollout.rollout_temperature)
     other_model = EmbeddedEngine(str(tiny_model), prefix_cache_tokens=0).model
     with torch.no_grad():
@@ -154,13 +155,14 @@ def test_two_megatron_ranks_feed_an_engine_of_two_tp_ranks_each_its_own_copy(tmp
             "--global-batch-size", "4", "--rollout-max-response-len", "8", "--no-progress", "--trainer", "megatron",
             "--max-tokens-per-gpu", "256", "--lr", "1e-3", "--seed", "3", "--num-rollout", "2",
             "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",
-            "--rollout-num-gpus-per-engine", "2", "--weight-check-interval", "1", "--weight-sync-bucket-mb", "0.5",
+            "--rollout-num-gpus-per-engine", "2", "--weight-check-interval", "1", "--update-weight-buffer-size", "524288",
             "--output-dir", str(out)]
     proc = subprocess.run([agentrl_cli(), "train", *args], capture_output=True, text=True, timeout=600,
                           env=megatron_cpu_shim.child_env(run_env()))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2]
-    assert all(r["weight_sync_per_rank"] == 1.0 and r["weight_sync_buckets"] > 1 for r in rows), rows
+    # slime's --update-weight-buffer-size (bytes) sets the bucket: 512 KiB buckets of the ~3 MB tiny model
+    assert all(r["weight_sync_per_rank"] == 1.0 and r["weight_sync_buckets"] > 3 for r in rows), rows
     assert rows[1]["weight_check/mean_abs_diff"] < 1e-4 and rows[1]["weight_check/tokens"] > 0
     assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-4
