@@ -162,9 +162,14 @@ async def sync_weights_per_rank(clients: list[EngineClient], named: Iterable[tup
     for chunk in buckets(named, bucket_bytes):
         if error is not None:
             continue  # the rest of the export runs (the other ranks are in it), nothing is sent
-        items = gather.collect((_chunk_meta(chunk), encode_bucket(kind, chunk)))
+        mine, error = _encoded(kind, chunk)  # a failure here still takes part in this bucket's gather
+        items = gather.collect(mine)
         try:
-            for rank, (meta, _) in enumerate(items):
+            if error is not None:
+                raise error
+            for rank, (meta, payload) in enumerate(items):
+                if payload is None:
+                    raise EngineError(f"trainer rank {rank} could not serialize bucket {count}: {meta}")
                 if meta != items[0][0]:
                     raise EngineError(f"trainer rank {rank} exported other weights than rank 0 in bucket {count} "
                                       f"({meta[:2]}... vs {items[0][0][:2]}...): the per-rank sync needs every rank "
@@ -194,8 +199,16 @@ def serve_weights_per_rank(named: Iterable[tuple[str, torch.Tensor]], *, bucket_
     failed = None
     for chunk in buckets(named, bucket_bytes):
         if failed is None:
-            gather.collect((_chunk_meta(chunk), encode_bucket(kind, chunk)))
+            gather.collect(_encoded(kind, chunk)[0])  # a failure goes to rank 0 as the payload's absence
             failed = gather.verdict(None)
+
+
+def _encoded(kind: str, chunk) -> tuple[tuple, BaseException | None]:
+    """((meta, payload), None), or ((why, None), the error): what a rank gives the gather either way."""
+    try:
+        return (_chunk_meta(chunk), encode_bucket(kind, chunk)), None
+    except Exception as exc:
+        return (f"{type(exc).__name__}: {exc}", None), exc
 
 
 async def sync_weights_from_disk(clients: list[EngineClient], model_path: str, *, version: int) -> dict[str, float]:

@@ -166,3 +166,56 @@ def test_two_megatron_ranks_feed_an_engine_of_two_tp_ranks_each_its_own_copy(tmp
     assert all(r["weight_sync_per_rank"] == 1.0 and r["weight_sync_buckets"] > 3 for r in rows), rows
     assert rows[1]["weight_check/mean_abs_diff"] < 1e-4 and rows[1]["weight_check/tokens"] > 0
     assert rows[1]["train_rollout_logprob_abs_diff"] < 1e-4
+
+
+class FakeGather:
+    """Rank 0's view of the gather: the other ranks' (meta, payload) per bucket, given by the test."""
+
+    def __init__(self, others):
+        self.others, self.verdicts, self.gathered = others, [], 0
+
+    def collect(self, mine):
+        self.gathered += 1
+        return [mine, *self.others(mine)]
+
+    def verdict(self, error):
+        self.verdicts.append(error)
+        return error
+
+
+class RecordingEngine:
+    def __init__(self, url):
+        self.base_url, self.posts = url, []
+
+    async def post(self, path, payload, **kw):
+        self.posts.append((path, payload))
+        return {"success": True}
+
+
+def test_per_rank_sync_orders_payloads_by_tp_rank_and_stops_every_rank_on_a_failure():
+    from agentrl.weight_sync import sync_weights_per_rank
+
+    named = [(f"w{i}", torch.full((256,), float(i))) for i in range(4)]  # 1 KiB each: 2 buckets of 2 KiB
+    engines = [RecordingEngine("http://e0"), RecordingEngine("http://e1")]
+    gather = FakeGather(lambda mine: [(mine[0], f"rank1:{mine[0][0][0]}")])
+    out = asyncio.run(sync_weights_per_rank(engines, iter(named), version=3, bucket_bytes=2048,
+                                            sources=[[0, 1], [1, 0]], kind="embedded", gather=gather))
+    assert out["weight_sync_buckets"] == 2 and gather.verdicts == [None, None]
+    tensor_posts = [p for path, p in engines[1].posts if path == "/update_weights_from_tensor"]
+    assert [p["serialized_named_tensors"][0] for p in tensor_posts] == ["rank1:w0", "rank1:w2"]  # TP rank 0 <- rank 1
+    assert all(not p["flush_cache"] for p in tensor_posts)
+    assert [path for path, _ in engines[0].posts][-2:] == ["/update_weight_version", "/flush_cache"]
+    assert engines[0].posts[-2][1]["new_version"] == "3"
+
+    # rank 1 could not serialize the first bucket: nothing is posted, every rank is told, no more gathers
+    engines = [RecordingEngine("http://e0")]
+    gather = FakeGather(lambda mine: [("RuntimeError: no IPC here", None)])
+    with pytest.raises(EngineError, match="trainer rank 1 could not serialize bucket 0: RuntimeError: no IPC here"):
+        asyncio.run(sync_weights_per_rank(engines, iter(named), version=4, bucket_bytes=2048, sources=[[0, 1]],
+                                          kind="embedded", gather=gather))
+    assert engines[0].posts == [] and gather.gathered == 1 and "could not serialize" in gather.verdicts[0]
+    # a rank holding other weights (a sharded export) is named, not loaded
+    gather = FakeGather(lambda mine: [([("w9", (256,), "torch.float32")], "x")])
+    with pytest.raises(EngineError, match="trainer rank 1 exported other weights than rank 0 in bucket 0"):
+        asyncio.run(sync_weights_per_rank([RecordingEngine("http://e0")], iter(named), version=4, bucket_bytes=2048,
+                                          sources=[[0, 1]], kind="embedded", gather=gather))
