@@ -134,8 +134,13 @@ async def probe_engines(cfg: Config, engines: EngineGroup | None, clients: list[
             prompt_tokens=list(prompt), response_tokens=[t for t, _ in pairs], loss_mask=[1] * len(pairs),
             rollout_logprobs=[lp for _, lp in pairs], policy_versions=[0] * len(pairs))
 
-    replies = await asyncio.gather(*[one(c, p) for c in clients for p in prompts])
-    engines.probe_results = [r for r in replies if r[2].response_tokens]
+    serving = set(engines.serving())  # one down or catching up is the monitor's, and holds older weights
+    replies = await asyncio.gather(*[one(c, p) for c in clients if c.base_url in serving for p in prompts],
+                                   return_exceptions=True)
+    for r in replies:
+        if isinstance(r, BaseException):  # it went down meanwhile: the monitor takes it out of the pool
+            log.warning("weight check: a probe request failed: %r", r)
+    engines.probe_results = [r for r in replies if not isinstance(r, BaseException) and r[2].response_tokens]
 
 
 async def check_probe(cfg: Config, trainer, engines: EngineGroup | None, version: int) -> dict[str, float]:

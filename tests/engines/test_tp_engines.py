@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestServer
 
 from agentrl.config import parse_config
 from agentrl.engines.embedded import EmbeddedEngine, encode_named_tensors
-from agentrl.engines.group import EngineGroup
+from agentrl.engines.group import Engine, EngineGroup
 from agentrl.errors import EngineError
 from agentrl.rollout.client import EngineClient
 from agentrl.weight_sync import sync_weights_from_tensor
@@ -111,7 +111,8 @@ def test_weight_check_passes_on_the_same_weights_and_fails_loudly_on_others(tiny
     other = ProbeTrainer(other_model, cfg.rollout.rollout_temperature)
 
     async def go(client):
-        group = EngineGroup(url=client.base_url, engine_urls=[client.base_url])
+        engine_state = Engine(url=client.base_url, kind="embedded")
+        group = EngineGroup(url=client.base_url, engine_urls=[client.base_url], engines=[engine_state])
         results = {}
         for label, trainer in (("same", same), ("other", other)):
             group.probe_prompts = [[5, 6, 7, 8], [9, 10]]
@@ -122,6 +123,11 @@ def test_weight_check_passes_on_the_same_weights_and_fails_loudly_on_others(tiny
             except EngineError as exc:
                 results[label] = str(exc)
             assert group.probe_results is None
+        engine_state.state = "catching_up"
+        group.probe_prompts = [[5, 6, 7, 8]]
+        await probe_engines(cfg, group, [client])  # an engine catching up holds older weights: not probed
+        assert not group.probe_results
+        engine_state.state = "serving"
         group.probe_prompts = [[5, 6, 7, 8]]
         await probe_engines(cfg, group, [client])
         with pytest.raises(EngineError, match="reports weight version 1, the trainer synced version 2"):
