@@ -248,6 +248,15 @@ class TrainConfig(Section):
     the engines: NCCL broadcast to SGLang on other GPUs, gloo to CPU engines), `disk` (an HF
     checkpoint every engine loads). `auto`: distributed for SGLang engines on GPUs of their own,
     else tensor."""
+    update_weight_buffer_size: int | None = Field(None, ge=1)
+    """slime's name for the weight-sync bucket, in bytes; when given it overrides --weight-sync-bucket-mb."""
+    weight_check_interval: int = Field(5, ge=0)
+    """Check the engines hold the trainer's weights after the first weight sync and every Nth one
+    after: each engine samples a few tokens after two probe prompts and the trainer recomputes
+    their logprobs (metrics weight_check/*); 0: never."""
+    weight_check_max_diff: float = Field(0.25, gt=0)
+    """The run fails when an engine's mean |logprob difference| on the probe exceeds this (bf16
+    engines and trainers differ by ~0.01; wrong weights by whole nats)."""
     max_tokens_per_gpu: int | None = Field(None, ge=1)
     """Form micro-batches by a token budget instead of --micro-batch-size: Megatron packs sequences
     up to it; the PyTorch trainer takes as many samples as fit it padded (count x longest)."""
@@ -296,6 +305,11 @@ class RunConfig(Section):
     """Resume from this checkpoint folder (latest iteration inside it)."""
     ray_address: str | None = None
     """Join a Ray cluster (HOST:PORT, started with `ray start --head`); None: start Ray locally."""
+    ray_trainer_resource: str | None = None
+    """A custom Ray resource the trainer's bundles ask for (a sliver of it): the trainer goes to
+    the nodes started with it (`ray start --resources '{"NAME": 1000}'`); see docs/cluster.md."""
+    ray_engine_resource: str | None = None
+    """A custom Ray resource the engines' bundles ask for: the engines go to the nodes that have it."""
     colocate: bool = False
     """Trainer and engines time-share the same GPUs (engine memory released during training,
     trainer offloaded during rollout); without it they get disjoint GPUs."""

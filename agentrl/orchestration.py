@@ -20,6 +20,7 @@ same code: the trainer actors just get no GPU (several Megatron ranks talk gloo 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import Config
-from agentrl.errors import ConfigError
+from agentrl.errors import AgentRLError, ConfigError
 
 
 def start_ray(cfg: Config) -> None:
@@ -106,14 +107,26 @@ class Placement:
     pg: Any = None  # the reserved ray placement group
     slot_gpu_ids: list[int] = field(default_factory=list)  # physical GPU id of each slot, once reserved
     gpu_sharing: str | None = None  # why engines share the trainer's GPUs (gpu_sharing()); None: they do not
+    bundle_nodes: list[tuple[str, str]] = field(default_factory=list)  # (node id, host) of each bundle, reserved
 
     def describe(self) -> dict:
         """Who got which physical GPU, for the run's run.json."""
         def physical(slots):
             return [self.slot_gpu_ids[g] for g in slots] if self.slot_gpu_ids else slots
 
-        return {"trainer_gpus": [physical(g) for g in self.trainer_gpus],
-                "engine_gpus": [physical(g) for g in self.engine_gpus], "gpu_sharing": self.gpu_sharing}
+        out = {"trainer_gpus": [physical(g) for g in self.trainer_gpus],
+               "engine_gpus": [physical(g) for g in self.engine_gpus], "gpu_sharing": self.gpu_sharing}
+        if self.bundle_nodes:
+            out |= {"trainer_nodes": [self.node_of(b) for b in self.trainer_bundles],
+                    "engine_nodes": [self.node_of(b) for b in self.engine_bundles]}
+        return out
+
+    def node_of(self, bundle: int) -> str:
+        """'HOST (node ID…)' of a bundle, as run.json and error messages name it."""
+        if bundle >= len(self.bundle_nodes):
+            return "?"
+        nid, host = self.bundle_nodes[bundle]
+        return f"{host} (node {nid[:12]})"
 
     def shares(self, bundle: int) -> bool:
         """Does a trainer rank share this bundle's GPU with an engine (--colocate)?"""
@@ -123,6 +136,21 @@ class Placement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
+
+    def engine_rank_sources(self, index: int, tp_size: int) -> list[int] | None:
+        """For the per-rank colocated weight sync: the trainer rank on the GPU of each of engine
+        `index`'s `tp_size` TP ranks (TP rank k runs on the engine's k-th GPU: SGLang's order of
+        CUDA_VISIBLE_DEVICES); None when one of them has no trainer rank there (not colocated).
+        On the CPU (no GPUs; an embedded engine emulating TP ranks) rank k % trainer ranks."""
+        ranks = len(self.trainer_bundles)
+        gpus = self.engine_gpus[index] if index < len(self.engine_gpus) else []
+        if not gpus:
+            return None if any(self.trainer_gpus) else [k % ranks for k in range(tp_size)]
+        if len(gpus) != tp_size:
+            return None
+        by_slot = {g[0]: rank for rank, g in enumerate(self.trainer_gpus) if g}
+        sources = [by_slot.get(g) for g in gpus]
+        return None if None in sources else sources
 
     def rollout_gpu_ids(self) -> list[int]:
         """Physical GPU ids of the engines' slots, in slot order (for SGLang's plan)."""
@@ -225,6 +253,7 @@ def reserve_placement(cfg: Config, device: str, *, trainer: bool, engines: bool,
     plan = plan_placement(gpus=gpus, trainer_ranks=ranks, trainer_on_gpu=device == "cuda", num_engines=n,
                           gpus_per_engine=per, rollout_gpus=cfg.rollout.rollout_num_gpus, colocate=shared is not None)
     plan.gpu_sharing = shared
+    pin_to_resources(plan, trainer=cfg.run.ray_trainer_resource, engines=cfg.run.ray_engine_resource)
     plan.pg = placement_group(plan.bundles, strategy="PACK")
     try:
         ray.get(plan.pg.ready(), timeout=timeout_s)
@@ -232,12 +261,121 @@ def reserve_placement(cfg: Config, device: str, *, trainer: bool, engines: bool,
         plan.release()
         raise ConfigError(f"Ray could not reserve the bundles {plan.bundles} within {timeout_s:.0f} s (cluster: "
                           f"{ray.cluster_resources()})") from None
+    plan.bundle_nodes = bundle_nodes(plan.pg)
+    try:
+        check_engines_on_one_node(plan)
+    except ConfigError:
+        plan.release()
+        raise
     gpu_slots = sum(1 for b in plan.bundles if "GPU" in b)
     if gpu_slots:  # which physical GPU each slot holds
         probe = ray.remote(num_cpus=0, num_gpus=0.01)(lambda: int(ray.get_gpu_ids()[0]))
         plan.slot_gpu_ids = ray.get([probe.options(scheduling_strategy=plan.strategy(i)).remote()
                                      for i in range(gpu_slots)], timeout=timeout_s)
     return plan
+
+
+RESOURCE_SLICE = 0.001  # what a bundle asks of --ray-trainer-resource / --ray-engine-resource
+
+
+def pin_to_resources(plan: Placement, *, trainer: str | None, engines: str | None) -> None:
+    """Each trainer bundle asks for a sliver of `trainer`, each engine bundle (every GPU slot of
+    an engine) of `engines`: custom resources that only the nodes meant for them were started
+    with, so Ray puts the trainer and the engines where the operator said."""
+    def ask(bundle: int, name: str | None) -> None:
+        if name:
+            plan.bundles[bundle] = {**plan.bundles[bundle], name: RESOURCE_SLICE}
+
+    for b in plan.trainer_bundles:
+        ask(b, trainer)
+    for index, b in enumerate(plan.engine_bundles):
+        for slot in plan.engine_gpus[index] or [b]:
+            ask(slot, engines)
+
+
+def check_engines_on_one_node(plan: Placement) -> None:
+    """An engine's TP ranks talk over its node's GPUs (SGLang's one process group per engine)."""
+    for index, slots in enumerate(plan.engine_gpus):
+        if len({plan.node_of(g) for g in slots}) > 1:
+            raise ConfigError(f"engine {index}'s {len(slots)} GPUs landed on different nodes "
+                              f"({[plan.node_of(g) for g in slots]}): an engine's TP ranks share one node; give "
+                              "each node a multiple of --rollout-num-gpus-per-engine GPUs")
+
+
+def bundle_nodes(pg) -> list[tuple[str, str]]:
+    """(node id, host) of each bundle of a reserved placement group."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    hosts = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes()}
+    where = placement_group_table(pg).get("bundles_to_node_id", {})
+    return [(str(where.get(i, "?")), hosts.get(where.get(i), "?")) for i in range(len(where))]
+
+
+class NodeLost(AgentRLError):
+    """A Ray node holding the run's trainer ranks or engines left the cluster."""
+
+
+class NodeWatch:
+    """Ends the run, naming the node, when a Ray node holding its trainer ranks or engines dies
+    (a machine lost, a raylet killed, a preempted pod): a thread polls the cluster's node table
+    and raises NodeLost in the main thread (through SIGUSR1, as SIGTERM ends a run), instead of
+    the run hanging on calls into actors that are gone."""
+
+    def __init__(self, placement: Placement, interval_s: float = 2.0):
+        self.interval_s, self.lost = interval_s, None
+        self.held: dict[str, list[str]] = {}  # node id -> who of the run is there
+        for rank, b in enumerate(placement.trainer_bundles):
+            self._hold(placement, b, f"trainer rank {rank}")
+        for i, b in enumerate(placement.engine_bundles):
+            self._hold(placement, b, f"engine {i}")
+        self.hosts = {nid: host for nid, host in placement.bundle_nodes}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="agentrl-node-watch", daemon=True)
+
+    def _hold(self, placement: Placement, bundle: int, who: str) -> None:
+        if bundle < len(placement.bundle_nodes):
+            self.held.setdefault(placement.bundle_nodes[bundle][0], []).append(who)
+
+    def start(self) -> "NodeWatch":
+        if self.held and threading.current_thread() is threading.main_thread():
+            def raise_lost(signum, frame):
+                raise NodeLost(self.lost or "a Ray node of this run died")
+
+            signal.signal(signal.SIGUSR1, raise_lost)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() or self.lost:
+            self._thread.join(timeout=10)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a late report from the thread: nothing to stop
+
+    def check(self) -> str | None:
+        """What is lost: a sentence naming the node and who was on it; None while all are alive."""
+        import ray
+
+        alive = {n["NodeID"]: n.get("Alive", False) for n in ray.nodes()}
+        for nid, who in self.held.items():
+            if not alive.get(nid, False):
+                return (f"Ray node {self.hosts.get(nid, '?')} (node id {nid}) left the cluster; it held "
+                        f"{', '.join(who)}. The run stops here: resume with --load from the last checkpoint "
+                        "once the cluster has the node's resources again")
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.lost = self.check()
+            except Exception as exc:  # the GCS itself unreachable: the driver's own Ray calls fail too
+                log.warning("node watch: %r", exc)
+                continue
+            if self.lost:
+                log.error("%s", self.lost)
+                os.kill(os.getpid(), signal.SIGUSR1)
+                return
 
 
 class EngineServer:
@@ -404,6 +542,11 @@ class TrainerWorker:
         self.group_count = 0
         self.saved_version: int | None = None  # what --weight-sync-mode disk last wrote
         self.lora_synced: int | None = None  # the adapter version the engines last loaded (--lora-sync adapter)
+        self.engine_index: dict[str, int] = {}  # engine url -> its index in the placement (rank 0 of several)
+        self.placement: Placement | None = None
+
+    def engines_placed(self, urls: list[str], placement: "Placement") -> None:
+        self.engine_index, self.placement = {u: i for i, u in enumerate(urls)}, placement
 
     def train_rollout(self, samples) -> dict[str, float]:
         import torch
@@ -421,6 +564,9 @@ class TrainerWorker:
 
     def gpu_memory(self) -> dict[str, float]:
         return gpu_memory() if str(self.trainer.device).startswith("cuda") else {}
+
+    def probe_logprobs(self, samples) -> list[list[float]]:
+        return self.trainer.compute_logprobs(samples)
 
     def save(self, folder: str, state: dict) -> None:
         self.trainer.save(Path(folder), state)
@@ -440,6 +586,12 @@ class TrainerWorker:
         rank 0 alone sends the result to the engines."""
         if what in ("save_hf", "save_adapter"):
             getattr(self.trainer, what)(*args)
+        elif what == "per_rank":  # its own copy of every bucket to rank 0 (agentrl.weight_sync)
+            from agentrl.weight_sync import RankGather, serve_weights_per_rank
+
+            bucket_bytes, kind = args
+            serve_weights_per_rank(self.trainer.named_tensors(), bucket_bytes=bucket_bytes, kind=kind,
+                                   gather=RankGather())
         else:
             for _ in self.trainer.named_tensors():
                 pass
@@ -482,7 +634,7 @@ class TrainerWorker:
     async def _sync(self, clients, version: int) -> dict[str, float]:
         from agentrl.weight_sync import sync_weights_from_disk, sync_weights_from_tensor
 
-        bucket = int(self.cfg.train.weight_sync_bucket_mb * 2**20)
+        bucket = self.cfg.train.update_weight_buffer_size or int(self.cfg.train.weight_sync_bucket_mb * 2**20)
         mode = self.weight_sync_mode()
         if self.cfg.train.lora_rank and self.cfg.train.lora_sync == "adapter":
             return await self._sync_adapter(clients, version)
@@ -505,8 +657,38 @@ class TrainerWorker:
                     await self._drop_group(c.base_url)
                     raise
             return out
+        if per_rank := await self._per_rank_sources(clients):
+            return await self._sync_per_rank(clients, version, bucket, *per_rank)
         return await sync_weights_from_tensor(clients, self.trainer.named_tensors(), version=version,
                                               bucket_bytes=bucket)
+
+    async def _per_rank_sources(self, clients) -> tuple[list[list[int]], str] | None:
+        """(the trainer rank feeding each engine TP rank, the engines' kind) where every engine
+        sits on the trainer's GPUs (or the CPU) and the trainer has several ranks; else None."""
+        if not isinstance(self.trainer, LeadingRank) or self.placement is None:
+            return None
+        from agentrl.weight_sync import _tp_size
+
+        kinds = {await c.kind() for c in clients}
+        if len(kinds) != 1 or any(c.base_url not in self.engine_index for c in clients):
+            return None
+        sources = [self.placement.engine_rank_sources(self.engine_index[c.base_url], await _tp_size(c))
+                   for c in clients]
+        return None if None in sources else (sources, kinds.pop())
+
+    async def _sync_per_rank(self, clients, version: int, bucket: int, sources, kind: str) -> dict[str, float]:
+        """Every trainer rank serializes its own copy (agentrl.weight_sync.sync_weights_per_rank)."""
+        import ray
+
+        from agentrl.weight_sync import RankGather, sync_weights_per_rank
+
+        lead: LeadingRank = self.trainer
+        refs = [a.export.remote("per_rank", bucket, kind) for a in lead.others]
+        try:
+            return await sync_weights_per_rank(clients, lead.inner.named_tensors(), version=version,
+                                               bucket_bytes=bucket, sources=sources, kind=kind, gather=RankGather())
+        finally:  # the other ranks are done once rank 0 is (the same buckets, the same verdicts)
+            await asyncio.to_thread(ray.get, refs, timeout=TIMEOUT_S)
 
     async def _sync_adapter(self, clients, version: int) -> dict[str, float]:
         """--lora-sync adapter: the peft adapter folder of `version` (written once), loaded by every engine."""
@@ -725,7 +907,15 @@ class RemoteTrainer:
         self.actor = self.actors[0]  # rank 0: metrics, loaded state, weight sync
         if world > 1:
             self.actor.lead.remote(self.actors[1:])
-        self.cfg = cfg
+        self.cfg, self.placement = cfg, placement
+
+    def engines_placed(self, urls: list[str]) -> None:
+        """The engines' URLs in placement order: rank 0 learns which trainer rank sits on each
+        engine TP rank's GPU (the per-rank colocated sync, agentrl.weight_sync)."""
+        import ray
+
+        if len(self.actors) > 1:
+            ray.get(self.actor.engines_placed.remote(urls, self.placement), timeout=TIMEOUT_S)
 
     def _all(self, method: str, *args) -> list:
         """Every rank's reply; the first failure raises at once (the others may wait for it in a collective)."""
@@ -744,10 +934,25 @@ class RemoteTrainer:
         import ray
 
         shared = ray.put(samples)  # every rank trains on the whole rollout
-        return (await asyncio.gather(*[a.train_rollout.remote(shared) for a in self.actors]))[0]
+        with self.rank_deaths_named():
+            return (await asyncio.gather(*[a.train_rollout.remote(shared) for a in self.actors]))[0]
 
     async def sync_weights(self, urls: list[str], version: int, fresh: bool = False) -> dict[str, float]:
-        return await self.actor.sync_weights.remote(urls, version, fresh)
+        with self.rank_deaths_named():
+            return await self.actor.sync_weights.remote(urls, version, fresh)
+
+    @contextlib.contextmanager
+    def rank_deaths_named(self):
+        """A trainer rank's actor died (its process or its node): say which rank, on which node."""
+        import ray
+
+        try:
+            yield
+        except ray.exceptions.RayActorError as exc:
+            dead = [rank for rank, a in enumerate(self.actors) if exc.actor_id == a._actor_id.hex()] or [0]
+            bundle = self.placement.trainer_bundles[dead[0]]
+            raise NodeLost(f"trainer rank {dead[0]} on {self.placement.node_of(bundle)} died "
+                           f"({str(exc).splitlines()[0]}); resume with --load from the last checkpoint") from exc
 
     def save(self, folder: Path, state: dict) -> None:
         self._all("save", str(folder), state)
@@ -760,6 +965,13 @@ class RemoteTrainer:
 
     async def onload(self) -> None:
         await asyncio.gather(*[a.onload.remote() for a in self.actors])
+
+    async def probe_logprobs(self, samples) -> list[list[float]]:
+        """The policy's logprobs of `samples`' response tokens (every rank: a collective)."""
+        import ray
+
+        shared = ray.put(samples)
+        return (await asyncio.gather(*[a.probe_logprobs.remote(shared) for a in self.actors]))[0]
 
     async def gpu_memory(self) -> dict[str, float]:
         """Rank 0's GPU as it is now (all processes on it)."""

@@ -33,7 +33,7 @@ from agentrl.engines.group import EngineGroup, start_engines
 from agentrl.evaluation import evaluate
 from agentrl.metrics import RunContext, RunLog, start_wandb
 from agentrl.models import load_tokenizer
-from agentrl.orchestration import RemoteTrainer, reserve_placement, start_ray, stop_ray
+from agentrl.orchestration import NodeWatch, RemoteTrainer, reserve_placement, start_ray, stop_ray
 from agentrl.progress import Progress
 from agentrl.rollout.client import EngineClient
 from agentrl.rollout.control import RolloutControl
@@ -41,7 +41,7 @@ from agentrl.rollout.gc_tuning import tune_gc_for_rollouts
 from agentrl.rollout.producer import RolloutProducer
 from agentrl.rollout.slime import check_hooks
 from agentrl.types import Sample
-from agentrl.weight_update import catch_up_fn, colocated, update_engines
+from agentrl.weight_update import catch_up_fn, check_probe, colocated, update_engines
 
 
 log = logging.getLogger("agentrl.train")
@@ -81,7 +81,7 @@ def train(cfg: Config) -> Path:
     context.record(device=device, model_path=str(model_path), resumed_from=state.rollout_id if cfg.run.load else None)
 
     start_ray(cfg)
-    engines, runlog, placement = None, None, None
+    engines, runlog, placement, watch = None, None, None, None
     try:
         # one placement group: trainer rank(s) and engines, each a Ray actor in its bundle
         placement = reserve_placement(cfg, device, trainer=not cfg.run.debug_rollout_only, engines=replay is None)
@@ -92,9 +92,12 @@ def train(cfg: Config) -> Path:
             engines = start_engines(cfg.rollout, model_path=str(model_path), device=device, seed=cfg.run.seed,
                                     log_dir=out / "logs", sglang_args=cfg.sglang_args, router_args=cfg.router_args,
                                     dtype=cfg.model.dtype, placement=placement, **lora_engine_args(cfg))
+            if trainer is not None:  # which trainer rank sits on each engine TP rank's GPU (weight sync)
+                trainer.engines_placed(engines.engine_urls)
             context.record(engines={"kind": engines.kind, "urls": engines.engine_urls, "generate_url": engines.url,
                                     "router": engines.router is not None})
         context.record(placement=placement.describe(), trainer_ranks=len(placement.trainer_bundles))
+        watch = NodeWatch(placement).start()  # a lost Ray node ends the run, naming the node
         runlog = RunLog(out, tokenizer=tokenizer, wandb_run=start_wandb(cfg.run, cfg.model_dump(mode="json"), out))
         tune_gc_for_rollouts()  # what start-up built lives for the run: no collection walks it again
         asyncio.run(_loop(Run(cfg=cfg, trainer=trainer, engines=engines, tokenizer=tokenizer, source=source,
@@ -105,6 +108,8 @@ def train(cfg: Config) -> Path:
         context.end("interrupted" if isinstance(exc, KeyboardInterrupt) else f"failed: {type(exc).__name__}: {exc}")
         raise
     finally:
+        if watch is not None:
+            watch.stop()
         if engines is not None:
             engines.stop()
         if runlog is not None:
@@ -222,12 +227,15 @@ async def train_step(run: Run, samples: list[Sample], weights_lock: asyncio.Lock
     engine's catch-up waits for both). The trainer actor works while the event loop keeps
     driving rollouts (--async)."""
     async with weights_lock:
+        checked = await check_probe(run.cfg, run.trainer, run.engines, run.state.policy_version)
         t0 = time.perf_counter()
         out = await run.trainer.train_rollout(samples)
         t_train = time.perf_counter() - t0
         run.state.policy_version += 1
         if run.engines is not None:
-            out |= await update_engines(run.cfg, run.control, run.engines, run.trainer, run.state.policy_version)
+            out |= await update_engines(run.cfg, run.control, run.engines, run.trainer, run.state.policy_version,
+                                        probe_prompts=[s.prompt_tokens for s in samples[:2]])
+        out |= checked
     return out | {"train_s": t_train}
 
 

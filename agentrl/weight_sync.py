@@ -5,8 +5,13 @@ Three paths, the same for SGLang and the embedded engine (they speak one protoco
 - from tensors (`sync_weights_from_tensor`, colocated): POST /update_weights_from_tensor
   per bucket. The encoding of `serialized_named_tensors` depends on the engine, read from
   its /model_info: SGLang gets its own `MultiprocessingSerializer` pickle (CUDA IPC
-  handles: the tensors must live on a GPU of the same machine; one copy per TP rank), the
-  embedded engine base64 of torch.save with CPU tensors (see agentrl.engines.embedded).
+  handles: the tensors must live on a GPU of the same machine), the embedded engine base64
+  of torch.save with CPU tensors (see agentrl.engines.embedded). The list holds one payload
+  per engine TP rank (SGLang's TP rank k reads element k). A trainer of several ranks sends
+  each TP rank the copy of the trainer rank on that rank's own GPU (`sync_weights_per_rank`,
+  as slime gathers them): every rank holds the full HF tensors after the export, each
+  serializes its own, rank 0 gathers the payloads and posts, and no rank frees a bucket
+  before the engines have loaded it.
 - from a process group (`WeightUpdateGroup`, disaggregated): /init_weights_update_group
   once, then per bucket /update_weights_from_distributed while rank 0 (the trainer)
   broadcasts each tensor; NCCL for GPU tensors, gloo for CPU ones (the embedded engine).
@@ -49,14 +54,13 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
 
 
 async def _tp_size(client: EngineClient) -> int:
-    if await client.kind() == "embedded":
-        return 1
     info = await client.get("/server_info")
     return int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
 
 
 def sglang_serialize(chunk: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
-    """SGLang's colocated encoding: MultiprocessingSerializer over CUDA tensors, once per TP rank."""
+    """SGLang's colocated encoding: MultiprocessingSerializer over CUDA tensors, once per TP rank
+    (each TP rank then reads this process's GPU memory: the per-rank path avoids that)."""
     try:
         from sglang.srt.utils import MultiprocessingSerializer
     except ImportError as exc:
@@ -75,11 +79,16 @@ def sglang_serialize(chunk: list[tuple[str, torch.Tensor]], tp_size: int) -> lis
     return [data] * tp_size
 
 
+def encode_bucket(kind: str, chunk: list[tuple[str, torch.Tensor]]) -> str:
+    """One TP rank's payload of a bucket in the encoding of an engine `kind` ("sglang", "embedded")."""
+    return sglang_serialize(chunk, 1)[0] if kind == "sglang" else encode_named_tensors(chunk)
+
+
 async def _encoder(client: EngineClient) -> tuple[tuple, callable]:
     """(a key naming the encoding, the encoder): engines sharing a key share one encoding."""
-    if await client.kind() == "embedded":
-        return ("embedded",), lambda chunk: [encode_named_tensors(chunk)]
     tp = await _tp_size(client)
+    if await client.kind() == "embedded":
+        return ("embedded", tp), lambda chunk: [encode_named_tensors(chunk)] * tp
     return ("sglang", tp), lambda chunk: sglang_serialize(chunk, tp)
 
 
@@ -113,6 +122,93 @@ async def sync_weights_from_tensor(clients: list[EngineClient], named: Iterable[
         await _all(clients, "/update_weights_from_tensor", payloads)
     seconds = time.perf_counter() - t0
     return {"weight_sync_s": seconds, "weight_sync_mb": total / 2**20, "weight_sync_buckets": len(chunks)}
+
+
+class RankGather:
+    """The trainer's ranks around one bucket of the per-rank path, over torch.distributed's
+    default group (the trainer's own: gloo on the CPU, NCCL on GPUs): `collect` gathers every
+    rank's (names, payload) on rank 0, `verdict` sends rank 0's outcome of the post to all (an
+    error string or None), which is also when the others may let go of the bucket's tensors."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.rank, self.world = dist, dist.get_rank(), dist.get_world_size()
+
+    def collect(self, item):
+        out = [None] * self.world if self.rank == 0 else None
+        self.dist.gather_object(item, out, dst=0)
+        return out
+
+    def verdict(self, error: str | None) -> str | None:
+        box = [error]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def _chunk_meta(chunk) -> list[tuple[str, tuple, str]]:
+    return [(n, tuple(t.shape), str(t.dtype)) for n, t in chunk]
+
+
+async def sync_weights_per_rank(clients: list[EngineClient], named: Iterable[tuple[str, torch.Tensor]], *,
+                                version: int, bucket_bytes: int, sources: list[list[int]], kind: str,
+                                gather: RankGather) -> dict[str, float]:
+    """Rank 0 of the per-rank path: engine i's TP rank k gets the payload of trainer rank
+    `sources[i][k]` (the one on its GPU). Buckets go one at a time, each gathered from every
+    rank (which runs `serve_weights_per_rank` meanwhile); then the weight version and a cache
+    flush. The trainer's export is a collective too, so nothing here reads ahead of it."""
+    t0 = time.perf_counter()
+    total, count, error = 0, 0, None
+    for chunk in buckets(named, bucket_bytes):
+        if error is not None:
+            continue  # the rest of the export runs (the other ranks are in it), nothing is sent
+        mine, error = _encoded(kind, chunk)  # a failure here still takes part in this bucket's gather
+        items = gather.collect(mine)
+        try:
+            if error is not None:
+                raise error
+            for rank, (meta, payload) in enumerate(items):
+                if payload is None:
+                    raise EngineError(f"trainer rank {rank} could not serialize bucket {count}: {meta}")
+                if meta != items[0][0]:
+                    raise EngineError(f"trainer rank {rank} exported other weights than rank 0 in bucket {count} "
+                                      f"({meta[:2]}... vs {items[0][0][:2]}...): the per-rank sync needs every rank "
+                                      "to hold the full HF tensors")
+            payloads = [{"serialized_named_tensors": [items[r][1] for r in ranks], "load_format": None,
+                         "flush_cache": False} for ranks in sources]
+            await _all(clients, "/update_weights_from_tensor", payloads)
+        except BaseException as exc:
+            error = exc
+        gather.verdict(None if error is None else f"{type(error).__name__}: {error}")
+        total += sum(t.numel() * t.element_size() for _, t in chunk)
+        count += 1
+    if error is not None:
+        raise error
+    await _all(clients, "/update_weight_version", [{"new_version": str(version), "abort_all_requests": False}]
+               * len(clients))
+    await asyncio.gather(*[c.post("/flush_cache", {}) for c in clients])
+    return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_mb": total / 2**20, "weight_sync_buckets": count,
+            "weight_sync_per_rank": 1.0}
+
+
+def serve_weights_per_rank(named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int, kind: str,
+                           gather: RankGather) -> None:
+    """A rank other than 0 in the per-rank path: its payload of each bucket to rank 0, then it
+    holds the bucket until rank 0 says the engines have it. After a failure it only finishes
+    the export (its collectives), as rank 0 does."""
+    failed = None
+    for chunk in buckets(named, bucket_bytes):
+        if failed is None:
+            gather.collect(_encoded(kind, chunk)[0])  # a failure goes to rank 0 as the payload's absence
+            failed = gather.verdict(None)
+
+
+def _encoded(kind: str, chunk) -> tuple[tuple, BaseException | None]:
+    """((meta, payload), None), or ((why, None), the error): what a rank gives the gather either way."""
+    try:
+        return (_chunk_meta(chunk), encode_bucket(kind, chunk)), None
+    except Exception as exc:
+        return (f"{type(exc).__name__}: {exc}", None), exc
 
 
 async def sync_weights_from_disk(clients: list[EngineClient], model_path: str, *, version: int) -> dict[str, float]:

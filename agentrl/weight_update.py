@@ -29,6 +29,7 @@ async def colocated(cfg: Config, trainer, engines: EngineGroup, clients: list[En
     memory at the end of the rollout (metrics)."""
     out: dict[str, float] = {}
     if not cfg.run.colocate or trainer is None:
+        await probe_engines(cfg, engines, clients)
         yield out
         return
     t0 = time.perf_counter()
@@ -36,6 +37,7 @@ async def colocated(cfg: Config, trainer, engines: EngineGroup, clients: list[En
     t1 = time.perf_counter()
     await engines.memory.resume(clients)
     out |= {"colocate/offload_s": t1 - t0, "colocate/resume_s": time.perf_counter() - t1}
+    await probe_engines(cfg, engines, clients)  # the engines can generate again (their KV cache is back)
     try:
         yield out
     finally:
@@ -53,7 +55,8 @@ async def colocated(cfg: Config, trainer, engines: EngineGroup, clients: list[En
             out["gpu/used_rollout_gib"] = used
 
 
-async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGroup, trainer, version: int) -> dict:
+async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGroup, trainer, version: int,
+                         probe_prompts: list[list[int]] | None = None) -> dict:
     """New weights into every live engine. The gate keeps agent loops from sending requests
     and the engines pause, so no generation sees half-updated weights. With --partial-rollout
     in-flight generations are aborted first and resume under the new weights; without it the
@@ -89,10 +92,84 @@ async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGr
                               "and none is restarted (--no-engine-restart?): resume with --load")
         for url in failed:  # restarted, an engine gets the current weights before it serves again
             engines.quarantine(url)
+        if probe_prompts and weight_check_due(cfg, version):
+            engines.probe_prompts = [p[-PROBE_CONTEXT:] for p in probe_prompts[:PROBE_PROMPTS] if p]
+            engines.probe_lora = control.lora_adapter  # --lora-sync adapter: the probe names the new adapter
         return out | ({"weight_sync_failed": len(failed)} if failed else {})
     finally:
         control.resume()
         await asyncio.gather(*[c.close() for c in clients])
+
+
+PROBE_PROMPTS, PROBE_TOKENS, PROBE_CONTEXT = 2, 8, 256  # per engine: 16 sampled tokens, cheap
+
+
+def weight_check_due(cfg: Config, version: int) -> bool:
+    n = cfg.train.weight_check_interval
+    # temperature 0 (greedy) has no logprobs to compare: the trainer's are of logits / T
+    return bool(n) and cfg.rollout.rollout_temperature > 0 and (version == 1 or version % n == 0)
+
+
+async def probe_engines(cfg: Config, engines: EngineGroup | None, clients: list[EngineClient]) -> None:
+    """The weight check's engine half, where the engines can generate after a sync (with
+    --colocate not before their KV cache is back): each engine samples a few tokens after each
+    probe prompt, with their logprobs, under the sampling the trainer's logprobs assume."""
+    from agentrl.types import Sample
+
+    if engines is None or not engines.probe_prompts:
+        return
+    prompts, engines.probe_prompts = engines.probe_prompts, None
+    params = {"max_new_tokens": PROBE_TOKENS, "temperature": cfg.rollout.rollout_temperature, "top_p": 1.0,
+              "top_k": -1, "min_p": 0.0}
+
+    request = {"sampling_params": params, "return_logprob": True}
+    if engines.probe_lora:
+        request["lora_path"] = engines.probe_lora
+
+    async def one(client: EngineClient, prompt: list[int]):
+        reply = await client.post("/generate", {"input_ids": prompt, **request})
+        meta = reply["meta_info"]
+        pairs = [(int(t), float(lp)) for lp, t, *_ in meta["output_token_logprobs"]]
+        return client.base_url, str(meta.get("weight_version")), Sample(
+            prompt_tokens=list(prompt), response_tokens=[t for t, _ in pairs], loss_mask=[1] * len(pairs),
+            rollout_logprobs=[lp for _, lp in pairs], policy_versions=[0] * len(pairs))
+
+    serving = set(engines.serving())  # one down or catching up is the monitor's, and holds older weights
+    replies = await asyncio.gather(*[one(c, p) for c in clients if c.base_url in serving for p in prompts],
+                                   return_exceptions=True)
+    for r in replies:
+        if isinstance(r, BaseException):  # it went down meanwhile: the monitor takes it out of the pool
+            log.warning("weight check: a probe request failed: %r", r)
+    engines.probe_results = [r for r in replies if not isinstance(r, BaseException) and r[2].response_tokens]
+
+
+async def check_probe(cfg: Config, trainer, engines: EngineGroup | None, version: int) -> dict[str, float]:
+    """The weight check's trainer half, before the next training step changes its weights: the
+    trainer's logprobs of the tokens each engine sampled on the probe. Metrics weight_check/*
+    (the worst engine's); an engine past --weight-check-max-diff, or one that does not report
+    the version it was sent, ends the run naming it."""
+    if engines is None or not engines.probe_results:
+        return {}
+    results, engines.probe_results = engines.probe_results, None
+    t0 = time.perf_counter()
+    mine = await trainer.probe_logprobs([s for _, _, s in results])
+    diffs: dict[str, list[float]] = {}
+    for (url, engine_version, sample), lps in zip(results, mine):
+        if engine_version != str(version):
+            raise EngineError(f"weight check: engine {url} reports weight version {engine_version}, the trainer "
+                              f"synced version {version}")
+        diffs.setdefault(url, []).extend(abs(a - b) for a, b in zip(sample.rollout_logprobs, lps))
+    worst = max(diffs, key=lambda u: sum(diffs[u]) / len(diffs[u]))
+    mean = sum(diffs[worst]) / len(diffs[worst])
+    out = {"weight_check/mean_abs_diff": mean, "weight_check/max_abs_diff": max(max(d) for d in diffs.values()),
+           "weight_check/tokens": float(sum(len(d) for d in diffs.values())),
+           "weight_check/s": time.perf_counter() - t0}
+    if mean > cfg.train.weight_check_max_diff:
+        raise EngineError(f"weight check after the sync to version {version}: engine {worst} disagrees with the "
+                          f"trainer by {mean:.3f} nats a token on average (max {max(diffs[worst]):.3f}, "
+                          f"{len(diffs[worst])} tokens) > --weight-check-max-diff {cfg.train.weight_check_max_diff}: "
+                          "it does not hold the trainer's weights (a weight-sync layout or name mismatch?)")
+    return out
 
 
 def catch_up_fn(cfg: Config, trainer, state, weights_lock: asyncio.Lock):

@@ -142,3 +142,42 @@ def test_gpu_sharing_is_a_fact_of_the_run_not_a_config_rewrite():
                        rollout_gpus=None, colocate=True)
     p.slot_gpu_ids, p.gpu_sharing = [3], why
     assert p.describe() == {"trainer_gpus": [[3]], "engine_gpus": [[3]], "gpu_sharing": why}
+
+
+def test_each_engine_tp_rank_is_fed_by_the_trainer_rank_on_its_gpu():
+    from agentrl.orchestration import pin_to_resources
+
+    # TP=2 x DP=2 trainer colocated with two TP=2 engines: engine 1's TP ranks sit on slots 2, 3
+    p = plan_placement(gpus=4, trainer_ranks=4, trainer_on_gpu=True, num_engines=2, gpus_per_engine=2,
+                       rollout_gpus=None, colocate=True)
+    assert [p.engine_rank_sources(i, 2) for i in range(2)] == [[0, 1], [2, 3]]
+    assert p.engine_rank_sources(0, 1) is None  # the engine says another TP size than it was placed with
+    # engines on GPUs of their own: no trainer rank there, no per-rank path
+    apart = plan_placement(gpus=4, trainer_ranks=2, trainer_on_gpu=True, num_engines=1, gpus_per_engine=2,
+                           rollout_gpus=2, colocate=False)
+    assert apart.engine_rank_sources(0, 2) is None
+    # the CPU: engines emulating TP ranks take them from the trainer ranks in turn
+    cpu = plan_placement(gpus=0, trainer_ranks=2, trainer_on_gpu=False, num_engines=1, gpus_per_engine=0,
+                         rollout_gpus=None, colocate=False)
+    assert cpu.engine_rank_sources(0, 2) == [0, 1] and cpu.engine_rank_sources(0, 3) == [0, 1, 0]
+    # custom resources pin trainer bundles and every GPU slot of every engine
+    pin_to_resources(apart, trainer="tr", engines="en")
+    assert [b.get("tr") for b in apart.bundles] == [0.001, 0.001, None, None]
+    assert [b.get("en") for b in apart.bundles] == [None, None, 0.001, 0.001]
+    pin_to_resources(cpu, trainer=None, engines="en")
+    assert cpu.bundles == [{"CPU": CPU_SLICE}, {"CPU": CPU_SLICE}, {"CPU": CPU_SLICE, "en": 0.001}]
+
+
+def test_an_engine_split_across_nodes_is_refused_and_nodes_are_named():
+    from agentrl.orchestration import check_engines_on_one_node
+
+    p = plan_placement(gpus=4, trainer_ranks=2, trainer_on_gpu=True, num_engines=1, gpus_per_engine=2,
+                       rollout_gpus=2, colocate=False)
+    a, b = ("a" * 20, "10.0.0.1"), ("b" * 20, "10.0.0.2")
+    p.bundle_nodes = [a, a, b, b]  # the trainer on node a, the engine (slots 2, 3) on node b
+    check_engines_on_one_node(p)
+    assert p.describe()["trainer_nodes"] == ["10.0.0.1 (node aaaaaaaaaaaa)"] * 2
+    assert p.describe()["engine_nodes"] == ["10.0.0.2 (node bbbbbbbbbbbb)"]
+    p.bundle_nodes = [a, a, a, b]  # Ray packed one engine GPU beside the trainer
+    with pytest.raises(ConfigError, match=r"engine 0's 2 GPUs landed on different nodes .*10\.0\.0\.1 .*10\.0\.0\.2"):
+        check_engines_on_one_node(p)

@@ -43,6 +43,13 @@ list element (for its single "TP rank") that is base64 of `torch.save([(name, te
 engine kind. Distributed updates rendezvous exactly like SGLang's (tcp:// store, a
 PrefixStore named after the group) and use gloo when the engine runs on CPU.
 
+`--tp-size N` emulates what an engine of N TP ranks asks of its callers, on one device:
+/server_info reports tp_size N, /update_weights_from_tensor takes exactly N payloads (SGLang's
+TP rank k reads element k, and one missing is an IndexError that kills its scheduler) and
+checks that every one holds the same weights (TP ranks loading different weights is the silent
+corruption a per-rank sync can cause). A distributed update group of N ranks per engine is not
+emulated: /init_weights_update_group refuses it.
+
 Run: python -m agentrl.engines.embedded --model-path DIR --port 30000
 """
 
@@ -132,8 +139,9 @@ def _abort(message: str = "aborted") -> dict:
 class EmbeddedEngine:
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 256,
                  seed: int = 0, engine_id: str = "embedded", prefix_cache_tokens: int = 65536,
-                 enable_lora: bool = False):
+                 enable_lora: bool = False, tp_size: int = 1):
         self.model_path = model_path
+        self.tp_size = tp_size  # emulated (see the module docstring)
         self.device = device
         self.dtype = dtype
         self.engine_id = engine_id
@@ -504,7 +512,7 @@ class EmbeddedEngine:
         })
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": self.model_path, "tp_size": 1, "dtype": self.dtype,
+        return web.json_response({"model_path": self.model_path, "tp_size": self.tp_size, "dtype": self.dtype,
                                   "version": ENGINE_KIND, "weight_version": self.weight_version})
 
     def prefix_cache_stats(self) -> dict:
@@ -664,7 +672,7 @@ class EmbeddedEngine:
         try:
             if body.get("abort_all_requests"):
                 await self._abort_everything()
-            named = [nt for chunk in body["serialized_named_tensors"][:1] for nt in decode_named_tensors(chunk)]
+            named = self._decode_ranks(body["serialized_named_tensors"])
             async with self._weights_guard():
                 await asyncio.to_thread(self._load_named, named)
                 if fatal := self._loaded(body, "tensor"):
@@ -672,6 +680,21 @@ class EmbeddedEngine:
         except Exception as exc:
             return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"}, status=400)
         return web.json_response({"success": True, "message": f"Succeeded to update {len(named)} tensors."})
+
+    def _decode_ranks(self, payloads: list) -> list[tuple[str, torch.Tensor]]:
+        """One payload per (emulated) TP rank; every rank must get the same weights."""
+        if not isinstance(payloads, list) or len(payloads) != self.tp_size:
+            got = len(payloads) if isinstance(payloads, list) else type(payloads).__name__
+            raise ValueError(f"serialized_named_tensors holds {got} payloads for {self.tp_size} TP ranks "
+                             "(SGLang's TP rank k reads element k)")
+        ranks = [decode_named_tensors(p) for p in payloads]
+        for k, other in enumerate(ranks[1:], start=1):
+            same = len(other) == len(ranks[0]) and all(
+                n == n0 and t.shape == t0.shape and torch.equal(t, t0) for (n, t), (n0, t0) in zip(other, ranks[0]))
+            if not same:
+                raise ValueError(f"TP rank {k} got other weights than TP rank 0 "
+                                 f"({[n for n, _ in other][:3]}... vs {[n for n, _ in ranks[0]][:3]}...)")
+        return ranks[0]
 
     def _load_named(self, named: list[tuple[str, torch.Tensor]]) -> None:
         params = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
@@ -707,6 +730,10 @@ class EmbeddedEngine:
         body = await request.json()
         name = body.get("group_name", "weight_update_group")
         backend = body.get("backend", "nccl")
+        if self.tp_size > 1:
+            return web.json_response({"success": False, "message": f"the embedded engine emulates --tp-size "
+                                      f"{self.tp_size} for tensor updates only; a distributed update group needs "
+                                      "SGLang (or --tp-size 1)"}, status=400)
         if self.device == "cpu" or not torch.cuda.is_available():
             backend = "gloo"  # CPU tensors: nccl cannot carry them
         try:
@@ -924,6 +951,8 @@ def main(argv: list[str] | None = None) -> None:
                              "default 65536 on CPU, 1048576 on a GPU)")
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters (/load_lora_adapter; /generate's lora_path names one), as SGLang's")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="emulate an engine of this many TP ranks (one device; see the module docstring)")
     parser.add_argument("--start-paused", action="store_true",
                         help="hold /generate requests until /continue_generation (a restarted engine waits for "
                              "the current weights before it serves)")
@@ -935,7 +964,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = EmbeddedEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                             seed=args.seed, engine_id=args.engine_id or f"http://{args.host}:{args.port}",
                             prefix_cache_tokens=args.prefix_cache_tokens if args.prefix_cache_tokens is not None
-                            else 65536 if args.device == "cpu" else 1 << 20, enable_lora=args.enable_lora)
+                            else 65536 if args.device == "cpu" else 1 << 20, enable_lora=args.enable_lora,
+                            tp_size=args.tp_size)
     engine.exit_on_fatal = True  # as SGLang's server: what kills its scheduler ends the process
     if args.start_paused:
         engine.paused.clear()

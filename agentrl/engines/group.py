@@ -3,7 +3,9 @@
 `start_engines(cfg.rollout, ...)` gives an EngineGroup: `url` is where /generate goes (the
 router, or the only engine), `engine_urls` every engine (weight sync, flush, abort).
 
-- `--rollout-engine embedded` (default): `--num-engines N` embedded engines (CPU or one GPU).
+- `--rollout-engine embedded` (default): `--num-engines N` embedded engines (CPU or one GPU);
+  `--rollout-num-gpus-per-engine N` > 1 makes each emulate N TP ranks on its one device (the
+  weight-sync protocol of a TP engine, see agentrl.engines.embedded).
 - `--rollout-engine sglang`: SGLang servers placed on GPUs (see sglang.py), every
   `--sglang-*` argument passed through and validated against the installed SGLang.
 - `--rollout-engine-urls URL ...`: attach to engines already running; nothing is launched
@@ -73,6 +75,11 @@ class EngineGroup:
     # weights never change (eval, --debug-rollout-only), a restarted engine just resumes
     catch_up: Callable[[str], Future] | None = None
     memory: EngineMemory = field(default_factory=EngineMemory)  # what each engine released (--colocate)
+    # the weight check (agentrl.weight_update): prompts to probe once the engines can generate, then
+    # what each engine sampled, for the trainer to recompute before its next step
+    probe_prompts: list[list[int]] | None = None
+    probe_lora: str | None = None  # the adapter the probe names (--lora-sync adapter)
+    probe_results: list | None = None
 
     def stop(self) -> None:
         if self.monitor is not None:
@@ -171,7 +178,7 @@ def _launch_embedded(cfg: RolloutConfig, *, model_path: str, device: str, seed: 
     try:
         for i in range(n):  # all start at once
             argv, url = embedded_argv(model_path, device=device, seed=seed + i, num_threads=cfg.engine_num_threads,
-                                      dtype=dtype, enable_lora=enable_lora)
+                                      dtype=dtype, enable_lora=enable_lora, tp_size=cfg.rollout_num_gpus_per_engine)
             servers.append(launch(i, argv, url=url, name=f"engine-{i}" if n > 1 else "engine",
                                   env={**os.environ, **ENGINE_ENV}, log_dir=log_dir))
         for s in servers:

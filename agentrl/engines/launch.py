@@ -201,8 +201,8 @@ def rehost(argv: list[str], host: str, port: int) -> tuple[list[str], str]:
 
 def embedded_argv(model_path: str, *, port: int | None = None, device: str = "cpu", seed: int = 0,
                   num_threads: int = 0, dtype: str = "float32", prefix_cache_tokens: int | None = None,
-                  enable_lora: bool = False):
-    """(command line, URL) of an embedded engine server."""
+                  enable_lora: bool = False, tp_size: int = 1):
+    """(command line, URL) of an embedded engine server (`tp_size` > 1: emulated TP ranks)."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "agentrl.engines.embedded", "--model-path", str(model_path),
@@ -212,6 +212,8 @@ def embedded_argv(model_path: str, *, port: int | None = None, device: str = "cp
         argv += ["--prefix-cache-tokens", str(prefix_cache_tokens)]
     if enable_lora:
         argv.append("--enable-lora")
+    if tp_size > 1:
+        argv += ["--tp-size", str(tp_size)]
     return argv, url
 
 
