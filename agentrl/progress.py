@@ -14,6 +14,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgres
 from agentrl.env import SAFETY_MAX_TURNS
 
 PHASES = ("rollout", "train", "sync", "eval")
+# an env's per-episode "above_chance" (info["metrics"]): a figure a prompt-ignoring policy cannot raise
+# (target-token's), shown beside the reward
+ABOVE_CHANCE = "env/above_chance_mean"
 
 
 class Progress:
@@ -33,6 +36,7 @@ class Progress:
         self.detail = None  # () -> str: the rollout's state (groups ready / target, failures), set by the loop
         self.chance_reward: float | None = None  # the best prompt-ignoring policy's reward, shown beside the reward
         self._rewards: list[float] = []
+        self._above_chance: list[float] = []
 
     def note(self, text: str) -> None:
         self.console.print(f"[agentrl] {text}", highlight=False, markup=False, soft_wrap=True)
@@ -85,10 +89,15 @@ class Progress:
     def iteration_done(self, m: dict) -> None:
         self._samples, self._last_line = 0, time.monotonic()
         self._rewards.append(m["reward_mean"])
+        above = m.get(ABOVE_CHANCE)
+        if above is not None:
+            self._above_chance.append(above)
         self._phase, self._phase_note, self._phase_t0 = "rollout", "", time.monotonic()
         reward = f"reward {m['reward_mean']:.3f}"
         if self.chance_reward is not None:
             reward += f" (prompt-ignoring best {self.chance_reward:.3f})"
+        if above is not None:
+            reward += f"  above chance {above:.3f}"
         line = (f"iter {m['rollout_id']}: {reward}  len {m['response_len_mean']:.1f}  "
                 f"turns {m['turns_mean']:.1f}  {m['tokens_per_s']:.0f} tok/s  "
                 f"rollout {m['rollout_s']:.1f}s train {m.get('train_s', 0.0):.1f}s sync {m.get('weight_sync_s', 0.0):.2f}s")
@@ -115,10 +124,19 @@ class Progress:
         if len(self._rewards) < 2:
             return None
         n = min(last, len(self._rewards) // 2)
-        first, final = sum(self._rewards[:n]) / n, sum(self._rewards[-n:]) / n
+
+        def first_last(values):
+            return sum(values[:n]) / n, sum(values[-n:]) / n
+
+        first, final = first_last(self._rewards)
         line = f"reward: first {n} iterations {first:.3f}, last {n} {final:.3f}"
         if self.chance_reward is not None:
             line += f"; the best policy that ignores the prompt scores {self.chance_reward:.3f}"
+            if self.chance_reward > 0:
+                line += f" ({final / self.chance_reward:.1f}x that)"
+        if len(self._above_chance) == len(self._rewards):
+            first, final = first_last(self._above_chance)
+            line += f". Above chance: first {n} {first:.3f}, last {n} {final:.3f} (any prompt-ignoring policy: 0)"
         return line
 
     def close(self) -> None:

@@ -8,6 +8,8 @@ import pytest
 
 from spine_helpers import agentrl_cli, run_env
 
+pytestmark = pytest.mark.e2e  # the lane: runs agentrl end to end (see tests/conftest.py)
+
 SMALL = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--no-progress"]
 
 
@@ -20,7 +22,19 @@ def metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_target_token_reward_rises_from_scratch(tmp_path):
+def learning_figures(rows: list[dict], n: int = 5) -> dict:
+    """The first and last n iterations' mean reward and mean above-chance figure."""
+    def mean(key, part):
+        return sum(r[key] for r in part) / len(part)
+
+    return {"reward": (mean("reward_mean", rows[:n]), mean("reward_mean", rows[-n:])),
+            "above_chance": (mean("env/above_chance_mean", rows[:n]), mean("env/above_chance_mean", rows[-n:]))}
+
+
+def test_target_token_learns_the_task_not_one_word(tmp_path):
+    """The tiny model learns to say the word the prompt names: its reward ends well above the best
+    prompt-ignoring policy's (1/8: always one word), and so does `above_chance`, which no
+    prompt-ignoring policy raises above 0 -- a run that collapsed onto one word fails both."""
     out = tmp_path / "run"
     proc = train("--env", "target-token", "--num-rollout", "40", "--seed", "1", "--no-progress",
                  "--output-dir", str(out))
@@ -28,10 +42,14 @@ def test_target_token_reward_rises_from_scratch(tmp_path):
     assert "built-in tiny model" in proc.stderr
     rows = metrics(out)
     assert [r["rollout_id"] for r in rows] == list(range(40))
-    first = sum(r["reward_mean"] for r in rows[:5]) / 5
-    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
-    print(f"target-token reward: first 5 iterations {first:.4f}, last 5 {last:.4f}")
-    assert last > 0.05 and last > 4 * first, (first, last)
+    chance = json.loads((out / "run.json").read_text())["chance_reward"]
+    assert chance == 0.125 and "(prompt-ignoring best 0.125)" in proc.stderr
+    figures = learning_figures(rows)
+    print(f"target-token, first and last 5 iterations: {figures}; best prompt-ignoring reward {chance}")
+    (first, last), (above_first, above_last) = figures["reward"], figures["above_chance"]
+    assert first < chance and last > 2 * chance, figures
+    assert abs(above_first) < 0.05 and above_last > 0.15, figures
+    assert "the best policy that ignores the prompt scores 0.125" in proc.stderr
     for key in ("reward_mean", "response_len_mean", "turns_mean", "tool_calls_mean", "rollout_s", "train_s",
                 "weight_sync_s", "tokens_per_s", "ppo_kl", "loss"):
         assert key in rows[-1]
