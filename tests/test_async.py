@@ -11,7 +11,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from spine_helpers import agentrl_cli, run_env
+
+pytestmark = pytest.mark.e2e  # the lane: runs agentrl end to end (see tests/conftest.py)
 
 SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--no-progress"]
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from spine_helpers import agentrl_cli, run_env
 
 TINY = ["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
@@ -20,6 +22,7 @@ def rows(folder):
     return [json.loads(x) for x in (folder / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.e2e
 def test_pip_installed_package_registers_through_its_entry_point(tmp_path):
     pkg = tmp_path / "thirdparty"
     (pkg / "thirdparty_env").mkdir(parents=True)
@@ -81,6 +84,7 @@ def test_pip_installed_package_registers_through_its_entry_point(tmp_path):
                        timeout=300, capture_output=True)
 
 
+@pytest.mark.e2e
 def test_env_module_rows_naming_envs_and_custom_reward(tmp_path):
     (tmp_path / "my_env.py").write_text(textwrap.dedent('''
         import agentrl
@@ -118,6 +122,7 @@ def test_env_module_rows_naming_envs_and_custom_reward(tmp_path):
     assert rewards["L2"] == {"score": 1.0, "env": 0.5} and rewards["the"]["score"] == -1.0
 
 
+@pytest.mark.e2e
 def test_tool_env_runs_in_the_run_sandbox_pool_with_an_external_mcp_server(tmp_path):
     (tmp_path / "tool_env.py").write_text(textwrap.dedent('''
         import agentrl
@@ -286,6 +291,7 @@ def test_an_env_without_a_dataset_trains_from_each_groups_seed(tokenizer):
     assert len({seed for seed, _ in FromSeed.resets}) == 3 and len(FromSeed.resets) == 6
 
 
+@pytest.mark.e2e
 def test_agentrl_train_runs_an_env_without_a_dataset_from_seeds(tmp_path):
     (tmp_path / "seed_env.py").write_text(textwrap.dedent('''
         import agentrl
@@ -329,6 +335,7 @@ def test_a_budget_that_cannot_fit_the_turns_is_warned_about():
     assert warning("--max-turns", "1", "--rollout-max-response-len", "48") is None
 
 
+@pytest.mark.e2e
 def test_envs_show_prints_the_docstring_and_real_options(tmp_path):
     (tmp_path / "doc_env.py").write_text(textwrap.dedent('''
         import agentrl

@@ -6,6 +6,8 @@ import re
 import struct
 import subprocess
 
+import pytest
+
 from spine_helpers import agentrl_cli, run_env
 
 
@@ -36,6 +38,7 @@ def wandb_records(path):
     return out
 
 
+@pytest.mark.e2e
 def test_offline_wandb_run_holds_the_iteration_metrics_and_the_console_has_a_line_each(tmp_path):
     out = tmp_path / "run"
     env = run_env()

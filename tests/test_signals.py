@@ -18,6 +18,7 @@ SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-b
          "--rollout-max-response-len", "8"]
 
 
+@pytest.mark.e2e
 def test_a_reward_hook_that_always_fails_stops_the_run_naming_it(tmp_path):
     (tmp_path / "rm.py").write_text("def rm(args, sample):\n    raise KeyError('no such field')\n")
     out = tmp_path / "run"
@@ -41,6 +42,7 @@ def test_a_reward_hook_that_always_fails_stops_the_run_naming_it(tmp_path):
 
 
 
+@pytest.mark.e2e
 def test_a_generate_hook_that_always_fails_stops_the_run_naming_it(tmp_path):
     calls = tmp_path / "calls"
     gen = tmp_path / "gen.py"
@@ -79,6 +81,7 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
 """
 
 
+@pytest.mark.e2e
 def test_a_rollout_function_whose_reward_hook_always_fails_stops_the_run(tmp_path):
     (tmp_path / "fns.py").write_text(FAKE_ROLLOUT + "\n\ndef rm(args, sample):\n    raise KeyError('no such field')\n")
     out = tmp_path / "run"
@@ -213,6 +216,7 @@ def docker_ready() -> bool:
     return bool(images.strip())
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not docker_ready(), reason="needs docker and the sandbox image (scripts/build_sandbox_image.sh)")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_mid_rollout_stops_everything_within_seconds(tmp_path, signum):
@@ -315,6 +319,7 @@ class HalfDone(agentrl.Env):
 '''
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_writes_the_trajectories_finished_so_far(tmp_path, signum):
     hanging, done = tmp_path / "hanging", tmp_path / "done"
@@ -345,6 +350,7 @@ def test_a_signal_writes_the_trajectories_finished_so_far(tmp_path, signum):
     assert len({t["group_id"] for t in saved}) == 1
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_load_resumes_from_the_last_checkpoint_after_a_signal(tmp_path, signum):
     first, second = tmp_path / "first", tmp_path / "second"
@@ -414,6 +420,7 @@ def test_a_second_signal_exits_at_once(signum):
             proc.wait()
 
 
+@pytest.mark.e2e
 def test_a_run_survives_sigpipe_and_a_listing_ends_quietly_in_a_closed_pipe(tmp_path):
     """`agentrl train` keeps Python's SIGPIPE handling (ignored: a write into the pipe of a child
     that exited raises BrokenPipeError where it happened). With SIGPIPE's default for every
