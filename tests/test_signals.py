@@ -13,6 +13,14 @@ from pathlib import Path
 import pytest
 
 from spine_helpers import agentrl_cli, run_env
+from waiting import wait_until
+
+
+def alive(proc) -> bool:
+    """True while `proc` runs; once it ended, the test fails with its stderr's end."""
+    if proc.poll() is None:
+        return True
+    pytest.fail(f"the run ended (exit {proc.returncode}): {proc.communicate()[1][-3000:]}")
 
 SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-progress",
          "--rollout-max-response-len", "8"]
@@ -247,17 +255,18 @@ def test_a_signal_mid_rollout_stops_everything_within_seconds(tmp_path, signum):
                  "router": lambda cmd: cmd.startswith("sglang::router"),
                  "exec server": lambda cmd: cmd.startswith("docker exec") and "AGENTRL_MCP_SERVER=" not in cmd,
                  "tool server": lambda cmd: cmd.startswith("docker exec") and "AGENTRL_MCP_SERVER=" in cmd}
-        deadline = time.monotonic() + 240
-        while True:
+        seen = {}
+
+        def everything_running() -> bool:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
-            ids = containers(run_id)
-            tree = process_tree(proc.pid)
-            seen = {kind: sum(map(found, (cmd for _, cmd in tree.values()))) for kind, found in kinds.items()}
-            if (hanging.exists() and len(list(done.iterdir())) == 2 and all(seen.values()) and seen["engine"] == 2
-                    and seen["tool server"] == 3):
-                break
-            assert time.monotonic() < deadline, f"the rollout never got there: {seen}"
-            time.sleep(0.2)
+            nonlocal ids, tree
+            ids, tree = containers(run_id), process_tree(proc.pid)
+            seen.update({kind: sum(map(found, (cmd for _, cmd in tree.values()))) for kind, found in kinds.items()})
+            return (hanging.exists() and len(list(done.iterdir())) == 2 and all(seen.values()) and seen["engine"] == 2
+                    and seen["tool server"] == 3)
+
+        ids, tree = [], {}
+        wait_until(everything_running, timeout_s=240, what=lambda: f"the rollout getting there ({seen})")
         marked, clients = descendants_alive(marker), tool_server_clients(ids)
         assert all(any(map(kinds[kind], marked)) for kind in ("ray", "engine", "exec server"))
         assert any(map(kinds["tool server"], clients))
@@ -275,10 +284,8 @@ def test_a_signal_mid_rollout_stops_everything_within_seconds(tmp_path, signum):
     assert stopped_s < 30, f"took {stopped_s:.1f}s to stop"
     left = lambda: (still_running(tree), descendants_alive(marker), tool_server_clients(ids),  # noqa: E731
                     containers(run_id))
-    deadline = time.monotonic() + 10  # what the stop killed may take a moment to be reaped
-    while any(left()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert left() == ([], [], [], []), left()
+    # what the stop killed may take a moment to be reaped
+    wait_until(lambda: not any(left()), timeout_s=10, what=lambda: f"everything the run started ending ({left()})")
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows == [rows[0]] and rows[0]["partial"] is True and rows[0]["rollout_id"] == 0
     saved = [json.loads(x) for x in (out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()]
@@ -329,11 +336,8 @@ def test_a_signal_writes_the_trajectories_finished_so_far(tmp_path, signum):
                              "half-done", "--num-rollout", "2", "--output-dir", str(out), *SMALL],
                             env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (hanging.exists() and done.exists()):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the rollout never got there"
-            time.sleep(0.2)
+        wait_until(lambda: hanging.exists() and done.exists(), timeout_s=240, what="the rollout getting there",
+                   while_=lambda: alive(proc))
         time.sleep(1.0)  # the finished group's reward and hand-over
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
@@ -358,11 +362,8 @@ def test_load_resumes_from_the_last_checkpoint_after_a_signal(tmp_path, signum):
                              "--output-dir", str(first), *SMALL], env=run_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (first / "checkpoints" / "iter_000001" / "trainer_state.json").exists():
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint written"
-            time.sleep(0.2)
+        wait_until((first / "checkpoints" / "iter_000001" / "trainer_state.json").exists, timeout_s=240,
+                   what="checkpoint iter_000001", while_=lambda: alive(proc))
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
     finally:
