@@ -16,7 +16,8 @@ from machine_lock import machine_lock
 # `e2e` where it is written (`pytestmark = pytest.mark.e2e` for a module, `@pytest.mark.e2e` for a
 # test); `pytest -m "not e2e"` is the fast lane (docs/development.md). The tests below are declared
 # here only until their modules, which other work was changing when the marks moved into the
-# modules, carry the mark themselves.
+# modules, carry the mark themselves ("*": every test of the module). tests/test_lanes.py checks
+# that every module that runs agentrl end to end declares its lane.
 E2E_DECLARED_HERE = {
     "engines/test_engine_kill.py": ("test_a_lone_restarted_engine_gets_the_current_weights_before_it_serves",
                                     "test_engines_killed_mid_rollout_lose_no_sample_and_rejoin_with_current_weights"),
@@ -24,6 +25,7 @@ E2E_DECLARED_HERE = {
     "engines/test_engine_memory.py": ("test_a_client_that_goes_away_aborts_its_request",
                                       "test_a_fatal_violation_ends_the_server_process"),
     "engines/test_train_router.py": ("test_train_through_the_router_reports_affinity_and_cache_hits",),
+    "engines/test_router_rollout.py": ("*",),  # every test: its module fixture starts two engines and the router
     "engines/test_weight_sync_modes.py": ("test_weight_sync_modes_keep_engines_on_policy",),
     "sandboxes/test_local_nonroot.py": ("test_attack_contained_unprivileged",
                                         "test_exec_server_out_of_the_agents_pid_namespace",
@@ -44,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
         module = Path(str(item.fspath)).resolve()
         if module.is_relative_to(TESTS):
             names = E2E_DECLARED_HERE.get(module.relative_to(TESTS).as_posix(), ())
-            if getattr(item, "originalname", item.name) in names:
+            if "*" in names or getattr(item, "originalname", item.name) in names:
                 item.add_marker(pytest.mark.e2e)
 
 
