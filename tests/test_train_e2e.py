@@ -22,7 +22,7 @@ def metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def learning_figures(rows: list[dict], n: int = 5) -> dict:
+def learning_figures(rows: list[dict], n: int = 10) -> dict:
     """The first and last n iterations' mean reward and mean above-chance figure."""
     def mean(key, part):
         return sum(r[key] for r in part) / len(part)
@@ -32,34 +32,35 @@ def learning_figures(rows: list[dict], n: int = 5) -> dict:
 
 
 def test_target_token_learns_the_task_not_one_word(tmp_path):
-    """The tiny model learns to say the word the prompt names: its reward ends well above the best
-    prompt-ignoring policy's (1/8: always one word), and so does `above_chance`, which no
-    prompt-ignoring policy raises above 0 -- a run that collapsed onto one word fails both."""
+    """The main command's run (50 iterations) learns to say the word the prompt names. A policy
+    that ignores the prompt scores at most 1/8 reward and 0 above chance; over 10 iterations (160
+    prompts) its figures spread by about 0.03, so a one-word collapse fails both bounds below (each
+    about 3 spreads above it), and the learning run clears them (seed 1 on the 2-core machine:
+    docs/benchmarks.md)."""
     out = tmp_path / "run"
-    proc = train("--env", "target-token", "--num-rollout", "40", "--seed", "1", "--no-progress",
-                 "--output-dir", str(out))
+    proc = train("--env", "target-token", "--seed", "1", "--no-progress", "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "built-in tiny model" in proc.stderr
     rows = metrics(out)
-    assert [r["rollout_id"] for r in rows] == list(range(40))
+    assert [r["rollout_id"] for r in rows] == list(range(50))
     chance = json.loads((out / "run.json").read_text())["chance_reward"]
     assert chance == 0.125 and "(prompt-ignoring best 0.125)" in proc.stderr
     figures = learning_figures(rows)
-    print(f"target-token, first and last 5 iterations: {figures}; best prompt-ignoring reward {chance}")
+    print(f"target-token, first and last 10 iterations: {figures}; best prompt-ignoring reward {chance}")
     (first, last), (above_first, above_last) = figures["reward"], figures["above_chance"]
-    assert first < chance and last > 2 * chance, figures
-    assert abs(above_first) < 0.05 and above_last > 0.15, figures
+    assert first < chance and last > 1.6 * chance, figures
+    assert abs(above_first) < 0.05 and above_last > 0.09, figures
     assert "the best policy that ignores the prompt scores 0.125" in proc.stderr
     for key in ("reward_mean", "response_len_mean", "turns_mean", "tool_calls_mean", "rollout_s", "train_s",
                 "weight_sync_s", "tokens_per_s", "ppo_kl", "loss"):
         assert key in rows[-1]
     assert all(r["trained_samples"] == r["num_samples"] - r["stale_dropped"] == 128 for r in rows)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    traj = [json.loads(x) for x in (out / "trajectories" / "rollout_00039.jsonl").read_text().splitlines()]
+    traj = [json.loads(x) for x in (out / "trajectories" / "rollout_00049.jsonl").read_text().splitlines()]
     assert len(traj) == 128 and {"response_tokens", "loss_mask", "rollout_logprobs", "reward", "status",
                                  "response_text"} <= set(traj[0])
     assert (out / "reward.png").stat().st_size > 1000
-    assert (out / "checkpoints" / "iter_000040" / "model" / "config.json").exists()
+    assert (out / "checkpoints" / "iter_000050" / "model" / "config.json").exists()
     # run.json: what the config met here; config.yaml stays the config as given
     context = json.loads((out / "run.json").read_text())
     assert context["outcome"] == "completed" and context["device"] == "cpu" and context["command"][1] == "train"
