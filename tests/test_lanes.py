@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-from conftest import E2E_DECLARED_HERE
+from lanes import E2E_DECLARED_HERE
 
 TESTS = Path(__file__).resolve().parent
 E2E_SIGNS = re.compile(r'agentrl_cli\(|main\(\["(train|sft|eval)"|start_engines\(|launch_embedded_engine\(|'
