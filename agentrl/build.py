@@ -217,15 +217,16 @@ def turn_budget_warning(cfg: Config, env_cls) -> str | None:
     """Why --rollout-max-response-len (all turns, policy and env tokens) cannot fit the env's
     turns, or None: trajectories would end "truncated (no room for another turn)"."""
     r = cfg.rollout
-    turns = int(r.max_turns or cfg.run.env_kwargs.get("max_turns") or getattr(env_cls, "max_turns", 1))
-    if turns <= 1:
+    turns = r.max_turns or cfg.run.env_kwargs.get("max_turns") or getattr(env_cls, "max_turns", None)
+    if turns is not None and int(turns) <= 1:
         return None
-    budget = (f"--rollout-max-response-len {r.rollout_max_response_len} is the budget of all {turns} turns of env "
+    which = f"all {int(turns)} turns" if turns else "all the turns (it sets no max_turns: until it terminates)"
+    budget = (f"--rollout-max-response-len {r.rollout_max_response_len} is the budget of {which} of env "
               f"{cfg.run.env!r} together (policy and env tokens)")
     if r.rollout_max_tokens_per_turn is None:
         return (f"{budget}, and with no --rollout-max-tokens-per-turn the first turn may use all of it: later "
                 f"turns end truncated (no room for another turn). Set --rollout-max-tokens-per-turn "
-                f"{max(1, r.rollout_max_response_len // turns)} or lower, or raise the budget.")
+                f"{max(1, r.rollout_max_response_len // int(turns or 2))} or lower, or raise the budget.")
     if 2 * r.rollout_max_tokens_per_turn > r.rollout_max_response_len:
         return (f"{budget}: a first turn of --rollout-max-tokens-per-turn {r.rollout_max_tokens_per_turn} leaves "
                 "no room for a second one; later turns end truncated (no room for another turn).")

@@ -161,7 +161,7 @@ def cmd_envs(argv: list[str]) -> int:
     print(f"class:       {spec.qualified_name}")
     print(f"registered:  {spec.source}")
     print(f"description: {spec.description or description_of(cls)}")
-    print(f"max turns:   {getattr(cls, 'max_turns', '?')}")
+    print(f"max turns:   {getattr(cls, 'max_turns', None) or 'until it terminates (safety limit: agentrl.env.SAFETY_MAX_TURNS)'}")
     print(f"tool parser: {getattr(cls, 'tool_parser', None)}")
     print(f"tools:       {', '.join(getattr(cls, 'tool_names', ()) or ()) or '(none declared statically)'}")
     has_data = getattr(cls, "dataset", None) is not None and cls.dataset.__func__ is not _base_dataset()

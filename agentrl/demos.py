@@ -185,14 +185,14 @@ def code_reference(task: dict, file_solutions: dict[str, str]) -> str | None:
 # -- playing ---------------------------------------------------------------------------------------
 async def play(env, task: dict, policy, ctx: dict) -> dict | None:
     """One episode of `policy` in `env`; the conversation row if the env scored it 1.0, else None."""
-    from agentrl.env import as_messages
+    from agentrl.env import SAFETY_MAX_TURNS, as_messages
 
     try:
         obs, info = await env.areset(seed=0, options=task)
         messages = list(as_messages(obs))
         tools = info.get("tools")
         reward, done, step_info = 0.0, False, {}
-        for turn in range(env.max_turns):
+        for turn in range(env.max_turns or SAFETY_MAX_TURNS):
             action = policy(task, obs if isinstance(obs, list) else as_messages(obs), turn, ctx)
             if action is None:
                 return None

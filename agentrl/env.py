@@ -29,6 +29,10 @@ import gymnasium
 from gymnasium import spaces
 
 Message = dict[str, Any]
+
+#: The turns an env without max_turns may take before its episode is cut ("truncated/safety_max_turns"):
+#: an env that never says terminated would otherwise run until the token budget ends.
+SAFETY_MAX_TURNS = 32
 Observation = list[Message] | str
 
 
@@ -112,8 +116,10 @@ class Env(gymnasium.Env):
 
     #: One line shown by `agentrl envs list`.
     description: str = ""
-    #: Turn limit the agent loop enforces (an episode past it ends truncated).
-    max_turns: int = 1
+    #: Turn limit the agent loop enforces (an episode past it ends truncated "max_turns").
+    #: None: the episode runs until `step` says terminated (or the token budget ends), as in
+    #: gymnasium, up to a safety limit of SAFETY_MAX_TURNS turns that the console and metrics report.
+    max_turns: int | None = None
     #: Name of the tool-call parser for model output (see agentrl.tool_parsers), if tools are used.
     tool_parser: str | None = None
     #: Stop strings: generation of a turn ends when its text ends with one (SGLang's `stop`),
@@ -188,6 +194,13 @@ class Env(gymnasium.Env):
         """Rows for training when no --prompt-data is given: dicts with "prompt", "label",
         "metadata". May be infinite (a seeded task generator). None: the env has none, and each
         episode is made from its seed alone (``reset(seed=..., options=None)``)."""
+        return None
+
+    @classmethod
+    def chance_reward(cls, **kwargs) -> float | None:
+        """The best mean reward of a policy that ignores the prompt, from the task distribution
+        (the env's kwargs given): printed beside the reward, so a run that learned one answer
+        for every prompt is not read as learning the task. None: not known."""
         return None
 
     def seeded_task(self) -> dict[str, Any]:

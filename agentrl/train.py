@@ -61,6 +61,9 @@ def train(cfg: Config) -> Path:
     source = build_prompt_source(cfg, env_cls)
     if warning := turn_budget_warning(cfg, env_cls):
         progress.note(f"warning: {warning}")
+    if (chance := getattr(env_cls, "chance_reward", None)) and (chance := chance(**cfg.run.env_kwargs)) is not None:
+        progress.chance_reward = chance
+        context.record(chance_reward=chance)
     reward_fn = build_reward_fn(cfg)
     check_hooks(cfg)  # slime's generate / rollout functions: loadable, with slime's arguments
     replay = load_debug_rollouts(cfg.run.load_debug_rollout_data) if cfg.run.debug_train_only else None
@@ -120,6 +123,8 @@ def train(cfg: Config) -> Path:
         stop_ray()
         remove_own_containers()
     plot = runlog.plot()
+    if summary := progress.summary():
+        progress.note(summary)
     progress.note(f"run folder: {out} (metrics.jsonl, tensorboard/, trajectories/, {plot.name}); checkpoints: {save_dir}")
     return out
 
@@ -165,6 +170,7 @@ async def _loop(run: Run) -> None:
         run.progress.start(total=r.num_rollout, completed=state.rollout_id)
         for rollout_id in range(state.rollout_id, r.num_rollout):
             t_start = time.perf_counter()
+            run.progress.phase("rollout")
             samples = await batches.next_batch(rollout_id, state.policy_version)
             t_rollout = time.perf_counter() - t_start
 
@@ -200,7 +206,8 @@ def eval_fn(run: Run, client: EngineClient, pool, handover, stack: contextlib.As
     """evaluate_now(rollout_id, prefix) -> the eval sets' figures, their trajectories saved;
     generated inside the handover (colocated, the engines hold the GPU only there)."""
     e = run.cfg.eval
-    evaluator = build_group_runner(run.cfg, run.tokenizer, client, pool, run.reward_fn, run.control, on_done=None,
+    evaluator = build_group_runner(run.cfg, run.tokenizer, client, pool, run.reward_fn, run.control,
+                                   on_done=lambda s: run.progress.advance_eval_samples(),
                                    n_samples=e.n_samples_per_eval_prompt, temperature=e.eval_temperature,
                                    max_response_len=e.eval_max_response_len, evaluation=True)
     if hasattr(evaluator.generate_fn, "aclose"):  # an agent env's gateway server
@@ -211,6 +218,7 @@ def eval_fn(run: Run, client: EngineClient, pool, handover, stack: contextlib.As
             run.runlog.save_eval_trajectories(name if rollout_id >= 0 else f"{name}_before_train",
                                               max(rollout_id, 0), samples)
 
+        run.progress.phase("eval", f"{len(run.eval_sets)} eval sets")
         async with handover():
             return await evaluate(evaluator, run.eval_sets, prefix=prefix, save=save)
 
@@ -229,10 +237,12 @@ async def train_step(run: Run, samples: list[Sample], weights_lock: asyncio.Lock
     async with weights_lock:
         checked = await check_probe(run.cfg, run.trainer, run.engines, run.state.policy_version)
         t0 = time.perf_counter()
+        run.progress.phase("train", f"{len(samples)} samples")
         out = await run.trainer.train_rollout(samples)
         t_train = time.perf_counter() - t0
         run.state.policy_version += 1
         if run.engines is not None:
+            run.progress.phase("sync", f"weights version {run.state.policy_version}")
             out |= await update_engines(run.cfg, run.control, run.engines, run.trainer, run.state.policy_version,
                                         probe_prompts=[s.prompt_tokens for s in samples[:2]])
         out |= checked

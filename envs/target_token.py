@@ -1,9 +1,17 @@
-"""target-token: the prompt names a token; the reward is the share of response tokens
-equal to it. Single turn, no tools: the smallest env that shows an RL run learning."""
+"""target-token: the prompt names one of eight words; the reward is the share of response tokens
+equal to it. Single turn, no tools: the smallest env that shows an RL run learning a task.
+
+A model that ignores the prompt and always says one word scores 1/8 on this reward, and a
+run that collapses onto one word looks like learning. So the env gives two figures that tell
+them apart: `chance_reward()`, the best reward of a prompt-ignoring policy (from the task
+distribution; printed beside the reward), and per episode `above_chance`, the share of the
+named word minus the mean share of the other seven (metric env/above_chance_mean): every
+prompt-ignoring policy scores 0 on it on average, so only reading the prompt raises it."""
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from typing import Iterator
 
 from agentrl.env import Env
@@ -13,12 +21,20 @@ from agentrl.registry import register_env
 TARGETS = ("the", "and", "to", "of", "in", "is", "it", "on")
 
 
+def prompt(word: str, times: int = 8) -> str:
+    """The word said several times: enough of the prompt for a small model to pick it up."""
+    return "Repeat the word: " + " ".join([word] * times)
+
+
 @register_env("target-token")
 class TargetTokenEnv(Env):
-    """Say the named token as often as possible: reward = share of response tokens equal to it."""
+    """Say the named word: reward = share of response tokens equal to it."""
 
-    description = "Say the named token as often as possible: reward = share of response tokens equal to it."
+    description = ("Say the named word: reward = share of response tokens equal to it "
+                   "(env/above_chance_mean: minus the other words' mean share, 0 for a prompt-ignoring policy).")
     max_turns = 1
+    # the prompt as plain text: the named word is its last token, right where the answer starts
+    default_config = {"apply_chat_template": False}
 
     def __init__(self, targets: tuple[str, ...] | list[str] = TARGETS):
         self.targets = tuple(targets)
@@ -30,17 +46,30 @@ class TargetTokenEnv(Env):
         rng = random.Random(seed)
         while True:
             word = rng.choice(tuple(targets))
-            yield {"prompt": f"Repeat the word: {word}", "label": word}
+            yield {"prompt": prompt(word), "label": word}
+
+    @classmethod
+    def chance_reward(cls, targets=TARGETS, **_) -> float:
+        """The best mean reward of a policy that ignores the prompt: it says each word w with some
+        share p_w whatever the target, and w is the target with probability q_w (its share of the
+        dataset's draws), so it scores sum_w p_w q_w, at most max_w q_w (all on the likeliest word)."""
+        counts = Counter(targets)
+        return max(counts.values()) / sum(counts.values())
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
         options = options or {}  # no task given: the target is drawn with the seeded np_random
         self.target = str(options.get("label") or self.targets[self.np_random.integers(len(self.targets))])
-        return options.get("prompt") or f"Repeat the word: {self.target}", {}
+        return options.get("prompt") or prompt(self.target), {}
 
     def step(self, action):
         texts = [t.strip() for t in getattr(action, "token_texts", ())]
         if not texts:  # a plain-text caller: fall back to whitespace words
             texts = action.split()
-        reward = sum(t == self.target for t in texts) / len(texts) if texts else 0.0
-        return [], reward, True, False, {"hits": sum(t == self.target for t in texts)}
+        if not texts:
+            return [], 0.0, True, False, {"hits": 0, "metrics": {"above_chance": 0.0}}
+        share = Counter(texts)
+        others = [w for w in dict.fromkeys(self.targets) if w != self.target]
+        above = (share[self.target] - sum(share[w] for w in others) / max(len(others), 1)) / len(texts)
+        return [], share[self.target] / len(texts), True, False, {"hits": share[self.target],
+                                                                  "metrics": {"above_chance": above}}

@@ -1,6 +1,4 @@
-import inspect
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -11,42 +9,20 @@ if shutil.which("nvidia-smi") is None:
 
 import pytest  # noqa: E402
 
+from lanes import E2E_DECLARED_HERE
 from machine_lock import machine_lock
 
-# What makes a test end to end (marked `e2e`; `pytest -m "not e2e"` is the fast lane): it runs
-# agentrl as a user does (the CLI in a subprocess, or `main(["train" | "sft" | "eval", ...])`),
-# starts engines or Ray, or drives a browser. Read from the test's source and from every test
-# helper it calls (in its module or a helper module of tests/, followed through their calls), so
-# a new test of that kind is marked without a list to keep.
-E2E_SIGNS = re.compile(r'agentrl_cli\(|main\(\["(train|sft|eval)"|start_engines\(|launch_embedded_engine\(|'
-                       r'ray\.init\(|importorskip\("ray"\)|chromium|(?i:agentrl)\W{0,4},\s*"(train|sft|eval|demos)"')
+# The lanes (pytest -m "not e2e" is the fast lane) are declared: tests/lanes.py.
 TESTS = Path(__file__).resolve().parent
-
-
-def _e2e(function, seen: set | None = None) -> bool:
-    seen = set() if seen is None else seen
-    if function in seen:
-        return False
-    seen.add(function)
-    try:
-        source = inspect.getsource(function)
-    except (OSError, TypeError):
-        return False
-    if E2E_SIGNS.search(source):
-        return True
-    for name in set(re.findall(r"\b(\w+)\(", source)):
-        helper = function.__globals__.get(name)
-        if (inspect.isfunction(helper) and Path(helper.__code__.co_filename).resolve().is_relative_to(TESTS)
-                and _e2e(helper, seen)):
-            return True
-    return False
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        function = getattr(item, "function", None)
-        if function is not None and item.get_closest_marker("e2e") is None and _e2e(function):
-            item.add_marker(pytest.mark.e2e)
+        module = Path(str(item.fspath)).resolve()
+        if module.is_relative_to(TESTS):
+            names = E2E_DECLARED_HERE.get(module.relative_to(TESTS).as_posix(), ())
+            if "*" in names or getattr(item, "originalname", item.name) in names:
+                item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,15 @@ import os
 import signal
 import subprocess
 import textwrap
-import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from spine_helpers import agentrl_cli, run_env
+from waiting import wait_until
+
+pytestmark = pytest.mark.e2e  # the lane: runs agentrl end to end (see tests/lanes.py)
 
 SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--no-progress"]
 
@@ -171,18 +175,15 @@ def test_sigkilled_run_leaves_no_engine_and_resumes_from_its_checkpoint(tmp_path
     proc = subprocess.Popen([agentrl_cli(), "train", "--num-rollout", "50", "--save-interval", "1",
                              "--output-dir", str(out), *SMALL], env=run_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not (out / "checkpoints" / "iter_000002" / "trainer_state.json").exists():
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.2)
+    wait_until((out / "checkpoints" / "iter_000002" / "trainer_state.json").exists, timeout_s=300,
+               what="checkpoint iter_000002", while_=lambda: proc.poll() is None)
     # the run's engine writes its log in the run folder: the check finds it while the run lives
     assert any("agentrl.engines.embedded" in c for c in processes_holding(out)), processes_holding(out)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    deadline = time.monotonic() + 60
-    while processes_holding(out) and time.monotonic() < deadline:  # Ray reaps the actors and their servers
-        time.sleep(0.2)
-    assert not processes_holding(out), processes_holding(out)
+    # Ray reaps the actors and their servers
+    wait_until(lambda: not processes_holding(out), timeout_s=60,
+               what=lambda: f"the run's processes ending ({processes_holding(out)} still hold its folder)")
     ckpt = sorted((out / "checkpoints").glob("iter_*/trainer_state.json"))[-1].parent
     done = json.loads((ckpt / "trainer_state.json").read_text())["rollout_id"]
     resumed = tmp_path / "resumed"

@@ -71,6 +71,7 @@ def test_math_steps_recompute_every_kind_of_builtin_problem():
     assert math_steps({"prompt": "What is 2 + 2?", "label": "4", "metadata": {}}) is None
 
 
+@pytest.mark.e2e
 def test_the_commands_chain(tmp_path, capsys):
     """agentrl demos -> agentrl sft (the default tiny model) -> a checkpoint."""
     from agentrl.cli import main

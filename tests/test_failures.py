@@ -136,6 +136,7 @@ def test_a_label_key_no_row_has_fails_naming_file_and_key(tmp_path):
     assert read_rows(str(data))[0]["label"] is None  # the default key may be absent (envs without labels)
 
 
+@pytest.mark.e2e
 def test_a_mistyped_env_kwarg_or_label_key_fails_train_at_start(tmp_path, capsys):
     data = tmp_path / "good.jsonl"
     data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
@@ -148,6 +149,7 @@ def test_a_mistyped_env_kwarg_or_label_key_fails_train_at_start(tmp_path, capsys
 
 
 
+@pytest.mark.e2e
 def test_data_without_the_label_an_env_grades_against_fails_at_start(tmp_path, capsys):
     data = tmp_path / "answers.jsonl"
     data.write_text(json.dumps({"prompt": "1+1?", "label": "2"}) + "\n" + json.dumps({"prompt": "2+2?", "answer": "4"})
@@ -167,6 +169,7 @@ def test_data_without_the_label_an_env_grades_against_fails_at_start(tmp_path, c
                      str(tmp_path / "run")]) == 2
     assert f"{data}: no row has the label key 'label' (--label-key), which env 'math'" in capsys.readouterr().err
 
+@pytest.mark.e2e
 def test_a_mistyped_flag_suggests_the_right_one(capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(["train", "--num-rolout", "1", "--dry-run"])
@@ -216,6 +219,7 @@ class DeadTools(ToolEnv):
 '''
 
 
+@pytest.mark.e2e
 def test_a_tool_server_that_never_starts_stops_the_run_naming_it(tmp_path):
     import subprocess
 
@@ -329,6 +333,7 @@ def test_a_rollout_where_nothing_finishes_still_prints_its_state_without_a_termi
     assert all(x.strip() == "rollout: 0 trajectories done; groups 0/8 ready; groups retried 3" for x in lines)
 
 
+@pytest.mark.e2e
 def test_agentrl_train_with_an_env_that_sometimes_raises_trains_on_and_keeps_the_failures(tmp_path):
     """A real env under `agentrl train` that raises in 15% of its resets (an infrastructure
     fault): the run finishes every iteration, the failed trajectories are saved with their

@@ -14,6 +14,7 @@ from agentrl.rollout.agent_loop import LoopSettings
 from agentrl.rollout.manager import GroupRunner
 from agentrl.rollout.producer import RolloutFailedError, RolloutProducer
 from agentrl.types import SampleStatus
+from waiting import await_until
 
 N = 4
 
@@ -113,9 +114,8 @@ def test_a_group_cancelled_from_outside_takes_its_members_down():
     async def run():
         runner.cancel_siblings_on_failure = False  # so the hanging members stay up until the group is cancelled
         job = asyncio.ensure_future(runner.run_group({"prompt": "p"}, 0))
-        deadline = time.monotonic() + 10
-        while len(closed) < 1 and time.monotonic() < deadline:  # the fast member failed and closed its env
-            await asyncio.sleep(0.01)
+        # the fast member failed and closed its env
+        await await_until(lambda: len(closed) >= 1, timeout_s=10, what="the failed member's env closing")
         assert len(closed) == 1
         job.cancel()
         with pytest.raises(asyncio.CancelledError):

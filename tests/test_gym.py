@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from spine_helpers import agentrl_cli, run_env
 
 TINY = ["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
@@ -20,6 +22,7 @@ def rows(folder):
     return [json.loads(x) for x in (folder / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.e2e
 def test_pip_installed_package_registers_through_its_entry_point(tmp_path):
     pkg = tmp_path / "thirdparty"
     (pkg / "thirdparty_env").mkdir(parents=True)
@@ -28,7 +31,7 @@ def test_pip_installed_package_registers_through_its_entry_point(tmp_path):
 
         class CountLetters(agentrl.Env):
             """Reward: the share of letters 'e' in the answer."""
-            max_turns = 1
+            # no max_turns, as in gymnasium: the episode ends when step says terminated (turn 2)
 
             @classmethod
             def dataset(cls, seed=0, **kw):
@@ -36,9 +39,13 @@ def test_pip_installed_package_registers_through_its_entry_point(tmp_path):
                     yield {"prompt": "write many e letters"}
 
             def reset(self, *, seed=None, options=None):
+                self.turn = 0
                 return options["prompt"], {}
 
             def step(self, action):
+                self.turn += 1
+                if self.turn == 1:
+                    return "now more of them", 0.0, False, False, {}
                 return [], action.count("e") / max(len(action), 1), True, False, {"from": "thirdparty"}
     '''))
     (pkg / "pyproject.toml").write_text(textwrap.dedent('''
@@ -62,16 +69,22 @@ def test_pip_installed_package_registers_through_its_entry_point(tmp_path):
         assert show.returncode == 0, show.stderr
         assert "description: Reward: the share of letters 'e' in the answer." in show.stdout, show.stdout
         assert "options:     (none)" in show.stdout and "entry point" in show.stdout.lower(), show.stdout
+        assert "max turns:   until it terminates" in show.stdout, show.stdout
         out = tmp_path / "run"
-        proc = train("--env", "letters-e", "--output-dir", str(out), *TINY)
+        proc = train("--env", "letters-e", "--output-dir", str(out), "--rollout-max-tokens-per-turn", "8",
+                     "--rollout-max-response-len", "64", *TINY)
         assert proc.returncode == 0, proc.stderr[-3000:]
         traj = rows(out)
-        assert len(traj) == 4 and all(t["env_name"] == "letters-e" and t["status"] != "failed" for t in traj)
+        assert len(traj) == 4 and all(t["env_name"] == "letters-e" for t in traj)
+        # both turns ran: the second, graded one too
+        assert [(t["num_turns"], t["status"]) for t in traj] == [(2, "completed")] * 4, traj
+        assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["turns_mean"] == 2.0
     finally:
         subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", "agentrl-thirdparty-test-env"],
                        timeout=300, capture_output=True)
 
 
+@pytest.mark.e2e
 def test_env_module_rows_naming_envs_and_custom_reward(tmp_path):
     (tmp_path / "my_env.py").write_text(textwrap.dedent('''
         import agentrl
@@ -109,6 +122,7 @@ def test_env_module_rows_naming_envs_and_custom_reward(tmp_path):
     assert rewards["L2"] == {"score": 1.0, "env": 0.5} and rewards["the"]["score"] == -1.0
 
 
+@pytest.mark.e2e
 def test_tool_env_runs_in_the_run_sandbox_pool_with_an_external_mcp_server(tmp_path):
     (tmp_path / "tool_env.py").write_text(textwrap.dedent('''
         import agentrl
@@ -200,6 +214,32 @@ def test_every_truncation_says_why(tokenizer):
     assert truncation(tokenizer, Talk(reply="word " * 40), ["a"], 30) == ("no room for another turn", 1)
 
 
+class Endless(Talk):
+    """Sets no max_turns and never terminates: the safety limit must end it, and say so."""
+
+    max_turns = None
+
+
+def test_an_env_without_max_turns_runs_to_the_safety_limit_and_it_is_loud(tokenizer, capsys):
+    from agentrl.env import SAFETY_MAX_TURNS
+
+    assert agentrl.Env.max_turns is None  # the default: until the env says terminated
+    reason, turns = truncation(tokenizer, Endless(), ["a"] * SAFETY_MAX_TURNS, 10_000, max_turns=None)
+    assert (reason, turns) == ("safety_max_turns", SAFETY_MAX_TURNS)
+    # --max-turns (or the env's own) still wins, and is named as such
+    assert truncation(tokenizer, Endless(), ["a"] * 5, 10_000, max_turns=2) == ("max_turns", 2)
+    settings = LoopSettings(max_response_len=10_000, max_turns=None, sampling_params={"temperature": 1.0})
+    sample = asyncio.run(run_trajectory(Endless(), {"prompt": "x"}, renderer=Renderer(tokenizer, True),
+                                        client=ScriptedClient(tokenizer, ["a"] * SAFETY_MAX_TURNS),
+                                        settings=settings, trajectory_id="t", group_id=0, seed=0))
+    m = rollout_metrics(0, [sample], 1.0)
+    assert m["truncated/safety_max_turns"] == 1
+    Progress(enabled=False).iteration_done({**m, "tokens_per_s": 1.0})
+    err = capsys.readouterr().err
+    assert "truncated 1 (safety_max_turns 1)" in err
+    assert f"warning: 1 episodes hit the safety limit of {SAFETY_MAX_TURNS} turns" in err and "--max-turns" in err
+
+
 def test_truncation_reasons_are_counted_in_metrics_and_on_the_console(tokenizer, capsys):
     envs = [Talk(reply="word " * 40), Talk(reply="word " * 40), Talk()]
     samples = []
@@ -251,6 +291,7 @@ def test_an_env_without_a_dataset_trains_from_each_groups_seed(tokenizer):
     assert len({seed for seed, _ in FromSeed.resets}) == 3 and len(FromSeed.resets) == 6
 
 
+@pytest.mark.e2e
 def test_agentrl_train_runs_an_env_without_a_dataset_from_seeds(tmp_path):
     (tmp_path / "seed_env.py").write_text(textwrap.dedent('''
         import agentrl
@@ -294,6 +335,7 @@ def test_a_budget_that_cannot_fit_the_turns_is_warned_about():
     assert warning("--max-turns", "1", "--rollout-max-response-len", "48") is None
 
 
+@pytest.mark.e2e
 def test_envs_show_prints_the_docstring_and_real_options(tmp_path):
     (tmp_path / "doc_env.py").write_text(textwrap.dedent('''
         import agentrl
@@ -328,6 +370,20 @@ def test_without_a_terminal_a_long_iteration_still_prints_progress(capsys):
     progress.advance_samples()
     progress.advance_samples()
     assert "rollout: 2 trajectories done" in capsys.readouterr().err
+    # each phase names itself while it runs, with its progress: a long train step is not "rollout"
+    progress.phase("train", "128 samples")
+    progress.tick()
+    err = capsys.readouterr().err
+    assert "train: 0s (128 samples); rollout goes on: 2 trajectories done" in err and "  rollout:" not in err
+    progress.phase("sync", "weights version 1")
+    assert "sync: 0s (weights version 1)" in capsys.readouterr().err
+    progress.phase("eval")
+    progress.advance_eval_samples()
+    assert "eval: 0s; 1 eval trajectories done" in capsys.readouterr().err
+    progress.iteration_done({"rollout_id": 0, "reward_mean": 0.5, "response_len_mean": 3.0, "turns_mean": 1.0,
+                             "tokens_per_s": 10.0, "rollout_s": 1.0})
+    progress.phase("rollout")
+    assert capsys.readouterr().err.splitlines()[-1] == "  rollout: 0 trajectories done"
     quiet = Progress(enabled=False)
     quiet.plain_every_s = 0.0
     quiet.advance_samples()

@@ -76,7 +76,7 @@ def test_gym_text_env_is_a_real_wrapper_and_passes_the_checker():
 def test_make_accepts_the_specs_list_envs_returns():
     spec = next(s for s in agentrl.list_envs() if s.name == "target-token")
     env = agentrl.make(spec, targets=["of"])
-    assert env.reset(seed=0)[0] == "Repeat the word: of"
+    assert env.reset(seed=0)[0] == "Repeat the word: " + " ".join(["of"] * 8)
 
 
 class AsyncCounter(Env):

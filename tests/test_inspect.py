@@ -281,6 +281,7 @@ def test_run_text_is_escaped_in_the_page(tmp_path):
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (Debian/Ubuntu: apt-get install -y chromium)")
 @pytest.mark.timeout(120)
 def test_report_in_browser(run_dir, tmp_path):

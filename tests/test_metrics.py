@@ -6,6 +6,8 @@ import re
 import struct
 import subprocess
 
+import pytest
+
 from spine_helpers import agentrl_cli, run_env
 
 
@@ -36,6 +38,7 @@ def wandb_records(path):
     return out
 
 
+@pytest.mark.e2e
 def test_offline_wandb_run_holds_the_iteration_metrics_and_the_console_has_a_line_each(tmp_path):
     out = tmp_path / "run"
     env = run_env()
@@ -48,7 +51,9 @@ def test_offline_wandb_run_holds_the_iteration_metrics_and_the_console_has_a_lin
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     for m in metrics:  # the console's summary line, one per iteration, whole
-        start = f"iter {m['rollout_id']}: reward {m['reward_mean']:.3f}  len {m['response_len_mean']:.1f}  turns 1.0"
+        # target-token's: the best prompt-ignoring reward and the above-chance figure beside the reward
+        start = (f"iter {m['rollout_id']}: reward {m['reward_mean']:.3f} (prompt-ignoring best 0.125)  "
+                 f"above chance {m['env/above_chance_mean']:.3f}  len {m['response_len_mean']:.1f}  turns 1.0")
         assert re.search("^" + re.escape(start) + r".* tok/s  rollout [\d.]+s train [\d.]+s sync [\d.]+s$",
                          proc.stderr, re.M), proc.stderr[-2000:]
     files = list((out / "wandb").glob("offline-run-*/run-*.wandb"))

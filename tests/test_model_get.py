@@ -150,6 +150,7 @@ class Chatty(agentrl.Env):
         return f"Tell me more ({self.turn}).", 0.1 * self.turn, self.turn == 3, False, {}
 
 
+@pytest.mark.e2e
 def test_engine_logprobs_match_the_trainers(smollm2, tmp_path):
     """The embedded engine's rollout logprobs equal the PyTorch trainer's recomputation (fp32, CPU)."""
     from agentrl.config import AlgoConfig, TrainConfig

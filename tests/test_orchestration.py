@@ -20,6 +20,7 @@ def train(*args, env=None):
                           env=env or run_env())
 
 
+@pytest.mark.e2e
 def test_local_ray_is_quiet_and_leaves_no_auth_file(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
@@ -32,6 +33,7 @@ def test_local_ray_is_quiet_and_leaves_no_auth_file(tmp_path):
     assert "Token authentication" not in proc.stderr and "dashboard" not in proc.stderr.lower()
 
 
+@pytest.mark.e2e
 def test_colocate_runs_and_trains(tmp_path):
     """Two iterations of the handover (the embedded engine dies where SGLang's scheduler would:
     a resume of what was never released, a release while requests run, a generation or a
@@ -52,6 +54,7 @@ def test_colocate_runs_and_trains(tmp_path):
     assert proc.returncode == 2 and "--colocate" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_joins_a_running_cluster_with_ray_address(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -57,6 +57,7 @@ def test_cpu_actors_get_a_sliver_of_a_cpu_each():
     assert p.trainer_bundles == [0] and p.engine_bundles == [1, 2] and p.engine_gpus == [[], []]
 
 
+@pytest.mark.e2e
 def test_reserved_on_ray_with_fake_gpus_and_engines_owned_by_actors(tmp_path, tiny_model, monkeypatch):
     ray = pytest.importorskip("ray")
     from agentrl.config import RolloutConfig

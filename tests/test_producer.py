@@ -14,6 +14,7 @@ import pytest
 from agentrl.data import PromptSource
 from agentrl.rollout.producer import RolloutProducer, nonzero_std_filter
 from agentrl.types import Sample, SampleStatus
+from waiting import await_until
 
 N = 2  # samples per group
 ASYNCIO_NOISE = ("exception was never retrieved", "Task was destroyed but it is pending")
@@ -63,12 +64,9 @@ def make_producer(groups: FakeGroups, **kwargs) -> RolloutProducer:
     return RolloutProducer(source=source, run_group=groups, **kwargs)
 
 
-async def wait_until(condition, timeout_s: float = 10.0) -> None:
+def wait_until(condition, timeout_s: float = 10.0):
     """Let the loop run until `condition()` holds (bounded)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.001)
+    return await_until(condition, timeout_s=timeout_s, interval_s=0.001)
 
 
 def run_clean(main, caplog) -> object:

@@ -64,6 +64,7 @@ def test_factory_function_and_constructor_errors_name_the_env():
     assert "while building env 'unit-factory' with kwargs {'n': -1}" in "".join(info.value.__notes__)
 
 
+@pytest.mark.e2e
 def test_env_module_file_is_seen_by_a_subprocess(tmp_path):
     mod = tmp_path / "my_env.py"
     mod.write_text(textwrap.dedent('''
@@ -100,6 +101,7 @@ def test_env_modules_reach_children_through_the_environment_they_are_given(tmp_p
     assert registry.env_modules_environ([]) == {}
 
 
+@pytest.mark.e2e
 def test_envs_show_describes_an_env():
     out = subprocess.run([agentrl_cli(), "envs", "show", "target-token"], capture_output=True, text=True,
                          timeout=120, env=run_env())

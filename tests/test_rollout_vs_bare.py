@@ -66,6 +66,7 @@ def policy_runs(row: dict) -> list[tuple[int, int]]:
     return runs
 
 
+@pytest.mark.e2e
 def test_bench_replays_a_multi_turn_run(tmp_path):
     (tmp_path / "talk_env.py").write_text(TALK_ENV)
     run = tmp_path / "run"

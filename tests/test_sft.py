@@ -210,6 +210,7 @@ def test_megatron_trainer_runs_sft_like_the_pytorch_trainer(tmp_path, monkeypatc
     assert (ckpt / "megatron").is_dir() and (ckpt / "model" / "model.safetensors").exists()
 
 
+@pytest.mark.e2e
 def test_checkpoint_is_a_model_for_agentrl_train(tmp_path, capsys):
     from agentrl.cli import main
 
@@ -255,6 +256,7 @@ def test_a_bad_row_is_named_by_file_line_and_field(tmp_path, bad, message):
         read_conversations(str(path))
 
 
+@pytest.mark.e2e
 def test_the_command_reports_a_bad_row(tmp_path, capsys):
     from agentrl.cli import main
 

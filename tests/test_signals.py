@@ -13,11 +13,20 @@ from pathlib import Path
 import pytest
 
 from spine_helpers import agentrl_cli, run_env
+from waiting import wait_until
+
+
+def alive(proc) -> bool:
+    """True while `proc` runs; once it ended, the test fails with its stderr's end."""
+    if proc.poll() is None:
+        return True
+    pytest.fail(f"the run ended (exit {proc.returncode}): {proc.communicate()[1][-3000:]}")
 
 SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-progress",
          "--rollout-max-response-len", "8"]
 
 
+@pytest.mark.e2e
 def test_a_reward_hook_that_always_fails_stops_the_run_naming_it(tmp_path):
     (tmp_path / "rm.py").write_text("def rm(args, sample):\n    raise KeyError('no such field')\n")
     out = tmp_path / "run"
@@ -41,6 +50,7 @@ def test_a_reward_hook_that_always_fails_stops_the_run_naming_it(tmp_path):
 
 
 
+@pytest.mark.e2e
 def test_a_generate_hook_that_always_fails_stops_the_run_naming_it(tmp_path):
     calls = tmp_path / "calls"
     gen = tmp_path / "gen.py"
@@ -79,6 +89,7 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
 """
 
 
+@pytest.mark.e2e
 def test_a_rollout_function_whose_reward_hook_always_fails_stops_the_run(tmp_path):
     (tmp_path / "fns.py").write_text(FAKE_ROLLOUT + "\n\ndef rm(args, sample):\n    raise KeyError('no such field')\n")
     out = tmp_path / "run"
@@ -213,6 +224,7 @@ def docker_ready() -> bool:
     return bool(images.strip())
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not docker_ready(), reason="needs docker and the sandbox image (scripts/build_sandbox_image.sh)")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_mid_rollout_stops_everything_within_seconds(tmp_path, signum):
@@ -243,17 +255,18 @@ def test_a_signal_mid_rollout_stops_everything_within_seconds(tmp_path, signum):
                  "router": lambda cmd: cmd.startswith("sglang::router"),
                  "exec server": lambda cmd: cmd.startswith("docker exec") and "AGENTRL_MCP_SERVER=" not in cmd,
                  "tool server": lambda cmd: cmd.startswith("docker exec") and "AGENTRL_MCP_SERVER=" in cmd}
-        deadline = time.monotonic() + 240
-        while True:
+        seen = {}
+
+        def everything_running() -> bool:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
-            ids = containers(run_id)
-            tree = process_tree(proc.pid)
-            seen = {kind: sum(map(found, (cmd for _, cmd in tree.values()))) for kind, found in kinds.items()}
-            if (hanging.exists() and len(list(done.iterdir())) == 2 and all(seen.values()) and seen["engine"] == 2
-                    and seen["tool server"] == 3):
-                break
-            assert time.monotonic() < deadline, f"the rollout never got there: {seen}"
-            time.sleep(0.2)
+            nonlocal ids, tree
+            ids, tree = containers(run_id), process_tree(proc.pid)
+            seen.update({kind: sum(map(found, (cmd for _, cmd in tree.values()))) for kind, found in kinds.items()})
+            return (hanging.exists() and len(list(done.iterdir())) == 2 and all(seen.values()) and seen["engine"] == 2
+                    and seen["tool server"] == 3)
+
+        ids, tree = [], {}
+        wait_until(everything_running, timeout_s=240, what=lambda: f"the rollout getting there ({seen})")
         marked, clients = descendants_alive(marker), tool_server_clients(ids)
         assert all(any(map(kinds[kind], marked)) for kind in ("ray", "engine", "exec server"))
         assert any(map(kinds["tool server"], clients))
@@ -271,10 +284,8 @@ def test_a_signal_mid_rollout_stops_everything_within_seconds(tmp_path, signum):
     assert stopped_s < 30, f"took {stopped_s:.1f}s to stop"
     left = lambda: (still_running(tree), descendants_alive(marker), tool_server_clients(ids),  # noqa: E731
                     containers(run_id))
-    deadline = time.monotonic() + 10  # what the stop killed may take a moment to be reaped
-    while any(left()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert left() == ([], [], [], []), left()
+    # what the stop killed may take a moment to be reaped
+    wait_until(lambda: not any(left()), timeout_s=10, what=lambda: f"everything the run started ending ({left()})")
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows == [rows[0]] and rows[0]["partial"] is True and rows[0]["rollout_id"] == 0
     saved = [json.loads(x) for x in (out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()]
@@ -315,6 +326,7 @@ class HalfDone(agentrl.Env):
 '''
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_writes_the_trajectories_finished_so_far(tmp_path, signum):
     hanging, done = tmp_path / "hanging", tmp_path / "done"
@@ -324,11 +336,8 @@ def test_a_signal_writes_the_trajectories_finished_so_far(tmp_path, signum):
                              "half-done", "--num-rollout", "2", "--output-dir", str(out), *SMALL],
                             env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (hanging.exists() and done.exists()):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the rollout never got there"
-            time.sleep(0.2)
+        wait_until(lambda: hanging.exists() and done.exists(), timeout_s=240, what="the rollout getting there",
+                   while_=lambda: alive(proc))
         time.sleep(1.0)  # the finished group's reward and hand-over
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
@@ -345,6 +354,7 @@ def test_a_signal_writes_the_trajectories_finished_so_far(tmp_path, signum):
     assert len({t["group_id"] for t in saved}) == 1
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_load_resumes_from_the_last_checkpoint_after_a_signal(tmp_path, signum):
     first, second = tmp_path / "first", tmp_path / "second"
@@ -352,11 +362,8 @@ def test_load_resumes_from_the_last_checkpoint_after_a_signal(tmp_path, signum):
                              "--output-dir", str(first), *SMALL], env=run_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (first / "checkpoints" / "iter_000001" / "trainer_state.json").exists():
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint written"
-            time.sleep(0.2)
+        wait_until((first / "checkpoints" / "iter_000001" / "trainer_state.json").exists, timeout_s=240,
+                   what="checkpoint iter_000001", while_=lambda: alive(proc))
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -414,6 +421,7 @@ def test_a_second_signal_exits_at_once(signum):
             proc.wait()
 
 
+@pytest.mark.e2e
 def test_a_run_survives_sigpipe_and_a_listing_ends_quietly_in_a_closed_pipe(tmp_path):
     """`agentrl train` keeps Python's SIGPIPE handling (ignored: a write into the pipe of a child
     that exited raises BrokenPipeError where it happened). With SIGPIPE's default for every

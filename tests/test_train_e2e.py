@@ -8,6 +8,8 @@ import pytest
 
 from spine_helpers import agentrl_cli, run_env
 
+pytestmark = pytest.mark.e2e  # the lane: runs agentrl end to end (see tests/lanes.py)
+
 SMALL = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--no-progress"]
 
 
@@ -20,28 +22,45 @@ def metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_target_token_reward_rises_from_scratch(tmp_path):
+def learning_figures(rows: list[dict], n: int = 10) -> dict:
+    """The first and last n iterations' mean reward and mean above-chance figure."""
+    def mean(key, part):
+        return sum(r[key] for r in part) / len(part)
+
+    return {"reward": (mean("reward_mean", rows[:n]), mean("reward_mean", rows[-n:])),
+            "above_chance": (mean("env/above_chance_mean", rows[:n]), mean("env/above_chance_mean", rows[-n:]))}
+
+
+def test_target_token_learns_the_task_not_one_word(tmp_path):
+    """The main command's run (50 iterations) learns to say the word the prompt names. A policy
+    that ignores the prompt scores at most 1/8 reward and 0 above chance; over 10 iterations (160
+    prompts) its figures spread by about 0.03, so a one-word collapse fails both bounds below (each
+    about 3 spreads above it), and the learning run clears them (seed 1 on the 2-core machine:
+    docs/benchmarks.md)."""
     out = tmp_path / "run"
-    proc = train("--env", "target-token", "--num-rollout", "40", "--seed", "1", "--no-progress",
-                 "--output-dir", str(out))
+    proc = train("--env", "target-token", "--seed", "1", "--no-progress", "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "built-in tiny model" in proc.stderr
     rows = metrics(out)
-    assert [r["rollout_id"] for r in rows] == list(range(40))
-    first = sum(r["reward_mean"] for r in rows[:5]) / 5
-    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
-    print(f"target-token reward: first 5 iterations {first:.4f}, last 5 {last:.4f}")
-    assert last > 0.05 and last > 4 * first, (first, last)
+    assert [r["rollout_id"] for r in rows] == list(range(50))
+    chance = json.loads((out / "run.json").read_text())["chance_reward"]
+    assert chance == 0.125 and "(prompt-ignoring best 0.125)" in proc.stderr
+    figures = learning_figures(rows)
+    print(f"target-token, first and last 10 iterations: {figures}; best prompt-ignoring reward {chance}")
+    (first, last), (above_first, above_last) = figures["reward"], figures["above_chance"]
+    assert first < chance and last > 1.6 * chance, figures
+    assert abs(above_first) < 0.05 and above_last > 0.09, figures
+    assert "the best policy that ignores the prompt scores 0.125" in proc.stderr
     for key in ("reward_mean", "response_len_mean", "turns_mean", "tool_calls_mean", "rollout_s", "train_s",
                 "weight_sync_s", "tokens_per_s", "ppo_kl", "loss"):
         assert key in rows[-1]
     assert all(r["trained_samples"] == r["num_samples"] - r["stale_dropped"] == 128 for r in rows)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    traj = [json.loads(x) for x in (out / "trajectories" / "rollout_00039.jsonl").read_text().splitlines()]
+    traj = [json.loads(x) for x in (out / "trajectories" / "rollout_00049.jsonl").read_text().splitlines()]
     assert len(traj) == 128 and {"response_tokens", "loss_mask", "rollout_logprobs", "reward", "status",
                                  "response_text"} <= set(traj[0])
     assert (out / "reward.png").stat().st_size > 1000
-    assert (out / "checkpoints" / "iter_000040" / "model" / "config.json").exists()
+    assert (out / "checkpoints" / "iter_000050" / "model" / "config.json").exists()
     # run.json: what the config met here; config.yaml stays the config as given
     context = json.loads((out / "run.json").read_text())
     assert context["outcome"] == "completed" and context["device"] == "cpu" and context["command"][1] == "train"

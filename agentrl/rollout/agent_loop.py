@@ -23,7 +23,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from agentrl.env import Action, Env, as_messages
+from agentrl.env import SAFETY_MAX_TURNS, Action, Env, as_messages
 from agentrl.errors import TemplateDriftError
 from agentrl.rollout.client import GenerateClient
 from agentrl.rollout.control import RolloutControl
@@ -35,13 +35,15 @@ TRUNCATED_MAX_TURNS = "max_turns"  # the env's (or --max-turns') turn limit
 TRUNCATED_RESPONSE_LEN = "max_response_len"  # the policy's tokens used up --rollout-max-response-len
 TRUNCATED_NO_ROOM = "no room for another turn"  # the env's next message would fill the rest of the budget
 TRUNCATED_BY_ENV = "env"  # the env's step returned truncated=True
-TRUNCATION_REASONS = (TRUNCATED_MAX_TURNS, TRUNCATED_RESPONSE_LEN, TRUNCATED_NO_ROOM, TRUNCATED_BY_ENV)
+TRUNCATED_SAFETY = "safety_max_turns"  # an env without max_turns never terminated: SAFETY_MAX_TURNS cut it
+TRUNCATION_REASONS = (TRUNCATED_MAX_TURNS, TRUNCATED_RESPONSE_LEN, TRUNCATED_NO_ROOM, TRUNCATED_BY_ENV,
+                      TRUNCATED_SAFETY)
 
 
 @dataclass(frozen=True)
 class LoopSettings:
     max_response_len: int  # token budget for all turns together (policy + env tokens)
-    max_turns: int
+    max_turns: int | None  # None: until the env terminates, up to SAFETY_MAX_TURNS
     sampling_params: dict  # SGLang sampling params: temperature, top_p, top_k, stop_token_ids, ...
     apply_chat_template: bool = True
     max_tokens_per_turn: int | None = None  # None: a turn may use the whole remaining budget
@@ -288,8 +290,10 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
         tools = info.get("tools")
         seen, sample.prompt_tokens = renderer.prompt(messages, tools)  # the text of every token so far
         stops = set(settings.sampling_params.get("stop_token_ids") or []) | {renderer.tokenizer.eos_token_id}
-        status, truncation = SampleStatus.TRUNCATED, TRUNCATED_MAX_TURNS  # why, if it ends truncated
-        for turn in range(settings.max_turns):
+        turn_limit = settings.max_turns or SAFETY_MAX_TURNS
+        limit_reason = TRUNCATED_MAX_TURNS if settings.max_turns else TRUNCATED_SAFETY
+        status, truncation = SampleStatus.TRUNCATED, limit_reason  # why, if it ends truncated
+        for turn in range(turn_limit):
             budget = settings.max_response_len - sample.response_length
             if budget <= 0:
                 truncation = TRUNCATED_RESPONSE_LEN
@@ -347,9 +351,9 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
             if terminated:
                 status = SampleStatus.COMPLETED
                 break
-            if truncated or sample.response_length >= settings.max_response_len or turn + 1 == settings.max_turns:
+            if truncated or sample.response_length >= settings.max_response_len or turn + 1 == turn_limit:
                 truncation = (TRUNCATED_BY_ENV if truncated else TRUNCATED_RESPONSE_LEN
-                              if sample.response_length >= settings.max_response_len else TRUNCATED_MAX_TURNS)
+                              if sample.response_length >= settings.max_response_len else limit_reason)
                 break
             obs = as_messages(obs)
             messages += obs

@@ -163,6 +163,7 @@ def test_grader_limits_on_host():
     assert exits.passed == 0 and "did not load: SystemExit" in exits.error
 
 
+@pytest.mark.e2e
 def test_train_one_iteration(tmp_path, backend):
     """Default flags (no --sandbox): the agents' and the grader's sandboxes come from one pool, bounded
     by what the machine holds (issue 20: a sandbox per trajectory started ~100 containers on 2 cores)."""

@@ -15,6 +15,7 @@ EXAMPLES = ROOT / "examples"
 FOLDERS = ["target_token", "math", "math_python", "search_r1", "code", "custom_env"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_example_folder_is_complete_and_config_resolves(folder):
     d = EXAMPLES / folder
@@ -33,6 +34,7 @@ def test_example_folder_is_complete_and_config_resolves(folder):
     assert resolved["rollout"]["num_rollout"] == config["num_rollout"]
 
 
+@pytest.mark.e2e
 def test_custom_env_trains_via_env_module(tmp_path):
     out = tmp_path / "run"
     rows = train_one_iteration("my-env", out, "--env-module", "examples/custom_env/my_env.py")

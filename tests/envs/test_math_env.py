@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 import agentrl
 from agentrl.envs.math_env import MathEnv, generate, last_boxed
 
@@ -68,6 +70,7 @@ def test_last_boxed():
     assert last_boxed("none") is None
 
 
+@pytest.mark.e2e
 def test_train_one_iteration(tmp_path):
     out = tmp_path / "run"
     rows = train_one_iteration("math", out, "--rollout-max-response-len", "128")

@@ -74,6 +74,7 @@ def test_dataset_is_the_math_problems():
     assert len(rows) == 3 and all(r["label"].lstrip("-").isdigit() for r in rows)
 
 
+@pytest.mark.e2e
 def test_train_one_iteration(tmp_path):
     sandbox_backend_or_skip("auto")
     out = tmp_path / "run"

@@ -304,6 +304,7 @@ def test_search_server_cli_rejects_a_missing_corpus(tmp_path):
 
 
 # -- one training iteration --------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_train_one_iteration(tmp_path):
     out = tmp_path / "run"
     # Short budgets keep the tiny random model's turns quick; several turns still happen.

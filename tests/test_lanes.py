@@ -1,0 +1,40 @@
+"""The lanes stay declared: a test module that runs agentrl end to end (the CLI, `main(["train",
+...])`, engines, Ray, a browser; directly or through a tests/ helper) declares `pytest.mark.e2e`.
+This reads the modules' text only: it names a module that forgot the mark, it never marks one."""
+
+import ast
+import re
+from pathlib import Path
+
+from lanes import E2E_DECLARED_HERE
+
+TESTS = Path(__file__).resolve().parent
+E2E_SIGNS = re.compile(r'agentrl_cli\(|main\(\["(train|sft|eval)"|start_engines\(|launch_embedded_engine\(|'
+                       r'ray\.init\(|importorskip\("ray"\)|chromium')
+
+
+def helper_functions_that_run_agentrl() -> set[str]:
+    """Functions of the tests' helper modules whose body shows an end-to-end sign."""
+    names = set()
+    for path in [*TESTS.glob("*helpers*.py"), *TESTS.glob("*/*helpers*.py")]:
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef) and E2E_SIGNS.search(ast.get_source_segment(source, node) or ""):
+                names.add(node.name)
+    return names - {"agentrl_cli"}
+
+
+def test_every_end_to_end_module_declares_its_lane():
+    helpers = helper_functions_that_run_agentrl()
+    calls = re.compile(r"\b(" + "|".join(map(re.escape, sorted(helpers))) + r")\(") if helpers else None
+    undeclared = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        relative = path.relative_to(TESTS).as_posix()
+        if relative.startswith("gpu/") or relative in E2E_DECLARED_HERE or path == Path(__file__).resolve():
+            continue
+        source = path.read_text()
+        runs_agentrl = E2E_SIGNS.search(source) or (calls is not None and calls.search(source))
+        if runs_agentrl and "pytest.mark.e2e" not in source:
+            undeclared.append(relative)
+    assert not undeclared, (f"these modules run agentrl end to end but declare no lane: {undeclared}; mark them "
+                            "(pytestmark = pytest.mark.e2e, or @pytest.mark.e2e on those tests)")
