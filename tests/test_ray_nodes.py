@@ -15,6 +15,8 @@ import pytest
 from spine_helpers import BIN, agentrl_cli, run_env
 from test_orchestration import _stop_cluster
 
+pytestmark = pytest.mark.e2e  # starts engines, Ray or agentrl train
+
 RUN = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-progress",
        "--ray-trainer-resource", "agentrl_trainer", "--ray-engine-resource", "agentrl_engine",
        "--engine-num-threads", "1", "--weight-check-interval", "1"]

@@ -17,6 +17,8 @@ from agentrl.rollout.client import EngineClient
 from agentrl.weight_sync import sync_weights_from_tensor
 from agentrl.weight_update import check_probe, probe_engines, weight_check_due
 
+pytestmark = pytest.mark.e2e  # starts engines, Ray or agentrl train
+
 
 def _serve(engine: EmbeddedEngine, go):
     async def main():

@@ -17,6 +17,8 @@ EXAMPLE = ROOT / "examples" / "openai_agent"
 sys.path.insert(0, str(ROOT / "tests"))
 from spine_helpers import agentrl_cli, run_env  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # starts engines, Ray or agentrl train
+
 
 def test_the_example_agent_runs_its_python_tool(tokenizer, monkeypatch):
     from agentrl.gateway import AgentRunner
