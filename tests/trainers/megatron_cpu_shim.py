@@ -9,7 +9,8 @@ in every already-imported `megatron.core.*` module that holds the name `torch`:
      `device=` is CUDA ('cuda', 'cuda:N', an int, a cuda torch.device): it becomes 'cpu';
    - `torch.cuda` -> `_CudaProxy`: `current_device()` returns torch.device('cpu'),
      `synchronize/empty_cache` do nothing, `Stream/stream/current_stream/default_stream`
-     are no-op stand-ins, `is_available()` is False; the rest is torch.cuda's;
+     are no-op stand-ins (their `record_event()` an event that is always done: the MoE
+     token dispatcher waits on one), `is_available()` is False; the rest is torch.cuda's;
    - `torch.autocast('cuda', ...)` -> `torch.autocast('cpu', enabled=False)`;
    (megatron's grad buffers, optimizer scalars, pipeline p2p buffers, sequence-parallel
    gather buffers and grad-norm scratch all ask for `device='cuda'`/`current_device()`).
@@ -51,6 +52,17 @@ def _cpu(device):
     return device
 
 
+class _NoEvent:
+    def synchronize(self):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def query(self):
+        return True
+
+
 class _NoStream:
     def wait_stream(self, *a, **k):
         pass
@@ -59,7 +71,7 @@ class _NoStream:
         pass
 
     def record_event(self, *a, **k):
-        return None
+        return _NoEvent()
 
 
 class _CudaProxy:

@@ -137,6 +137,8 @@ TRAINER_FLAGS = frozenset({
     "make_vocab_size_divisible_by",  # pad the vocab (embedding/lm_head rows) to a multiple of this x TP
     "distributed_timeout_minutes",
     "seq_length", "max_position_embeddings",  # accepted for slime compatibility; the HF config decides
+    "num_layers_per_virtual_pipeline_stage",  # slime's way to ask for virtual pipeline stages
+    "use_rollout_routing_replay",  # slime's R3: replay the experts the engine routed each token to
 })
 
 

@@ -63,10 +63,10 @@ class MegatronTrainer:
                               "tests/trainers/megatron_cpu_shim.py)")
         if device.startswith("cuda") and device != "cuda":
             device = "cuda"  # the rank's GPU comes from LOCAL_RANK
-        init_distributed(self.margs, device, seed)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        init_distributed(self.margs, device, seed, num_layers=self.hf_config.num_hidden_layers)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self.dtype = DTYPES[dtype]
-        self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.te = use_te_spec(self.margs, device)
