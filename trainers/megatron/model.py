@@ -136,6 +136,14 @@ def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype:
     if family.moe is not None:
         kw.update(moe_config(family, te))
     vpp = margs.vpp(hf_config.num_hidden_layers)
+    if vpp and margs.pp == 2:
+        # Two stages in a ring: a rank's previous and next stage are the same peer, and a
+        # batched send/receive to it pairs the activations going one way with the gradients
+        # going the other (seen on gloo: training logprobs off, grad norm x100). Unbatched,
+        # megatron-core sends each direction on its own process group. (Its shape exchange
+        # stays batched: the trainer gives these micro-batches one length, see
+        # MegatronTrainer._batches.)
+        kw["batch_p2p_comm"] = False
     kw.update(margs.transformer)
     kw["virtual_pipeline_model_parallel_size"] = vpp
     if family.moe is not None and kw.get("moe_aux_loss_coeff") and "moe_router_load_balancing_type" not in margs.transformer:
@@ -143,6 +151,9 @@ def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype:
     kw["transformer_impl"] = "transformer_engine" if te else "local"
     if kw.get("sequence_parallel") and kw.get("tensor_model_parallel_size", 1) == 1:
         kw["sequence_parallel"] = False  # as megatron.training does
+    if family.moe is not None and kw.get("tensor_model_parallel_size", 1) > 1 and not kw.get("sequence_parallel"):
+        raise ConfigError("a mixture-of-experts model with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+                          "(megatron-core's MoE layer refuses to train without it)")
     return TransformerConfig(**kw)
 
 

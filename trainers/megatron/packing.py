@@ -70,6 +70,19 @@ class PackedBatch:
             setattr(self, name, getattr(self, name).to(device, non_blocking=True))
         return self
 
+    def pad_to_length(self, length: int, pad_id: int = 0) -> "PackedBatch":
+        """Padded at the end to `length` tokens, the padding a segment of its own (as pack's)."""
+        pad = length - self.num_tokens
+        if pad < 0:
+            raise ValueError(f"a micro-batch of {self.num_tokens} tokens cannot be padded to {length}")
+        if pad:
+            fill = lambda t, v: torch.cat([t, v.to(t.device, t.dtype)], dim=-1)  # noqa: E731
+            self.tokens = fill(self.tokens, torch.full((1, pad), pad_id))
+            self.position_ids = fill(self.position_ids, torch.arange(pad).unsqueeze(0))
+            self.cu_seqlens = fill(self.cu_seqlens, torch.tensor([length]))
+            self.max_seqlen = max(self.max_seqlen, pad)
+        return self
+
     def packed_seq_params(self, rope_by_position: bool = False):
         """rope_by_position: RoPE frequencies come per token (model.enable_position_rope), so
         RoPE is told the batch is one segment (cu_seqlens_*_padded = [0, T])."""

@@ -82,21 +82,28 @@ def expert_offset(layout: Layout) -> int:
     return ps.get_expert_model_parallel_rank() * layout.local_experts
 
 
+def model_chunks(model) -> list:
+    """A stage's GPTModels: the model, or its virtual-stage chunks (a ModuleList)."""
+    return list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+
+
 def model_params(model, layout: Layout, *, skip_tied_output: bool = False):
-    """(global local-spec name, parameter) of one stage's GPTModel, in module order (LoRA adapters,
-    which have no HF counterpart in the base model, left out). Global: the layer index, and a
-    routed expert's index among all experts."""
-    off, first_expert = layer_offset(model), expert_offset(layout)
-    for name, param in model.named_parameters():
-        if ".lora." in name:
-            continue
-        name = local_spec_name(global_name(name, off))
-        e = expert_index(name)
-        if e is not None and first_expert:
-            name = with_expert(name, e + first_expert)
-        if skip_tied_output and layout.tied and name == "output_layer.weight":
-            continue
-        yield name, param
+    """(global local-spec name, parameter) of one stage's GPTModel (or its virtual-stage chunks),
+    in module order (LoRA adapters, which have no HF counterpart in the base model, left out).
+    Global: the layer index, and a routed expert's index among all experts."""
+    first_expert = expert_offset(layout)
+    for chunk in model_chunks(model):
+        off = layer_offset(chunk)
+        for name, param in chunk.named_parameters():
+            if ".lora." in name:
+                continue
+            name = local_spec_name(global_name(name, off))
+            e = expert_index(name)
+            if e is not None and first_expert:
+                name = with_expert(name, e + first_expert)
+            if skip_tied_output and layout.tied and name == "output_layer.weight":
+                continue
+            yield name, param
 
 
 @torch.no_grad()
