@@ -58,6 +58,14 @@ class MegatronTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.model_path = str(model_path)
         self.margs = parse_megatron_args(megatron_args or {})
+        if self.margs.cp > 1:
+            # megatron-core's context parallelism is Transformer Engine's attention (its local
+            # attention asserts CP == 1), and the trainer would also have to give each CP rank
+            # its share of every packed sequence and gather the logprobs back; without that,
+            # every CP rank would run whole sequences with TE told they are split.
+            raise ConfigError("--context-parallel-size > 1 is not supported by the Megatron trainer yet (it needs "
+                              "Transformer Engine and per-rank sequence splitting); use --max-tokens-per-gpu and "
+                              "recompute for long sequences")
         if device == "cpu" and not megatron_patched_for_cpu:
             raise ConfigError("the Megatron trainer needs CUDA GPUs (on CPU use --trainer torch; tests apply "
                               "tests/trainers/megatron_cpu_shim.py)")
