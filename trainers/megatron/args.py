@@ -43,6 +43,19 @@ class MegatronArgs:
         value = self.transformer.get("expert_tensor_parallel_size")
         return self.tp if value is None else int(value)
 
+    def flag(self, name: str) -> bool:
+        """A trainer-level on/off flag: absent -> False; bare or true/1/yes -> True."""
+        if name not in self.trainer:
+            return False
+        value = self.trainer[name]
+        if value is None or isinstance(value, bool):
+            return value is None or value
+        if str(value).lower() in ("true", "1", "yes"):
+            return True
+        if str(value).lower() in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"--{name.replace('_', '-')}: expected true/false, got {value!r}")
+
     def vpp(self, num_layers: int) -> int | None:
         """Virtual pipeline stages per rank: --virtual-pipeline-model-parallel-size, or
         --num-layers-per-virtual-pipeline-stage (slime's) turned into it; None without either."""

@@ -146,6 +146,10 @@ def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype:
         kw["batch_p2p_comm"] = False
     kw.update(margs.transformer)
     kw["virtual_pipeline_model_parallel_size"] = vpp
+    if margs.flag("use_rollout_routing_replay"):
+        if family.moe is None:
+            raise ConfigError("--use-rollout-routing-replay: the model has no routed experts")
+        kw["moe_enable_routing_replay"] = True  # each router gets a RouterReplay (MegatronTrainer sets its experts)
     if family.moe is not None and kw.get("moe_aux_loss_coeff") and "moe_router_load_balancing_type" not in margs.transformer:
         kw["moe_router_load_balancing_type"] = "aux_loss"  # --moe-aux-loss-coeff turns the aux loss on
     kw["transformer_impl"] = "transformer_engine" if te else "local"

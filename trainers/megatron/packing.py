@@ -60,6 +60,7 @@ class PackedBatch:
     seq_ids: torch.Tensor  # [N] which of `indices` each response token belongs to (0..n-1)
     resp_slices: list[tuple[int, int]]  # per sample, its [start, end) in the flat N
     dummy: bool = False  # a stand-in run with zero loss weight (a data-parallel rank with no samples)
+    routing: torch.Tensor | None = None  # [T, layers, top-k] the engine's experts per token (routing replay)
 
     @property
     def num_tokens(self) -> int:

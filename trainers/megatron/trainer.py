@@ -86,6 +86,7 @@ class MegatronTrainer:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.rank = dist.get_rank()
+        self.routing_replay = self.margs.flag("use_rollout_routing_replay")  # R3
         self.max_tokens = train.max_tokens_per_gpu
         self.pad_to = self.margs.tp if self.margs.transformer.get("sequence_parallel") and self.margs.tp > 1 else 1
         if self.max_tokens is not None and self.pad_to > 1:
@@ -197,7 +198,57 @@ class MegatronTrainer:
             # directions' shapes (model.transformer_config), harmless only when they are equal
             longest = max(b.num_tokens for b in batches)
             batches = [b.pad_to_length(longest + (-longest) % self.pad_to, self.pad_id) for b in batches]
+        if self.routing_replay:
+            for b in batches:
+                b.routing = self._recorded_routing(samples, b)
         return [b.to(self.device) for b in batches]
+
+    def _recorded_routing(self, samples: list[Sample], mb: PackedBatch) -> torch.Tensor:
+        """The engine's experts for every packed token of mb, [T, layers, top-k] (R3). A sample's
+        last token and padding, which the engine never routed and whose outputs no trained
+        token reads, get experts 0..k-1."""
+        k = self.family.moe.topk
+        parts, layers = [], None
+        for i in mb.indices:
+            s = samples[i]
+            if s.routed_experts is None:
+                raise ValueError(f"trajectory {s.trajectory_id}: --use-rollout-routing-replay needs the engine's routed "
+                                 "experts (SGLang --enable-return-routed-experts), and this sample has none")
+            rec = torch.as_tensor(s.routed_experts, dtype=torch.int64)
+            n = len(s.tokens)
+            if rec.dim() != 3 or rec.shape[0] != n - 1 or rec.shape[2] != k or (layers and rec.shape[1] != layers):
+                raise ValueError(f"trajectory {s.trajectory_id}: routed_experts has shape {tuple(rec.shape)}, expected "
+                                 f"[{n - 1} (tokens - 1), layers, {k} (top-k)]")
+            layers = rec.shape[1]
+            parts += [rec, torch.arange(k).expand(1, layers, k)]
+        pad = mb.num_tokens - sum(len(samples[i].tokens) for i in mb.indices)
+        parts.append(torch.arange(k).expand(pad, layers, k))
+        return torch.cat(parts).to(self.device)
+
+    def _replay_routing(self, gpt, mb: PackedBatch) -> None:
+        """Every MoE layer of this model chunk routes mb's tokens to the recorded experts."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        moe_layers = self.family.moe.layers
+        recorded = mb.routing.shape[1]
+        for layer in gpt.decoder.layers:
+            replay = getattr(getattr(layer.mlp, "router", None), "router_replay", None)
+            if replay is None:
+                continue
+            i = layer.layer_number - 1  # global
+            if recorded == len(moe_layers):  # one entry per decoder layer
+                column = i
+            elif recorded == sum(moe_layers):  # one per MoE layer
+                column = sum(moe_layers[:i])
+            else:
+                raise ValueError(f"routed_experts has {recorded} layers; the model has {len(moe_layers)} layers, "
+                                 f"{sum(moe_layers)} of them MoE")
+            experts = mb.routing[:, column]
+            if self.config.sequence_parallel:  # the router sees this TP rank's slice of the sequence
+                experts = experts.chunk(self.margs.tp)[self.tp_rank]
+            replay.clear_indices()
+            replay.set_target_indices(experts)
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def _micro_batch_count(self, mine: int) -> int:
         """How many micro-batches this rank runs: at least one; with expert parallelism as many as
@@ -223,6 +274,8 @@ class MegatronTrainer:
             by_position = not self.te and hasattr(gpt.rotary_pos_emb, "positions")
             if by_position:
                 gpt.rotary_pos_emb.positions = (mb.position_ids[0], mb.max_seqlen)
+            if self.routing_replay:
+                self._replay_routing(gpt, mb)
             head = getattr(gpt, "output_layer", None)
             if hasattr(head, "rows"):  # enable_response_head
                 head.rows = mb.logit_index
