@@ -109,15 +109,36 @@ def test_perturbed_routing_changes_logprobs_as_the_hf_model_forced_to_it(setup):
     assert max_diff(replayed, forced) < TOL
 
 
+def test_flat_records_and_records_ending_after_the_last_trained_token(setup):
+    """As the client decodes SGLang's reply ([tokens, layers * top-k]), and cut after the last
+    trained token's input (env tokens appended after the last generation): the same logprobs
+    on every trained token."""
+    _, samples, _, plain, replay = setup
+    own = plain.compute_logprobs(samples)
+    originals = [s.routed_experts for s in samples]
+    try:
+        for s in samples:
+            r = torch.tensor(s.routed_experts)
+            last = len(s.prompt_tokens) + max(j for j, m in enumerate(s.loss_mask) if m)
+            s.routed_experts = r[:last].reshape(last, -1).tolist()
+        replayed = replay.compute_logprobs(samples)
+    finally:
+        for s, r in zip(samples, originals):
+            s.routed_experts = r
+    trained = [[x for x, m in zip(row, s.loss_mask) if m] for row, s in zip(replayed, samples)]
+    want = [[x for x, m in zip(row, s.loss_mask) if m] for row, s in zip(own, samples)]
+    assert max_diff(trained, want) < TOL
+
+
 def test_training_step_with_replay_and_bad_records(setup):
     _, samples, _, _, replay = setup
     metrics = replay.train_rollout(samples)
     assert metrics["grad_norm"] > 0
-    broken = make_samples(n=4)
+    broken = make_samples(n=4)  # the same tokens as samples
     with pytest.raises(ValueError, match="routed experts"):
         replay.compute_logprobs(broken)
-    broken[0].routed_experts = [[[0, 1]] * 3] * 2  # too few tokens
-    for s in broken[1:]:
-        s.routed_experts = samples[0].routed_experts
+    for s, good in zip(broken[1:], samples[1:]):
+        s.routed_experts = good.routed_experts
+    broken[0].routed_experts = [[[0, 1]] * 3] * 2  # ends before the trained tokens
     with pytest.raises(ValueError, match="routed_experts has shape"):
         replay.compute_logprobs(broken)

@@ -145,3 +145,12 @@ TRAINER_FLAGS = frozenset({
 def is_megatron_flag(name: str) -> bool:
     """NAME with underscores (no leading dashes)."""
     return name in CORE_FIELDS or name in TRAINING_FLAGS or name in TRAINER_FLAGS
+
+
+def wants_routing_replay(megatron_args: dict) -> bool:
+    """--use-rollout-routing-replay among the Megatron flags (bare or true): the rollout asks the
+    engines for the experts they routed each token to, and the trainer replays them."""
+    for key, value in megatron_args.items():
+        if key.lstrip("-").replace("-", "_") == "use_rollout_routing_replay":
+            return value is None or value is True or str(value).lower() in ("true", "1", "yes")
+    return False

@@ -204,9 +204,11 @@ class MegatronTrainer:
         return [b.to(self.device) for b in batches]
 
     def _recorded_routing(self, samples: list[Sample], mb: PackedBatch) -> torch.Tensor:
-        """The engine's experts for every packed token of mb, [T, layers, top-k] (R3). A sample's
-        last token and padding, which the engine never routed and whose outputs no trained
-        token reads, get experts 0..k-1."""
+        """The engine's experts for every packed token of mb, [T, layers, top-k] (R3). A record
+        may be flat per token ([tokens, layers * top-k], as the client decodes SGLang's) and may
+        stop before the sample's last tokens (env tokens appended after the last generation).
+        Tokens without a record (those, each sample's last token, padding) get experts
+        0..k-1: causal attention keeps their outputs from every trained token's logprob."""
         k = self.family.moe.topk
         parts, layers = [], None
         for i in mb.indices:
@@ -216,11 +218,16 @@ class MegatronTrainer:
                                  "experts (SGLang --enable-return-routed-experts), and this sample has none")
             rec = torch.as_tensor(s.routed_experts, dtype=torch.int64)
             n = len(s.tokens)
-            if rec.dim() != 3 or rec.shape[0] != n - 1 or rec.shape[2] != k or (layers and rec.shape[1] != layers):
+            trained = [j for j, m in enumerate(s.loss_mask) if m]
+            need = len(s.prompt_tokens) + (trained[-1] if trained else 0)  # up to the last trained token's input
+            if rec.dim() == 2 and rec.shape[1] % k == 0:
+                rec = rec.reshape(rec.shape[0], -1, k)
+            if rec.dim() != 3 or rec.shape[2] != k or (layers and rec.shape[1] != layers) \
+                    or not need <= rec.shape[0] <= n - 1:
                 raise ValueError(f"trajectory {s.trajectory_id}: routed_experts has shape {tuple(rec.shape)}, expected "
-                                 f"[{n - 1} (tokens - 1), layers, {k} (top-k)]")
+                                 f"[{need}..{n - 1} (tokens up to the last trained one), layers, {k} (top-k)]")
             layers = rec.shape[1]
-            parts += [rec, torch.arange(k).expand(1, layers, k)]
+            parts += [rec, torch.arange(k).expand(n - rec.shape[0], layers, k)]
         pad = mb.num_tokens - sum(len(samples[i].tokens) for i in mb.indices)
         parts.append(torch.arange(k).expand(pad, layers, k))
         return torch.cat(parts).to(self.device)
