@@ -234,3 +234,29 @@ def test_multi_tensor_ops_without_apex():
     model = [torch.empty(x.shape, dtype=torch.bfloat16) for x in grads]
     no_apex.foreach_copy(grads, model)
     assert all(torch.equal(m, x.bfloat16()) for m, x in zip(model, grads))
+
+
+def test_layouts_megatron_core_cannot_train_are_refused_up_front(tmp_path, tiny_model):
+    """Context parallelism (not implemented: every CP rank would run whole sequences), MoE with
+    TP but no sequence parallelism (megatron-core's MoE layer refuses it at the first training
+    step), and an EP size that does not divide the experts (or a dense model): a ConfigError
+    naming the flag, before any model is built."""
+    from transformers import AutoConfig
+
+    from agentrl.errors import ConfigError
+    from agentrl.trainers.megatron.args import parse_megatron_args
+    from agentrl.trainers.megatron.model import layout_for, transformer_config
+
+    with pytest.raises(ConfigError, match="context-parallel-size"):
+        MegatronTrainer(str(tiny_model), train=TrainConfig(), algo=AlgoConfig(), temperature=1.0, device="cpu",
+                        dtype="float32", megatron_args={"context_parallel_size": "2"})
+    moe = AutoConfig.from_pretrained(tiny_family_model(tmp_path / "moe", "qwen3_moe"))
+    margs = parse_megatron_args({"tensor_model_parallel_size": "2"})
+    fam, _ = layout_for(moe, margs, te=False)
+    with pytest.raises(ConfigError, match="sequence-parallel"):
+        transformer_config(moe, fam, margs, dtype="float32", device="cpu")
+    with pytest.raises(ConfigError, match="expert-model-parallel-size 3"):
+        layout_for(moe, parse_megatron_args({"expert_model_parallel_size": "3"}), te=False)
+    with pytest.raises(ConfigError, match="dense"):
+        layout_for(AutoConfig.from_pretrained(tiny_model), parse_megatron_args({"expert_model_parallel_size": "2"}),
+                   te=False)
