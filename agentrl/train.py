@@ -40,6 +40,7 @@ from agentrl.rollout.control import RolloutControl
 from agentrl.rollout.gc_tuning import tune_gc_for_rollouts
 from agentrl.rollout.producer import RolloutProducer
 from agentrl.rollout.slime import check_hooks
+from agentrl.trainers.megatron.flags import wants_routing_replay
 from agentrl.types import Sample
 from agentrl.weight_update import catch_up_fn, check_probe, colocated, update_engines
 
@@ -266,7 +267,8 @@ async def start_rollout(run: Run, stack: contextlib.AsyncExitStack, weights_lock
     if run.engines is None:
         return ReplayBatches(run.replay), None, pool
 
-    client = await stack.enter_async_context(EngineClient(run.engines.url, request_timeout_s=r.request_timeout_s))
+    client = await stack.enter_async_context(EngineClient(run.engines.url, request_timeout_s=r.request_timeout_s,
+                                                         return_routed_experts=wants_routing_replay(cfg.megatron_args)))
     engine_clients = [EngineClient(u, request_timeout_s=r.request_timeout_s) for u in run.engines.engine_urls]
     for c in engine_clients:
         stack.push_async_callback(c.close)

@@ -34,6 +34,9 @@ class Sample:
     loss_mask: list[int] = field(default_factory=list)  # [num_response_tokens]; 1 = sampled by the policy
     rollout_logprobs: list[float] = field(default_factory=list)  # [num_response_tokens]; 0.0 where masked
     policy_versions: list[int] = field(default_factory=list)  # [num_response_tokens]; -1 where masked
+    # MoE routing replay (R3): the experts the engine routed each token to, [num_tokens - 1][layers][top-k]
+    # (every token but the last, as SGLang's return_routed_experts gives them); None when not asked for
+    routed_experts: list[list[list[int]]] | None = None
     reward: float | dict[str, float] = 0.0
     status: SampleStatus = SampleStatus.COMPLETED
     group_id: int = 0

@@ -208,3 +208,21 @@ def test_a_resume_that_splits_a_character_keeps_the_text_whole(tokenizer):
     assert s.status == SampleStatus.COMPLETED and s.num_turns == 3, s.metadata
     assert s.metadata["resumed"] == 1
     assert "café" in tokenizer.decode(s.tokens)
+
+
+def test_the_latest_routed_experts_reach_the_sample(tokenizer):
+    """R3: each turn's reply covers every token so far but the last (SGLang's routed_experts); the
+    sample keeps the latest reply's, which covers the trajectory up to its last generated token."""
+
+    class RoutingClient(ScriptedClient):
+        async def generate(self, input_ids, sampling_params, **kw):
+            result = await super().generate(input_ids, sampling_params, **kw)
+            self.covered = len(input_ids) + len(result.output_ids) - 1
+            result.routed_experts = [[len(self.calls), t] for t in range(self.covered)]  # [tokens][layers * top-k]
+            return result
+
+    client = RoutingClient(tokenizer, ["yes", "no", "yes"])
+    s = play(CountEnv(), client, tokenizer)
+    assert len(client.calls) == 3 and {r[0] for r in s.routed_experts} == {3}
+    assert len(s.routed_experts) == client.covered <= len(s.tokens) - 1
+    assert play(CountEnv(), ScriptedClient(tokenizer, ["yes"] * 3), tokenizer).routed_experts is None  # not asked

@@ -122,3 +122,47 @@ def test_the_json_codec_sends_and_reads_what_the_standard_library_does():
     assert math.isnan(_loads(b'{"a": NaN}')["a"])  # not JSON, but json reads it: so does the client, as before
     with pytest.raises(ValueError):
         _loads(b"{not json")
+
+
+@pytest.mark.parametrize("form", ["string", "dict"])
+def test_routed_experts_are_asked_for_and_decoded_per_token(form):
+    """R3: with return_routed_experts the request carries SGLang's `return_routed_experts` and the
+    reply's meta_info.routed_experts (base64 int32 [tokens, layers, top-k], every token of input +
+    output but the last; a string, or newer SGLang's {"topk_ids", "topk_weights"}) comes back per
+    token; a reply without it is an EngineError naming the server flag."""
+    import base64
+
+    import numpy as np
+
+    ids = np.arange(3 * 2 * 2, dtype=np.int32).reshape(3, 2, 2)  # prompt 2 + output 2 - 1 tokens, 2 layers, top-2
+    encoded = base64.b64encode(ids.tobytes()).decode()
+    seen = []
+
+    async def generate(request):
+        body = await request.json()
+        seen.append(body)
+        meta = {"finish_reason": {"type": "length"}, "prompt_tokens": 2,
+                "output_token_logprobs": [[-0.5, 7, None], [-0.1, 8, None]]}
+        if len(seen) == 1:
+            meta["routed_experts"] = encoded if form == "string" else {"topk_ids": encoded, "topk_weights": ""}
+        return web.json_response({"output_ids": [7, 8], "meta_info": meta})
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        server = TestServer(app)
+        await server.start_server()
+        try:
+            async with EngineClient(str(server.make_url("")).rstrip("/"), return_routed_experts=True) as client:
+                first = await client.generate([1, 2], {})
+                with pytest.raises(EngineError, match="enable-return-routed-experts"):
+                    await client.generate([1, 2], {})
+            async with EngineClient(str(server.make_url("")).rstrip("/")) as plain:
+                assert (await plain.generate([1, 2], {})).routed_experts is None
+            return first
+        finally:
+            await server.close()
+
+    result = asyncio.run(go())
+    assert seen[0]["return_routed_experts"] is True and "return_routed_experts" not in seen[-1]
+    assert result.routed_experts == ids.reshape(3, 4).tolist()

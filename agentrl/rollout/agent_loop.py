@@ -315,6 +315,8 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                                                lora_path=control.lora_adapter if control is not None else None)
                 timing.generate_s += time.perf_counter() - t0
                 sample.append_generated(result.output_ids, result.logprobs, _version(result.weight_version))
+                if getattr(result, "routed_experts", None) is not None:  # R3: the latest covers every token
+                    sample.routed_experts = result.routed_experts
                 out += result.output_ids
                 # the turn's tokens decoded whole: a character whose bytes a resume split in two
                 # decodes right only with both halves

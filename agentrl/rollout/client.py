@@ -18,11 +18,13 @@ cached tokens) for the router_affinity and prefix_cache_hit_rate metrics.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
+import numpy as np
 import orjson
 
 from agentrl.engines import ENGINE_HEADER
@@ -59,6 +61,24 @@ class GenerateResult:
     cached_tokens: int
     weight_version: str
     engine_id: str | None = None  # which engine served it (None: the engine did not say)
+    # R3: the experts the engine routed each token of input + output (but the last) to,
+    # [prompt_tokens + num_new_tokens - 1][layers * top-k]; only when the client asked
+    routed_experts: list[list[int]] | None = None
+
+
+def decode_routed_experts(value, num_tokens: int) -> list[list[int]]:
+    """SGLang's meta_info.routed_experts -> [num_tokens][layers * top-k] expert ids. SGLang
+    sends base64 of an int32 array [tokens, layers, top-k], as a string or (newer) as
+    {"topk_ids": ..., "topk_weights": ...}."""
+    if isinstance(value, dict):
+        value = value.get("topk_ids")
+    if not isinstance(value, str):
+        raise EngineError("engine reply has no meta_info.routed_experts: start SGLang with "
+                          "--enable-return-routed-experts (routing replay asked for them)")
+    ids = np.frombuffer(base64.b64decode(value), dtype=np.int32)
+    if num_tokens <= 0 or ids.size % num_tokens:
+        raise ValueError(f"routed_experts holds {ids.size} ids, not a whole number per token for {num_tokens} tokens")
+    return ids.reshape(num_tokens, -1).tolist()
 
 
 class GenerateClient(Protocol):
@@ -82,8 +102,9 @@ class EngineClient:
 
     def __init__(self, base_url: str, *, request_timeout_s: float = 600.0, max_connections: int | None = None,
                  retries: int = 6, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
-                 turn_log: TurnLog | None = None):
+                 turn_log: TurnLog | None = None, return_routed_experts: bool = False):
         self.base_url = base_url.rstrip("/")
+        self.return_routed_experts = return_routed_experts  # R3 (SGLang --enable-return-routed-experts)
         self.request_timeout_s = request_timeout_s
         self.retries = retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
@@ -157,6 +178,8 @@ class EngineClient:
             payload["rid"] = rid
         if lora_path:
             payload["lora_path"] = lora_path
+        if self.return_routed_experts:
+            payload["return_routed_experts"] = True
         headers = {ROUTING_KEY_HEADER: session_id} if session_id else None
         body, engine = await self._post("/generate", payload, headers)
         try:
@@ -176,7 +199,10 @@ class EngineClient:
                 weight_version=str(meta.get("weight_version", "0")),
                 engine_id=engine or meta.get("engine_id"),
             )
-        except (KeyError, TypeError, IndexError) as exc:
+            if self.return_routed_experts:
+                result.routed_experts = decode_routed_experts(meta.get("routed_experts"),
+                                                              len(input_ids) + len(output_ids) - 1)
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
             raise EngineError(f"malformed /generate reply from {self.base_url}: {exc!r}: {str(body)[:300]}") from exc
         if session_id:
             self.turn_log.record(session_id, Turn(result.engine_id, result.prompt_tokens, result.cached_tokens))

@@ -9,7 +9,8 @@ in every already-imported `megatron.core.*` module that holds the name `torch`:
      `device=` is CUDA ('cuda', 'cuda:N', an int, a cuda torch.device): it becomes 'cpu';
    - `torch.cuda` -> `_CudaProxy`: `current_device()` returns torch.device('cpu'),
      `synchronize/empty_cache` do nothing, `Stream/stream/current_stream/default_stream`
-     are no-op stand-ins, `is_available()` is False; the rest is torch.cuda's;
+     are no-op stand-ins (their `record_event()` an event that is always done: the MoE
+     token dispatcher waits on one), `is_available()` is False; the rest is torch.cuda's;
    - `torch.autocast('cuda', ...)` -> `torch.autocast('cpu', enabled=False)`;
    (megatron's grad buffers, optimizer scalars, pipeline p2p buffers, sequence-parallel
    gather buffers and grad-norm scratch all ask for `device='cuda'`/`current_device()`).
@@ -21,7 +22,11 @@ in every already-imported `megatron.core.*` module that holds the name `torch`:
    stage with `weight.data.cuda()`; without a GPU that call could only raise);
 4. `megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32` (and its re-imports in
    `megatron.core.optimizer.optimizer`): the same scaling without the assertion
-   `param.grad.type() == 'torch.cuda.FloatTensor'`.
+   `param.grad.type() == 'torch.cuda.FloatTensor'`;
+5. `DistributedOptimizer.__init__`: while it runs, a CPU tensor's `.type()` reads as the
+   CUDA type name (it sorts parameters by `'torch.cuda.FloatTensor'` etc. and refuses others);
+6. `maybe_move_tensor_to_cpu` (MoE all-to-all split sizes): a CPU tensor asked for `as_numpy`
+   becomes a numpy array, as a CUDA one does (as a tensor, `all_to_all_single` refuses it).
 
 Call `apply()` before building the trainer (it imports the trainer, and so megatron-core); a child
 process (a Ray trainer actor) applies it when started with `child_env(...)`.
@@ -51,6 +56,17 @@ def _cpu(device):
     return device
 
 
+class _NoEvent:
+    def synchronize(self):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def query(self):
+        return True
+
+
 class _NoStream:
     def wait_stream(self, *a, **k):
         pass
@@ -59,7 +75,7 @@ class _NoStream:
         pass
 
     def record_event(self, *a, **k):
-        return None
+        return _NoEvent()
 
 
 class _CudaProxy:
@@ -137,6 +153,31 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
             g.mul_(coeff)
 
 
+def _with_cuda_type_names(init):
+    def wrapped(*args, **kwargs):
+        plain = _torch.Tensor.type
+
+        def type_name(self, dtype=None, *a, **k):
+            if dtype is None and not a and not k and self.device.type == "cpu":
+                return plain(self).replace("torch.", "torch.cuda.", 1)
+            return plain(self, dtype, *a, **k)
+
+        _torch.Tensor.type = type_name
+        try:
+            return init(*args, **kwargs)
+        finally:
+            _torch.Tensor.type = plain
+    return wrapped
+
+
+def _split_sizes_as_numpy(move):
+    def wrapped(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and _torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    return wrapped
+
+
 def apply() -> None:
     global _applied
     from agentrl.trainers.megatron import trainer  # it imports the megatron-core modules patched here
@@ -163,6 +204,12 @@ def apply() -> None:
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     if hasattr(optimizer_mod, "clip_grad_by_total_norm_fp32"):
         optimizer_mod.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    if not _applied:
+        DistributedOptimizer.__init__ = _with_cuda_type_names(DistributedOptimizer.__init__)
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+        moe_utils.maybe_move_tensor_to_cpu = _split_sizes_as_numpy(moe_utils.maybe_move_tensor_to_cpu)
+        token_dispatcher.maybe_move_tensor_to_cpu = moe_utils.maybe_move_tensor_to_cpu
     _applied = True
     trainer.megatron_patched_for_cpu = True  # the trainer's plugin point: it now accepts device "cpu"
 

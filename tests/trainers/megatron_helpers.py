@@ -63,11 +63,14 @@ def run_ranks(world: int, args: list[str], out: Path, timeout: float = 240, work
 
 def tiny_family_model(folder: Path, family: str, tokenizer_from: Path | None = None) -> Path:
     """A random tiny HF checkpoint of another family (Qwen3: qk-norm, tied, explicit head_dim;
-    Llama 3: llama3 RoPE scaling, untied), saved with safetensors."""
+    Llama 3: llama3 RoPE scaling, untied; Qwen3-MoE: 8 experts top-2 renormalised, 4 layers,
+    the third dense (mlp_only_layers); Qwen2-MoE: qkv bias, shared expert with its gate, top-2
+    not renormalised), saved with safetensors."""
     import shutil
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(1)
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -78,12 +81,24 @@ def tiny_family_model(folder: Path, family: str, tokenizer_from: Path | None = N
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False, rope_parameters=rope))
+    elif family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": 4}, head_dim=16, tie_word_embeddings=False, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[2]))
+    elif family == "qwen2_moe":
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            **common, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, norm_topk_prob=False))
     else:
         raise ValueError(family)
     with torch.no_grad():  # norms away from 1 so a missed mapping would show
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):  # routers: clear preferences, no near-ties
+                p.normal_(0.0, 0.5)
+            elif "bias" in name or "experts" in name or "shared_expert" in name:  # HF may start these at 0
+                p.normal_(0.0, 0.05)
     model.save_pretrained(folder)
     if tokenizer_from is not None:
         for f in tokenizer_from.glob("tokenizer*"):

@@ -69,3 +69,24 @@ def test_flag_list_matches_installed_megatron_core():
     assert {target for target, _ in TRAINING_FLAGS.values()} <= fields
     assert is_megatron_flag("tensor_model_parallel_size") and is_megatron_flag("transformer_impl")
     assert not is_megatron_flag("rollout_batch_size") and TRAINER_FLAGS & fields == {"transformer_impl"}
+
+
+def test_scale_flags_from_slime_reach_the_trainer():
+    """slime's MoE / pipeline flags: the expert layout, virtual stages given as layers per stage
+    (turned into megatron-core's virtual size), and R3 (which the rollout asks the engines for)."""
+    from agentrl.trainers.megatron.args import parse_megatron_args
+    from agentrl.trainers.megatron.flags import wants_routing_replay
+
+    cfg, _ = parse_config(["--trainer", "megatron", "--expert-model-parallel-size", "4",
+                           "--expert-tensor-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                           "--num-layers-per-virtual-pipeline-stage", "3", "--use-rollout-routing-replay"])
+    assert wants_routing_replay(cfg.megatron_args)
+    assert not wants_routing_replay({"use_rollout_routing_replay": "false"}) and not wants_routing_replay({})
+    margs = parse_megatron_args(cfg.megatron_args)
+    assert (margs.ep, margs.etp, margs.pp, margs.vpp(12)) == (4, 1, 2, 2) and margs.flag("use_rollout_routing_replay")
+    with pytest.raises(ConfigError, match="do not split"):
+        margs.vpp(10)
+    assert parse_megatron_args({"tensor_model_parallel_size": "2"}).etp == 2  # megatron-core's default: TP
+    with pytest.raises(ConfigError, match="contradicts"):
+        parse_megatron_args({"pipeline_model_parallel_size": "2", "num_layers_per_virtual_pipeline_stage": "3",
+                             "virtual_pipeline_model_parallel_size": "3"}).vpp(12)

@@ -1,6 +1,6 @@
 """Tensor and pipeline parallelism on CPU: two gloo processes (megatron_worker.py) against the
 one-process trainer on the same rollout. TP=2 with sequence parallelism, and PP=2 with
-token-budget micro-batches, give the TP=1 loss, grad norm and logprobs, and export the same
+token-budget micro-batches (plain, and interleaved with 2 virtual stages), give the TP=1 loss, grad norm and logprobs, and export the same
 HF weights bit for bit."""
 
 import json
@@ -55,3 +55,12 @@ def test_pipeline_parallel_2_equals_pp1(reference, tmp_path):
     result = run_ranks(2, ["--megatron", json.dumps(megatron), "--algo", json.dumps(ALGO), "--max-tokens", "40"],
                        tmp_path / "pp2.json")
     compare(result, reference, "PP=2")
+
+
+def test_pipeline_2_with_virtual_stages_equals_pp1(reference, tmp_path):
+    """The interleaved schedule (2 model chunks per rank) on two ranks, where each rank's
+    previous and next stage are the same peer: token-budget micro-batches of unequal length."""
+    megatron = {"pipeline_model_parallel_size": "2", "virtual_pipeline_model_parallel_size": "2"}
+    result = run_ranks(2, ["--megatron", json.dumps(megatron), "--algo", json.dumps(ALGO), "--max-tokens", "40"],
+                       tmp_path / "vpp.json")
+    compare(result, reference, "PP=2 x 2 virtual stages")

@@ -33,6 +33,50 @@ class MegatronArgs:
     def cp(self) -> int:
         return int(self.transformer.get("context_parallel_size", 1))
 
+    @property
+    def ep(self) -> int:
+        return int(self.transformer.get("expert_model_parallel_size", 1))
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor parallel size (megatron-core's default: the TP size)."""
+        value = self.transformer.get("expert_tensor_parallel_size")
+        return self.tp if value is None else int(value)
+
+    def flag(self, name: str) -> bool:
+        """A trainer-level on/off flag: absent -> False; bare or true/1/yes -> True."""
+        if name not in self.trainer:
+            return False
+        value = self.trainer[name]
+        if value is None or isinstance(value, bool):
+            return value is None or value
+        if str(value).lower() in ("true", "1", "yes"):
+            return True
+        if str(value).lower() in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"--{name.replace('_', '-')}: expected true/false, got {value!r}")
+
+    def vpp(self, num_layers: int) -> int | None:
+        """Virtual pipeline stages per rank: --virtual-pipeline-model-parallel-size, or
+        --num-layers-per-virtual-pipeline-stage (slime's) turned into it; None without either."""
+        per_stage = self.trainer.get("num_layers_per_virtual_pipeline_stage")
+        size = self.transformer.get("virtual_pipeline_model_parallel_size")
+        if per_stage is not None:
+            per_stage = int(per_stage)
+            if per_stage <= 0 or num_layers % (self.pp * per_stage):
+                raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_stage}: the {num_layers} layers do not "
+                                  f"split into {self.pp} pipeline stages of chunks of {per_stage}")
+            derived = num_layers // (self.pp * per_stage)
+            if size is not None and int(size) != derived:
+                raise ConfigError(f"--virtual-pipeline-model-parallel-size {size} contradicts "
+                                  f"--num-layers-per-virtual-pipeline-stage {per_stage} ({derived} chunks)")
+            size = derived
+        if size is None or int(size) <= 1:
+            return None
+        if self.pp == 1:
+            raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+        return int(size)
+
 
 def _coerce(name: str, raw, annotation):
     """A flag's raw value (str, or None for a bare flag) -> the field's type."""

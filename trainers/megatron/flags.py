@@ -137,9 +137,20 @@ TRAINER_FLAGS = frozenset({
     "make_vocab_size_divisible_by",  # pad the vocab (embedding/lm_head rows) to a multiple of this x TP
     "distributed_timeout_minutes",
     "seq_length", "max_position_embeddings",  # accepted for slime compatibility; the HF config decides
+    "num_layers_per_virtual_pipeline_stage",  # slime's way to ask for virtual pipeline stages
+    "use_rollout_routing_replay",  # slime's R3: replay the experts the engine routed each token to
 })
 
 
 def is_megatron_flag(name: str) -> bool:
     """NAME with underscores (no leading dashes)."""
     return name in CORE_FIELDS or name in TRAINING_FLAGS or name in TRAINER_FLAGS
+
+
+def wants_routing_replay(megatron_args: dict) -> bool:
+    """--use-rollout-routing-replay among the Megatron flags (bare or true): the rollout asks the
+    engines for the experts they routed each token to, and the trainer replays them."""
+    for key, value in megatron_args.items():
+        if key.lstrip("-").replace("-", "_") == "use_rollout_routing_replay":
+            return value is None or value is True or str(value).lower() in ("true", "1", "yes")
+    return False

@@ -1,4 +1,5 @@
-"""Build megatron-core GPTModels from a Hugging Face config (Qwen2/2.5, Qwen3, Llama 3; dense).
+"""Build megatron-core GPTModels from a Hugging Face config (Qwen2/2.5, Qwen3, Llama 3 dense;
+Qwen3-MoE and Qwen2-MoE with megatron-core's MoE layer).
 
 Layer spec: Transformer Engine's when it is installed (and not turned off with
 `--transformer-impl local`), else megatron-core's local spec with two modules swapped
@@ -43,8 +44,9 @@ def use_te_spec(margs: MegatronArgs, device: str) -> bool:
 
 
 # -- process groups ------------------------------------------------------------------------------
-def init_distributed(margs: MegatronArgs, device: str, seed: int = 1234) -> None:
-    """torch.distributed (torchrun's env, or a one-process group) and Megatron's parallel state."""
+def init_distributed(margs: MegatronArgs, device: str, seed: int = 1234, *, num_layers: int | None = None) -> None:
+    """torch.distributed (torchrun's env, or a one-process group) and Megatron's parallel state.
+    num_layers: the model's, for virtual pipeline stages given as layers per stage."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -59,19 +61,25 @@ def init_distributed(margs: MegatronArgs, device: str, seed: int = 1234) -> None
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
                                     timeout=timeout)
     world = dist.get_world_size()
-    tp, pp, cp = margs.tp, margs.pp, margs.cp
+    tp, pp, cp, ep, etp = margs.tp, margs.pp, margs.cp, margs.ep, margs.etp
+    vpp = margs.vpp(num_layers) if num_layers is not None else None
     if world % (tp * pp * cp):
         raise ConfigError(f"world size {world} is not a multiple of TP {tp} x PP {pp} x CP {cp}")
-    if margs.transformer.get("virtual_pipeline_model_parallel_size"):
-        raise ConfigError("--virtual-pipeline-model-parallel-size: interleaved pipelines are not supported yet")
+    if world % (etp * ep * pp):
+        raise ConfigError(f"world size {world} is not a multiple of expert TP {etp} x EP {ep} x PP {pp}")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_context_parallel_world_size())
-        if have != (tp, pp, cp):
-            raise ConfigError(f"Megatron's parallel state is already set up as TP/PP/CP {have}, not {(tp, pp, cp)}")
+                ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+                ps.get_expert_tensor_parallel_world_size())
+        if have != (tp, pp, cp, ep, etp) or ps.get_virtual_pipeline_model_parallel_world_size() != vpp:
+            raise ConfigError(f"Megatron's parallel state is already set up as TP/PP/CP/EP/ETP {have}, "
+                              f"(VPP {ps.get_virtual_pipeline_model_parallel_world_size()}), not {(tp, pp, cp, ep, etp)} "
+                              f"(VPP {vpp})")
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     context_parallel_size=cp,
+                                     virtual_pipeline_model_parallel_size=vpp,
+                                     context_parallel_size=cp, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=etp,
                                      distributed_timeout_minutes=int(timeout.total_seconds() // 60))
     if device.startswith("cuda"):
         from megatron.core import tensor_parallel
@@ -125,11 +133,60 @@ def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype:
         gradient_accumulation_fusion=device != "cpu" and params_dtype != torch.float32 and no_apex.install_wgrad_fusion(),
         attention_softmax_in_fp32=True,
     )
+    if family.moe is not None:
+        kw.update(moe_config(family, te))
+    vpp = margs.vpp(hf_config.num_hidden_layers)
+    if vpp and margs.pp == 2:
+        # Two stages in a ring: a rank's previous and next stage are the same peer, and a
+        # batched send/receive to it pairs the activations going one way with the gradients
+        # going the other (seen on gloo: training logprobs off, grad norm x100). Unbatched,
+        # megatron-core sends each direction on its own process group. (Its shape exchange
+        # stays batched: the trainer gives these micro-batches one length, see
+        # MegatronTrainer._batches.)
+        kw["batch_p2p_comm"] = False
     kw.update(margs.transformer)
+    kw["virtual_pipeline_model_parallel_size"] = vpp
+    if margs.flag("use_rollout_routing_replay"):
+        if family.moe is None:
+            raise ConfigError("--use-rollout-routing-replay: the model has no routed experts")
+        kw["moe_enable_routing_replay"] = True  # each router gets a RouterReplay (MegatronTrainer sets its experts)
+    if family.moe is not None and kw.get("moe_aux_loss_coeff") and "moe_router_load_balancing_type" not in margs.transformer:
+        kw["moe_router_load_balancing_type"] = "aux_loss"  # --moe-aux-loss-coeff turns the aux loss on
     kw["transformer_impl"] = "transformer_engine" if te else "local"
     if kw.get("sequence_parallel") and kw.get("tensor_model_parallel_size", 1) == 1:
         kw["sequence_parallel"] = False  # as megatron.training does
+    if family.moe is not None and kw.get("tensor_model_parallel_size", 1) > 1 and not kw.get("sequence_parallel"):
+        raise ConfigError("a mixture-of-experts model with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+                          "(megatron-core's MoE layer refuses to train without it)")
     return TransformerConfig(**kw)
+
+
+def moe_config(family: Family, te: bool) -> dict:
+    """TransformerConfig fields for a MoE family, HF's routing exactly: a softmax over every
+    expert's logit (in fp32), top-k, renormalised or not. megatron-core's "softmax after top-k"
+    is the renormalised form; "pre-softmax" the plain one. No load-balancing loss unless
+    --moe-aux-loss-coeff asks for one (RL fine-tuning of a trained router); no token
+    dropping. Experts: TEGroupedMLP with Transformer Engine, else SequentialMLP (the legacy
+    GroupedMLP needs the `grouped_gemm` package)."""
+    _moe_without_te()
+    moe = family.moe
+    kw = dict(num_moe_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.ffn,
+              moe_layer_freq=list(moe.layers), moe_router_score_function="softmax",
+              moe_router_pre_softmax=not moe.norm_topk_prob, moe_router_dtype="fp32",
+              moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=te,
+              moe_token_dispatcher_type="alltoall", moe_permute_fusion=False)
+    if moe.shared_ffn:
+        kw.update(moe_shared_expert_intermediate_size=moe.shared_ffn, moe_shared_expert_gate=moe.shared_gate)
+    return kw
+
+
+def _moe_without_te() -> None:
+    """megatron-core 0.16's router GEMM tests `te_general_gemm is not None`, a name its
+    moe_utils only binds when Transformer Engine imports (NameError without TE): bind it to
+    None, the value that means "no TE", so the router takes its torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _fused_rope(hf_config) -> bool:
@@ -145,27 +202,42 @@ def _fused_rope(hf_config) -> bool:
     return rope_kernels.install()
 
 
-def layer_spec(config, family: Family, te: bool):
+def layer_spec(config, family: Family, te: bool, vp_stage: int | None = None):
+    """The layer specs of this pipeline stage (and virtual stage vp_stage)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+        get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from agentrl.trainers.megatron.layers import RMSNorm, SDPAttention
 
     if te:
+        if family.moe is not None:
+            return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
+                                              vp_stage=vp_stage)
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_norm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm")
-    sub = spec.submodules
     norm = ModuleSpec(module=RMSNorm)
-    sub.input_layernorm = norm
-    sub.pre_mlp_layernorm = norm
-    attn = sub.self_attention.submodules
-    attn.core_attention = ModuleSpec(module=SDPAttention)
-    if family.qk_norm:
-        attn.q_layernorm = norm
-        attn.k_layernorm = norm
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm)
+
+    def local(num_experts):
+        spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=family.qk_norm, normalization="RMSNorm")
+        sub = spec.submodules
+        sub.input_layernorm = norm
+        sub.pre_mlp_layernorm = norm
+        attn = sub.self_attention.submodules
+        attn.core_attention = ModuleSpec(module=SDPAttention)
+        if family.qk_norm:
+            attn.q_layernorm = norm
+            attn.k_layernorm = norm
+        return spec
+
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    if family.moe is None:
+        return TransformerBlockSubmodules(layer_specs=[local(None)] * count, layer_norm=norm)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    dense, routed = local(None), local(family.moe.num_experts)
+    specs = [routed if family.moe.layers[i] else dense for i in range(offset, offset + count)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)
 
 
 def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 1) -> int:
@@ -173,9 +245,10 @@ def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 1) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def build_gpt(hf_config, config, spec, *, padded_vocab: int, value_head: bool = False):
-    """One GPTModel for this pipeline stage (pre/post-process from the parallel state).
-    value_head=True builds the critic: the LM head replaced by a scalar head."""
+def build_gpt(hf_config, config, spec, *, padded_vocab: int, value_head: bool = False, vp_stage: int | None = None):
+    """One GPTModel for this pipeline stage, or for its virtual stage vp_stage (pre/post-process
+    from the parallel state). value_head=True builds the critic: the LM head replaced by a
+    scalar head."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -184,10 +257,11 @@ def build_gpt(hf_config, config, spec, *, padded_vocab: int, value_head: bool = 
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
         max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         parallel_output=True, share_embeddings_and_output_weights=tied,
         position_embedding_type="rope", rotary_percent=float(params.get("partial_rotary_factor", 1.0)),
-        rotary_base=int(rope_theta(hf_config)),
+        rotary_base=int(rope_theta(hf_config)), vp_stage=vp_stage,
     )
     inv_freq, scaling = hf_inv_freq(hf_config)
     if scaling != 1.0:
@@ -302,7 +376,15 @@ class ValueHead(torch.nn.Module):
 def layout_for(hf_config, margs: MegatronArgs, te: bool) -> tuple[Family, Layout]:
     family = family_for(hf_config)
     divisible = int(margs.trainer.get("make_vocab_size_divisible_by", 1))
-    layout = Layout.from_hf(hf_config, margs.tp, padded_vocab_size(hf_config.vocab_size, margs.tp, divisible), te)
+    experts = family.moe.num_experts if family.moe is not None else 0
+    layout = Layout.from_hf(hf_config, margs.tp, padded_vocab_size(hf_config.vocab_size, margs.tp, divisible), te,
+                            ep=margs.ep, etp=margs.etp, num_experts=experts)
     if layout.num_groups % margs.tp:
         raise ConfigError(f"--tensor-model-parallel-size {margs.tp} must divide the {layout.num_groups} KV heads")
+    if margs.ep > 1 and (not experts or experts % margs.ep):
+        raise ConfigError(f"--expert-model-parallel-size {margs.ep} must divide the model's routed experts "
+                          f"({experts or 'none: a dense model'})")
+    if experts and family.moe.ffn % layout.etp:
+        raise ConfigError(f"--expert-tensor-parallel-size {layout.etp} must divide moe_intermediate_size "
+                          f"{family.moe.ffn}")
     return family, layout

@@ -60,6 +60,7 @@ class PackedBatch:
     seq_ids: torch.Tensor  # [N] which of `indices` each response token belongs to (0..n-1)
     resp_slices: list[tuple[int, int]]  # per sample, its [start, end) in the flat N
     dummy: bool = False  # a stand-in run with zero loss weight (a data-parallel rank with no samples)
+    routing: torch.Tensor | None = None  # [T, layers, top-k] the engine's experts per token (routing replay)
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +69,19 @@ class PackedBatch:
     def to(self, device) -> "PackedBatch":
         for name in ("tokens", "position_ids", "cu_seqlens", "logit_index", "targets", "seq_ids"):
             setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+        return self
+
+    def pad_to_length(self, length: int, pad_id: int = 0) -> "PackedBatch":
+        """Padded at the end to `length` tokens, the padding a segment of its own (as pack's)."""
+        pad = length - self.num_tokens
+        if pad < 0:
+            raise ValueError(f"a micro-batch of {self.num_tokens} tokens cannot be padded to {length}")
+        if pad:
+            fill = lambda t, v: torch.cat([t, v.to(t.device, t.dtype)], dim=-1)  # noqa: E731
+            self.tokens = fill(self.tokens, torch.full((1, pad), pad_id))
+            self.position_ids = fill(self.position_ids, torch.arange(pad).unsqueeze(0))
+            self.cu_seqlens = fill(self.cu_seqlens, torch.tensor([length]))
+            self.max_seqlen = max(self.max_seqlen, pad)
         return self
 
     def packed_seq_params(self, rope_by_position: bool = False):

@@ -35,7 +35,7 @@ from agentrl.trainers.megatron.model import (DTYPES, build_gpt, enable_position_
                                              init_distributed, layer_spec, layout_for, transformer_config,
                                              use_te_spec)
 from agentrl.trainers.megatron.packing import PackedBatch, micro_batches
-from agentrl.trainers.megatron.weights import HFCheckpoint, export_hf, load_hf_weights
+from agentrl.trainers.megatron.weights import HFCheckpoint, export_hf, load_hf_weights, model_chunks
 from agentrl.types import Sample
 
 #: The plugin point for running megatron-core on CPU: megatron-core assumes CUDA, so the trainer
@@ -58,15 +58,23 @@ class MegatronTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.model_path = str(model_path)
         self.margs = parse_megatron_args(megatron_args or {})
+        if self.margs.cp > 1:
+            # megatron-core's context parallelism is Transformer Engine's attention (its local
+            # attention asserts CP == 1), and the trainer would also have to give each CP rank
+            # its share of every packed sequence and gather the logprobs back; without that,
+            # every CP rank would run whole sequences with TE told they are split.
+            raise ConfigError("--context-parallel-size > 1 is not supported by the Megatron trainer yet (it needs "
+                              "Transformer Engine and per-rank sequence splitting); use --max-tokens-per-gpu and "
+                              "recompute for long sequences")
         if device == "cpu" and not megatron_patched_for_cpu:
             raise ConfigError("the Megatron trainer needs CUDA GPUs (on CPU use --trainer torch; tests apply "
                               "tests/trainers/megatron_cpu_shim.py)")
         if device.startswith("cuda") and device != "cuda":
             device = "cuda"  # the rank's GPU comes from LOCAL_RANK
-        init_distributed(self.margs, device, seed)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        init_distributed(self.margs, device, seed, num_layers=self.hf_config.num_hidden_layers)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self.dtype = DTYPES[dtype]
-        self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.te = use_te_spec(self.margs, device)
@@ -78,6 +86,7 @@ class MegatronTrainer:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.rank = dist.get_rank()
+        self.routing_replay = self.margs.flag("use_rollout_routing_replay")  # R3
         self.max_tokens = train.max_tokens_per_gpu
         self.pad_to = self.margs.tp if self.margs.transformer.get("sequence_parallel") and self.margs.tp > 1 else 1
         if self.max_tokens is not None and self.pad_to > 1:
@@ -108,18 +117,19 @@ class MegatronTrainer:
         device = "cpu" if self.device.type == "cpu" else "cuda"
         config = transformer_config(self.hf_config, self.family, self.margs, dtype=self._dtype_name(), device=device,
                                     te=self.te)
-        model = build_gpt(self.hf_config, config, layer_spec(config, self.family, self.te),
-                          padded_vocab=self.layout.padded_vocab, value_head=value_head).to(self.device)
-        if not self.te:
-            enable_position_rope(model)
-        enable_response_head(model)
-        load_hf_weights(model, ckpt, self.family, self.layout, self.tp_rank, value_head=value_head)
+        if config.virtual_pipeline_model_parallel_size and (self.lora or value_head):
+            raise ConfigError("virtual pipeline stages are not supported with --lora-rank or the PPO critic")
+        chunks = self._model_chunks(config, ckpt, value_head=value_head)
+        model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
         if self.lora and not value_head:  # frozen base + adapters: only they get grad buffers and optimizer state
             from agentrl.trainers.megatron.lora import add_lora
             self.lora_targets = add_lora(model, self.train_cfg, self.layout, tp_rank=self.tp_rank, seed=self.seed)
         ddp_kw = {"grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "use_distributed_optimizer": False}
         ddp_kw.update(self.margs.ddp)
-        ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp_kw), module=model)
+        ddps = [DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp_kw), module=chunk,
+                                        disable_bucketing=i > 0)  # as megatron.training: only chunk 0 overlaps
+                for i, chunk in enumerate(chunks)]
+        ddp = ddps[0] if len(ddps) == 1 else ddps
         t = self.train_cfg
         opt_kw = dict(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                       adam_beta2=t.adam_beta2, adam_eps=1e-8, clip_grad=t.clip_grad, bf16=config.bf16,
@@ -128,12 +138,28 @@ class MegatronTrainer:
         opt_kw.update(self.margs.optimizer)
         opt_kw["lr"] = lr
         no_apex.install_multi_tensor_ops()  # grad norm and weight copies on the device, without host syncs
-        optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), [ddp])
+        optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), ddps)
         config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = ddp.no_sync
+        config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [d.no_sync for d in ddps]
         config.grad_scale_func = optimizer.scale_loss
         scheduler = self._scheduler(optimizer, lr, opt_kw["min_lr"])
         return model, ddp, optimizer, scheduler, config
+
+    def _model_chunks(self, config, ckpt: HFCheckpoint, *, value_head: bool = False) -> list:
+        """This rank's GPTModel, loaded from the HF checkpoint: one, or one per virtual pipeline
+        stage (the interleaved schedule's model chunks)."""
+        vpp = config.virtual_pipeline_model_parallel_size
+        chunks = []
+        for vp_stage in (range(vpp) if vpp else [None]):
+            chunk = build_gpt(self.hf_config, config, layer_spec(config, self.family, self.te, vp_stage),
+                              padded_vocab=self.layout.padded_vocab, value_head=value_head,
+                              vp_stage=vp_stage).to(self.device)
+            if not self.te:
+                enable_position_rope(chunk)
+            enable_response_head(chunk)
+            load_hf_weights(chunk, ckpt, self.family, self.layout, self.tp_rank, value_head=value_head)
+            chunks.append(chunk)
+        return chunks
 
     def _dtype_name(self) -> str:
         return {v: k for k, v in DTYPES.items()}[self.dtype]
@@ -160,11 +186,90 @@ class MegatronTrainer:
         batches = micro_batches(samples, indices, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                 max_tokens=self.max_tokens, micro_batch_size=self.train_cfg.micro_batch_size,
                                 pad_to=self.pad_to, pad_id=self.pad_id)
-        if not batches:  # fewer samples than data-parallel ranks: run one with zero weight so collectives match
-            batches = micro_batches(samples, indices[:1], dp_rank=0, dp_size=1, max_tokens=None,
-                                    micro_batch_size=1, pad_to=self.pad_to, pad_id=self.pad_id)
-            batches[0].dummy = True
+        want = self._micro_batch_count(len(batches))
+        while len(batches) < want:  # run copies with zero weight so collectives match
+            dummy = micro_batches(samples, indices[:1], dp_rank=0, dp_size=1, max_tokens=None,
+                                  micro_batch_size=1, pad_to=self.pad_to, pad_id=self.pad_id)[0]
+            dummy.dummy = True
+            batches.append(dummy)
+        if self.margs.pp == 2 and isinstance(self.ddp, list):
+            # virtual stages on two ranks: megatron-core's batched shape exchange swaps the two
+            # directions' shapes (model.transformer_config), harmless only when they are equal
+            longest = max(b.num_tokens for b in batches)
+            batches = [b.pad_to_length(longest + (-longest) % self.pad_to, self.pad_id) for b in batches]
+        if self.routing_replay:
+            for b in batches:
+                b.routing = self._recorded_routing(samples, b)
         return [b.to(self.device) for b in batches]
+
+    def _recorded_routing(self, samples: list[Sample], mb: PackedBatch) -> torch.Tensor:
+        """The engine's experts for every packed token of mb, [T, layers, top-k] (R3). A record
+        may be flat per token ([tokens, layers * top-k], as the client decodes SGLang's) and may
+        stop before the sample's last tokens (env tokens appended after the last generation).
+        Tokens without a record (those, each sample's last token, padding) get experts
+        0..k-1: causal attention keeps their outputs from every trained token's logprob."""
+        k = self.family.moe.topk
+        parts, layers = [], None
+        for i in mb.indices:
+            s = samples[i]
+            if s.routed_experts is None:
+                raise ValueError(f"trajectory {s.trajectory_id}: --use-rollout-routing-replay needs the engine's routed "
+                                 "experts (SGLang --enable-return-routed-experts), and this sample has none")
+            rec = torch.as_tensor(s.routed_experts, dtype=torch.int64)
+            n = len(s.tokens)
+            trained = [j for j, m in enumerate(s.loss_mask) if m]
+            need = len(s.prompt_tokens) + (trained[-1] if trained else 0)  # up to the last trained token's input
+            if rec.dim() == 2 and rec.shape[1] % k == 0:
+                rec = rec.reshape(rec.shape[0], -1, k)
+            if rec.dim() != 3 or rec.shape[2] != k or (layers and rec.shape[1] != layers) \
+                    or not need <= rec.shape[0] <= n - 1:
+                raise ValueError(f"trajectory {s.trajectory_id}: routed_experts has shape {tuple(rec.shape)}, expected "
+                                 f"[{need}..{n - 1} (tokens up to the last trained one), layers, {k} (top-k)]")
+            layers = rec.shape[1]
+            parts += [rec, torch.arange(k).expand(n - rec.shape[0], layers, k)]
+        pad = mb.num_tokens - sum(len(samples[i].tokens) for i in mb.indices)
+        parts.append(torch.arange(k).expand(pad, layers, k))
+        return torch.cat(parts).to(self.device)
+
+    def _replay_routing(self, gpt, mb: PackedBatch) -> None:
+        """Every MoE layer of this model chunk routes mb's tokens to the recorded experts."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        moe_layers = self.family.moe.layers
+        recorded = mb.routing.shape[1]
+        for layer in gpt.decoder.layers:
+            replay = getattr(getattr(layer.mlp, "router", None), "router_replay", None)
+            if replay is None:
+                continue
+            i = layer.layer_number - 1  # global
+            if recorded == len(moe_layers):  # one entry per decoder layer
+                column = i
+            elif recorded == sum(moe_layers):  # one per MoE layer
+                column = sum(moe_layers[:i])
+            else:
+                raise ValueError(f"routed_experts has {recorded} layers; the model has {len(moe_layers)} layers, "
+                                 f"{sum(moe_layers)} of them MoE")
+            experts = mb.routing[:, column]
+            if self.config.sequence_parallel:  # the router sees this TP rank's slice of the sequence
+                experts = experts.chunk(self.margs.tp)[self.tp_rank]
+            replay.clear_indices()
+            replay.set_target_indices(experts)
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _micro_batch_count(self, mine: int) -> int:
+        """How many micro-batches this rank runs: at least one; with expert parallelism as many as
+        every data-parallel rank (each MoE layer's all-to-all spans them); with virtual pipeline
+        stages a multiple of PP (the interleaved schedule runs them in groups of PP)."""
+        import torch.distributed as dist
+        want = max(mine, 1)
+        if self.margs.ep > 1 and self.dp_size > 1:
+            t = torch.tensor([want], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+            want = int(t.item())
+        if isinstance(self.ddp, list):
+            pp = self.margs.pp
+            want = -(-want // pp) * pp
+        return want
 
     def _run(self, model, ddp_or_model, batches: list[PackedBatch], loss_fn, *, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -175,14 +280,18 @@ class MegatronTrainer:
             by_position = not self.te and hasattr(gpt.rotary_pos_emb, "positions")
             if by_position:
                 gpt.rotary_pos_emb.positions = (mb.position_ids[0], mb.max_seqlen)
+            if self.routing_replay:
+                self._replay_routing(gpt, mb)
             head = getattr(gpt, "output_layer", None)
             if hasattr(head, "rows"):  # enable_response_head
                 head.rows = mb.logit_index
             out = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(by_position))
             return out, partial(loss_fn, mb)
 
+        chunks = ddp_or_model if isinstance(ddp_or_model, (list, torch.nn.ModuleList)) else [ddp_or_model]
+        data = iter(batches) if len(chunks) == 1 else [iter(batches) for _ in chunks]  # each chunk sees every one
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp_or_model],
+            forward_step_func=forward_step, data_iterator=data, model=list(chunks),
             num_microbatches=len(batches), seq_length=max(b.num_tokens for b in batches), micro_batch_size=1,
             forward_only=forward_only)
 
@@ -212,15 +321,12 @@ class MegatronTrainer:
     # -- log-probabilities and values ----------------------------------------------------------
     @torch.no_grad()
     def _frozen_model(self, ckpt, dtype: str, device: str):
-        """A model of the policy's shape and layout with `ckpt`'s weights, for logprobs only (reference, teacher)."""
+        """A model of the policy's shape and layout (its virtual stages too) with `ckpt`'s weights,
+        for logprobs only (reference, teacher)."""
         cfg = transformer_config(self.hf_config, self.family, self.margs, dtype=dtype, device=device.split(":")[0],
                                  te=self.te)
-        model = build_gpt(self.hf_config, cfg, layer_spec(cfg, self.family, self.te),
-                          padded_vocab=self.layout.padded_vocab).to(self.device)
-        if not self.te:
-            enable_position_rope(model)
-        enable_response_head(model)
-        load_hf_weights(model, ckpt, self.family, self.layout, self.tp_rank)
+        chunks = self._model_chunks(cfg, ckpt)
+        model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
         return model.eval().requires_grad_(False)
 
     def compute_logprobs(self, samples: list[Sample], model=None) -> list[list[float]]:
@@ -290,7 +396,8 @@ class MegatronTrainer:
             return loss * scale, {}
 
         model.train()
-        ddp.zero_grad_buffer()
+        for d in (ddp if isinstance(ddp, list) else [ddp]):
+            d.zero_grad_buffer()
         optimizer.zero_grad()
         self._run(model, ddp, batches, loss_fn, forward_only=False)
         ok, grad_norm, _ = optimizer.step()
@@ -464,6 +571,11 @@ class MegatronTrainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _sharded_state(self, is_loading: bool = False) -> dict:
+        if isinstance(self.model, torch.nn.ModuleList):  # virtual stages: megatron.training's model0, model1, ...
+            state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.model)}
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                {k: v for i in range(len(self.model)) for k, v in state[f"model{i}"].items()}, is_loading=is_loading)
+            return state
         state = {"model": self.model.sharded_state_dict()}
         if self.lora:  # the base is frozen and saved once as model/: the adapters alone (and their optimizer state)
             state["model"] = {k: v for k, v in state["model"].items() if ".lora." in k}
@@ -525,6 +637,9 @@ class MegatronTrainer:
             if unexpected or any(".lora." in k for k in missing):
                 raise ValueError(f"{folder}: adapter weights do not fit: missing {[k for k in missing if '.lora.' in k][:3]}"
                                  f", unexpected {unexpected[:3]}")
+        elif isinstance(self.model, torch.nn.ModuleList):
+            for i, chunk in enumerate(self.model):
+                chunk.load_state_dict(loaded[f"model{i}"])
         else:
             self.model.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
@@ -550,7 +665,8 @@ class MegatronTrainer:
             # resumed from the checkpoint's HF copy: the reference is still the run's initial model
             if not Path(ref).exists():
                 raise ConfigError(f"--load {folder}: the reference model {ref} (the run's initial weights) is gone")
-            load_hf_weights(self.ref_model, HFCheckpoint(ref), self.family, self.layout, self.tp_rank)
+            for chunk in model_chunks(self.ref_model):
+                load_hf_weights(chunk, HFCheckpoint(ref), self.family, self.layout, self.tp_rank)
             self.ref_path = ref
         dist.barrier()
         return state

@@ -3,7 +3,8 @@
 - `load_hf_weights`: each rank reads (lazily, from safetensors) only the HF tensors its own
   parameters need and copies in its TP shard.
 - `export_hf`: streams the model back in HF names and layout, in buckets of at most
-  `bucket_bytes`: TP shards are all-gathered within each stage, then every stage's tensors
+  `bucket_bytes`: TP shards are all-gathered within each stage (routed experts: over the
+  expert-TP group, then every EP rank's experts over the EP group), then every stage's tensors
   are broadcast over the pipeline group, so every rank sees the whole model, bucket by
   bucket, on its own device (what tensor / NCCL weight sync sends on). Tied embeddings are
   exported once, as `model.embed_tokens.weight` (what HF's named_parameters() gives).
@@ -17,8 +18,8 @@ from typing import Iterator
 
 import torch
 
-from agentrl.trainers.megatron.families.common import (Family, Layout, gather_dim, hf_sources, local_spec_name,
-                                                      to_hf, to_megatron_shard)
+from agentrl.trainers.megatron.families.common import (Family, Layout, expert_index, gather_dim, hf_sources,
+                                                      local_spec_name, to_hf, to_megatron_shard, with_expert)
 from agentrl.weight_sync import buckets
 
 
@@ -73,17 +74,36 @@ def layer_offset(model) -> int:
     return (layers[0].layer_number - 1) if layers is not None and len(layers) else 0
 
 
+def expert_offset(layout: Layout) -> int:
+    """The global index of this EP rank's first routed expert."""
+    if not layout.num_experts or layout.ep == 1:
+        return 0
+    from megatron.core import parallel_state as ps
+    return ps.get_expert_model_parallel_rank() * layout.local_experts
+
+
+def model_chunks(model) -> list:
+    """A stage's GPTModels: the model, or its virtual-stage chunks (a ModuleList)."""
+    return list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+
+
 def model_params(model, layout: Layout, *, skip_tied_output: bool = False):
-    """(global local-spec name, parameter) of one stage's GPTModel, in module order (LoRA adapters,
-    which have no HF counterpart in the base model, left out)."""
-    off = layer_offset(model)
-    for name, param in model.named_parameters():
-        if ".lora." in name:
-            continue
-        name = local_spec_name(global_name(name, off))
-        if skip_tied_output and layout.tied and name == "output_layer.weight":
-            continue
-        yield name, param
+    """(global local-spec name, parameter) of one stage's GPTModel (or its virtual-stage chunks),
+    in module order (LoRA adapters, which have no HF counterpart in the base model, left out).
+    Global: the layer index, and a routed expert's index among all experts."""
+    first_expert = expert_offset(layout)
+    for chunk in model_chunks(model):
+        off = layer_offset(chunk)
+        for name, param in chunk.named_parameters():
+            if ".lora." in name:
+                continue
+            name = local_spec_name(global_name(name, off))
+            e = expert_index(name)
+            if e is not None and first_expert:
+                name = with_expert(name, e + first_expert)
+            if skip_tied_output and layout.tied and name == "output_layer.weight":
+                continue
+            yield name, param
 
 
 @torch.no_grad()
@@ -91,6 +111,10 @@ def load_hf_weights(model, ckpt: HFCheckpoint, family: Family, layout: Layout, t
                     *, value_head: bool = False) -> None:
     """Copy this rank's shard of every parameter from the HF checkpoint. value_head: the
     critic (its `output_layer` is a fresh value head, left as initialised)."""
+    etp_rank = 0
+    if layout.num_experts and layout.etp > 1:
+        from megatron.core import parallel_state as ps
+        etp_rank = ps.get_expert_tensor_parallel_rank()
     cache: dict[str, torch.Tensor] = {}
     for name, param in model_params(model, layout):
         if value_head and name == "output_layer.weight":
@@ -99,11 +123,21 @@ def load_hf_weights(model, ckpt: HFCheckpoint, family: Family, layout: Layout, t
         tensors = [cache[s] if s in cache else ckpt.get(s) for s in sources]
         if name == "embedding.word_embeddings.weight" and layout.tied:
             cache[sources[0]] = tensors[0]  # a tied last stage (PP > 1) reads it again
-        shard = to_megatron_shard(kind, tensors, layout, tp_rank)
+        shard = to_megatron_shard(kind, tensors, layout, etp_rank if kind.startswith("expert_") else tp_rank)
         if shard.shape != param.shape:
             raise ValueError(f"{name}: HF {[tuple(t.shape) for t in tensors]} gives shard {tuple(shard.shape)}, "
                              f"the Megatron parameter is {tuple(param.shape)}")
         param.data.copy_(shard.to(param.dtype))
+
+
+def _ep_gather(t: torch.Tensor, ep_group, ep: int) -> list[torch.Tensor]:
+    """The same local expert's tensor from every EP rank, in EP rank order."""
+    import torch.distributed as dist
+    if ep == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(ep)]
+    dist.all_gather(parts, t.contiguous(), group=ep_group)
+    return parts
 
 
 def _tp_gather(t: torch.Tensor, dim: int | None, tp_group, tp: int) -> torch.Tensor:
@@ -125,18 +159,37 @@ def export_hf(model, family: Family, layout: Layout, *, bucket_bytes: int, tp_gr
 
     tp = dist.get_world_size(tp_group) if (tp_group is not None and dist.is_initialized()) else 1
     pp = dist.get_world_size(pp_group) if (pp_group is not None and dist.is_initialized()) else 1
+    etp_group = ep_group = None
+    if layout.num_experts and (layout.etp > 1 or layout.ep > 1):
+        from megatron.core import parallel_state as ps
+        etp_group, ep_group = ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group()
+    first_expert = expert_offset(layout)
+
+    def full_tensors(name, kind, param):
+        """(Megatron name, full tensor) pairs: one, or one per EP rank for a routed expert."""
+        if not kind.startswith("expert_"):
+            yield name, _tp_gather(param.detach(), gather_dim(kind), tp_group, tp)
+            return
+        full = _tp_gather(param.detach(), gather_dim(kind), etp_group, layout.etp)
+        local = expert_index(name) - first_expert
+        for r, t in enumerate(_ep_gather(full, ep_group, layout.ep)):
+            yield with_expert(name, r * layout.local_experts + local), t
 
     def local_tensors():
-        for name, param in model_params(model, layout, skip_tied_output=True):
-            kind, sources = hf_sources(name, family, layout)
-            full = _tp_gather(param.detach(), gather_dim(kind), tp_group, tp)
-            for hf_name, t in zip(sources, to_hf(kind, full, layout)):
-                if name == "output_layer.weight" and layout.tied:
-                    continue
-                d = delta(hf_name) if delta is not None else None
-                if d is not None:
-                    t = (t.float() + d.to(t.device)).to(t.dtype)
-                yield hf_name, (t if dtype is None else t.to(dtype))
+        for mname, param in model_params(model, layout, skip_tied_output=True):
+            kind, _ = hf_sources(mname, family, layout)
+            for name, full in full_tensors(mname, kind, param):
+                yield from hf_named(name, kind, full)
+
+    def hf_named(name, kind, full):
+        _, sources = hf_sources(name, family, layout)
+        for hf_name, t in zip(sources, to_hf(kind, full, layout)):
+            if name == "output_layer.weight" and layout.tied:
+                continue
+            d = delta(hf_name) if delta is not None else None
+            if d is not None:
+                t = (t.float() + d.to(t.device)).to(t.dtype)
+            yield hf_name, (t if dtype is None else t.to(dtype))
 
     def local_buckets():
         return buckets(local_tensors(), bucket_bytes)

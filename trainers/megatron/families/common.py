@@ -1,5 +1,5 @@
-"""The dense decoder layout shared by Qwen2/2.5, Qwen3 and Llama 3, and its HF <-> Megatron
-mapping.
+"""The decoder layout shared by Qwen2/2.5, Qwen3, Llama 3 and the Qwen MoE families, and its
+HF <-> Megatron mapping.
 
 Megatron (local or Transformer Engine layer spec) fuses what HF keeps apart:
 
@@ -14,6 +14,14 @@ Megatron (local or Transformer Engine layer spec) fuses what HF keeps apart:
 - With the TE spec the pre-attention and pre-MLP norms live inside the fused linears
   (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`).
 
+- Mixture-of-experts layers (`Family.moe`): the router (`mlp.router.weight`, HF `mlp.gate.weight`)
+  is replicated; each expert is a gate/up + down pair like the dense MLP, split by the expert
+  tensor-parallel size (ETP) instead of TP, and expert parallelism (EP) gives each EP rank a
+  contiguous block of experts. Names here carry the *global* expert index
+  (`mlp.experts.local_experts.E.linear_fc1.weight`, HF `mlp.experts.E.gate_proj.weight`), as
+  they carry the global layer index. Qwen2-MoE's shared expert is a TP-split dense MLP
+  (`mlp.shared_experts.*`) with a replicated sigmoid gate (`gate_weight`).
+
 `to_megatron_shard` and `to_hf` are exact inverses (pure reshapes and slices), so an
 HF -> Megatron -> HF round trip reproduces every tensor bit for bit.
 """
@@ -27,13 +35,27 @@ import torch
 
 
 @dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts decoder: which layers route, and how."""
+    num_experts: int
+    topk: int
+    ffn: int  # each routed expert's intermediate size
+    norm_topk_prob: bool  # renormalise the top-k probabilities (Qwen3-MoE: yes; Qwen2-MoE: config)
+    layers: tuple[int, ...]  # per decoder layer: 1 routed experts, 0 a dense MLP
+    shared_ffn: int = 0  # Qwen2-MoE's shared expert (0: none)
+    shared_gate: bool = False  # its sigmoid gate
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     qkv_bias: bool
     qk_norm: bool
+    moe: MoE | None = None
 
 
 def check_dense(hf_config) -> None:
+    """Refuse a dense family's model_type carrying experts (they would be silently dropped)."""
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         if getattr(hf_config, key, None):
             raise NotImplementedError(f"{hf_config.model_type} with {key}={getattr(hf_config, key)}: MoE models are not "
@@ -62,13 +84,22 @@ class Layout:
     tp: int
     tied: bool
     te_spec: bool = False
+    num_experts: int = 0  # MoE: routed experts per layer, over `ep` ranks, each split over `etp`
+    ep: int = 1
+    etp: int = 1
 
     @classmethod
-    def from_hf(cls, hf_config, tp: int, padded_vocab: int, te_spec: bool = False) -> "Layout":
+    def from_hf(cls, hf_config, tp: int, padded_vocab: int, te_spec: bool = False, *, ep: int = 1,
+                etp: int | None = None, num_experts: int = 0) -> "Layout":
         return cls(num_heads=hf_config.num_attention_heads, num_groups=hf_config.num_key_value_heads,
                    head_dim=head_dim(hf_config), hidden=hf_config.hidden_size, ffn=hf_config.intermediate_size,
                    vocab=hf_config.vocab_size, padded_vocab=padded_vocab, tp=tp,
-                   tied=bool(getattr(hf_config, "tie_word_embeddings", False)), te_spec=te_spec)
+                   tied=bool(getattr(hf_config, "tie_word_embeddings", False)), te_spec=te_spec,
+                   num_experts=num_experts, ep=ep, etp=tp if etp is None else etp)
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.ep
 
 
 # Megatron local-spec parameter names (layer index = global, 0-based) -> (kind, HF names).
@@ -78,6 +109,23 @@ _TE_RENAMES = {  # TE spec name -> local spec name
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
 _LOCAL_TO_TE = {v: k for k, v in _TE_RENAMES.items()}
+# routed experts, global layer and expert index: SequentialMLP's names (local spec)...
+_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+# ... and TEGroupedMLP's (one weight per local expert): `mlp.experts.linear_fc1.weight3`
+_TE_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$")
+_ANY_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts)\.(\d+)\.(.+)$")
+
+
+def expert_index(name: str) -> int | None:
+    """The expert index in a routed expert's parameter name (local spec terms), else None."""
+    m = _ANY_EXPERT.match(name)
+    return int(m.group(2)) if m else None
+
+
+def with_expert(name: str, index: int) -> str:
+    """A routed expert's parameter name with another expert index."""
+    m = _ANY_EXPERT.match(name)
+    return f"{m.group(1)}.{index}.{m.group(3)}"
 
 
 def hf_sources(name: str, family: Family, layout: Layout) -> tuple[str, list[str]]:
@@ -89,6 +137,13 @@ def hf_sources(name: str, family: Family, layout: Layout) -> tuple[str, list[str
         return "vocab", ["model.embed_tokens.weight" if layout.tied else "lm_head.weight"]
     if name == "decoder.final_layernorm.weight":
         return "replicated", ["model.norm.weight"]
+    e = _EXPERT.match(name)
+    if e:
+        i, x, which = int(e.group(1)), int(e.group(2)), e.group(3)
+        p = f"model.layers.{i}.mlp.experts.{x}."
+        if which == "linear_fc1":
+            return "expert_gate_up", [p + "gate_proj.weight", p + "up_proj.weight"]
+        return "expert_row", [p + "down_proj.weight"]
     m = _LAYER.match(name)
     if not m:
         raise KeyError(f"no HF counterpart for Megatron parameter {name}")
@@ -103,6 +158,12 @@ def hf_sources(name: str, family: Family, layout: Layout) -> tuple[str, list[str
         "mlp.linear_fc1.weight": ("gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
         "mlp.linear_fc2.weight": ("row", [p + "mlp.down_proj.weight"]),
     }
+    if family.moe is not None:
+        table["mlp.router.weight"] = ("replicated", [p + "mlp.gate.weight"])
+        s = p + "mlp.shared_expert."
+        table["mlp.shared_experts.linear_fc1.weight"] = ("gate_up", [s + "gate_proj.weight", s + "up_proj.weight"])
+        table["mlp.shared_experts.linear_fc2.weight"] = ("row", [s + "down_proj.weight"])
+        table["mlp.shared_experts.gate_weight"] = ("replicated", [p + "mlp.shared_expert_gate.weight"])
     if family.qkv_bias:
         table["self_attention.linear_qkv.bias"] = ("qkv", [p + f"self_attn.{x}_proj.bias" for x in "qkv"])
     if family.qk_norm:
@@ -124,8 +185,18 @@ def megatron_names(num_layers: int, family: Family, layout: Layout, *, first: bo
             names.append(p + "self_attention.linear_qkv.bias")
         if family.qk_norm:
             names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
-        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
-                  p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
+        moe = family.moe
+        if moe is None or not moe.layers[i]:
+            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+            continue
+        names.append(p + "mlp.router.weight")
+        for x in range(moe.num_experts):
+            names += [p + f"mlp.experts.local_experts.{x}.linear_fc{k}.weight" for k in (1, 2)]
+        if moe.shared_ffn:
+            names += [p + "mlp.shared_experts.linear_fc1.weight", p + "mlp.shared_experts.linear_fc2.weight"]
+            if moe.shared_gate:
+                names.append(p + "mlp.shared_experts.gate_weight")
     if last:
         names.append("decoder.final_layernorm.weight")
         if not layout.tied:
@@ -135,6 +206,9 @@ def megatron_names(num_layers: int, family: Family, layout: Layout, *, first: bo
 
 def local_spec_name(name: str) -> str:
     """A TE-spec parameter name in the local spec's terms (identity for local names)."""
+    e = _TE_EXPERT.match(name)
+    if e:
+        return f"{e.group(1)}.local_experts.{e.group(3)}.{e.group(2)}.weight"
     m = _LAYER.match(name)
     if m and m.group(2) in _TE_RENAMES:
         return f"decoder.layers.{m.group(1)}.{_TE_RENAMES[m.group(2)]}"
@@ -171,8 +245,15 @@ def split_qkv(fused: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.
             v.reshape(ng * d, *tail).contiguous())
 
 
+def split_size(kind: str, layout: Layout) -> int:
+    """How many ranks share a tensor of this kind: ETP for routed experts, TP for the rest."""
+    return layout.etp if kind.startswith("expert_") else layout.tp
+
+
 def to_megatron_shard(kind: str, hf: list[torch.Tensor], layout: Layout, tp_rank: int) -> torch.Tensor:
-    tp = layout.tp
+    """tp_rank: the rank within split_size(kind) (the expert-TP rank for routed experts)."""
+    tp = split_size(kind, layout)
+    kind = kind.removeprefix("expert_")
     if kind == "replicated":
         return hf[0]
     if kind == "column":
@@ -194,11 +275,13 @@ def to_megatron_shard(kind: str, hf: list[torch.Tensor], layout: Layout, tp_rank
 
 def gather_dim(kind: str) -> int | None:
     """The dimension TP shards are concatenated along (None: replicated)."""
-    return {"replicated": None, "column": 0, "row": 1, "vocab": 0, "qkv": 0, "gate_up": 0}[kind]
+    return {"replicated": None, "column": 0, "row": 1, "vocab": 0, "qkv": 0, "gate_up": 0}[kind.removeprefix("expert_")]
 
 
 def to_hf(kind: str, full: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     """A Megatron tensor with its TP shards concatenated (see gather_dim) -> the HF tensors."""
+    tp = split_size(kind, layout)
+    kind = kind.removeprefix("expert_")
     if kind in ("replicated", "column", "row"):
         return [full]
     if kind == "vocab":
@@ -206,7 +289,6 @@ def to_hf(kind: str, full: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     if kind == "qkv":
         return list(split_qkv(full, layout))
     if kind == "gate_up":
-        tp = layout.tp
         parts = full.reshape(tp, 2, full.shape[0] // (2 * tp), *full.shape[1:])
         return [parts[:, 0].reshape(-1, *full.shape[1:]).contiguous(),
                 parts[:, 1].reshape(-1, *full.shape[1:]).contiguous()]
