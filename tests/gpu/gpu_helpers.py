@@ -22,6 +22,8 @@ KIT = Path(os.environ.get("AGENTRL_KIT", "/root/agentrl-kit"))  # scripts/gpu/ru
 SHAPES = {
     "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                  num_key_value_heads=3),
+    "135m-tp2": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
+                     num_key_value_heads=2),  # heads divisible by 2: SGLang's --tp-size 2 needs that
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2),
 }
