@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 # ---- hostile strings ------------------------------------------------------------------------------
 FRAGMENTS = [
@@ -63,7 +63,9 @@ ATTACKS = [
     '<tool_call>{"name": "echo", "arguments": {"text": ' + "1" * 5000 + "}}</tool_call>",     # ValueError, digits
     '<tool_call>{"name": "echo", "arguments": {"text": "\\ud800"}}</tool_call>',             # lone surrogate escape
     '<tool_call>{"name": "echo", "arguments": {"text": ' + "[" * 500 + "]" * 500 + "}}</tool_call>",  # SDK depth
-    "<tool_call>\n<function=echo>\n<parameter=text>\n" + "[" * 100_000 + "\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=echo>\n<parameter=xs>\n" + "[" * 100_000 + "\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=echo>\n<parameter=n>\n" + "9" * 5000 + "\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=f>\n<parameter=v>\n" + "[" * 100_000 + "\n</parameter>\n</function>\n</tool_call>",
     "<tool_call>" + "<function=" * 100_000,                                                  # regex backtracking
     "<tool_call><function=echo>" + "<parameter=" * 100_000,
     "<search>" * 100_000,
@@ -84,6 +86,7 @@ class Target:
     check: Callable[[Any], None]
     strategy: st.SearchStrategy = field(default_factory=hostile_text)
     suite_examples: int = 40  # the short run in the test suite
+    examples: list = field(default_factory=lambda: list(ATTACKS))  # always run first (hypothesis @example)
     start: Callable[[], None] | None = None   # once, before the examples (servers, event loops)
     stop: Callable[[], None] | None = None
 
@@ -119,6 +122,8 @@ def run_target(target: Target, *, max_examples: int, derandomize: bool = True, s
             failing[:] = [example]
             raise
 
+    for known in target.examples:
+        prop = example(known)(prop)
     if seed is not None and not derandomize:
         from hypothesis import seed as with_seed
         prop = with_seed(seed)(prop)
@@ -127,7 +132,12 @@ def run_target(target: Target, *, max_examples: int, derandomize: bool = True, s
     try:
         prop()
     except Exception as e:  # hypothesis' own report holds the whole example: megabytes
-        what = str(e).splitlines()[0][:500] if str(e) else ""
+        cause = e
+        while isinstance(cause, BaseExceptionGroup) and cause.exceptions:  # FlakyFailure: what failed first
+            cause = cause.exceptions[0]
+        what = str(cause).splitlines()[0][:500] if str(cause) else ""
+        if cause is not e:
+            what = f"{type(cause).__name__} ({type(e).__name__}: it did not fail again on replay): {what}"
         raise FuzzFailure(f"{target.name}: {type(e).__name__}: {what}\non example "
                           f"{summary(failing[0]) if failing else '?'}") from None
     finally:
@@ -259,7 +269,7 @@ def _math() -> Target:
         with within(GRADE_TIMEOUT_S + 10, "math astep"):
             check_step_result(loop.run(env.astep(text), GRADE_TIMEOUT_S + 30), "math")
 
-    return Target("env math (astep, grading worker)", check, boxed, suite_examples=12, start=loop.start, stop=loop.stop)
+    return Target("env math (astep, grading worker)", check, boxed, suite_examples=8, start=loop.start, stop=loop.stop)
 
 
 def _math_python() -> Target:
@@ -280,7 +290,8 @@ def _math_python() -> Target:
         loop.run(env.aclose(), 30)
         loop.stop()
 
-    return Target("env math-python (no tool server)", check, suite_examples=20, start=start, stop=stop)
+    return Target("env math-python (no tool server)", check, suite_examples=20, start=start, stop=stop,
+                  examples=[a for a in ATTACKS if "boxed" not in a])  # env-math runs those
 
 
 def _search_r1() -> Target:
@@ -372,7 +383,7 @@ def _same_as_regexes() -> Target:
         assert parse_action(text) == ((m.group(1), m.group(2).strip()) if m else (None, ""))
         assert code_blocks(text) == CODE_BLOCK_RE.findall(text)
 
-    return Target("linear scans == the regexes they replaced", check, SMALL_SOUP, suite_examples=300)
+    return Target("linear scans == the regexes they replaced", check, SMALL_SOUP, suite_examples=300, examples=[])
 
 
 # ---- the MCP client against a host server, and the files server -----------------------------------------
@@ -450,7 +461,8 @@ def _files_server() -> Target:
         outside = [p for p in root.iterdir() if p.name != "work"]
         assert not outside, f"{tool}({path!r}) wrote outside the workdir: {outside}"
 
-    return Target("tool server files (in process)", check, args, suite_examples=40, start=start, stop=loop.stop)
+    return Target("tool server files (in process)", check, args, suite_examples=40, start=start, stop=loop.stop,
+                  examples=[(t, a, a) for t in ("write_file", "edit_file") for a in ATTACKS[:3]])
 
 
 def _python_bash_arguments() -> Target:
@@ -483,7 +495,7 @@ def _python_bash_arguments() -> Target:
         loop.stop()
 
     return Target("tool servers python/bash on the host (arguments)", check, example, suite_examples=8,
-                  start=start, stop=stop)
+                  start=start, stop=stop, examples=[("python", ATTACKS[2], "nan"), ("bash", "\x00\ud800", 1e308)])
 
 
 FACTORIES: dict[str, Callable[[], Target]] = {
