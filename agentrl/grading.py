@@ -65,7 +65,7 @@ class _Worker:
                                "to see why")
 
     def read_line(self, deadline: float) -> Any:
-        """The next JSON line, or None at the deadline or if the worker ended."""
+        """The next JSON line; None at the deadline; "ended" if the worker closed its output."""
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
@@ -76,7 +76,7 @@ class _Worker:
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
-                return None
+                return "ended"
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         return json.loads(line)
@@ -124,10 +124,10 @@ class GraderPool:
                 worker.proc.stdin.write(request)
                 worker.proc.stdin.flush()
                 answer = worker.read_line(time.monotonic() + timeout)
-            except (OSError, ValueError):
-                answer = None
+            except (OSError, ValueError):  # a broken pipe: it ended
+                answer = "ended"
             if not isinstance(answer, dict):
-                ended = worker.proc.poll() is not None
+                ended = answer == "ended"
                 worker.kill()
                 self.timeouts += 1
                 raise GradingTimeout(f"{function.rsplit(':', 1)[-1]} " + (
