@@ -114,3 +114,24 @@ def test_math_grading_of_hostile_answers_is_bounded_and_off_the_loop():
     from agentrl.envs.math_env.grader import GRADE_TIMEOUT_S
     assert (async_reward, sync_reward) == (0.0, 0.0)
     assert elapsed < 2 * GRADE_TIMEOUT_S + 10 and stall < 0.5
+
+
+def test_custom_rm_path_is_bounded_by_custom_rm_timeout(tmp_path):
+    """--custom-rm-path as the trainer builds it: past --custom-rm-timeout it is the agent's fault."""
+    from agentrl.build import build_reward_fn
+    from agentrl.config import Config
+
+    rm_file = tmp_path / "rm.py"
+    rm_file.write_text("import time\n\ndef rm(args, sample):\n    if sample == 'hang':\n        time.sleep(3600)\n"
+                       "    return 0.75\n")
+    cfg = Config()
+    cfg = cfg.model_copy(update={"algo": cfg.algo.model_copy(update={"custom_rm_path": f"{rm_file}:rm",
+                                                                      "custom_rm_timeout": 0.3})})
+    reward_fn = build_reward_fn(cfg)
+
+    async def go():
+        assert await reward_fn("fine") == 0.75
+        with pytest.raises(GradingTimeout, match="0.3 s limit"):
+            await reward_fn("hang")
+
+    asyncio.run(go())
