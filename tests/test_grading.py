@@ -135,3 +135,23 @@ def test_custom_rm_path_is_bounded_by_custom_rm_timeout(tmp_path):
             await reward_fn("hang")
 
     asyncio.run(go())
+
+
+def test_a_reward_function_past_its_limit_scores_the_sample_zero_not_failed(tokenizer):
+    """The rollout's GroupRunner: an rm timeout (GradingTimeout, an AgentFault) is the agent's fault."""
+    from test_agent_loop import CountEnv, ScriptedClient
+
+    from agentrl.rollout.agent_loop import LoopSettings, Renderer
+    from agentrl.rollout.manager import GroupRunner
+    from agentrl.types import SampleStatus
+
+    async def slow_rm(sample):
+        await call_reward_fn(lambda: time.sleep(3600), timeout=0.2)
+
+    runner = GroupRunner(make_env=lambda name: (CountEnv(), "count"), n_samples=1, renderer=Renderer(tokenizer),
+                         client=ScriptedClient(tokenizer, ["yes"] * 3),
+                         settings_for=lambda env: LoopSettings(200, 3, {"temperature": 1.0}), run_seed=0,
+                         max_concurrency=1, reward_fn=slow_rm)
+    [sample] = asyncio.run(runner.run_group({"prompt": "answer yes"}, 0))
+    assert sample.status == SampleStatus.COMPLETED and sample.reward == 0.0
+    assert sample.metadata["env_reward"] == 1.0 and "0.2 s limit" in sample.metadata["agent_fault"]
