@@ -281,11 +281,12 @@ def build_reward_fn(cfg: Config):
     """--custom-rm-path: slime's `async def rm(args, sample)` (a sync function works too)."""
     if not cfg.algo.custom_rm_path:
         return None
+    from agentrl.grading import call_reward_fn
+
     rm = load_function(cfg.algo.custom_rm_path, flag="--custom-rm-path")
 
-    async def reward_fn(sample):
-        out = rm(cfg, sample)
-        return await out if inspect.isawaitable(out) else out
+    async def reward_fn(sample):  # bounded: GradingTimeout (the agent's fault) past --custom-rm-timeout
+        return await call_reward_fn(rm, cfg, sample, timeout=cfg.algo.custom_rm_timeout)
 
     return reward_fn
 

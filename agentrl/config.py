@@ -212,6 +212,9 @@ class AlgoConfig(Section):
     custom_rm_path: str | None = None
     """Reward function overriding the env's: "module.fn" or "file.py:fn" with slime's signature
     `async def rm(args, sample) -> float | dict` (args is the resolved Config)."""
+    custom_rm_timeout: float = Field(60.0, gt=0)
+    """Seconds one call of the --custom-rm-path function may take; past it the sample scores 0
+    with the reason in metadata["agent_fault"] (a reward function reads the model's output)."""
 
 
 class TrainConfig(Section):

@@ -226,3 +226,26 @@ def test_the_latest_routed_experts_reach_the_sample(tokenizer):
     assert len(client.calls) == 3 and {r[0] for r in s.routed_experts} == {3}
     assert len(s.routed_experts) == client.covered <= len(s.tokens) - 1
     assert play(CountEnv(), ScriptedClient(tokenizer, ["yes"] * 3), tokenizer).routed_experts is None  # not asked
+
+
+class FaultEnv(agentrl.Env):
+    """Turn 1 echoes a lone surrogate (a decoded \\ud800 escape) back; turn 2's grading is broken by the agent."""
+
+    max_turns = 3
+
+    def reset(self, *, seed=None, options=None):
+        return options["prompt"], {}
+
+    def step(self, action):
+        if action.strip() == "yes":
+            return [{"role": "tool", "content": "echo: \ud800 \udfff"}], 0.5, False, False, {}
+        from agentrl.errors import AgentFault
+        raise AgentFault("the agent's answer broke its grader")
+
+
+def test_agent_fault_from_any_env_scores_zero_and_surrogates_are_replaced(tokenizer):
+    s = play(FaultEnv(), ScriptedClient(tokenizer, ["yes", "no"]), tokenizer)
+    # not FAILED (which masks the group and lets a policy veto it): completed, scored 0 for the faulty turn
+    assert s.status == SampleStatus.COMPLETED and s.reward == 0.5
+    assert s.metadata["agent_fault"] == "AgentFault: the agent's answer broke its grader"
+    assert "echo: \ufffd \ufffd" in s.messages[2]["content"]  # the tokenizer raises TypeError on lone surrogates

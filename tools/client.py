@@ -45,7 +45,7 @@ import jsonschema
 from agentrl.errors import AgentFault, AgentRLError
 from agentrl.tools._common import clip
 from agentrl.tools.functions import FunctionTool, _strip_titles, function_tool, result_text
-from agentrl.tools.parsers import ParsedCall, ToolCall, ToolCallError
+from agentrl.tools.parsers import MAX_NAME_CHARS, ParsedCall, ToolCall, ToolCallError, valid_unicode
 from agentrl.tools.spec import (MCPServerSpec, as_spec, boots_as_server, host_command, host_env,
                                 sandbox_command, sandbox_server_env)
 
@@ -93,7 +93,9 @@ class ToolResult:
     structured: Any = field(default=None, repr=False)
 
     def message(self) -> dict:
-        msg = {"role": "tool", "name": self.name, "content": self.content}
+        """The ``tool`` chat message. Text a JSON escape made invalid (a lone surrogate) is
+        replaced: a tokenizer raises on it."""
+        msg = {"role": "tool", "name": valid_unicode(self.name[:MAX_NAME_CHARS]), "content": valid_unicode(self.content)}
         if self.call_id:
             msg["tool_call_id"] = self.call_id
         return msg
@@ -430,7 +432,8 @@ class ToolSet:
         return {n: t.input_schema for n, t in self.tools.items()}
 
     def _error(self, name: str, text: str, call_id: str = "") -> ToolResult:
-        return ToolResult(name, f"Error: {text}", is_error=True, call_id=call_id)
+        # an error may quote what the model wrote (a schema error quotes the value): cut like any result
+        return ToolResult(name, clip(f"Error: {text}", self.max_output_chars), is_error=True, call_id=call_id)
 
     def validate(self, name: str, arguments: Any) -> str | None:
         """None when `arguments` fit the tool's schema, else what is wrong (for the model)."""
@@ -468,11 +471,13 @@ class ToolSet:
         arguments = {} if arguments is None else arguments
         if name not in self.tools:
             known = sorted(self.tools)
-            close = difflib.get_close_matches(name, known, n=2)
+            close = difflib.get_close_matches(name, known, n=2) if len(name) <= MAX_NAME_CHARS else []
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
-            return self._error(name, f"unknown tool {name!r}.{hint} Available tools: {', '.join(known) or '(none)'}.",
+            shown = repr(name) if len(name) <= MAX_NAME_CHARS else f"{name[:MAX_NAME_CHARS]!r}..."
+            return self._error(name, f"unknown tool {shown}.{hint} Available tools: {', '.join(known) or '(none)'}.",
                                call_id)
-        problem = self.validate(name, arguments)
+        arguments, problem = wire_arguments(arguments)
+        problem = problem or self.validate(name, arguments)
         if problem:
             return self._error(name, problem, call_id)
         info = self.tools[name]
@@ -534,6 +539,49 @@ class ToolSet:
             return ToolResult(info.name, out + note if not res.is_error else _as_error(out) + note,
                               is_error=bool(res.is_error), structured=res.structured_content)
         raise AssertionError("unreachable")
+
+
+MAX_ARGUMENT_DEPTH = 32  # nesting of a call's arguments (the MCP SDK's JSON writer stops at a few hundred)
+
+
+def wire_arguments(arguments: Any) -> tuple[Any, str]:
+    """(arguments as they can be sent, "") or (arguments, what is wrong, for the model). What a
+    parser decoded from model text may not go on the wire as is: a lone surrogate (from a
+    ``\\ud800`` escape) cannot be encoded to UTF-8, nesting past the SDK's serialization depth
+    raises in its writer task, and either would close the connection to the server (a
+    restart, then a failed trajectory). Surrogates are replaced; tuples become lists."""
+    def clean(value: Any, depth: int) -> Any:
+        if depth > MAX_ARGUMENT_DEPTH:
+            raise _Unsendable(f"the arguments are nested deeper than {MAX_ARGUMENT_DEPTH} levels")
+        if isinstance(value, str):
+            return valid_unicode(value)
+        if value is None or isinstance(value, (bool, int, float)):
+            return value
+        if isinstance(value, dict):
+            return {valid_unicode(k) if isinstance(k, str) else _unsendable(k): clean(v, depth + 1)
+                    for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, depth + 1) for v in value]
+        return _unsendable(value)
+
+    if not isinstance(arguments, dict):
+        return arguments, ""  # validate() says what it should be
+    try:
+        cleaned = clean(arguments, 0)
+        json.dumps(cleaned)  # what else would fail in the writer (integers past Python's digit limit)
+    except _Unsendable as e:
+        return arguments, str(e)
+    except (ValueError, TypeError, RecursionError) as e:
+        return arguments, f"the arguments cannot be sent as JSON ({type(e).__name__})"
+    return cleaned, ""
+
+
+class _Unsendable(Exception):
+    pass
+
+
+def _unsendable(value: Any):
+    raise _Unsendable(f"an argument of type {type(value).__name__} cannot be sent as JSON")
 
 
 def _type_name(schema: dict) -> str:

@@ -200,8 +200,10 @@ class ToolEnv(Env):
             return await self.final_answer(action)
         extra = calls[self.max_tool_calls_per_turn:]
         results = await self.toolset.call_many(calls[:self.max_tool_calls_per_turn])
-        results += [ToolResult(c.name or "tool_call", f"Error: not run: at most {self.max_tool_calls_per_turn} tool "
-                               "calls per turn", is_error=True, call_id=c.id) for c in extra]
+        if extra:  # one result for all of them: a turn of 100,000 calls must not become 100,000 messages
+            results.append(ToolResult("tool_call", f"Error: {len(extra)} more tool calls were not run: at most "
+                                      f"{self.max_tool_calls_per_turn} tool calls per turn", is_error=True,
+                                      call_id=extra[0].id))
         info = {"tool_calls": len(results), "tool_errors": sum(r.is_error for r in results),
                 "tool_names": [r.name for r in results]}
         return self.tool_observation(results), 0.0, False, False, info

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrl.env import SAFETY_MAX_TURNS, Action, Env, as_messages
-from agentrl.errors import TemplateDriftError
+from agentrl.errors import AgentFault, TemplateDriftError
+from agentrl.tools.parsers import valid_unicode
 from agentrl.rollout.client import GenerateClient
 from agentrl.rollout.control import RolloutControl
 from agentrl.types import Sample, SampleStatus, TurnTiming
@@ -336,7 +337,10 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
             messages.append({"role": "assistant", "content": str(action)})
 
             t0 = time.perf_counter()
-            obs, reward, terminated, truncated, info = await env.astep(action)
+            try:
+                obs, reward, terminated, truncated, info = await env.astep(action)
+            except AgentFault as exc:  # any env: what the agent's output broke ends it scored 0, not FAILED
+                obs, reward, terminated, truncated, info = [], 0.0, True, False, {"agent_fault": f"{type(exc).__name__}: {exc}"}
             timing.env_s = time.perf_counter() - t0
             if isinstance(info, dict) and isinstance(info.get("metrics"), dict):
                 # the env's own per-episode counts (searches, answered, ...): metrics env/NAME_mean
@@ -357,7 +361,7 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 truncation = (TRUNCATED_BY_ENV if truncated else TRUNCATED_RESPONSE_LEN
                               if sample.response_length >= settings.max_response_len else limit_reason)
                 break
-            obs = as_messages(obs)
+            obs = [_valid_message(m) for m in as_messages(obs)]
             messages += obs
             # tool results shown to the model (metrics: tool_calls_mean)
             sample.metadata["tool_calls"] = sample.metadata.get("tool_calls", 0) + sum(m.get("role") == "tool" for m in obs)
@@ -394,6 +398,15 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
     if sample.prompt_tokens:
         sample.validate()
     return sample
+
+
+def _valid_message(message: dict) -> dict:
+    """An env message whose text echoes the model's escapes (a tool result with ``\\ud800`` decoded)
+    may hold lone surrogates, which the tokenizer refuses (TypeError): they become U+FFFD."""
+    content = message.get("content")
+    if isinstance(content, str) and valid_unicode(content) is not content:
+        return {**message, "content": valid_unicode(content)}
+    return message
 
 
 def _version(weight_version: str) -> int:

@@ -9,6 +9,7 @@ import traceback
 from typing import Any, Awaitable, Callable
 
 from agentrl.env import Env
+from agentrl.errors import AgentFault
 from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory
 from agentrl.rollout.client import GenerateClient
 from agentrl.rollout.control import RolloutControl
@@ -115,6 +116,9 @@ class GroupRunner:
                         try:
                             sample.metadata["env_reward"] = sample.reward
                             sample.reward = await self.reward_fn(sample)
+                        except AgentFault as exc:  # it ran past its time limit on this output: scored 0
+                            sample.reward = 0.0
+                            sample.metadata["agent_fault"] = f"{type(exc).__name__}: {exc}"
                         except Exception as exc:  # a broken reward function fails the trajectory, visibly
                             sample.status = SampleStatus.FAILED
                             sample.metadata["error"] = f"custom reward function: {exc!r}"

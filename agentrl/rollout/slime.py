@@ -34,7 +34,7 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from agentrl.env import Action, Env, as_messages
-from agentrl.errors import AgentRLError, ConfigError, SampleInvariantError
+from agentrl.errors import AgentFault, AgentRLError, ConfigError, SampleInvariantError
 from agentrl.plugins import load_function
 from agentrl.rollout.agent_loop import TRUNCATED_RESPONSE_LEN, Renderer
 from agentrl.rollout.control import RolloutControl
@@ -317,7 +317,11 @@ async def score(sample: AgentSample, task: dict, *, env: Env, seed: int, reward_
     one step with the response). A failure fails the sample (masked), as in the agent loop."""
     try:
         if reward_fn is not None:
-            sample.reward = await reward_fn(sample)
+            try:
+                sample.reward = await reward_fn(sample)
+            except AgentFault as exc:  # past --custom-rm-timeout on this output: scored 0, not failed
+                sample.reward = 0.0
+                sample.metadata["agent_fault"] = f"{type(exc).__name__}: {exc}"
             return
         await env.areset(seed=seed, options=task or None)  # {}: a seed-only task
         ids = [t for t, m in zip(sample.response_tokens, sample.loss_mask) if m]
@@ -533,9 +537,13 @@ async def slime_reward(rm, args, sample) -> None:
         return
     if str(getattr(sample.status, "name", sample.status)).upper() in ("ABORTED", "FAILED"):
         return
+    from agentrl.grading import call_reward_fn
+
     try:
-        out = rm(args, sample)
-        sample.reward = await out if inspect.isawaitable(out) else out
+        sample.reward = await call_reward_fn(rm, args, sample, timeout=getattr(args, "custom_rm_timeout", 60.0))
+    except AgentFault as exc:  # past its time limit on this output: scored 0, not failed
+        sample.reward = 0.0
+        sample.metadata["agent_fault"] = f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # as a failed env scoring: this sample fails (masked), the run goes on
         sample.status, sample.reward = type(sample).Status.FAILED, 0.0
         sample.metadata["error"] = f"--custom-rm-path: {type(exc).__name__}: {exc}"

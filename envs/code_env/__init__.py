@@ -39,6 +39,7 @@ from agentrl.data import shuffled_epochs
 from agentrl.errors import AgentFault
 from agentrl.registry import register_env
 from agentrl.tools.env import ToolEnv
+from agentrl.tools.parsers import valid_unicode
 
 DATA_DIR = Path(__file__).with_name("data")
 DEFAULT_TASKS = DATA_DIR / "tasks.jsonl"
@@ -50,7 +51,8 @@ SYSTEM_PROMPT = (
     "tools, and when you are done reply with a short final message without any tool call. Your file is then "
     "graded by hidden tests in a fresh environment."
 )
-CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)  # what code_blocks finds
+_BACKTICKS, _SPACES = re.compile("`+"), re.compile(r"\s*")
 MAX_SOLUTION_BYTES = 1 << 20
 # Reads one solution file for the host, as the agent's uid, without ever blocking: a FIFO, a
 # device or a directory is "not a regular file" (exit 3), a missing file exit 2.
@@ -70,6 +72,35 @@ while len(data) <= {MAX_SOLUTION_BYTES}:
     data += chunk
 sys.stdout.buffer.write(data)
 """
+
+
+def code_blocks(text: str) -> list[str]:
+    """The contents of the ```python blocks of `text`: ``CODE_BLOCK_RE.findall(text)``, in
+    linear time (the regex backtracks over ``\\s*\\n`` at every unclosed fence: 20,000
+    newlines after one fence took 2.5 s, a megabyte hours)."""
+    blocks, pos = [], 0
+    while (fence := text.find("```", pos)) >= 0:
+        ticks_end = _BACKTICKS.match(text, fence).end()
+        if ticks_end > fence + 3:  # a run of backticks: only its last three can open a block
+            fence = ticks_end - 3
+        content = -1
+        for lang in ("python", "py", ""):  # the regex's alternatives, in its order
+            if text.startswith(lang, fence + 3):
+                start = fence + 3 + len(lang)
+                end = _SPACES.match(text, start).end()  # one greedy run, no backtracking
+                newline = text.rfind("\n", start, end)  # \s* gives back up to its last newline
+                if newline >= 0:
+                    content = newline + 1
+                    break
+        if content < 0:
+            pos = fence + 1
+            continue
+        close = text.find("```", content)
+        if close < 0:  # no closing fence after this one: none after any later fence either
+            return blocks
+        blocks.append(text[content:close])
+        pos = close + 3
+    return blocks
 
 
 def normalize_task(row: dict[str, Any]) -> dict[str, Any]:
@@ -203,9 +234,9 @@ class CodeEnv(ToolEnv):
         if self.solution_files[0] in files:
             return files, "file", skipped
         if self.answer_in_message:
-            blocks = CODE_BLOCK_RE.findall(str(action))
-            if blocks:
-                return {**files, self.solution_files[0]: blocks[-1]}, "message", skipped
+            blocks = code_blocks(str(action))
+            if blocks:  # (a lone surrogate cannot be written to a file: U+FFFD)
+                return {**files, self.solution_files[0]: valid_unicode(blocks[-1])}, "message", skipped
         return {}, "none", skipped
 
     async def read_solution_file(self, path: str) -> tuple[bytes | None, str]:

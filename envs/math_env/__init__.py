@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Iterator
 
 from agentrl.env import Env
-from agentrl.envs.math_env.grader import grade, last_boxed, verify_answer
+from agentrl.envs.math_env.grader import agrade, grade, last_boxed, verify_answer
 from agentrl.envs.math_env.problems import generate
 from agentrl.registry import register_env
 
-__all__ = ["MathEnv", "grade", "last_boxed", "verify_answer", "generate", "instruct"]
+__all__ = ["MathEnv", "agrade", "grade", "last_boxed", "verify_answer", "generate", "instruct"]
 
 INSTRUCTION = "Solve the problem step by step. Put the final answer (a number) in \\boxed{}."
 
@@ -61,14 +61,13 @@ class MathEnv(Env):
         return instruct(options["prompt"]), {}
 
     def step(self, action):
-        return self._finish(str(action))
+        return self._finish(*grade(str(action), self.label, require_boxed=self.require_boxed))
 
     async def astep(self, action):
-        # Graded on the event loop's (main) thread, where math_verify's timeouts work.
-        return self._finish(str(action))
+        # graded in a worker process with a time bound; the event loop goes on meanwhile
+        return self._finish(*await agrade(str(action), self.label, require_boxed=self.require_boxed))
 
-    def _finish(self, text: str):
-        reward, info = grade(text, self.label, require_boxed=self.require_boxed)
+    def _finish(self, reward: float, info: dict):
         if reward == 0.0 and info["answer"] is not None:
             reward = self.format_reward
         return [], reward, True, False, info

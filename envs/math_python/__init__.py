@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from agentrl.envs.math_env import generate, grade
+from agentrl.envs.math_env import agrade, generate
 from agentrl.registry import register_env
 from agentrl.tools.env import ToolEnv
 
@@ -71,5 +71,5 @@ class MathPythonEnv(ToolEnv):
         return obs, reward, terminated, truncated, info
 
     async def final_answer(self, action):
-        reward, info = grade(str(action), self.task["label"], require_boxed=self.require_boxed)
+        reward, info = await agrade(str(action), self.task["label"], require_boxed=self.require_boxed)
         return [], reward, True, False, {**info, "tool_calls": self.tool_calls}

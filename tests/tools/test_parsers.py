@@ -74,3 +74,92 @@ def test_parser_registry():
     assert {"hermes", "qwen3_coder"} <= set(list_parsers())
     with pytest.raises(KeyError, match="hermes"):
         get_parser("hermez")
+
+
+# ---- hostile model output (issue 31): every attack class ends as a ToolCallError, fast ----------------
+import json  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+
+from agentrl.tools.parsers import valid_unicode  # noqa: E402
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("body, words", [
+    (DEEP, ["nested too deeply"]),                                               # RecursionError in json
+    ('{"name": "f", "arguments": {"x": ' + "1" * 5000 + "}}", ["4300 digits"]),  # ValueError past the digit limit
+    ('{"name": "f", "arguments": "' + "[" * 100_000 + '"}', ["nested too deeply"]),  # the same, in a string
+    ('{"function": ' * 500 + '{"name": " "}' + "}" * 500, ['no "name"']),        # OpenAI's nesting, deep
+])
+def test_hermes_hostile_json_is_the_models_error(body, words):
+    [item] = parse_tool_calls(f"<tool_call>{body}</tool_call>", "hermes")
+    assert isinstance(item, ToolCallError)
+    for w in words:
+        assert w in item.error
+
+
+def test_qwen3_coder_nested_and_huge_values_stay_text():
+    deep = "[" * 100_000
+    text = f"<tool_call>\n<function=f>\n<parameter=x>\n{deep}\n</parameter>\n<parameter=n>\n{'9' * 5000}\n</parameter>\n</function>\n</tool_call>"
+    for schema in (None, {"f": {"properties": {"x": {"type": "array"}, "n": {"type": "integer"}}}}):
+        [call] = parse_tool_calls(text, "qwen3_coder", schema)
+        assert call == ToolCall("f", {"x": deep, "n": "9" * 5000}, "call_0")  # text: schema validation tells the model
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("qwen3_coder", "<tool_call>" + "<function=" * 200_000),                  # unclosed openings, one line
+    ("qwen3_coder", "<tool_call>" + "<function=\n" * 100_000 + ">"),         # a ">" only after every newline
+    ("qwen3_coder", "<tool_call><function=f>" + "<parameter=" * 200_000),     # unclosed parameters
+    ("qwen3_coder", "<tool_call><function=f>" + "<parameter=a>x" * 100_000),  # values with no terminator
+    ("hermes", "<tool_call>```" + " " * 500_000 + "x</tool_call>"),           # a fence next to long whitespace
+    ("hermes", "<tool_call>" * 200_000),                                      # tag soup
+])
+def test_parsers_are_linear_on_tag_soup(parser, text):
+    t0 = time.perf_counter()
+    parse_tool_calls(text, parser)
+    assert time.perf_counter() - t0 < 5.0  # the regexes they replaced took minutes on these
+
+
+def test_a_parser_that_raises_gives_one_error_item():
+    from agentrl.tools.parsers import _PARSERS, register_parser
+
+    @register_parser("test-raises")
+    def broken(text, tools):
+        raise ValueError("boom")
+
+    try:
+        [item] = parse_tool_calls("<tool_call>x</tool_call>", "test-raises")
+    finally:
+        _PARSERS.pop("test-raises")
+    assert isinstance(item, ToolCallError) and "could not be read" in item.error and item.id == "call_0"
+
+
+def test_lone_surrogates_are_replaced_in_names():
+    [call] = parse_tool_calls('<tool_call>{"name": "f\\ud800", "arguments": {"s": "\\udfff"}}</tool_call>')
+    assert call.name == "f\ufffd"
+    assert valid_unicode(call.arguments["s"]) == "\ufffd" and valid_unicode("ok \U0001F600") == "ok \U0001F600"
+
+
+# The regexes qwen3_coder used before (quadratic on unclosed tags): the linear scan must read every
+# well-formed and malformed call the same way. Small random tag soup, compared exactly.
+_OLD_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.DOTALL)
+_OLD_PARAM = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
+
+
+def test_qwen3_coder_scan_matches_the_regexes_it_replaced():
+    from hypothesis import given, settings, strategies as st
+
+    from agentrl.tools.parsers import _qwen3_function, _qwen3_parameters
+
+    pieces = st.sampled_from(["<function=", "</function>", "<parameter=", "</parameter>", ">", "\n", "a", "b c",
+                              "<", "=", "<tool_call>"])
+
+    @settings(max_examples=800, derandomize=True, deadline=None)
+    @given(st.lists(pieces, max_size=24).map("".join))
+    def check(body):
+        m = _OLD_FUNCTION.search(body)
+        assert _qwen3_function(body) == (None if m is None else (m.group(1), m.group(2)))
+        assert _qwen3_parameters(body) == [(p.group(1), p.group(2)) for p in _OLD_PARAM.finditer(body)]
+
+    check()

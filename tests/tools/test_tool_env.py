@@ -110,10 +110,11 @@ def test_model_mistakes_become_error_observations(arun, env):
 def test_too_many_calls_in_one_turn(arun, env):
     env.max_tool_calls_per_turn = 2
     try:
-        obs, *_ = step(arun, env, call("python", code="1") * 3)
+        obs, *_ = step(arun, env, call("python", code="1") * 5)
     finally:
         del env.max_tool_calls_per_turn
     assert [m["content"] for m in obs][:2] == ["1", "1"] and "at most 2 tool calls per turn" in obs[2]["content"]
+    assert len(obs) == 3 and "3 more tool calls were not run" in obs[2]["content"]  # one message for the rest
 
 
 def test_calls_of_one_turn_run_concurrently(arun, env):

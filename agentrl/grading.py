@@ -1,0 +1,237 @@
+"""Grading with a wall-clock bound, from any thread, off the event loop.
+
+A grader reads what the model wrote, and the model is an adversary: math_verify hands a
+``\\boxed{10^{10}!}`` to sympy, which computes for minutes in C code where no signal reaches
+it (and ``signal.alarm``, math_verify's own guard, works only in the main thread). So graders
+run in worker processes (`GraderPool`): a call past its time limit kills its worker (the next
+call starts a fresh one) and raises `GradingTimeout`, an `AgentFault`: the answer scores 0
+with the reason recorded, never a failed group. Each worker is an ordinary ``python -m
+agentrl.grading`` subprocess (no multiprocessing: its spawn and forkserver modes re-import the
+parent's ``__main__``), capped in memory, and dies with its parent.
+
+    from agentrl.grading import grading_pool
+    ok = grading_pool().call("agentrl.envs.math_env.grader:verify_in_process", answer, gold, timeout=20)
+    ok = await grading_pool().acall(...)   # the same from the event loop, in a thread: never blocks it
+
+Custom reward functions (``--custom-rm-path``) run in the trainer's process, as slime calls
+them: `call_reward_fn` bounds the wait for them (a sync one runs in a thread of its own, so a
+hung one holds no shared executor) and makes a timeout the agent's fault as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import importlib
+import inspect
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from agentrl.errors import AgentFault, AgentRLError
+
+__all__ = ["GraderPool", "GradingTimeout", "GradingError", "grading_pool", "call_reward_fn"]
+
+WORKER_MEMORY_MB = 3072      # address space of a worker: a huge number's digits end in MemoryError, not the host's OOM
+WORKER_START_TIMEOUT_S = 60  # importing sympy on a loaded machine
+MAX_MESSAGE_BYTES = 16 << 20  # one request or answer line
+
+
+class GradingTimeout(AgentFault):
+    """A grader ran past its time limit on the agent's answer (or its worker died on it): the
+    answer scores 0, the trajectory is not failed."""
+
+
+class GradingError(AgentRLError):
+    """The grading machinery itself failed (a worker that cannot start): infrastructure."""
+
+
+class _Worker:
+    def __init__(self, preload: tuple[str, ...], memory_mb: int):
+        self.proc = subprocess.Popen([sys.executable, "-m", "agentrl.grading", str(memory_mb), *preload],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        self.buf = b""
+        ready = self.read_line(time.monotonic() + WORKER_START_TIMEOUT_S)
+        if ready != {"ready": True}:
+            self.kill()
+            raise GradingError(f"a grading worker did not start ({ready!r}); run `{sys.executable} -m agentrl.grading` "
+                               "to see why")
+
+    def read_line(self, deadline: float) -> Any:
+        """The next JSON line; None at the deadline; "ended" if the worker closed its output."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or len(self.buf) > MAX_MESSAGE_BYTES:
+                return None
+            readable, _, _ = select.select([fd], [], [], left)
+            if not readable:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return "ended"
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+class GraderPool:
+    """Up to `size` worker processes; `call` runs ``module:function(*args)`` in an idle one
+    (starting one when none is idle) and returns its JSON value within `timeout` seconds."""
+
+    def __init__(self, size: int = 0, *, preload: tuple[str, ...] = (), memory_mb: int = WORKER_MEMORY_MB):
+        self.size = size or max(1, min(4, os.cpu_count() or 1))
+        self.preload, self.memory_mb = tuple(preload), memory_mb
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(self.size)
+        # acall's waits: threads of their own, so a queue of graders never holds the loop's default executor
+        self._executor = ThreadPoolExecutor(self.size, thread_name_prefix="grading")
+        self.timeouts = 0  # calls that ran past their limit (their worker was killed)
+
+    def call(self, function: str, *args: Any, timeout: float) -> Any:
+        """`function` ("module:name", importable in a fresh interpreter) applied to JSON `args`.
+        GradingTimeout past `timeout` s; GradingError if it raised or a worker cannot start."""
+        # every holder gives its slot back within its own timeout: this wait is bounded too
+        if not self._slots.acquire(timeout=600):
+            raise GradingError("no grading worker was free for 600 s")
+        try:
+            with self._lock:
+                worker = self._idle.pop() if self._idle else None
+            if worker is None or worker.proc.poll() is not None:
+                worker = _Worker(self.preload, self.memory_mb)
+            request = json.dumps({"fn": function, "args": list(args)}).encode() + b"\n"  # ASCII: surrogates escaped
+            try:
+                worker.proc.stdin.write(request)
+                worker.proc.stdin.flush()
+                answer = worker.read_line(time.monotonic() + timeout)
+            except (OSError, ValueError):  # a broken pipe: it ended
+                answer = "ended"
+            if not isinstance(answer, dict):
+                ended = answer == "ended"
+                worker.kill()
+                self.timeouts += 1
+                raise GradingTimeout(f"{function.rsplit(':', 1)[-1]} " + (
+                    "ended its worker process" if ended else f"ran past its {timeout:g} s limit") + " on this answer")
+            with self._lock:
+                self._idle.append(worker)
+            if "error" in answer:
+                raise GradingError(f"{function} raised {answer['error']}")
+            return answer.get("value")
+        finally:
+            self._slots.release()
+
+    async def acall(self, function: str, *args: Any, timeout: float) -> Any:
+        """`call` from the event loop: it waits in one of the pool's threads, the loop goes on."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: self.call(function, *args, timeout=timeout))
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._idle = self._idle, []
+        for w in workers:
+            w.kill()
+
+
+_POOL: GraderPool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def grading_pool() -> GraderPool:
+    """The process's pool of grading workers (started on first use, killed at exit)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = GraderPool(preload=("math_verify",))
+            atexit.register(_POOL.close)
+        return _POOL
+
+
+async def call_reward_fn(rm: Callable, *args: Any, timeout: float) -> Any:
+    """``rm(*args)`` (sync or async) within `timeout` seconds, GradingTimeout past it. A sync rm
+    runs in a daemon thread of its own: one that never returns leaks that thread, not a slot of
+    the loop's shared executor (a Python thread cannot be killed; a grader that must be killable
+    belongs in a GraderPool)."""
+    if inspect.iscoroutinefunction(rm):
+        out = rm(*args)
+    else:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                value, error = rm(*args), None
+            except BaseException as e:  # handed to the caller
+                value, error = None, e
+            try:
+                loop.call_soon_threadsafe(lambda: done.done() or (done.set_exception(error) if error is not None
+                                                                  else done.set_result(value)))
+            except RuntimeError:  # the loop closed while it ran (it had timed out): no one waits
+                pass
+
+        threading.Thread(target=run, name="custom-rm", daemon=True).start()
+        out = done
+    try:
+        async with asyncio.timeout(timeout):
+            value = await out
+            return await value if inspect.isawaitable(value) else value
+    except TimeoutError:
+        raise GradingTimeout(f"the custom reward function ran past its {timeout:g} s limit") from None
+
+
+# ---- the worker's side ------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: a busy worker goes with its parent
+    except (OSError, AttributeError):
+        pass
+
+
+def _serve(memory_mb: int, preload: list[str]) -> None:
+    import resource
+
+    _die_with_parent()
+    limit = memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # the call that needs it says so
+    out = sys.stdout.buffer
+    out.write(b'{"ready": true}\n')
+    out.flush()
+    for line in sys.stdin.buffer:
+        try:
+            request = json.loads(line)
+            module, _, name = request["fn"].partition(":")
+            value = getattr(importlib.import_module(module), name)(*request["args"])
+            answer = json.dumps({"value": value})
+        except BaseException as e:  # noqa: BLE001 - reported to the caller, the worker goes on
+            answer = json.dumps({"error": f"{type(e).__name__}: {e}"[:1000]})
+        out.write(answer.encode() + b"\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]) if len(sys.argv) > 1 else WORKER_MEMORY_MB, sys.argv[2:])
