@@ -15,19 +15,22 @@ processes that are gone, even after SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import threading
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, ImageNotFoundError,
-                   Sandbox, SandboxError, log, owner_alive, reap_once)
+                   Sandbox, SandboxError, kill_cgroup, log, owner_alive, reap_once)
 
 DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
 LABEL = "agentrl.sandbox"
 # The container's main process (`sleep infinity`): root, not the agent's uid, so it cannot kill
 # it; and docker gives `docker exec -u 0` the container's capabilities only when its user is root
 MAIN_UID = 0
+CGROOT = Path("/sys/fs/cgroup")
 HOST = socket.gethostname()
 
 _client = None
@@ -75,6 +78,7 @@ class DockerSandbox(Sandbox):
         super().__init__(**kw)
         self.image = image
         self.container = None
+        self._main_pid: int | None = None  # host pid of the container's `sleep infinity`
         if shutil.which("docker") is None:
             raise SandboxError("the docker backend needs the docker CLI (apt-get install docker.io)")
 
@@ -140,6 +144,30 @@ class DockerSandbox(Sandbox):
             return False
         return self.container.status == "running"
 
+    async def _kill_all(self) -> bool:
+        return await asyncio.to_thread(self._kill_all_sync)
+
+    def _kill_all_sync(self) -> bool:
+        """Kill, from the host, every process of the container's cgroup but its init and main
+        process (`sleep infinity`, root: the only child of init the agent's uid cannot make); needs
+        root on the host (else False: the container is not reused)."""
+        if os.geteuid() != 0 or self.container is None:
+            return False
+        try:
+            self.container.reload()
+            init = int(self.container.attrs["State"]["Pid"])
+        except Exception:
+            return False
+        cgroup = _pids_cgroup(init)
+        if not init or cgroup is None:
+            return False
+        if self._main_pid is None:
+            mains = [p for p in _children(init) if _real_uid(p) == MAIN_UID]
+            if len(mains) != 1:
+                return False
+            self._main_pid = mains[0]
+        return kill_cgroup(cgroup, keep=frozenset({init, self._main_pid}))
+
     async def _destroy(self) -> None:
         await asyncio.to_thread(self._destroy_sync)
 
@@ -155,6 +183,42 @@ class DockerSandbox(Sandbox):
             if "already in progress" not in str(e):
                 raise
         self.container = None
+
+
+def _pids_cgroup(pid: int) -> Path | None:
+    """The cgroup of `pid` that lists its threads: v1's pids hierarchy, or v2's unified one."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, ctls, path = line.split(":", 2)
+        if "pids" in ctls.split(","):
+            d = CGROOT / "pids" / path.lstrip("/")
+        elif ctls == "" and (CGROOT / "cgroup.controllers").exists():
+            d = CGROOT / path.lstrip("/")
+        else:
+            continue
+        if d.is_dir() and d != CGROOT and d != CGROOT / "pids":
+            return d
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _real_uid(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def list_containers(all_runs: bool = True) -> list:

@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 
 from . import seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
-                   log, owner_alive, reap_once)
+                   kill_cgroup, log, owner_alive, reap_once)
 
 HOST_UID = 65534  # what sandboxed processes are on the host when we are root
 CGROOT = Path("/sys/fs/cgroup")
@@ -255,6 +255,14 @@ class LocalSandbox(Sandbox):
 
     async def _alive(self) -> bool:
         return self.fs.is_dir() and not self.closed
+
+    async def _kill_all(self) -> bool:
+        """Every process of the sandbox joined its cgroup before bwrap ran (the spawn's join
+        script): empty it. Unprivileged (no cgroup) nothing proves it: the sandbox is not reused."""
+        cgroup = self.cgroups.get("pids") or self.cgroups.get("unified")
+        if cgroup is None:
+            return False
+        return await asyncio.to_thread(kill_cgroup, cgroup)
 
     async def _destroy(self) -> None:
         await asyncio.to_thread(self._destroy_sync)

@@ -264,3 +264,66 @@ def test_pool_close_during_warmup_leaves_nothing(backend):
         await pool.close()
         assert _sandboxes_of_this_run(backend) == before
     run(go(), timeout=180)
+
+
+# A process of the last trajectory that tries to outlive it, and then spies on (and sabotages) the
+# next trajectory's files: `kind` says how it hides from a cleanup that looks at /proc.
+SURVIVOR = r"""
+import ctypes, os, platform, sys, threading, time
+kind = sys.argv[1]
+libc = ctypes.CDLL(None, use_errno=True)
+
+def spy():
+    while True:
+        try:
+            if os.path.exists("/work/solution.py"):
+                open("/work/solution.py", "w").write("def f(): return 0  # overwritten by the last one\n")
+            open("/work/spy-" + kind, "a").write(".")
+        except OSError:
+            pass
+        time.sleep(0.05)
+
+if kind != "plain":
+    if os.fork():
+        os._exit(0)  # the command returns at once; its grandchild lives on
+    os.setsid()      # out of the command's session and process group
+    if os.fork():
+        os._exit(0)  # double fork: an orphan
+if kind == "rename":
+    libc.prctl(15, b"sleep", 0, 0, 0)  # PR_SET_NAME: looks like the container's main process
+if kind == "zombie-thread":
+    threading.Thread(target=spy).start()
+    # SYS_exit ends only the main thread (ctypes let go of the GIL): /proc shows a zombie
+    libc.syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)
+spy()
+"""
+SURVIVOR_KINDS = ("zombie-thread", "daemon", "rename")
+
+
+def test_no_process_survives_into_the_next_trajectory(backend):
+    """Processes left by a command (through exec) and by a spawned server (the tool server's
+    children) in every state a /proc scan may skip: after the reset none runs, none touches the
+    next trajectory's solution.py, and the sandbox's cgroup (the kernel's view) holds no more."""
+    async def go():
+        async with SandboxPool(backend, warm=1, max_active=1, limits=SMALL) as pool:
+            async with pool.acquire() as sb:
+                first = sb
+                await sb.write_file("survivor.py", SURVIVOR)
+                for kind in SURVIVOR_KINDS:
+                    r = await sb.exec(["python3", "survivor.py", kind])
+                    assert r.exit_code == 0, r
+                await sb.spawn(["python3", "/work/survivor.py", "plain"], cwd="/")  # like a tool server's child
+                await asyncio.sleep(0.5)
+                r = await sb.exec("ls /work")
+                assert {f"spy-{k}" for k in SURVIVOR_KINDS} <= set(r.stdout.split()), r  # they did run
+            async with pool.acquire() as sb:
+                if backend == "docker" and os.geteuid() != 0 or backend == "local" and not first.cgroups:
+                    assert sb is not first  # nothing proves the old one empty: it was not reused
+                else:
+                    assert sb is first and pool.metrics()["reused"] == 1
+                await sb.write_file("solution.py", "def f(): return 42\n")
+                await asyncio.sleep(1.0)
+                assert await sb.read_file("solution.py") == b"def f(): return 42\n"
+                r = await sb.exec("ls -A /work; ps -eo pid,stat,args | grep -c '[s]urvivor.py' || true")
+                assert r.stdout == "solution.py\n0\n", r
+    run(go(), timeout=180)
