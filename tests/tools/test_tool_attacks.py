@@ -253,3 +253,24 @@ def test_agent_fault_is_scored_not_failed(arun):
     assert (obs, reward, done, trunc) == ([], 0.0, True, False) and info == {"agent_fault": "AgentFault: solution.py is a FIFO"}
     arun(env.aclose())
     json.dumps(info)  # recorded as is in the sample's metadata
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_restart_the_agent_broke_is_its_fault(arun, backend):
+    """chmod 000 on the workdir, then the tool server killed: the restarted server cannot enter the
+    workdir. What the agent did: reward 0 with the reason, never ToolServerError (a FAILED group).
+    On docker the agent's uid cannot kill the server: its calls fail as tool errors, and it goes on."""
+    _skip_unless(backend)
+    env = AttackEnv(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        obs, reward, done, _, info = arun(env.astep(call("bash", command="chmod 000 /work; kill -9 $PPID")))
+        if backend == "docker":
+            assert not done and "Operation not permitted" in obs[0]["content"], (obs, info)
+            obs, reward, done, _, info = arun(env.astep(call("bash", command="echo hi")))
+            assert not done and obs[0]["content"].startswith("Error"), (obs, info)  # no cwd: a tool error
+            return
+        assert (obs, reward, done) == ([], 0.0, True), (obs, info)
+        assert "could not start" in info["agent_fault"] and "Permission denied" in info["agent_fault"], info
+    finally:
+        arun(env.aclose())
