@@ -50,7 +50,10 @@ def main() -> None:
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
     sys.argv = [""]
-    sys.path[0] = os.getcwd()  # like `python -c`: the workdir, not this file's folder
+    # like `python -c`: the workdir first, then PYTHONPATH, added now that the start is over (the
+    # interpreter runs isolated, -I: nothing the code wrote ran while it started)
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [os.getcwd(), *extra]
     ns = {"__name__": "__main__", "__builtins__": builtins}
     n = 0
     while True:

@@ -274,3 +274,56 @@ def test_a_restart_the_agent_broke_is_its_fault(arun, backend):
         assert "could not start" in info["agent_fault"] and "Permission denied" in info["agent_fault"], info
     finally:
         arun(env.aclose())
+
+
+PLANT_HOOKS = r"""
+import os, sys
+hook = "open('/work/HOOK-RAN', 'a').write(__name__ + ' ')\n"
+user_site = os.path.expanduser("~/.local/lib/python%d.%d/site-packages" % sys.version_info[:2])
+os.makedirs(user_site, exist_ok=True)
+for path in (user_site + "/usercustomize.py", user_site + "/sitecustomize.py", "/work/sitecustomize.py",
+             "/work/usercustomize.py"):
+    open(path, "w").write(hook)
+open(user_site + "/zz.pth", "w").write("import os; open('/work/HOOK-RAN', 'a').write('pth ')\n")
+for rc in (".bashrc", ".bash_profile", ".profile", ".bash_login"):
+    open("/work/" + rc, "w").write("echo STARTUP-FILE-RAN\n")
+print(os.environ["HOME"], user_site)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_startup_hooks_planted_in_the_workdir_never_run(arun, backend):
+    """usercustomize/sitecustomize/.pth files in the user site under HOME (the workdir) and shell
+    startup files: the python tool's interpreter, restarted after the agent's code ended it, and the
+    bash tool's shells start isolated (python -I, bash --norc --noprofile) and run none of them."""
+    _skip_unless(backend)
+    env = AttackEnv(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        arun(env.write_file("plant.py", PLANT_HOOKS))
+        obs, *_ = _bash(arun, env, "python3 -I plant.py")
+        assert obs[0]["content"].startswith("/work /work/.local/lib/python"), obs
+        obs, *_ = arun(env.astep(call("python", code="import os; os._exit(3)")))
+        assert "died" in obs[0]["content"], obs
+        obs, *_ = arun(env.astep(call("python", code="import os, sys\n"
+                                      "(os.path.exists('/work/HOOK-RAN'), sys.flags.no_user_site)")))
+        assert obs[0]["content"] == "(False, 1)", obs
+        obs, *_ = _bash(arun, env, "echo plain; ls /work/HOOK-RAN 2>&1 | grep -c 'No such'")
+        assert obs[0]["content"] == "plain\n1\n[exit code: 0]", obs
+    finally:
+        arun(env.aclose())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_graders_interpreter_runs_no_planted_hook(arun, backend):
+    """The code env grades the agent's files in a sandbox with child.py under `python3 -I`: a
+    sitecustomize.py or usercustomize.py among them never runs before the solution loads."""
+    _skip_unless(backend)
+    from agentrl.envs.code_env.grader import HiddenTests, grade
+    hook = "import sys; sys.modules['builtins'].HOOKED = True\n"
+    files = {"solution.py": "import builtins\ndef f():\n    return getattr(builtins, 'HOOKED', False)\n",
+             "sitecustomize.py": hook, "usercustomize.py": hook,
+             ".local/lib/python3.11/site-packages/usercustomize.py": hook,
+             ".local/lib/python3.11/site-packages/sitecustomize.py": hook}
+    result = arun(grade(files, HiddenTests(["assert f() is False"]), sandbox=backend))
+    assert (result.passed, result.total) == (1, 1), result
