@@ -59,6 +59,22 @@ SERVER_BOOT = SERVER_IDENTITY + (
 # `-I`: no cwd, PYTHONPATH or user site on sys.path, so nothing the agent wrote is ever imported by
 # the server (it starts, and restarts, with cwd "/", outside the workdir)
 SERVER_ARGV = ["python3", "-I", "-c", SERVER_BOOT]
+# What the host keeps of the stderr of anything it starts in a sandbox (servers, spawns): the first
+# STDERR_CAP_BYTES and a note, written by a host process between the two (`cap_stderr`); the rest is
+# read and dropped. The agent's code may reach a server's stderr (a child inheriting it), and the
+# host's end is a file the trainer owns and reads back after a restart.
+STDERR_CAP_BYTES = 1 << 20
+_CAP_STDERR = ('d=$(mktemp -d) && mkfifo "$d/e" || exit 125; '
+               '{ head -c "$1"; n=$(wc -c); [ "$n" -eq 0 ] || printf "\\n[agentrl: %s more bytes of stderr dropped]\\n" "$n"; } '
+               '<"$d/e" >&2 & exec 2>"$d/e"; rm -rf "$d"; shift; exec "$@"')
+
+
+def cap_stderr(argv: Sequence[str], limit: int = STDERR_CAP_BYTES) -> list[str]:
+    """Host argv running `argv` (same pid: it is exec'd) with its stderr bounded on the host side:
+    the first `limit` bytes reach the caller's stderr, the rest is drained and dropped."""
+    return ["/bin/sh", "-c", _CAP_STDERR, "sh", str(int(limit)), *argv]
+
+
 MAX_STRAY_LINES = 64  # answers with a wrong id skipped per request before the channel counts as broken
 RUN_ID = os.environ.get("AGENTRL_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
 

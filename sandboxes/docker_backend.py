@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, ImageNotFoundError,
-                   Sandbox, SandboxError, kill_cgroup, log, owner_alive, reap_once)
+                   Sandbox, SandboxError, cap_stderr, kill_cgroup, log, owner_alive, reap_once)
 
 DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
 LABEL = "agentrl.sandbox"
@@ -133,7 +133,7 @@ class DockerSandbox(Sandbox):
         flags = ["-i", "-u", user, "-w", cwd or WORKDIR]
         for k, v in (env or {}).items():
             flags += ["-e", f"{k}={v}"]
-        return ["docker", "exec", *flags, self.container.id, *argv]
+        return cap_stderr(["docker", "exec", *flags, self.container.id, *argv])
 
     async def _alive(self) -> bool:
         if self.container is None:
