@@ -48,8 +48,9 @@ SERVER_IDENTITY = (
     "    os.setgroups([])\n"
     "    for cap in range(64):\n"
     "        libc.prctl(24, cap, 0, 0, 0)\n"  # PR_CAPBSET_DROP
-    f"    os.setresgid(0, {SANDBOX_UID}, 0)\n"
-    f"    os.setresuid(0, {SANDBOX_UID}, 0)\n"
+    f"    uid = int(os.environ.get('AGENTRL_SANDBOX_UID', '{SANDBOX_UID}'))\n"
+    "    os.setresgid(0, uid, 0)\n"
+    "    os.setresuid(0, uid, 0)\n"
     "if libc.prctl(4, 0, 0, 0, 0) != 0:\n"  # PR_SET_DUMPABLE
     "    raise SystemExit('cannot make the server non-dumpable')\n")
 # the server's source goes in through stdin (one base64 line), so `ps` shows a short command
@@ -256,6 +257,7 @@ class Sandbox:
                  mounts: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
                  start_timeout_s: float = 60.0):
         self.id = f"sbx-{uuid.uuid4().hex[:12]}"
+        self.uid = SANDBOX_UID  # the agent's uid inside (docker: one per container, see docker_backend)
         self.limits = limits or SandboxLimits()
         self.network = network
         self.mounts = {str(Path(h).resolve()): s for h, s in (mounts or {}).items()}

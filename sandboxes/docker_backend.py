@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .local_backend import claim_host_uid, release_host_uid, release_orphan_claims
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, ImageNotFoundError,
                    Sandbox, SandboxError, cap_stderr, kill_cgroup, log, owner_alive, reap_once)
 
@@ -97,6 +98,10 @@ class DockerSandbox(Sandbox):
                 f"Build the base image with `agentrl sandbox build` (or `bash scripts/build_sandbox_image.sh`), "
                 f"or build your own with `agentrl sandbox build --dockerfile PATH --tag {self.image}`.") from None
         lim = self.limits
+        # the agent's uid: one of its own per container, claimed like a local sandbox's host uid. Without
+        # a user namespace it is the host's uid, and the kernel counts per-user objects (inotify
+        # instances and watches) per uid: with one uid for all, one container could take them all
+        self.uid = claim_host_uid(self.id)
         labels = {LABEL: "1", "agentrl.run_id": RUN_ID, "agentrl.owner_pid": str(OWNER_PID),
                   "agentrl.owner_start": str(OWNER_START), "agentrl.owner_host": HOST,
                   "agentrl.sandbox_id": self.id}
@@ -116,11 +121,11 @@ class DockerSandbox(Sandbox):
                 nano_cpus=int(lim.cpus * 1e9), pids_limit=lim.pids,
                 ulimits=[Ulimit(name="nofile", soft=lim.nofile, hard=lim.nofile),
                          Ulimit(name="core", soft=0, hard=0)],
-                tmpfs={WORKDIR: f"size={lim.workdir_mb}m,uid={SANDBOX_UID},gid={SANDBOX_UID},mode=0755,exec",
+                tmpfs={WORKDIR: f"size={lim.workdir_mb}m,uid={self.uid},gid={self.uid},mode=0755,exec",
                        "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
                 shm_size=f"{min(lim.tmp_mb, 64)}m",
                 volumes={h: {"bind": s, "mode": "ro"} for h, s in self.mounts.items()},
-                environment=self.env, working_dir=WORKDIR)
+                environment={**self.env, "AGENTRL_SANDBOX_UID": str(self.uid)}, working_dir=WORKDIR)
         except docker.errors.APIError as e:
             raise SandboxError(f"docker sandbox {self.id}: cannot start a container of "
                                f"{self.image!r}: {e.explanation or e}") from None
@@ -129,7 +134,7 @@ class DockerSandbox(Sandbox):
                    cwd: str | None = None, server: bool = False) -> list[str]:
         if self.container is None:
             raise SandboxError(f"sandbox {self.id} has no container")
-        user = "0:0" if server else f"{SANDBOX_UID}:{SANDBOX_UID}"
+        user = "0:0" if server else f"{self.uid}:{self.uid}"
         flags = ["-i", "-u", user, "-w", cwd or WORKDIR]
         for k, v in (env or {}).items():
             flags += ["-e", f"{k}={v}"]
@@ -173,6 +178,7 @@ class DockerSandbox(Sandbox):
 
     def _destroy_sync(self) -> None:
         if self.container is None:
+            release_host_uid(self.uid)
             return
         import docker.errors
         try:
@@ -183,6 +189,7 @@ class DockerSandbox(Sandbox):
             if "already in progress" not in str(e):
                 raise
         self.container = None
+        release_host_uid(self.uid)  # its processes are gone with it
 
 
 def _pids_cgroup(pid: int) -> Path | None:
@@ -245,6 +252,7 @@ def reap(everything: bool = False) -> list[str]:
             removed.append(c.name)
         except Exception as e:
             log.warning("reap: cannot remove %s: %s", c.name, e)
+    release_orphan_claims()
     if removed:
         log.info("reaped %d docker sandbox(es) of dead runs: %s", len(removed), ", ".join(removed))
     return removed

@@ -92,7 +92,7 @@ def claim_host_uid(sid: str) -> int:
             fd = os.open(claims / str(n), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         except FileExistsError:
             continue
-        os.write(fd, sid.encode())
+        os.write(fd, json.dumps({"id": sid, "pid": OWNER_PID, "start": OWNER_START}).encode())
         os.close(fd)
         return UID_BASE + n
     raise SandboxError(f"no free sandbox uid in {claims} (256 tries): remove stale claims with `agentrl sandbox reap`")
@@ -106,17 +106,20 @@ def release_host_uid(uid: int | None) -> None:
             pass
 
 
-def _release_orphan_claims() -> None:
-    """Claims whose sandbox dir is gone (its owner died between the claim and the dir's removal)."""
+def release_orphan_claims() -> None:
+    """Free the uids claimed by processes that are gone (their sandboxes are reaped with them)."""
     claims = _uid_claims()
     if not claims.is_dir():
         return
     for claim in claims.iterdir():
         try:
-            sid = claim.read_text()
-        except OSError:
+            owner = json.loads(claim.read_text())
+            pid, start = int(owner["pid"]), owner.get("start")
+        except (OSError, ValueError, KeyError, TypeError):
+            if time.time() - claim.stat().st_mtime > 60:  # half-written long ago
+                claim.unlink(missing_ok=True)
             continue
-        if sid and not (state_root() / sid).exists() and time.time() - claim.stat().st_mtime > 60:
+        if not owner_alive(pid, start):
             claim.unlink(missing_ok=True)
 
 
@@ -429,7 +432,7 @@ def reap(everything: bool = False) -> list[str]:
             continue
         cleanup_dir(d)
         removed.append(d.name)
-    _release_orphan_claims()
+    release_orphan_claims()
     if removed:
         log.info("reaped %d local sandbox(es) of dead runs: %s", len(removed), ", ".join(removed))
     return removed
