@@ -419,3 +419,73 @@ def test_no_host_path_in_mountinfo_or_command_lines(backend):
             leaks = [line for line in r.stdout.splitlines() if any(s in line for s in secrets)]
             assert not leaks, leaks
     run(go())
+
+
+# Run in sandbox A while sandbox B (same backend, same host) holds a secret file, a SysV segment and an
+# abstract unix socket: A reaches none of it, and B keeps working while A exhausts what it may.
+REACH_NEIGHBOUR = r"""
+import ctypes, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+found = []
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        for what in ("root/work/neighbour-secret", "cwd/neighbour-secret"):
+            try:
+                found.append(open("/proc/%s/%s" % (pid, what)).read())
+            except OSError:
+                pass
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect("\0agentrl-neighbour")
+    found.append("abstract socket")
+except OSError:
+    pass
+if libc.shmget(0x6E16, 0, 0) >= 0:
+    found.append("sysv segment")
+print("found", found)
+"""
+NEIGHBOUR = r"""
+import ctypes, socket, time
+libc = ctypes.CDLL(None, use_errno=True)
+open("/work/neighbour-secret", "w").write("SECRET")
+libc.shmget(0x6E16, 4096, 0o1666)
+s = socket.socket(socket.AF_UNIX)
+s.bind("\0agentrl-neighbour")
+s.listen(1)
+print("ready", flush=True)
+time.sleep(120)
+"""
+EXHAUST = r"""
+import os
+# /tmp, /dev/shm and /work full, every fd of this process taken
+for path in ("/tmp/fill", "/dev/shm/fill", "/work/fill"):
+    try:
+        with open(path, "wb") as f:
+            while True:
+                f.write(b"\0" * (1 << 20))
+    except OSError as e:
+        print(path, e.errno)
+fds = []
+try:
+    while True:
+        fds.append(os.open("/dev/null", os.O_RDONLY))
+except OSError as e:
+    print("fds", len(fds), e.errno)
+"""
+
+
+def test_a_sandbox_reaches_nothing_of_its_neighbour(backend):
+    async def go():
+        async with sandbox(backend) as a, sandbox(backend) as b:
+            held = await b.spawn(["python3", "-c", NEIGHBOUR], cwd="/")
+            assert await asyncio.wait_for(held.stdout.readline(), 30) == b"ready\n"
+            r = await a.exec(["python3", "-c", REACH_NEIGHBOUR])
+            assert r.stdout == "found []\n", r
+            if backend == "docker" or a.mounted:  # (local, not root: no tmpfs to fill, the host's disk)
+                r = await a.exec(["python3", "-c", EXHAUST], timeout=60)
+                assert r.stdout.count(" 28\n") == 3 and "fds" in r.stdout, r  # ENOSPC three times, EMFILE
+            r = await a.exec(":(){ :|:& };: ; sleep 2; echo survived", timeout=20)  # a fork bomb in A ...
+            r = await b.exec("head -c 1000000 /dev/zero > /tmp/x && ls /work && rm /tmp/x && echo fine", timeout=30)
+            assert r.stdout == "neighbour-secret\nfine\n", r  # ... and B works on, with its room
+            assert (await a.exec("echo a-alive", timeout=30)).stdout == "a-alive\n"
+    run(go(), timeout=240)

@@ -327,3 +327,43 @@ def test_the_graders_interpreter_runs_no_planted_hook(arun, backend):
              ".local/lib/python3.11/site-packages/sitecustomize.py": hook}
     result = arun(grade(files, HiddenTests(["assert f() is False"]), sandbox=backend))
     assert (result.passed, result.total) == (1, 1), result
+
+
+HOLD_FDS = """import os
+fds = []
+try:
+    while True:
+        fds.append(os.open('/dev/null', os.O_RDONLY))
+except OSError as e:
+    print(len(fds) > 500, e.errno)
+"""
+FILL_DISK = """try:
+    with open('/work/fill', 'wb') as f:
+        while True:
+            f.write(b'0' * (1 << 20))
+except OSError as e:
+    print('full', e.errno)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exhausted_fds_and_a_full_disk_are_the_agents_problem(arun, backend):
+    """The python tool's interpreter holding every fd it may, and the workdir filled: the calls that
+    fail say why, as tool results; the tools and the episode go on."""
+    _skip_unless(backend)
+    env = AttackEnv(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        if backend == "docker" or env.sandbox_instance.mounted:  # (local, not root: the host's disk)
+            obs, *_ = arun(env.astep(call("python", code=FILL_DISK)))
+            assert "full 28" in obs[0]["content"], obs  # ENOSPC
+            obs, reward, done, _, info = arun(env.astep(call("write_file", path="more.txt", content="x" * 100000)))
+            assert not done and obs[0]["content"].startswith("Error"), (obs, info)
+        obs, *_ = arun(env.astep(call("python", code=HOLD_FDS)))
+        assert obs[0]["content"] == "True 24", obs  # EMFILE
+        obs, reward, done, _, info = arun(env.astep(call("bash", command="rm -f /work/fill; echo ok")
+                                                    + call("python", code="len(fds)")))
+        assert not done and obs[0]["content"] == "ok\n[exit code: 0]" and int(obs[1]["content"]) > 500, obs
+        assert not env.sandbox_instance.tainted
+    finally:
+        arun(env.aclose())
