@@ -66,7 +66,8 @@ SERVER_ARGV = ["python3", "-I", "-c", SERVER_BOOT]
 # host's end is a file the trainer owns and reads back after a restart.
 STDERR_CAP_BYTES = 1 << 20
 _CAP_STDERR = ('d=$(mktemp -d) && mkfifo "$d/e" || exit 125; '
-               '{ head -c "$1"; n=$(wc -c); [ "$n" -eq 0 ] || printf "\\n[agentrl: %s more bytes of stderr dropped]\\n" "$n"; } '
+               '{ head -c "$1"; n=$(wc -c); '
+               '[ "$n" -eq 0 ] || printf "\\n[agentrl: %s more bytes of stderr dropped]\\n" "$n"; } '
                '<"$d/e" >&2 & exec 2>"$d/e"; rm -rf "$d"; shift; exec "$@"')
 
 

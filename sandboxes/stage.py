@@ -4,8 +4,8 @@ A sandbox must see the code it runs (a tool server, its dependencies) and nothin
 the host: not the project's data files (a task file holds the hidden tests and reference
 solutions), not the host's virtualenv, not the path it lives at. `stage_files` copies exactly
 the files it is given into a content-addressed folder next to the sandboxes' state dir
-(`/tmp/agentrl-stages/<hash>` by default; a tmpfs as root, see `stage_root`), world-readable, and mounts of that folder are
-all a sandbox gets; `distribution_files` names the files of installed distributions and
+(`/tmp/agentrl-stages/<hash>` by default; a tmpfs as root, see `stage_root`), world-readable,
+and mounts of that folder are all a sandbox gets; `distribution_files` names the files of installed distributions and
 their requirements (what `pip install X` put there), so only a package's closure is staged.
 """
 from __future__ import annotations

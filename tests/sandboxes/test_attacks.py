@@ -365,7 +365,8 @@ def test_stderr_of_a_spawn_is_bounded_on_the_host(backend, tmp_path):
                     await asyncio.sleep(0.1)
             data = (tmp_path / "stderr").read_bytes()
             assert STDERR_CAP_BYTES <= len(data) < STDERR_CAP_BYTES + 200, len(data)
-            assert data.endswith(b"[agentrl: %d more bytes of stderr dropped]\n" % ((64 << 20) - STDERR_CAP_BYTES)), data[-200:]
+            dropped = (64 << 20) - STDERR_CAP_BYTES
+            assert data.endswith(b"[agentrl: %d more bytes of stderr dropped]\n" % dropped), data[-200:]
     run(go())
 
 
