@@ -21,13 +21,14 @@ Backends (`resolve_backend(name)` maps the CLI's `--sandbox docker|local|auto`):
 
 Isolation defaults (both backends): no network (`network=True` to opt in), read-only root,
 private writable /work (size-capped) and /tmp, memory / CPU / pids / wall-time / output
-limits (`SandboxLimits`), commands as uid 1000 (never root) with no capabilities,
+limits (`SandboxLimits`), commands as a non-root uid (`Sandbox.uid`: 1000 in a local
+sandbox's user namespace, a uid of its own per docker container) with no capabilities,
 no-new-privileges, a clean environment (nothing of the host's env leaks in). Processes a
 command leaves behind are killed when `exec` returns. The servers inside (exec, MCP tools)
 start isolated from the workdir (`python3 -I`, cwd /) under `base.SERVER_IDENTITY`: not
 dumpable, and on docker a uid pair the agent's uid cannot signal. A sandbox whose server
-was restarted is `tainted` (a pool never reuses it). The README's "Sandboxes: the threat
-model" says what holds for which deployment.
+was restarted is `tainted` (a pool never reuses it). docs/security.md (the threat model)
+says what holds for which deployment.
 
 Failures: a failing command is an `ExecResult`; a broken sandbox raises `SandboxError`
 (mark the trajectory failed, don't score it). A missing image raises `ImageNotFoundError`.

@@ -76,7 +76,18 @@ def _leftovers(me, sessions=True):
         pid = stack.pop()
         protected.add(pid)
         stack.extend(children.get(pid, []))
-    return [p for p, (_, st, _) in table.items() if p not in protected and st != b"Z"]
+    return [p for p, (_, st, _) in table.items() if p not in protected and _alive(p, st)]
+
+
+def _alive(pid, state):
+    """Not a plain zombie: a process whose main thread exited shows as one while its other
+    threads run (a kill of its pid ends them)."""
+    if state != b"Z":
+        return True
+    try:
+        return len(os.listdir("/proc/%d/task" % pid)) > 1
+    except OSError:
+        return False
 
 
 def kill_leftovers(me, deadline_s=2.0, sessions=True):

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import threading
 import time
 import uuid
@@ -47,8 +48,9 @@ SERVER_IDENTITY = (
     "    os.setgroups([])\n"
     "    for cap in range(64):\n"
     "        libc.prctl(24, cap, 0, 0, 0)\n"  # PR_CAPBSET_DROP
-    f"    os.setresgid(0, {SANDBOX_UID}, 0)\n"
-    f"    os.setresuid(0, {SANDBOX_UID}, 0)\n"
+    f"    uid = int(os.environ.get('AGENTRL_SANDBOX_UID', '{SANDBOX_UID}'))\n"
+    "    os.setresgid(0, uid, 0)\n"
+    "    os.setresuid(0, uid, 0)\n"
     "if libc.prctl(4, 0, 0, 0, 0) != 0:\n"  # PR_SET_DUMPABLE
     "    raise SystemExit('cannot make the server non-dumpable')\n")
 # the server's source goes in through stdin (one base64 line), so `ps` shows a short command
@@ -58,6 +60,23 @@ SERVER_BOOT = SERVER_IDENTITY + (
 # `-I`: no cwd, PYTHONPATH or user site on sys.path, so nothing the agent wrote is ever imported by
 # the server (it starts, and restarts, with cwd "/", outside the workdir)
 SERVER_ARGV = ["python3", "-I", "-c", SERVER_BOOT]
+# What the host keeps of the stderr of anything it starts in a sandbox (servers, spawns): the first
+# STDERR_CAP_BYTES and a note, written by a host process between the two (`cap_stderr`); the rest is
+# read and dropped. The agent's code may reach a server's stderr (a child inheriting it), and the
+# host's end is a file the trainer owns and reads back after a restart.
+STDERR_CAP_BYTES = 1 << 20
+_CAP_STDERR = ('d=$(mktemp -d) && mkfifo "$d/e" || exit 125; '
+               '{ head -c "$1"; n=$(wc -c); '
+               '[ "$n" -eq 0 ] || printf "\\n[agentrl: %s more bytes of stderr dropped]\\n" "$n"; } '
+               '<"$d/e" >&2 & exec 2>"$d/e"; rm -rf "$d"; shift; exec "$@"')
+
+
+def cap_stderr(argv: Sequence[str], limit: int = STDERR_CAP_BYTES) -> list[str]:
+    """Host argv running `argv` (same pid: it is exec'd) with its stderr bounded on the host side:
+    the first `limit` bytes reach the caller's stderr, the rest is drained and dropped."""
+    return ["/bin/sh", "-c", _CAP_STDERR, "sh", str(int(limit)), *argv]
+
+
 MAX_STRAY_LINES = 64  # answers with a wrong id skipped per request before the channel counts as broken
 RUN_ID = os.environ.get("AGENTRL_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
 
@@ -154,6 +173,50 @@ if left:
     sys.exit("not clean: " + ", ".join(left[:20]))
 """
 
+def _tgid(tid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{tid}/status").read_text().splitlines():
+            if line.startswith("Tgid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def kill_cgroup(cgroup: Path, keep: frozenset[int] = frozenset(), timeout_s: float = 10.0) -> bool:
+    """SIGKILL every thread group in `cgroup` (host pids) but those in `keep`; True once the
+    cgroup lists no thread outside `keep`. It reads the kernel's list of threads (v1 `tasks`, v2
+    `cgroup.threads`), so a process whose main thread exited while another runs (a zombie in
+    /proc) is there; a kill of any of its threads ends them all. Bounded: a fork bomb is capped
+    by the cgroup's pids limit and what is SIGKILLed forks no more."""
+    listing = next((cgroup / f for f in ("tasks", "cgroup.threads", "cgroup.procs") if (cgroup / f).exists()), None)
+    if listing is None:
+        return False
+    if not keep and (cgroup / "cgroup.kill").exists():
+        try:
+            (cgroup / "cgroup.kill").write_text("1")
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            tids = [int(t) for t in listing.read_text().split()]
+        except (OSError, ValueError):
+            return False
+        doomed = [t for t in tids if not keep or _tgid(t) not in keep]
+        if not doomed:
+            return True
+        if time.monotonic() > deadline:
+            log.warning("cgroup %s: %d thread(s) still there after %.0f s of SIGKILL", cgroup, len(doomed), timeout_s)
+            return False
+        for tid in doomed:
+            try:
+                os.kill(tid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.01)
+
+
 _reaped: set[str] = set()
 
 
@@ -195,6 +258,7 @@ class Sandbox:
                  mounts: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
                  start_timeout_s: float = 60.0):
         self.id = f"sbx-{uuid.uuid4().hex[:12]}"
+        self.uid = SANDBOX_UID  # the agent's uid inside (docker: one per container, see docker_backend)
         self.limits = limits or SandboxLimits()
         self.network = network
         self.mounts = {str(Path(h).resolve()): s for h, s in (mounts or {}).items()}
@@ -230,6 +294,13 @@ class Sandbox:
 
     async def _destroy(self) -> None:
         raise NotImplementedError
+
+    async def _kill_all(self) -> bool:
+        """SIGKILL every process of the sandbox (servers included; the container's own init and
+        main process excepted) and prove it from the kernel's view: True only once the sandbox's
+        cgroup lists no other thread. False where that cannot be proven (the sandbox is then
+        destroyed instead of reused)."""
+        return False
 
     def _destroy_sync(self) -> None:
         """Best-effort synchronous teardown (interpreter exit)."""
@@ -447,17 +518,28 @@ class Sandbox:
         return proc
 
     async def reset(self) -> bool:
-        """Wipe every writable place (/work, /tmp, /dev/shm, /dev/mqueue) and the SysV IPC
-        objects for the next trajectory, then check that all of it is empty. False if the
-        sandbox could not be proven clean, or is tainted (then discard it)."""
+        """Make the sandbox as new for the next trajectory: kill every process in it (the exec
+        server too), prove from its cgroup that none is left (`_kill_all`: a process whose main
+        thread exited, a double-forked daemon, a renamed one all count), start a fresh exec
+        server, then wipe every writable place (/work, /tmp, /dev/shm, /dev/mqueue) and the SysV
+        IPC objects and check they are empty. False if any step fails, or the sandbox is
+        tainted: then discard it."""
         self._check_open()
         for proc in self._spawned:
             await _kill_proc(proc)
         self._spawned.clear()
         if self.tainted:
             return False
-        # sweep: on docker, killing a spawn's `docker exec` client leaves its process running in
-        # the container (an MCP server whose ToolSet was not closed, a grader's child)
+        await _kill_proc(self._chan)
+        self._chan = None
+        if not await self._kill_all():
+            log.info("sandbox %s: cannot prove that no process of its last user is left; not reused", self.id)
+            return False
+        try:
+            await self._start_server()
+        except SandboxError as e:
+            log.warning("sandbox %s: exec server did not restart after the reset's kill: %s", self.id, e)
+            return False
         res = await self.exec(["python3", "-I", "-c", RESET_SCRIPT], timeout=60, sweep=True)
         if res.exit_code != 0:
             log.warning("sandbox %s: reset failed: %s", self.id, res.stderr[-500:])

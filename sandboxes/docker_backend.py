@@ -15,19 +15,23 @@ processes that are gone, even after SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import threading
+from pathlib import Path
 from typing import Mapping, Sequence
 
+from .local_backend import claim_host_uid, release_host_uid, release_orphan_claims
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, ImageNotFoundError,
-                   Sandbox, SandboxError, log, owner_alive, reap_once)
+                   Sandbox, SandboxError, cap_stderr, kill_cgroup, log, owner_alive, reap_once)
 
 DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
 LABEL = "agentrl.sandbox"
 # The container's main process (`sleep infinity`): root, not the agent's uid, so it cannot kill
 # it; and docker gives `docker exec -u 0` the container's capabilities only when its user is root
 MAIN_UID = 0
+CGROOT = Path("/sys/fs/cgroup")
 HOST = socket.gethostname()
 
 _client = None
@@ -75,6 +79,7 @@ class DockerSandbox(Sandbox):
         super().__init__(**kw)
         self.image = image
         self.container = None
+        self._main_pid: int | None = None  # host pid of the container's `sleep infinity`
         if shutil.which("docker") is None:
             raise SandboxError("the docker backend needs the docker CLI (apt-get install docker.io)")
 
@@ -93,6 +98,10 @@ class DockerSandbox(Sandbox):
                 f"Build the base image with `agentrl sandbox build` (or `bash scripts/build_sandbox_image.sh`), "
                 f"or build your own with `agentrl sandbox build --dockerfile PATH --tag {self.image}`.") from None
         lim = self.limits
+        # the agent's uid: one of its own per container, claimed like a local sandbox's host uid. Without
+        # a user namespace it is the host's uid, and the kernel counts per-user objects (inotify
+        # instances and watches) per uid: with one uid for all, one container could take them all
+        self.uid = claim_host_uid(self.id)
         labels = {LABEL: "1", "agentrl.run_id": RUN_ID, "agentrl.owner_pid": str(OWNER_PID),
                   "agentrl.owner_start": str(OWNER_START), "agentrl.owner_host": HOST,
                   "agentrl.sandbox_id": self.id}
@@ -112,11 +121,11 @@ class DockerSandbox(Sandbox):
                 nano_cpus=int(lim.cpus * 1e9), pids_limit=lim.pids,
                 ulimits=[Ulimit(name="nofile", soft=lim.nofile, hard=lim.nofile),
                          Ulimit(name="core", soft=0, hard=0)],
-                tmpfs={WORKDIR: f"size={lim.workdir_mb}m,uid={SANDBOX_UID},gid={SANDBOX_UID},mode=0755,exec",
+                tmpfs={WORKDIR: f"size={lim.workdir_mb}m,uid={self.uid},gid={self.uid},mode=0755,exec",
                        "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
                 shm_size=f"{min(lim.tmp_mb, 64)}m",
                 volumes={h: {"bind": s, "mode": "ro"} for h, s in self.mounts.items()},
-                environment=self.env, working_dir=WORKDIR)
+                environment={**self.env, "AGENTRL_SANDBOX_UID": str(self.uid)}, working_dir=WORKDIR)
         except docker.errors.APIError as e:
             raise SandboxError(f"docker sandbox {self.id}: cannot start a container of "
                                f"{self.image!r}: {e.explanation or e}") from None
@@ -125,11 +134,11 @@ class DockerSandbox(Sandbox):
                    cwd: str | None = None, server: bool = False) -> list[str]:
         if self.container is None:
             raise SandboxError(f"sandbox {self.id} has no container")
-        user = "0:0" if server else f"{SANDBOX_UID}:{SANDBOX_UID}"
+        user = "0:0" if server else f"{self.uid}:{self.uid}"
         flags = ["-i", "-u", user, "-w", cwd or WORKDIR]
         for k, v in (env or {}).items():
             flags += ["-e", f"{k}={v}"]
-        return ["docker", "exec", *flags, self.container.id, *argv]
+        return cap_stderr(["docker", "exec", *flags, self.container.id, *argv])
 
     async def _alive(self) -> bool:
         if self.container is None:
@@ -140,11 +149,36 @@ class DockerSandbox(Sandbox):
             return False
         return self.container.status == "running"
 
+    async def _kill_all(self) -> bool:
+        return await asyncio.to_thread(self._kill_all_sync)
+
+    def _kill_all_sync(self) -> bool:
+        """Kill, from the host, every process of the container's cgroup but its init and main
+        process (`sleep infinity`, root: the only child of init the agent's uid cannot make); needs
+        root on the host (else False: the container is not reused)."""
+        if os.geteuid() != 0 or self.container is None:
+            return False
+        try:
+            self.container.reload()
+            init = int(self.container.attrs["State"]["Pid"])
+        except Exception:
+            return False
+        cgroup = _pids_cgroup(init)
+        if not init or cgroup is None:
+            return False
+        if self._main_pid is None:
+            mains = [p for p in _children(init) if _real_uid(p) == MAIN_UID]
+            if len(mains) != 1:
+                return False
+            self._main_pid = mains[0]
+        return kill_cgroup(cgroup, keep=frozenset({init, self._main_pid}))
+
     async def _destroy(self) -> None:
         await asyncio.to_thread(self._destroy_sync)
 
     def _destroy_sync(self) -> None:
         if self.container is None:
+            release_host_uid(self.uid)
             return
         import docker.errors
         try:
@@ -155,6 +189,43 @@ class DockerSandbox(Sandbox):
             if "already in progress" not in str(e):
                 raise
         self.container = None
+        release_host_uid(self.uid)  # its processes are gone with it
+
+
+def _pids_cgroup(pid: int) -> Path | None:
+    """The cgroup of `pid` that lists its threads: v1's pids hierarchy, or v2's unified one."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, ctls, path = line.split(":", 2)
+        if "pids" in ctls.split(","):
+            d = CGROOT / "pids" / path.lstrip("/")
+        elif ctls == "" and (CGROOT / "cgroup.controllers").exists():
+            d = CGROOT / path.lstrip("/")
+        else:
+            continue
+        if d.is_dir() and d != CGROOT and d != CGROOT / "pids":
+            return d
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _real_uid(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def list_containers(all_runs: bool = True) -> list:
@@ -181,6 +252,7 @@ def reap(everything: bool = False) -> list[str]:
             removed.append(c.name)
         except Exception as e:
             log.warning("reap: cannot remove %s: %s", c.name, e)
+    release_orphan_claims()
     if removed:
         log.info("reaped %d docker sandbox(es) of dead runs: %s", len(removed), ", ".join(removed))
     return removed

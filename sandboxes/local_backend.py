@@ -4,7 +4,7 @@ Each sandbox is a state directory `$AGENTRL_SANDBOX_DIR/<id>` (default
 /tmp/agentrl-sandboxes) holding `owner.json` and `fs/{work,tmp}`, bound at /work and /tmp
 inside. Every process (the exec server, `spawn`s) is started as:
 
-    sh -c 'join cgroups' -> prlimit (rlimits) -> setpriv (drop to uid 65534, root only)
+    sh -c 'join cgroups' -> prlimit (rlimits) -> setpriv (drop to a host uid of its own, root only)
        -> bwrap (new user/pid/net/ipc/uts/cgroup namespaces, read-only /usr /etc ...,
                  private /proc /dev, clean env, no capabilities, uid 1000 inside,
                  the seccomp filter of seccomp.py)
@@ -36,9 +36,13 @@ from typing import Mapping, Sequence
 
 from . import seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
-                   log, owner_alive, reap_once)
+                   cap_stderr, kill_cgroup, log, owner_alive, reap_once)
 
-HOST_UID = 65534  # what sandboxed processes are on the host when we are root
+HOST_UID = 65534  # what sandboxed processes are on the host when we are not given one of their own
+# As root, each sandbox runs as a host uid of its own from this range (claimed in `$state_root/.uids`):
+# the kernel counts inotify instances and watches, and other per-user objects, per host uid, so one
+# sandbox exhausting its share leaves the others theirs. Far above any real user or subuid range.
+UID_BASE, UID_SLOTS = 1 << 30, 1 << 16
 CGROOT = Path("/sys/fs/cgroup")
 
 
@@ -72,6 +76,51 @@ def _cgroup_dirs(sid: str) -> dict[str, Path]:
         return {c: CGROOT / c / "agentrl" / sid for c in ("memory", "pids", "cpu")
                 if (CGROOT / c).is_dir()}
     return {}
+
+
+def _uid_claims() -> Path:
+    return state_root() / ".uids"
+
+
+def claim_host_uid(sid: str) -> int:
+    """A host uid no other live sandbox has: an exclusive claim file naming the sandbox."""
+    claims = _uid_claims()
+    claims.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for _ in range(256):
+        n = int.from_bytes(os.urandom(4), "little") % UID_SLOTS
+        try:
+            fd = os.open(claims / str(n), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            continue
+        os.write(fd, json.dumps({"id": sid, "pid": OWNER_PID, "start": OWNER_START}).encode())
+        os.close(fd)
+        return UID_BASE + n
+    raise SandboxError(f"no free sandbox uid in {claims} (256 tries): remove stale claims with `agentrl sandbox reap`")
+
+
+def release_host_uid(uid: int | None) -> None:
+    if uid is not None and UID_BASE <= uid < UID_BASE + UID_SLOTS:
+        try:
+            (_uid_claims() / str(uid - UID_BASE)).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def release_orphan_claims() -> None:
+    """Free the uids claimed by processes that are gone (their sandboxes are reaped with them)."""
+    claims = _uid_claims()
+    if not claims.is_dir():
+        return
+    for claim in claims.iterdir():
+        try:
+            owner = json.loads(claim.read_text())
+            pid, start = int(owner["pid"]), owner.get("start")
+        except (OSError, ValueError, KeyError, TypeError):
+            if time.time() - claim.stat().st_mtime > 60:  # half-written long ago
+                claim.unlink(missing_ok=True)
+            continue
+        if not owner_alive(pid, start):
+            claim.unlink(missing_ok=True)
 
 
 def _write(path: Path, value: str) -> None:
@@ -131,6 +180,8 @@ class LocalSandbox(Sandbox):
         self.fs = self.root / "fs"
         self.cgroups: dict[str, Path] = {}
         self.seccomp_bpf: Path | None = None  # the filter's program, written at setup
+        self.bwrap_args: Path | None = None  # bubblewrap's fixed arguments (NUL-separated), written at setup
+        self.host_uid = HOST_UID
         self.mounted = False
 
     async def _boot(self) -> None:
@@ -139,33 +190,49 @@ class LocalSandbox(Sandbox):
 
     def _setup(self) -> None:
         lim = self.limits
+        root = os.geteuid() == 0
         self.root.mkdir(parents=True, mode=0o711)
+        if root:
+            self.host_uid = claim_host_uid(self.id)
         (self.root / "owner.json").write_text(json.dumps(
-            {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id}))
+            {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id, "host_uid": self.host_uid}))
         self.fs.mkdir(mode=0o700)
-        etc = self.root / "etc"
-        etc.mkdir(mode=0o755)
-        for name, text in OWN_ETC.items():
-            (etc / name).write_text(text)
-            (etc / name).chmod(0o644)
         if seccomp.supported():
             self.seccomp_bpf = self.root / "seccomp.bpf"
             self.seccomp_bpf.write_bytes(seccomp.program())
         else:
             log.warning("local sandbox: no seccomp filter for %s (x86_64 and aarch64 only)", seccomp.machine())
-        root = os.geteuid() == 0
         if root:
+            # one tmpfs holds /work, /tmp and the sandbox's own /etc files: mounts from it show only
+            # paths inside it ("/work", "/etc/passwd") in the sandbox's /proc/self/mountinfo
             size = (lim.workdir_mb + lim.tmp_mb) << 20
             subprocess.run(["mount", "-t", "tmpfs", "-o",
-                            f"size={size},mode=0700,uid={HOST_UID},gid={HOST_UID},nosuid,nodev",
-                            f"agentrl-{self.id}", str(self.fs)], check=True, capture_output=True, timeout=30)
+                            f"size={size},mode=0700,uid={self.host_uid},gid={self.host_uid},nosuid,nodev",
+                            "sandbox", str(self.fs)], check=True, capture_output=True, timeout=30)
             self.mounted = True
+        etc = (self.fs if root else self.root) / "etc"
+        etc.mkdir(mode=0o755)
+        for name, text in OWN_ETC.items():
+            (etc / name).write_text(text)
+            (etc / name).chmod(0o644)
         for sub in ("work", "tmp"):
             (self.fs / sub).mkdir(mode=0o700)
             if root:
-                os.chown(self.fs / sub, HOST_UID, HOST_UID)
+                os.chown(self.fs / sub, self.host_uid, self.host_uid)
         if root:
             self._stage_mounts()
+        # the fixed part of bubblewrap's command line reaches it through a file descriptor (--args), so
+        # its pid 1's command line, which the agent can read, names no host path
+        fixed = [*_rootfs_args(etc), "--proc", "/proc", "--dev", "/dev",
+                 "--bind", str(self.fs / "work"), WORKDIR, "--bind", str(self.fs / "tmp"), "/tmp"]
+        if self.network:
+            fixed += ["--share-net", "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
+        fixed += [*(["--size", str(min(lim.tmp_mb, 64) << 20)] if _bwrap_has_size() else []),
+                  "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+        for host, inside in self.mounts.items():
+            fixed += ["--ro-bind", host, inside]
+        self.bwrap_args = self.root / "bwrap.args"
+        self.bwrap_args.write_bytes(b"".join(a.encode() + b"\0" for a in fixed))
         self.cgroups = _cgroup_dirs(self.id)
         try:
             for ctl, d in self.cgroups.items():
@@ -225,36 +292,38 @@ class LocalSandbox(Sandbox):
         # The seccomp program reaches bwrap as fd 3, opened by this script.
         bpf = self.seccomp_bpf
         join = ('for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f" || exit 125; shift; done; '
-                'exec "$@"' + (' 3<"$SECCOMP_BPF"' if bpf else ''))
+                'exec "$@" 4<"$BWRAP_ARGS"' + (' 3<"$SECCOMP_BPF"' if bpf else ''))
         rlimits = [f"--nofile={lim.nofile}", "--core=0",
                    f"--fsize={(lim.workdir_mb + lim.tmp_mb) << 20}"]
         if not self.cgroups:
             rlimits += [f"--as={max(lim.memory_mb, 256) << 20}", f"--nproc={lim.pids}"]
         demote = []
         if os.geteuid() == 0:
-            demote = ["setpriv", f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups"]
+            demote = ["setpriv", f"--reuid={self.host_uid}", f"--regid={self.host_uid}", "--clear-groups"]
+        # fd 4 (`bwrap_args`): the root file system, /proc, /dev, /work and /tmp, a /dev/shm of its own
+        # (size-capped where bwrap can) and /dev read-only (the agent's uid owns bwrap's /dev, where
+        # files would outlive a reset), the network if asked, the read-only mounts
         bwrap = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
                  "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-                 "--cap-drop", "ALL", *(["--seccomp", "3"] if bpf else []), *_rootfs_args(self.root / "etc"),
-                 "--proc", "/proc", "--dev", "/dev",
-                 "--bind", str(self.fs / "work"), WORKDIR, "--bind", str(self.fs / "tmp"), "/tmp"]
-        if self.network:
-            bwrap += ["--share-net", "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
-        # a /dev/shm of its own (size-capped where bwrap can), and /dev read-only: the agent's uid owns
-        # bwrap's /dev, where files would outlive a reset
-        bwrap += [*(["--size", str(min(lim.tmp_mb, 64) << 20)] if _bwrap_has_size() else []),
-                  "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
-        for host, inside in self.mounts.items():
-            bwrap += ["--ro-bind", host, inside]
-        bwrap += ["--remount-ro", "/", "--clearenv"]
+                 "--cap-drop", "ALL", *(["--seccomp", "3"] if bpf else []), "--args", "4",
+                 "--remount-ro", "/", "--clearenv"]
         for k, v in {**self.env, **(env or {})}.items():
             bwrap += ["--setenv", k, v]
         bwrap += ["--chdir", cwd or WORKDIR, "--", *argv]
-        return ["env", "-i", "PATH=/usr/bin:/bin:/usr/sbin:/sbin", *([f"SECCOMP_BPF={bpf}"] if bpf else []),
-                "/bin/sh", "-c", join, "sh", *procs_files, "--", "prlimit", *rlimits, *demote, *bwrap]
+        return cap_stderr(["env", "-i", "PATH=/usr/bin:/bin:/usr/sbin:/sbin", f"BWRAP_ARGS={self.bwrap_args}",
+                           *([f"SECCOMP_BPF={bpf}"] if bpf else []),
+                           "/bin/sh", "-c", join, "sh", *procs_files, "--", "prlimit", *rlimits, *demote, *bwrap])
 
     async def _alive(self) -> bool:
         return self.fs.is_dir() and not self.closed
+
+    async def _kill_all(self) -> bool:
+        """Every process of the sandbox joined its cgroup before bwrap ran (the spawn's join
+        script): empty it. Unprivileged (no cgroup) nothing proves it: the sandbox is not reused."""
+        cgroup = self.cgroups.get("pids") or self.cgroups.get("unified")
+        if cgroup is None:
+            return False
+        return await asyncio.to_thread(kill_cgroup, cgroup)
 
     async def _destroy(self) -> None:
         await asyncio.to_thread(self._destroy_sync)
@@ -299,9 +368,13 @@ def _remove_cgroups(cgroups: dict[str, Path], timeout_s: float = 15.0) -> None:
 
 
 def cleanup_dir(root: Path) -> None:
-    """Kill what runs in a local sandbox and remove its cgroups, tmpfs and state dir."""
+    """Kill what runs in a local sandbox and remove its cgroups, tmpfs and state dir, and free its uid."""
     sid = root.name
     _remove_cgroups(_cgroup_dirs(sid))
+    try:
+        host_uid = json.loads((root / "owner.json").read_text()).get("host_uid")
+    except (OSError, ValueError):
+        host_uid = None
     for mnt in _mounts_under(root):
         r = subprocess.run(["umount", "-l", mnt], capture_output=True, timeout=30)
         if r.returncode != 0:
@@ -310,6 +383,7 @@ def cleanup_dir(root: Path) -> None:
         log.warning("local sandbox %s: mounts remain under %s; not removing it", sid, root)
         return
     shutil.rmtree(root, ignore_errors=True)
+    release_host_uid(host_uid)  # its processes are gone (the cgroup is): the uid is free
 
 
 def _mounts_under(root: Path) -> list[str]:
@@ -333,6 +407,8 @@ def list_dirs() -> list[tuple[Path, dict]]:
     if not base.is_dir():
         return out
     for d in sorted(base.iterdir()):
+        if d.name.startswith("."):  # .uids: the uid claims
+            continue
         try:
             owner = json.loads((d / "owner.json").read_text())
         except (OSError, ValueError):
@@ -356,6 +432,7 @@ def reap(everything: bool = False) -> list[str]:
             continue
         cleanup_dir(d)
         removed.append(d.name)
+    release_orphan_claims()
     if removed:
         log.info("reaped %d local sandbox(es) of dead runs: %s", len(removed), ", ".join(removed))
     return removed

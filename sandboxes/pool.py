@@ -12,9 +12,10 @@
   are kept only within that bound: at most `max_active` are alive
   and at most `max_creating` are being created at once, so the Docker daemon is never
   flooded. `warm` idle sandboxes are kept ready.
-* A released sandbox is reset (/work, /tmp, /dev/shm, /dev/mqueue and SysV IPC wiped, its
-  processes killed) and goes back to the warm set only when a check after the wipe finds it
-  empty; if that fails, if a server in it was restarted (`Sandbox.tainted`: the agent may
+* A released sandbox is reset (every process killed, the exec server too, and its cgroup
+  proven empty; then /work, /tmp, /dev/shm, /dev/mqueue and SysV IPC wiped) and goes back to
+  the warm set only when both checks hold; if one fails (or nothing can prove the cgroup
+  empty: local not root), if a server in it was restarted (`Sandbox.tainted`: the agent may
   have planted something there), or with `reuse=False`, it is destroyed and a fresh one is
   made in the background.
 * Every member of a GRPO group starts from the same state: the first acquire of a

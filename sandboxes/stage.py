@@ -4,8 +4,8 @@ A sandbox must see the code it runs (a tool server, its dependencies) and nothin
 the host: not the project's data files (a task file holds the hidden tests and reference
 solutions), not the host's virtualenv, not the path it lives at. `stage_files` copies exactly
 the files it is given into a content-addressed folder next to the sandboxes' state dir
-(`/tmp/agentrl-stage-<hash>` by default), world-readable, and mounts of that folder are
-all a sandbox gets; `distribution_files` names the files of installed distributions and
+(`/tmp/agentrl-stages/<hash>` by default; a tmpfs as root, see `stage_root`), world-readable,
+and mounts of that folder are all a sandbox gets; `distribution_files` names the files of installed distributions and
 their requirements (what `pip install X` put there), so only a package's closure is staged.
 """
 from __future__ import annotations
@@ -14,11 +14,12 @@ import hashlib
 import importlib.metadata as md
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Mapping
 
-from .base import SandboxError
+from .base import SandboxError, log
 
 
 def stage_files(files: Mapping[str, Path | bytes]) -> Path:
@@ -33,8 +34,7 @@ def stage_files(files: Mapping[str, Path | bytes]) -> Path:
         else:
             st = Path(src).stat()
             h.update(f"{rel}:{src}:{st.st_size}:{st.st_mtime_ns}".encode())
-    from .local_backend import state_root
-    stage = state_root().parent / f"agentrl-stage-{h.hexdigest()[:16]}"
+    stage = stage_root() / h.hexdigest()[:16]
     if stage.is_dir():
         return stage
     # a folder of this call's own: threads of one process stage the same content at once
@@ -58,6 +58,28 @@ def stage_files(files: Mapping[str, Path | bytes]) -> Path:
     except OSError:  # another process staged it first
         shutil.rmtree(tmp, ignore_errors=True)
     return stage
+
+
+def stage_root() -> Path:
+    """Where staged folders live: `agentrl-stages` next to the sandboxes' state dir. As root it
+    is a tmpfs of its own (mounted once per host, kept), so a mount of a staged folder shows in a
+    sandbox's /proc/self/mountinfo as "/<hash>" of a filesystem named "stage", not as a host
+    path; unprivileged, a plain folder (its path shows there)."""
+    import fcntl
+    from .local_backend import state_root
+    root = state_root().parent / "agentrl-stages"
+    root.mkdir(parents=True, exist_ok=True, mode=0o755)
+    if os.geteuid() != 0 or os.path.ismount(root):
+        return root
+    with open(state_root().parent / "agentrl-stages.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one mount, whichever process stages first
+        if not os.path.ismount(root):
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4g,mode=0755,nosuid,nodev", "stage", str(root)],
+                               capture_output=True, text=True, timeout=30)
+            if r.returncode != 0:
+                log.warning("staging: cannot mount a tmpfs at %s (%s); host paths will show in sandboxes' "
+                            "mountinfo", root, r.stderr.strip())
+    return root
 
 
 def distribution_files(*names: str) -> dict[str, Path]:

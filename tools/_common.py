@@ -29,7 +29,8 @@ def resolve_workdir(path: str | os.PathLike | None = None) -> Path:
 
 def child_env() -> dict[str, str]:
     """Environment for processes the model starts (python worker, bash commands)."""
-    env = dict(os.environ)
+    # no shell startup file: bash -c reads $BASH_ENV, sh $ENV (the workdir is the agent's)
+    env = {k: v for k, v in os.environ.items() if k not in ("BASH_ENV", "ENV")}
     if CHILD_PYTHONPATH_VAR in env:
         child = env.pop(CHILD_PYTHONPATH_VAR)
         if child:
@@ -79,7 +80,7 @@ def kill_leftovers(keep: set[int], deadline_s: float = 2.0) -> int:
                 except OSError:
                     continue
                 rest = stat[stat.rfind(b")") + 2:].split()
-                if rest[0] != b"Z":
+                if rest[0] != b"Z" or _has_threads(name):  # a zombie leader whose threads still run counts
                     children.setdefault(int(rest[1]), []).append(int(name))
         doomed, stack = [], [p for p in children.get(me, []) if p not in keep]
         while stack:
@@ -96,6 +97,13 @@ def kill_leftovers(keep: set[int], deadline_s: float = 2.0) -> int:
                 pass
         time.sleep(0.005)
     return len(killed)
+
+
+def _has_threads(pid: str) -> bool:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
+    except OSError:
+        return False
 
 
 def clip(text: str, limit: int, hint: str = "") -> str:

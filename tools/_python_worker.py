@@ -19,6 +19,17 @@ import traceback
 WORKER_FILE = os.path.abspath(__file__)
 
 
+def _capture_file(name: str):
+    """Where fds 1 and 2 point: a memory file where the platform has one, so a full /tmp (the
+    model's code may fill it; locally it shares a tmpfs with the workdir) does not stop the capture."""
+    if hasattr(os, "memfd_create"):
+        try:
+            return os.fdopen(os.memfd_create(f"python-tool-{name}", os.MFD_CLOEXEC), "w+b")
+        except OSError:
+            pass
+    return tempfile.TemporaryFile()
+
+
 def _read_capture(f, limit: int) -> str:
     size = os.fstat(f.fileno()).st_size
     os.lseek(f.fileno(), 0, os.SEEK_SET)
@@ -43,14 +54,17 @@ def main() -> None:
     proto_out = os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
-    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    out, err = _capture_file("stdout"), _capture_file("stderr")
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
     sys.stdin = open(0, "r", closefd=False)
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
     sys.argv = [""]
-    sys.path[0] = os.getcwd()  # like `python -c`: the workdir, not this file's folder
+    # like `python -c`: the workdir first, then PYTHONPATH, added now that the start is over (the
+    # interpreter runs isolated, -I: nothing the code wrote ran while it started)
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [os.getcwd(), *extra]
     ns = {"__name__": "__main__", "__builtins__": builtins}
     n = 0
     while True:
@@ -80,7 +94,10 @@ def main() -> None:
         except SystemExit as e:
             error = f"SystemExit: {e.code!r} (the interpreter keeps running)"
         except BaseException as e:  # the model's error, shown as Python would
-            sys.stderr.write(_format_exc(e))
+            try:
+                sys.stderr.write(_format_exc(e))
+            except Exception:  # noqa: BLE001 - the capture itself failed: the error line still says it
+                pass
             error = f"{type(e).__name__}: {e}"[:500]
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -27,9 +27,11 @@ from agentrl.tools._common import (KEEP_PIDS, become_subreaper, child_env, child
 
 async def run_command(command: str, cwd: Path, timeout: float, max_output: int) -> tuple[int | None, str, bool]:
     """(exit code or None on timeout, output, timed_out)."""
-    shell = shutil.which("bash") or "/bin/sh"
+    bash = shutil.which("bash")
+    # --norc --noprofile: no startup file, whatever the agent writes to its HOME (the workdir)
+    shell = [bash, "--norc", "--noprofile"] if bash else ["/bin/sh"]
     proc = await asyncio.create_subprocess_exec(
-        shell, "-c", command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        *shell, "-c", command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT, cwd=str(cwd), env=child_env(), start_new_session=True,
         **child_identity())
     KEEP_PIDS.add(proc.pid)

@@ -31,7 +31,7 @@ import gymnasium
 
 from agentrl.env import Env, Message
 from agentrl.errors import AgentFault
-from agentrl.tools.client import ToolResult, ToolSet
+from agentrl.tools.client import ToolResult, ToolServerError, ToolSet
 from agentrl.tools.parsers import get_parser, parse_tool_calls
 from agentrl.tools.spec import MCPServerSpec, as_spec, builtin_spec, tool_sandbox_options
 
@@ -191,6 +191,27 @@ class ToolEnv(Env):
         except AgentFault as e:
             log.info("%s: the agent's actions broke its episode: %s", type(self).__name__, e)
             return [], 0.0, True, False, {"agent_fault": f"{type(e).__name__}: {e}"}
+        except ToolServerError as e:
+            if not await self._broken_by_the_agent():
+                raise
+            log.info("%s: a tool server in the agent's sandbox cannot restart: %s", type(self).__name__, e)
+            return [], 0.0, True, False, {"agent_fault": f"{type(e).__name__}: {str(e)[:2000]}"}
+
+    async def _broken_by_the_agent(self) -> bool:
+        """A tool server that ran in the trajectory's sandbox is down (it failed to restart:
+        `chmod 000 /work`, a full disk, a killed server, all the agent's doing), while the sandbox
+        itself still answers: what broke it is what the agent did there, not the infrastructure.
+        A server on the host, or a sandbox that died, stays an infrastructure failure."""
+        sb, toolset = self.sandbox_instance, self.toolset
+        if sb is None or toolset is None:
+            return False
+        if not any(c.in_sandbox and c.session is None for c in toolset.connections.values()):
+            return False
+        try:
+            await asyncio.wait_for(sb.ping(), 30)
+        except Exception:  # noqa: BLE001 - any failure to answer: the sandbox is what broke
+            return False
+        return True
 
     async def _astep(self, action: str):
         if self.toolset is None:

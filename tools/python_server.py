@@ -42,8 +42,12 @@ class Interpreter:
         if self.proc is not None:
             KEEP_PIDS.discard(self.proc.pid)
         self.proc = await asyncio.create_subprocess_exec(
-            self.python, "-u", WORKER, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=None, cwd=str(self.workdir), env=child_env(), start_new_session=True, limit=256 << 20,
+            # -I: no user site (HOME is the workdir: a planted usercustomize.py or .pth would run at
+            # every start), no PYTHON* variables, no cwd on the path while it starts; the worker adds
+            # the workdir and PYTHONPATH once it runs. stderr: the worker's own (the code's goes to a
+            # file it reads back); never the server's, which the host reads
+            self.python, "-I", "-u", WORKER, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL, cwd=str(self.workdir), env=child_env(), start_new_session=True, limit=256 << 20,
             **child_identity())
         KEEP_PIDS.add(self.proc.pid)  # the bash tool's cleanup spares the interpreter
 

@@ -164,7 +164,9 @@ def test_reset_clears_ipc_and_every_writable_place(backend):
             if backend == "docker":
                 assert int(r.stdout.split()[3]) >= 0, r  # a POSIX queue was made
             assert "-1 -1 -1" not in (await sb.exec(["python3", "-c", IPC_READ])).stdout
-            assert await sb.reset()
+            if not await sb.reset():
+                assert not _reset_provable(sb)  # nothing proves it empty: a pool destroys it
+                return
             r = await sb.exec(["python3", "-c", IPC_READ])
             assert r.stdout == "-1 -1 -1 [] []\n", r
     run(go())
@@ -184,7 +186,9 @@ def test_reset_ends_what_spawns_left_running(backend):
         async with sandbox(backend) as sb:
             await sb.spawn(["python3", "-c", LINGER], cwd="/")
             await asyncio.sleep(0.5)
-            assert await sb.reset()
+            if not await sb.reset():
+                assert not _reset_provable(sb)  # nothing proves it empty: a pool destroys it
+                return
             await asyncio.sleep(1.0)
             r = await sb.exec("ls -A /work; ps -eo args | grep -c '[f]or _ in range' || true")
             assert r.stdout == "0\n", r
@@ -264,3 +268,225 @@ def test_pool_close_during_warmup_leaves_nothing(backend):
         await pool.close()
         assert _sandboxes_of_this_run(backend) == before
     run(go(), timeout=180)
+
+
+# A process of the last trajectory that tries to outlive it, and then spies on (and sabotages) the
+# next trajectory's files: `kind` says how it hides from a cleanup that looks at /proc.
+SURVIVOR = r"""
+import ctypes, os, platform, sys, threading, time
+kind = sys.argv[1]
+libc = ctypes.CDLL(None, use_errno=True)
+
+def spy():
+    while True:
+        try:
+            if os.path.exists("/work/solution.py"):
+                open("/work/solution.py", "w").write("def f(): return 0  # overwritten by the last one\n")
+            open("/work/spy-" + kind, "a").write(".")
+        except OSError:
+            pass
+        time.sleep(0.05)
+
+if kind != "plain":
+    if os.fork():
+        os._exit(0)  # the command returns at once; its grandchild lives on
+    os.setsid()      # out of the command's session and process group
+    if os.fork():
+        os._exit(0)  # double fork: an orphan
+if kind == "rename":
+    libc.prctl(15, b"sleep", 0, 0, 0)  # PR_SET_NAME: looks like the container's main process
+if kind == "zombie-thread":
+    threading.Thread(target=spy).start()
+    # SYS_exit ends only the main thread (ctypes let go of the GIL): /proc shows a zombie
+    libc.syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)
+spy()
+"""
+SURVIVOR_KINDS = ("zombie-thread", "daemon", "rename")
+
+
+def _reset_provable(sb) -> bool:
+    """Whether a reset can prove the sandbox empty of processes (its cgroup, read as root)."""
+    return bool(sb.cgroups) if sb.backend == "local" else os.geteuid() == 0
+
+
+def test_no_process_survives_into_the_next_trajectory(backend):
+    """Processes left by a command (through exec) and by a spawned server (the tool server's
+    children) in every state a /proc scan may skip: after the reset none runs, none touches the
+    next trajectory's solution.py, and the sandbox's cgroup (the kernel's view) holds no more."""
+    async def go():
+        async with SandboxPool(backend, warm=1, max_active=1, limits=SMALL) as pool:
+            async with pool.acquire() as sb:
+                first = sb
+                await sb.write_file("survivor.py", SURVIVOR)
+                for kind in SURVIVOR_KINDS:
+                    r = await sb.exec(["python3", "survivor.py", kind])
+                    assert r.exit_code == 0, r
+                await sb.spawn(["python3", "/work/survivor.py", "plain"], cwd="/")  # like a tool server's child
+                await asyncio.sleep(0.5)
+                r = await sb.exec("ls /work")
+                assert {f"spy-{k}" for k in SURVIVOR_KINDS} <= set(r.stdout.split()), r  # they did run
+            async with pool.acquire() as sb:
+                if _reset_provable(first):
+                    assert sb is first and pool.metrics()["reused"] == 1
+                else:
+                    assert sb is not first  # nothing proves the old one empty: it was not reused
+                await sb.write_file("solution.py", "def f(): return 42\n")
+                await asyncio.sleep(1.0)
+                assert await sb.read_file("solution.py") == b"def f(): return 42\n"
+                r = await sb.exec("ls -A /work; ps -eo pid,stat,args | grep -c '[s]urvivor.py' || true")
+                assert r.stdout == "solution.py\n0\n", r
+    run(go(), timeout=180)
+
+
+STDERR_FLOOD = r"""
+import os, sys
+chunk = b"e" * (1 << 20)
+for _ in range(64):
+    os.write(2, chunk)
+print("flooded", flush=True)
+"""
+
+
+def test_stderr_of_a_spawn_is_bounded_on_the_host(backend, tmp_path):
+    """64 MB written to a server's stderr (the host's end: a file the trainer owns, read back after a
+    restart) in a fraction of a second: the host keeps STDERR_CAP_BYTES and a note, on both backends
+    (docker: the host's docker client writes it)."""
+    from agentrl.sandboxes.base import STDERR_CAP_BYTES
+
+    async def go():
+        async with sandbox(backend) as sb:
+            with open(tmp_path / "stderr", "w+b") as errlog:
+                proc = await sb.spawn(["python3", "-c", STDERR_FLOOD], cwd="/", stderr=errlog)
+                assert await asyncio.wait_for(proc.stdout.readline(), 60) == b"flooded\n"
+                await asyncio.wait_for(proc.wait(), 30)
+                for _ in range(100):  # the host's drain notes what it dropped once the stream ends
+                    if b"dropped" in (tmp_path / "stderr").read_bytes()[-200:]:
+                        break
+                    await asyncio.sleep(0.1)
+            data = (tmp_path / "stderr").read_bytes()
+            assert STDERR_CAP_BYTES <= len(data) < STDERR_CAP_BYTES + 200, len(data)
+            dropped = (64 << 20) - STDERR_CAP_BYTES
+            assert data.endswith(b"[agentrl: %d more bytes of stderr dropped]\n" % dropped), data[-200:]
+    run(go())
+
+
+INOTIFY_HOLD = r"""
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+fds = []
+while len(fds) < 4096:
+    fd = libc.inotify_init()
+    if fd < 0:
+        break
+    fds.append(fd)
+print(len(fds), ctypes.get_errno(), flush=True)
+time.sleep(120)
+"""
+INOTIFY_ONE = "import ctypes; print(ctypes.CDLL(None, use_errno=True).inotify_init() >= 0)"
+
+
+def test_a_sandbox_cannot_exhaust_anothers_inotify(backend):
+    """Inotify instances (and watches) are counted per host uid: one sandbox holding all it can get
+    must leave the next sandbox its own (a host uid per sandbox: local as root, and docker, where the
+    agent's uid in each container is one of its own)."""
+    if os.geteuid() != 0 and backend == "local":
+        pytest.skip("local, not root: every sandbox runs as the user (docs/security.md)")
+
+    async def go():
+        async with sandbox(backend) as a, sandbox(backend) as b:
+            hog = await a.spawn(["python3", "-c", INOTIFY_HOLD], cwd="/")
+            held = (await asyncio.wait_for(hog.stdout.readline(), 30)).split()
+            assert int(held[0]) >= 100, held  # it got (about) the whole per-user share
+            r = await b.exec(["python3", "-c", INOTIFY_ONE])
+            assert r.stdout == "True\n", r
+    run(go())
+
+
+def test_no_host_path_in_mountinfo_or_command_lines(backend):
+    """/proc/self/mountinfo in a tool sandbox names no host folder of its mounts (local: the state dir
+    sbx-*/etc, docker and local: the staging folders), and no process's command line does either
+    (local: bubblewrap's pid 1 gets its fixed arguments through a file descriptor)."""
+    import tempfile
+    from agentrl.sandboxes.local_backend import state_root
+    if os.geteuid() != 0 and backend == "local":
+        pytest.skip("local, not root: no tmpfs to mount from (docs/security.md)")
+    host_tmp = str(Path(tempfile.gettempdir()).resolve())
+    secrets = (str(state_root()), "agentrl-sandboxes", "agentrl-stage", host_tmp + "/", "sbx-")
+
+    async def go():
+        async with _tool_sandbox(backend) as sb:
+            r = await sb.exec("cat /proc/self/mountinfo; cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+            assert r.exit_code == 0 and "/opt/agentrl-site" in r.stdout, r
+            leaks = [line for line in r.stdout.splitlines() if any(s in line for s in secrets)]
+            assert not leaks, leaks
+    run(go())
+
+
+# Run in sandbox A while sandbox B (same backend, same host) holds a secret file, a SysV segment and an
+# abstract unix socket: A reaches none of it, and B keeps working while A exhausts what it may.
+REACH_NEIGHBOUR = r"""
+import ctypes, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+found = []
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        for what in ("root/work/neighbour-secret", "cwd/neighbour-secret"):
+            try:
+                found.append(open("/proc/%s/%s" % (pid, what)).read())
+            except OSError:
+                pass
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect("\0agentrl-neighbour")
+    found.append("abstract socket")
+except OSError:
+    pass
+if libc.shmget(0x6E16, 0, 0) >= 0:
+    found.append("sysv segment")
+print("found", found)
+"""
+NEIGHBOUR = r"""
+import ctypes, socket, time
+libc = ctypes.CDLL(None, use_errno=True)
+open("/work/neighbour-secret", "w").write("SECRET")
+libc.shmget(0x6E16, 4096, 0o1666)
+s = socket.socket(socket.AF_UNIX)
+s.bind("\0agentrl-neighbour")
+s.listen(1)
+print("ready", flush=True)
+time.sleep(120)
+"""
+EXHAUST = r"""
+import os
+# /tmp, /dev/shm and /work full, every fd of this process taken
+for path in ("/tmp/fill", "/dev/shm/fill", "/work/fill"):
+    try:
+        with open(path, "wb") as f:
+            while True:
+                f.write(b"\0" * (1 << 20))
+    except OSError as e:
+        print(path, e.errno)
+fds = []
+try:
+    while True:
+        fds.append(os.open("/dev/null", os.O_RDONLY))
+except OSError as e:
+    print("fds", len(fds), e.errno)
+"""
+
+
+def test_a_sandbox_reaches_nothing_of_its_neighbour(backend):
+    async def go():
+        async with sandbox(backend) as a, sandbox(backend) as b:
+            held = await b.spawn(["python3", "-c", NEIGHBOUR], cwd="/")
+            assert await asyncio.wait_for(held.stdout.readline(), 30) == b"ready\n"
+            r = await a.exec(["python3", "-c", REACH_NEIGHBOUR])
+            assert r.stdout == "found []\n", r
+            if backend == "docker" or a.mounted:  # (local, not root: no tmpfs to fill, the host's disk)
+                r = await a.exec(["python3", "-c", EXHAUST], timeout=60)
+                assert r.stdout.count(" 28\n") == 3 and "fds" in r.stdout, r  # ENOSPC three times, EMFILE
+            r = await a.exec(":(){ :|:& };: ; sleep 2; echo survived", timeout=20)  # a fork bomb in A ...
+            r = await b.exec("head -c 1000000 /dev/zero > /tmp/x && ls /work && rm /tmp/x && echo fine", timeout=30)
+            assert r.stdout == "neighbour-secret\nfine\n", r  # ... and B works on, with its room
+            assert (await a.exec("echo a-alive", timeout=30)).stdout == "a-alive\n"
+    run(go(), timeout=240)

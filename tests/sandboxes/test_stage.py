@@ -1,6 +1,8 @@
 """Staging host files for sandboxes (sandboxes/stage.py): once per content, safe to run at once."""
 
+import os
 import stat
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 from agentrl.sandboxes.stage import stage_files
@@ -18,8 +20,35 @@ def test_threads_staging_the_same_files_at_once_all_get_the_stage(tmp_path, monk
         f.write_text(f"X = {i}\n" * 50)
         files[f"pkg{i % 7}/mod{i}.py"] = f
     files["data.bin"] = b"\x00\x01"
-    with ThreadPoolExecutor(16) as pool:
-        stages = list(pool.map(lambda _: stage_files(files), range(32)))
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            stages = list(pool.map(lambda _: stage_files(files), range(32)))
+        _check(stages)
+    finally:  # as root the stages are a tmpfs (stage_root): not left mounted in pytest's folder
+        if os.path.ismount(tmp_path / "agentrl-stages"):
+            subprocess.run(["umount", "-l", str(tmp_path / "agentrl-stages")], check=True)
+
+
+def test_stages_are_a_tmpfs_of_their_own_as_root(tmp_path, monkeypatch):
+    """As root the staged folders live in one tmpfs (mounted once, under a lock), so a sandbox's
+    mountinfo names them "/<hash>" of a filesystem "stage", never by their host path."""
+    if os.geteuid() != 0:
+        import pytest
+        pytest.skip("unprivileged: the stages are a plain folder")
+    monkeypatch.setenv("AGENTRL_SANDBOX_DIR", str(tmp_path / "state"))
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            stages = set(pool.map(lambda i: stage_files({"a.py": b"A = %d\n" % (i % 2)}), range(16)))
+        assert len(stages) == 2 and {s.parent for s in stages} == {tmp_path / "agentrl-stages"}
+        mounts = [line.split() for line in open("/proc/self/mountinfo")]
+        ours = [m for m in mounts if m[4] == str(tmp_path / "agentrl-stages")]
+        assert len(ours) == 1 and ours[0][3] == "/" and ours[0][-3:-1] == ["tmpfs", "stage"], ours
+    finally:
+        if os.path.ismount(tmp_path / "agentrl-stages"):
+            subprocess.run(["umount", "-l", str(tmp_path / "agentrl-stages")], check=True)
+
+
+def _check(stages):
     assert len(set(stages)) == 1
     stage = stages[0]
     assert (stage / "pkg3" / "mod3.py").read_text() == "X = 3\n" * 50 and (stage / "data.bin").read_bytes() == b"\x00\x01"

@@ -53,7 +53,7 @@ def test_builtin_servers_in_sandbox(arun, backend):
         assert env.workdir == "/work"
         obs, *_ = arun(env.astep(call("python", code="import os, sys\nn = 5\n(os.getcwd(), os.getuid(), sys.path[1:2])")))
         cwd, uid, _ = eval(obs[0]["content"])
-        assert (cwd, uid) == ("/work", 1000)
+        assert (cwd, uid) == ("/work", env.sandbox_instance.uid)  # local 1000, docker one per container
         obs, *_ = arun(env.astep(call("python", code="n * 2")))  # state persists inside the sandbox
         assert obs[0]["content"] == "10"
         # the model's code does not see the mounts that make the server run

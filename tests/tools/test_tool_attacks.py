@@ -253,3 +253,117 @@ def test_agent_fault_is_scored_not_failed(arun):
     assert (obs, reward, done, trunc) == ([], 0.0, True, False) and info == {"agent_fault": "AgentFault: solution.py is a FIFO"}
     arun(env.aclose())
     json.dumps(info)  # recorded as is in the sample's metadata
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_restart_the_agent_broke_is_its_fault(arun, backend):
+    """chmod 000 on the workdir, then the tool server killed: the restarted server cannot enter the
+    workdir. What the agent did: reward 0 with the reason, never ToolServerError (a FAILED group).
+    On docker the agent's uid cannot kill the server: its calls fail as tool errors, and it goes on."""
+    _skip_unless(backend)
+    env = AttackEnv(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        obs, reward, done, _, info = arun(env.astep(call("bash", command="chmod 000 /work; kill -9 $PPID")))
+        if backend == "docker":
+            assert not done and "Operation not permitted" in obs[0]["content"], (obs, info)
+            obs, reward, done, _, info = arun(env.astep(call("bash", command="echo hi")))
+            assert not done and obs[0]["content"].startswith("Error"), (obs, info)  # no cwd: a tool error
+            return
+        assert (obs, reward, done) == ([], 0.0, True), (obs, info)
+        assert "could not start" in info["agent_fault"] and "Permission denied" in info["agent_fault"], info
+    finally:
+        arun(env.aclose())
+
+
+PLANT_HOOKS = r"""
+import os, sys
+hook = "open('/work/HOOK-RAN', 'a').write(__name__ + ' ')\n"
+user_site = os.path.expanduser("~/.local/lib/python%d.%d/site-packages" % sys.version_info[:2])
+os.makedirs(user_site, exist_ok=True)
+for path in (user_site + "/usercustomize.py", user_site + "/sitecustomize.py", "/work/sitecustomize.py",
+             "/work/usercustomize.py"):
+    open(path, "w").write(hook)
+open(user_site + "/zz.pth", "w").write("import os; open('/work/HOOK-RAN', 'a').write('pth ')\n")
+for rc in (".bashrc", ".bash_profile", ".profile", ".bash_login"):
+    open("/work/" + rc, "w").write("echo STARTUP-FILE-RAN\n")
+print(os.environ["HOME"], user_site)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_startup_hooks_planted_in_the_workdir_never_run(arun, backend):
+    """usercustomize/sitecustomize/.pth files in the user site under HOME (the workdir) and shell
+    startup files: the python tool's interpreter, restarted after the agent's code ended it, and the
+    bash tool's shells start isolated (python -I, bash --norc --noprofile) and run none of them."""
+    _skip_unless(backend)
+    env = AttackEnv(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        arun(env.write_file("plant.py", PLANT_HOOKS))
+        obs, *_ = _bash(arun, env, "python3 -I plant.py")
+        assert obs[0]["content"].startswith("/work /work/.local/lib/python"), obs
+        obs, *_ = arun(env.astep(call("python", code="import os; os._exit(3)")))
+        assert "died" in obs[0]["content"], obs
+        obs, *_ = arun(env.astep(call("python", code="import os, sys\n"
+                                      "(os.path.exists('/work/HOOK-RAN'), sys.flags.no_user_site)")))
+        assert obs[0]["content"] == "(False, 1)", obs
+        obs, *_ = _bash(arun, env, "echo plain; ls /work/HOOK-RAN 2>&1 | grep -c 'No such'")
+        assert obs[0]["content"] == "plain\n1\n[exit code: 0]", obs
+    finally:
+        arun(env.aclose())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_graders_interpreter_runs_no_planted_hook(arun, backend):
+    """The code env grades the agent's files in a sandbox with child.py under `python3 -I`: a
+    sitecustomize.py or usercustomize.py among them never runs before the solution loads."""
+    _skip_unless(backend)
+    from agentrl.envs.code_env.grader import HiddenTests, grade
+    hook = "import sys; sys.modules['builtins'].HOOKED = True\n"
+    files = {"solution.py": "import builtins\ndef f():\n    return getattr(builtins, 'HOOKED', False)\n",
+             "sitecustomize.py": hook, "usercustomize.py": hook,
+             ".local/lib/python3.11/site-packages/usercustomize.py": hook,
+             ".local/lib/python3.11/site-packages/sitecustomize.py": hook}
+    result = arun(grade(files, HiddenTests(["assert f() is False"]), sandbox=backend))
+    assert (result.passed, result.total) == (1, 1), result
+
+
+HOLD_FDS = """import os
+fds = []
+try:
+    while True:
+        fds.append(os.open('/dev/null', os.O_RDONLY))
+except OSError as e:
+    print(len(fds) > 500, e.errno)
+"""
+FILL_DISK = """try:
+    with open('/work/fill', 'wb') as f:
+        while True:
+            f.write(b'0' * (1 << 20))
+except OSError as e:
+    print('full', e.errno)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exhausted_fds_and_a_full_disk_are_the_agents_problem(arun, backend):
+    """The python tool's interpreter holding every fd it may, and the workdir filled: the calls that
+    fail say why, as tool results; the tools and the episode go on."""
+    _skip_unless(backend)
+    env = AttackEnv(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        if backend == "docker" or env.sandbox_instance.mounted:  # (local, not root: the host's disk)
+            obs, *_ = arun(env.astep(call("python", code=FILL_DISK)))
+            assert "full 28" in obs[0]["content"], obs  # ENOSPC
+            obs, reward, done, _, info = arun(env.astep(call("write_file", path="more.txt", content="x" * 100000)))
+            assert not done and obs[0]["content"].startswith("Error"), (obs, info)
+        obs, *_ = arun(env.astep(call("python", code=HOLD_FDS)))
+        assert obs[0]["content"] == "True 24", obs  # EMFILE
+        obs, reward, done, _, info = arun(env.astep(call("bash", command="rm -f /work/fill; echo ok")
+                                                    + call("python", code="len(fds)")))
+        assert not done and obs[0]["content"] == "ok\n[exit code: 0]" and int(obs[1]["content"]) > 500, obs
+        assert not env.sandbox_instance.tainted
+    finally:
+        arun(env.aclose())
