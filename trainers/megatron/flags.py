@@ -143,3 +143,11 @@ TRAINER_FLAGS = frozenset({
 def is_megatron_flag(name: str) -> bool:
     """NAME with underscores (no leading dashes)."""
     return name in CORE_FIELDS or name in TRAINING_FLAGS or name in TRAINER_FLAGS
+
+# megatron.training flags slime's scripts pass (appended for slime's launch scripts, issue 33)
+TRAINING_FLAGS.update({
+    "accumulate_allreduce_grads_in_fp32": ("grad_reduce_in_fp32", True),
+    "no_check_for_nan_in_loss_and_grad": ("check_for_nan_in_grad", False),
+    "decoder_first_pipeline_num_layers": ("num_layers_in_first_pipeline_stage", None),
+    "decoder_last_pipeline_num_layers": ("num_layers_in_last_pipeline_stage", None),
+})
