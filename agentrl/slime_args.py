@@ -98,6 +98,7 @@ NO_EFFECT: dict[str, str] = {
     "disable_wandb_random_suffix": "the wandb run is named after the run folder",
     "no_offload_train": "--colocate decides offloading (--colocate-offload)",
     "no_offload_rollout": "--colocate decides offloading (--colocate-offload)",
+    "loss_mask_type": "masks come from the agent loop (policy tokens 1, the rest 0), never re-derived from text",
     "use_dynamic_batch_size": "",  # checked in finish(): it needs --max-tokens-per-gpu, which agentrl packs by
 }
 # slime options agentrl refuses, each with why
@@ -217,6 +218,32 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
         i = nxt
     flags.present = flags.present or bool(flags.shape)
     return out, flags
+
+
+MAPPED = {"update_weight_buffer_size", "eval_top_p", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
+          "wandb_host"}  # translate() turns these into agentrl's settings
+
+
+def flag_status(flag: str, parser_flags: set[str]) -> str:
+    """How `agentrl train` takes a slime flag (docs/slime.md is checked against this):
+    agentrl (a field or mapped onto one), model-shape, no-effect, refused, megatron, sglang,
+    router, or unknown (refused by the parser)."""
+    from agentrl.trainers.megatron.flags import is_megatron_flag
+
+    name = flag.lstrip("-").replace("-", "_")
+    if flag in parser_flags or name in RENAMED or name in MAPPED or name == "use_dynamic_batch_size":
+        return "agentrl"
+    if name in SHAPE_VALUES or name in SHAPE_SWITCHES:
+        return "model-shape"
+    if name in SHAPE_FROM_CONFIG or name in NO_EFFECT:
+        return "no-effect"
+    if name in REFUSED:
+        return "refused"
+    if flag.startswith("--sglang-"):
+        return "sglang"
+    if flag.startswith("--router-"):
+        return "router"
+    return "megatron" if is_megatron_flag(name) else "unknown"
 
 
 def defaults(flags: SlimeFlags, megatron_args: dict) -> dict[str, dict[str, Any]]:
