@@ -192,3 +192,24 @@ def test_did_you_mean_suggests_only_close_flags(capsys):
     with pytest.raises(SystemExit):  # the issue's --rotary-base -> --ray-address: no far-off hint
         suggest_flags(build_parser()).parse_args(["--rotary-bass", "2", "--rm-typ", "x"])
     assert "did you mean" not in capsys.readouterr().err
+
+
+def test_rm_type_scores_a_real_run(tmp_path):
+    """The slime env and --rm-type in the loop: 2 iterations on the tiny model, every saved
+    trajectory scored by rm_hub's math (1/0), none failed."""
+    import subprocess
+
+    from spine_helpers import agentrl_cli, run_env
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {n}.", "label": str(n)}) + "\n" for n in range(8)))
+    out = tmp_path / "run"
+    proc = subprocess.run([agentrl_cli(), "train", "--env", "slime", "--rm-type", "math", "--prompt-data", str(data),
+                           "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+                           "--global-batch-size", "8", "--rollout-max-response-len", "8", "--no-progress",
+                           "--output-dir", str(out)], capture_output=True, text=True, env=run_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for i in range(2)
+            for line in (out / "trajectories" / f"rollout_{i:05d}.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all(r["reward"] in (0, 1) for r in rows)
+    assert all(r["status"] != "failed" for r in rows), [r.get("metadata", {}).get("error") for r in rows]
