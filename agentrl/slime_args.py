@@ -98,6 +98,9 @@ NO_EFFECT: dict[str, str] = {
     "disable_wandb_random_suffix": "the wandb run is named after the run folder",
     "no_offload_train": "--colocate decides offloading (--colocate-offload)",
     "no_offload_rollout": "--colocate decides offloading (--colocate-offload)",
+    "data_pad_size_multiplier": "packed micro-batches are padded as tensor/sequence parallelism needs, by the trainer",
+    "enable_experimental": "GLM-5's model file sets it; no model family of agentrl's Megatron trainer uses it",
+    "model_name": "the HF <-> Megatron weight mapping is picked by config.json's model_type",
     "loss_mask_type": "masks come from the agent loop (policy tokens 1, the rest 0), never re-derived from text",
     "use_dynamic_batch_size": "",  # checked in finish(): it needs --max-tokens-per-gpu, which agentrl packs by
 }
@@ -117,6 +120,23 @@ REFUSED: dict[str, str] = {
     "custom_config_path": "give agentrl a YAML file with --config",
     "eval_config": "give eval sets with --eval-prompt-data NAME PATH",
     "train_backend": "pick the trainer with --trainer torch|megatron",
+    "use_opd": "on-policy distillation (a teacher's logprobs in the loss) is not implemented",
+    "opd_type": "on-policy distillation is not implemented",
+    "opd_kl_coef": "on-policy distillation is not implemented",
+    "opd_teacher_load": "on-policy distillation is not implemented",
+    "enable_mtp_training": "multi-token-prediction layers are not built (the model comes from the HF config.json)",
+    "use_rollout_logprobs": "the trainer recomputes the old logprobs; --use-tis corrects the rollout/trainer mismatch",
+    "rollout_stop_token_ids": "a turn ends at EOS, the env's stop strings or its token budget",
+    "rollout_max_context_len": "--rollout-max-response-len bounds the whole trajectory",
+    "multimodal_keys": "agentrl trains on text only",
+    "prefill_num_servers": "prefill/decode disaggregated engines are not launched",
+    "allgather_cp": "context parallelism is megatron-core's own (--context-parallel-size)",
+    "update_weight_mode": "weights reach the engines by --weight-sync-mode {auto,tensor,distributed,disk}",
+    "update_weight_transport": "weights reach the engines by --weight-sync-mode {auto,tensor,distributed,disk}",
+    "update_weight_disk_dir": "--weight-sync-mode disk writes under the run folder",
+    "update_weight_local_checkpoint_dir": "--weight-sync-mode disk writes under the run folder",
+    "update_weight_delta_encoding": "weight syncs send whole tensors (no delta encoding)",
+    "update_weight_delta_checksum": "weight syncs send whole tensors (no delta encoding)",
 }
 # slime flag -> agentrl flag (same meaning, another name)
 RENAMED = {"rollout_seed": "--seed"}
@@ -131,6 +151,7 @@ class SlimeFlags:
     notices: list[str] = field(default_factory=list)
     environ: dict[str, str] = field(default_factory=dict)  # wandb's key, team, host: set before the run
     eval_top_p: float | None = None
+    eval_top_k: int | None = None
     lr_warmup_fraction: float | None = None
     dynamic_batch_size: bool = False
     present: bool = False  # a slime run: model-shape flags or --ref-load
@@ -203,6 +224,8 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
             out += ["--weight-sync-bucket-mb", repr(_number(value, flag) / 2**20)]
         elif name == "eval_top_p":
             flags.eval_top_p = _number(value or "", flag)
+        elif name == "eval_top_k":
+            flags.eval_top_k = int(_number(value or "", flag))
         elif name == "lr_warmup_fraction":
             flags.lr_warmup_fraction = _number(value or "", flag)
         elif name == "moe_layer_freq":
@@ -220,7 +243,7 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
     return out, flags
 
 
-MAPPED = {"update_weight_buffer_size", "eval_top_p", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
+MAPPED = {"update_weight_buffer_size", "eval_top_p", "eval_top_k", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
           "wandb_host"}  # translate() turns these into agentrl's settings
 
 
@@ -307,6 +330,9 @@ def finish(cfg, flags: SlimeFlags) -> None:
     if flags.eval_top_p is not None and not math.isclose(flags.eval_top_p, cfg.rollout.rollout_top_p):
         raise ConfigError(f"--eval-top-p {flags.eval_top_p}: agentrl samples evaluations with the rollout's top-p "
                           f"(--rollout-top-p {cfg.rollout.rollout_top_p}); give them the same value")
+    if flags.eval_top_k is not None and flags.eval_top_k != cfg.rollout.rollout_top_k:
+        raise ConfigError(f"--eval-top-k {flags.eval_top_k}: agentrl samples evaluations with the rollout's top-k "
+                          f"(--rollout-top-k {cfg.rollout.rollout_top_k}); give them the same value")
     if cfg.algo.reward_key not in (None, "score"):
         raise ConfigError(f"--reward-key {cfg.algo.reward_key}: agentrl's advantages read a dict reward's 'score' "
                           "entry; return the reward under 'score' (other keys are logged as they are)")

@@ -42,6 +42,17 @@ def script_args(slime: Path, script: str) -> list[str]:
     return out.stdout.splitlines()
 
 
+def array_flags(slime: Path) -> list[str]:
+    """Every flag in the argument arrays (`NAME=( ... )`, comments dropped) of slime's scripts/
+    and examples/ shell files: what its scripts hand train.py / train_async.py."""
+    flags = set()
+    for sh in sorted([*slime.glob("scripts/**/*.sh"), *slime.glob("examples/**/*.sh")]):
+        for array in re.finditer(r"^[A-Z_]+=\(\n(.*?)^\)", sh.read_text(), re.M | re.S):
+            body = "\n".join(line.split("#")[0] for line in array.group(1).splitlines())
+            flags.update(re.findall(r"(?:^|\s)(--[a-z][a-z0-9-]*)", body))
+    return sorted(flags)
+
+
 def checked_in(name: str) -> list[str]:
     return (DATA / f"{name}.args").read_text().splitlines()
 
@@ -50,6 +61,7 @@ if __name__ == "__main__":
     DATA.mkdir(parents=True, exist_ok=True)
     for name, script in SCRIPTS.items():
         (DATA / f"{name}.args").write_text("\n".join(script_args(Path(sys.argv[1]), script)) + "\n")
+    (DATA / "all_flags.txt").write_text("\n".join(array_flags(Path(sys.argv[1]))) + "\n")
 
 
 SLIME_COMMIT = "624b824"

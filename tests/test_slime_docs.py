@@ -56,3 +56,20 @@ def test_every_special_slime_flag_is_documented():
 def test_every_flag_of_the_launch_scripts_is_accepted(name):
     flags = {a.split("=")[0] for a in checked_in(name) if a.startswith("--")}
     assert not [f for f in flags if flag_status(f, PARSER_FLAGS) == "unknown"]
+
+
+def test_every_flag_of_slimes_scripts_and_examples_is_taken():
+    """The argument arrays of all of slime's scripts/ and examples/ (tests/data/slime_scripts/
+    all_flags.txt; test_the_flag_list_is_slimes checks it against a checkout)."""
+    flags = (Path(__file__).parent / "data" / "slime_scripts" / "all_flags.txt").read_text().split()
+    assert len(flags) > 200
+    assert not [f for f in flags if flag_status(f, PARSER_FLAGS) == "unknown"]
+
+
+def test_the_flag_list_is_slimes(tmp_path):
+    from slime_scripts import array_flags, slime_checkout
+
+    slime = slime_checkout(tmp_path)
+    if slime is None:
+        pytest.skip("no slime checkout (AGENTRL_SLIME_SRC or the git mirror)")
+    assert array_flags(slime) == (Path(__file__).parent / "data" / "slime_scripts" / "all_flags.txt").read_text().split()

@@ -150,4 +150,5 @@ TRAINING_FLAGS.update({
     "no_check_for_nan_in_loss_and_grad": ("check_for_nan_in_grad", False),
     "decoder_first_pipeline_num_layers": ("num_layers_in_first_pipeline_stage", None),
     "decoder_last_pipeline_num_layers": ("num_layers_in_last_pipeline_stage", None),
+    "fp8_format": ("fp8", None),  # e4m3 | hybrid: megatron.training's name of TransformerConfig.fp8
 })
