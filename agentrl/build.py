@@ -268,8 +268,10 @@ def build_reward_fn(cfg: Config):
     rm = load_function(cfg.algo.custom_rm_path, flag="--custom-rm-path")
 
     async def reward_fn(sample):
+        from agentrl.rollout.slime import numeric_reward
+
         out = rm(cfg, sample)
-        return await out if inspect.isawaitable(out) else out
+        return numeric_reward(await out if inspect.isawaitable(out) else out)  # slime's dicts carry text too
 
     return reward_fn
 

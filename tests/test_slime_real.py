@@ -28,7 +28,7 @@ from spine_helpers import agentrl_cli, run_env
 
 SLIME_COMMIT = "624b824"
 SLIME_GIT = os.environ.get("AGENTRL_SLIME_GIT", "/work/.mirror/THUDM+slime/repo")
-MODULES = ("slime.rollout.sglang_rollout", "slime.rollout.rm_hub", "generate_with_search")
+MODULES = ("slime.rollout.sglang_rollout", "slime.rollout.rm_hub", "generate_with_search", "generate_with_retool")
 
 # An env that scores every response 0.5 (a reward of 0 or 1 in the trajectories was set by
 # slime's code), and whose stop string, slime's args.rollout_stop, ends most of the tiny
@@ -60,7 +60,8 @@ def slime_source(tmp: Path) -> Path | None:
                            capture_output=True, timeout=60)
     if found.returncode != 0:
         pytest.fail(f"{SLIME_GIT} does not hold slime's commit {SLIME_COMMIT}")
-    archive = subprocess.run(["git", "--git-dir", SLIME_GIT, "archive", SLIME_COMMIT, "slime", "examples/search-r1"],
+    archive = subprocess.run(["git", "--git-dir", SLIME_GIT, "archive", SLIME_COMMIT, "slime", "examples/search-r1",
+                              "examples/retool"],
                              capture_output=True, check=True, timeout=120).stdout
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True, timeout=120)
     return tmp
@@ -86,7 +87,7 @@ def slime_env(tmp_path_factory):
 
         generate_with_search.SEARCH_R1_CONFIGS["local"]["search_url"] = os.environ["SEARCH_URL"]
     '''))
-    paths = [str(p) for p in (src, example, tmp) if p is not None]
+    paths = [str(p) for p in (src, example, example.parent / "retool", tmp) if p is not None]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
     probe = subprocess.run([sys.executable, "-c", "; ".join(f"import {m}" for m in MODULES)],
                            env=env, capture_output=True, text=True, timeout=300)
@@ -221,6 +222,23 @@ def test_slimes_search_r1_example_trains(slime_env, retrieval, tmp_path):
                         text.startswith("\nMy previous action is invalid."), text
                 start = end
     assert contexts > 0  # 12 random tokens hold no answer: a second turn followed an observation
+
+
+def test_slimes_retool_example_trains(slime_env, tmp_path):
+    """examples/retool (its retool_qwen3_4b_rl.sh pairing): generate_with_retool.generate with
+    its reward_func (math_dapo, strict \\boxed{}, a dict with the parsed answer as text) and
+    --reward-key score, as the script passes them. The tiny model calls no tool, so every
+    reward is the script's wrong-answer score (at most -0.6); the dict's text is dropped."""
+    data = tmp_path / "dapo.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {n} + {n}?"}],
+                                        "label": str(2 * n)}) + "\n" for n in range(4)))
+    out = tmp_path / "run"
+    train(slime_env, out, "--prompt-data", str(data), "--custom-generate-function-path", "generate_with_retool.generate",
+          "--custom-rm-path", "generate_with_retool.reward_func", "--reward-key", "score",
+          "--max-tokens-per-gpu", "4096")
+    for rows in trajectories(out):
+        for t in rows:
+            assert set(t["reward"]) == {"score", "acc"} and t["reward"]["score"] <= -0.6, t["reward"]
 
 
 def test_slimes_search_observation_is_agentrl_search_r1s(slime_env, retrieval):

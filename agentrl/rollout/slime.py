@@ -206,11 +206,21 @@ def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
         rm_type=values.get("rm_type"), rm_url=values.get("rm_url"), multimodal_keys=None,
         apply_chat_template_kwargs=values.get("apply_chat_template_kwargs") or {},
         sglang_enable_deterministic_inference=False, router_policy=values.get("router_policy"),
+        rollout_max_context_len=None,  # agentrl bounds a trajectory by --rollout-max-response-len
+        **megatron_sizes(cfg.megatron_args),
         sglang_model_routers=None, eval_datasets=[],
     )
     args = SlimeArgs(**values)
     init_slime_http(args)
     return args
+
+
+def megatron_sizes(megatron_args: dict) -> dict[str, int]:
+    """Megatron's parallel sizes as slime's args carry them (ints, default 1): slime's examples
+    size budgets by them (retool: context_parallel_size * max_tokens_per_gpu)."""
+    names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+             "expert_model_parallel_size")
+    return {n: int(megatron_args.get(n) or 1) for n in names}
 
 
 def env_stop(name: str) -> list[str] | None:
@@ -307,7 +317,7 @@ def to_agentrl(s: Any, *, where: str, trajectory_id: str, group_id: int, env_nam
             start = end
     reward = getattr(s, "reward", None)
     if reward is not None:
-        out.reward = {k: float(v) for k, v in reward.items()} if isinstance(reward, dict) else float(reward)
+        out.reward = numeric_reward(reward)
     out.validate()
     return out
 
@@ -325,7 +335,7 @@ async def score(sample: AgentSample, task: dict, *, env: Env, seed: int, reward_
             ids = ids[:-1]
         text = sample.response or renderer.decode(ids)
         _, reward, *_ = await env.astep(Action.build(text, ids, renderer.decode))
-        sample.reward = {k: float(v) for k, v in reward.items()} if isinstance(reward, dict) else float(reward)
+        sample.reward = numeric_reward(reward)
     except Exception as exc:
         sample.status, sample.reward = SampleStatus.FAILED, 0.0
         sample.metadata["error"] = f"scoring the sample: {type(exc).__name__}: {exc}"
@@ -532,6 +542,14 @@ class RolloutHook:
                         reward_fn=self.reward_fn, renderer=self.renderer)
         finally:
             await env.aclose()
+
+
+def numeric_reward(reward) -> float | dict[str, float]:
+    """A reward as agentrl keeps it: a number, or a dict of numbers. slime's reward dicts also
+    carry text (math_dapo's "pred", the parsed answer): it is dropped, not a crash."""
+    if isinstance(reward, dict):
+        return {k: float(v) for k, v in reward.items() if isinstance(v, (int, float)) and not isinstance(v, str)}
+    return float(reward)
 
 
 def load_slime_rm(args):
