@@ -136,6 +136,8 @@ def cmd_eval(argv: list[str]) -> int:
     from agentrl.config import parse_config
 
     cfg, ns = parse_config(argv, env_defaults_for=_env_defaults, parser=suggest_flags(eval_parser()))
+    for notice in ns.slime_notices:  # --load with no checkpoint there evaluates the reference: say so
+        print(f"agentrl eval: {notice}", file=sys.stderr)
     from agentrl.evaluation import evaluate_checkpoint
 
     evaluate_checkpoint(cfg, limit=getattr(ns, "eval_limit", None))
