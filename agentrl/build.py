@@ -286,7 +286,10 @@ def build_reward_fn(cfg: Config):
     rm = load_function(cfg.algo.custom_rm_path, flag="--custom-rm-path")
 
     async def reward_fn(sample):  # bounded: GradingTimeout (the agent's fault) past --custom-rm-timeout
-        return await call_reward_fn(rm, cfg, sample, timeout=cfg.algo.custom_rm_timeout)
+        from agentrl.rollout.slime import numeric_reward
+
+        out = await call_reward_fn(rm, cfg, sample, timeout=cfg.algo.custom_rm_timeout)
+        return numeric_reward(out)  # slime's dict rewards carry text too
 
     return reward_fn
 

@@ -49,7 +49,8 @@ def suggest_flags(parser):
         if message.startswith("unrecognized arguments:"):
             for word in message.split(":", 1)[1].split():
                 flag = word.split("=", 1)[0]
-                close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
+                # a high cutoff: a far-off hint (--rotary-base -> --ray-address) misleads more than none
+                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8) if flag.startswith("--") else []
                 if close:
                     message += f"\n{flag}: did you mean {close[0]}?"
         plain_error(message)
@@ -62,9 +63,17 @@ def cmd_train(argv: list[str]) -> int:
     from agentrl.config import build_parser, parse_config
 
     cfg, ns = parse_config(argv, env_defaults_for=_env_defaults, parser=suggest_flags(build_parser()))
+    for notice in ns.slime_notices:  # slime flags accepted with no effect here, each with why
+        print(f"agentrl train: {notice}", file=sys.stderr)
+    import os
+
+    os.environ.update(ns.slime_environ)  # --wandb-key/-team/-host, never written to config.yaml
     if getattr(ns, "dry_run", False):
         import yaml
 
+        from agentrl.slime_args import dry_run_checks
+
+        dry_run_checks(cfg)  # hooks imported (a typo in a path fails here), Megatron flags typed, model family known
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return 0
     if cfg.train.loss_type == "sft_loss":  # slime's way to ask for SFT
@@ -127,6 +136,8 @@ def cmd_eval(argv: list[str]) -> int:
     from agentrl.config import parse_config
 
     cfg, ns = parse_config(argv, env_defaults_for=_env_defaults, parser=suggest_flags(eval_parser()))
+    for notice in ns.slime_notices:  # --load with no checkpoint there evaluates the reference: say so
+        print(f"agentrl eval: {notice}", file=sys.stderr)
     from agentrl.evaluation import evaluate_checkpoint
 
     evaluate_checkpoint(cfg, limit=getattr(ns, "eval_limit", None))

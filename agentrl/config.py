@@ -182,7 +182,7 @@ class AlgoConfig(Section):
     """On-policy distillation: each trained token's advantage loses --opd-kl-coef x (student logprob -
     teacher logprob), the per-token reverse KL to the teacher (--opd-teacher-load), on top of any
     estimator (with a constant reward, distillation alone)."""
-    opd_type: Literal["megatron", "torch"] | None = None
+    opd_type: Literal["megatron", "torch", "sglang"] | None = None
     """Where the teacher runs: beside the policy in the trainer ("megatron", slime's name, also for the
     PyTorch trainer; "torch" is its alias). None with --use-opd: the trainer's."""
     opd_kl_coef: float = Field(1.0, ge=0)
@@ -215,6 +215,13 @@ class AlgoConfig(Section):
     custom_rm_timeout: float = Field(60.0, gt=0)
     """Seconds one call of the --custom-rm-path function may take; past it the sample scores 0
     with the reason in metadata["agent_fault"] (a reward function reads the model's output)."""
+    rm_type: str | None = None
+    """slime's rule-based reward (agentrl/rm_hub): deepscaler, dapo, math, f1, gpqa, ifbench, remote_rm, random,
+    or boxed_X (X on the last \\boxed{} answer); a row's metadata rm_type overrides it; --custom-rm-path wins."""
+    rm_url: str | None = None
+    """--rm-type remote_rm: the URL POSTed {prompt, response, label}, answering the reward as JSON."""
+    reward_key: str | None = None
+    """A dict reward's key the advantage uses (slime's --reward-key); None: its "score"."""
 
 
 class TrainConfig(Section):
@@ -306,7 +313,11 @@ class RunConfig(Section):
     save_interval: int | None = Field(None, ge=1)
     """Save every N iterations (and at the end); None: only at the end."""
     load: str | None = None
-    """Resume from this checkpoint folder (latest iteration inside it)."""
+    """Resume from this checkpoint folder (latest iteration inside it); as in slime, a folder with no
+    checkpoint yet starts from the reference, and an HF checkpoint folder is the model to start from."""
+    ref_load: str | None = None
+    """slime's reference checkpoint: an HF folder is the model to start from and the KL reference; slime's
+    Megatron torch_dist folder is not read (the reference comes from --hf-checkpoint's weights)."""
     ray_address: str | None = None
     """Join a Ray cluster (HOST:PORT, started with `ray start --head`); None: start Ray locally."""
     ray_trainer_resource: str | None = None
@@ -519,9 +530,7 @@ def _split_passthrough(argv: list[str]) -> tuple[list[str], dict[str, dict[str, 
                 and is_megatron_flag(name):  # Megatron's own flag, by name
             _, eq, value = arg.partition("=")
             if not eq:
-                value = None
-                if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                    value, i = argv[i + 1], i + 1
+                value, i = _passthrough_value(argv, i)
             passthrough["megatron_args"][name] = value
             i += 1
             continue
@@ -529,9 +538,7 @@ def _split_passthrough(argv: list[str]) -> tuple[list[str], dict[str, dict[str, 
             if arg.startswith(prefix):
                 name, eq, value = arg[len(prefix):].partition("=")
                 if not eq:
-                    value = None
-                    if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                        value, i = argv[i + 1], i + 1
+                    value, i = _passthrough_value(argv, i)
                 passthrough[key][name] = value
                 break
         else:
@@ -540,17 +547,32 @@ def _split_passthrough(argv: list[str]) -> tuple[list[str], dict[str, dict[str, 
     return rest, passthrough
 
 
+def _passthrough_value(argv: list[str], i: int) -> tuple[str | None, int]:
+    """The words after argv[i] up to the next --flag, joined by spaces (a list flag takes several:
+    --sglang-cuda-graph-bs 1 2 4 8), or None for a bare switch; and the index of the last word."""
+    j = i + 1
+    while j < len(argv) and not argv[j].startswith("--"):
+        j += 1
+    return (" ".join(argv[i + 1:j]) if j > i + 1 else None), j - 1
+
+
 def parse_config(argv: list[str], env_defaults_for=None, parser: argparse.ArgumentParser | None = None
                  ) -> tuple[Config, argparse.Namespace]:
     """argv -> resolved Config. `env_defaults_for(env_name, env_modules)` supplies the env's
     default_config layer (the CLI passes a registry lookup; tests may pass None)."""
+    from agentrl import slime_args
+
+    argv, slime = slime_args.translate(argv)  # slime's launch-script flags (agentrl/slime_args.py)
     rest, passthrough = _split_passthrough(argv)
+    passthrough["megatron_args"].update(slime.megatron)
     ns = (parser or build_parser()).parse_args(rest)
     flags = {k: v for k, v in vars(ns).items() if k in FIELDS}
     layers: dict = {s: {} for s in SECTIONS}
     if getattr(ns, "config", None):
         layers = _merge(layers, load_yaml(ns.config))
     layers = _merge(layers, _flat_to_nested(flags, "command line"))
+    layers = _merge(slime_args.defaults(slime, passthrough["megatron_args"]), layers)
+    slime_args.prepare(layers, slime)
     env_name = layers["run"].get("env", RunConfig.model_fields["env"].default)
     if env_defaults_for is not None:
         env_layer = _flat_to_nested(env_defaults_for(env_name, layers["run"].get("env_module", [])),
@@ -559,7 +581,11 @@ def parse_config(argv: list[str], env_defaults_for=None, parser: argparse.Argume
     layers["sglang_args"] = {**layers.get("sglang_args", {}), **passthrough["sglang_args"]}
     layers["router_args"] = {**layers.get("router_args", {}), **passthrough["router_args"]}
     layers["megatron_args"] = {**layers.get("megatron_args", {}), **passthrough["megatron_args"]}
-    return resolve(layers), ns
+    slime_args.warmup(layers, slime)
+    cfg = resolve(layers)
+    slime_args.finish(cfg, slime)
+    ns.slime_notices, ns.slime_environ = slime.notices, slime.environ
+    return cfg, ns
 
 
 TINY_MODEL_LR, CHECKPOINT_LR, SFT_CHECKPOINT_LR = 3e-3, 1e-6, 1e-5
@@ -632,11 +658,11 @@ def resolve(layers: dict) -> Config:
     if cfg.run.colocate and cfg.rollout.async_rollout:
         raise ConfigError("--colocate time-shares the GPUs between rollout and training; it cannot overlap them "
                           "(--async): drop one of the two")
-    if cfg.rollout.rollout_function_path and cfg.rollout.async_rollout:
-        raise ConfigError("--rollout-function-path fills each batch itself, between training steps; it cannot "
-                          "overlap them (--async): drop one of the two")
     if cfg.rollout.mask_offpolicy_in_partial_rollout and not cfg.rollout.partial_rollout:
         raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
+    if cfg.algo.use_opd and cfg.algo.opd_type == "sglang":
+        raise ConfigError("--opd-type sglang (the teacher's logprobs from an SGLang server during rollout) is not "
+                          "supported yet: use --opd-type megatron, the teacher loaded beside the policy in the trainer")
     if cfg.algo.use_opd and not cfg.algo.opd_teacher_load:
         raise ConfigError("--use-opd needs --opd-teacher-load PATH (the teacher's HF checkpoint)")
     if cfg.algo.opd_teacher_load and not Path(cfg.algo.opd_teacher_load).exists():

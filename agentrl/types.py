@@ -105,6 +105,14 @@ class Sample:
             return float(self.reward.get("score", 0.0))
         return float(self.reward)
 
+    def get_reward_value(self, args) -> float:
+        """slime's accessor, which its filters call (check_reward_nonzero_std): the dict reward's
+        --reward-key entry when one is set (args: agentrl's Config or slime's flat args), else reward_value."""
+        key = getattr(getattr(args, "algo", args), "reward_key", None)
+        if key and isinstance(self.reward, dict):
+            return float(self.reward[key])
+        return self.reward_value
+
     @property
     def trainable(self) -> bool:
         """Failed (infrastructure) and aborted (cut off, unscored) trajectories are not trained on."""

@@ -229,3 +229,47 @@ def test_args_and_sampling_params_carry_what_slimes_rollout_reads():
     assert params["spaces_between_special_tokens"] is False and params["max_new_tokens"] == 16
     with pytest.raises(AttributeError, match="no agentrl counterpart"):
         args.no_such_slime_flag
+
+
+def test_async_calls_the_rollout_function_for_the_next_batch_while_this_one_trains(tokenizer, tmp_path):
+    """slime's train_async.py: generate(rollout_id + 1) starts before training on rollout_id;
+    agentrl's --async with --rollout-function-path does the same."""
+    from agentrl.config import parse_config
+    from agentrl.data import PromptSource
+    from agentrl.rollout.agent_loop import Renderer
+    from agentrl.rollout.slime import DataSource, RolloutHook, SlimeArgs
+
+    fns = tmp_path / "r.py"
+    fns.write_text("CALLS = []\n\n"
+                   "def rollout(args, rollout_id, data_source):\n"
+                   "    CALLS.append(rollout_id)\n"
+                   "    groups = data_source.get_samples(1)\n"
+                   "    for s in groups[0]:\n"
+                   "        s.tokens, s.response_length, s.loss_mask = s.tokens + [5, 6], 2, [1, 1]\n"
+                   "        s.rollout_log_probs, s.reward, s.status = [-1.0, -1.0], 1.0, type(s).Status.COMPLETED\n"
+                   "    return groups\n")
+    renderer = Renderer(tokenizer)
+
+    def run(async_rollout: bool) -> list[list[int]]:
+        hook = RolloutHook(f"{fns}:rollout", args=SlimeArgs(n_samples_per_prompt=2, env="target-token",
+                                                            async_rollout=async_rollout, num_rollout=3),
+                           renderer=renderer, make_env=None, reward_fn=None, run_seed=0,
+                           data_source=DataSource(PromptSource([{"prompt": "Repeat: of"}] * 4), renderer, 2))
+        calls = hook.fn.__globals__["CALLS"]
+        seen = []
+
+        async def loop():
+            for rollout_id in range(3):
+                batch = await hook.next_batch(rollout_id, rollout_id)
+                assert len(batch) == 2 and all(s.reward == 1.0 for s in batch)
+                await asyncio.sleep(0.3)  # "training": the prefetched call runs meanwhile
+                seen.append(list(calls))
+
+        asyncio.run(loop())
+        calls.clear()
+        return seen
+
+    assert run(async_rollout=True) == [[0, 1], [0, 1, 2], [0, 1, 2]]  # one ahead, none past the last
+    assert run(async_rollout=False) == [[0], [0, 1], [0, 1, 2]]
+    cfg, _ = parse_config(["--async", "--rollout-function-path", f"{fns}:rollout", "--num-rollout", "2"])
+    assert cfg.rollout.async_rollout  # no longer refused

@@ -28,7 +28,7 @@ from spine_helpers import agentrl_cli, run_env
 
 SLIME_COMMIT = "624b824"
 SLIME_GIT = os.environ.get("AGENTRL_SLIME_GIT", "/work/.mirror/THUDM+slime/repo")
-MODULES = ("slime.rollout.sglang_rollout", "slime.rollout.rm_hub", "generate_with_search")
+MODULES = ("slime.rollout.sglang_rollout", "slime.rollout.rm_hub", "generate_with_search", "generate_with_retool")
 
 # An env that scores every response 0.5 (a reward of 0 or 1 in the trajectories was set by
 # slime's code), and whose stop string, slime's args.rollout_stop, ends most of the tiny
@@ -60,7 +60,8 @@ def slime_source(tmp: Path) -> Path | None:
                            capture_output=True, timeout=60)
     if found.returncode != 0:
         pytest.fail(f"{SLIME_GIT} does not hold slime's commit {SLIME_COMMIT}")
-    archive = subprocess.run(["git", "--git-dir", SLIME_GIT, "archive", SLIME_COMMIT, "slime", "examples/search-r1"],
+    archive = subprocess.run(["git", "--git-dir", SLIME_GIT, "archive", SLIME_COMMIT, "slime", "examples/search-r1",
+                              "examples/retool"],
                              capture_output=True, check=True, timeout=120).stdout
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True, timeout=120)
     return tmp
@@ -86,7 +87,7 @@ def slime_env(tmp_path_factory):
 
         generate_with_search.SEARCH_R1_CONFIGS["local"]["search_url"] = os.environ["SEARCH_URL"]
     '''))
-    paths = [str(p) for p in (src, example, tmp) if p is not None]
+    paths = [str(p) for p in (src, example, example.parent / "retool", tmp) if p is not None]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
     probe = subprocess.run([sys.executable, "-c", "; ".join(f"import {m}" for m in MODULES)],
                            env=env, capture_output=True, text=True, timeout=300)
@@ -137,11 +138,11 @@ def train(env, out, *flags):
     return proc
 
 
-def trajectories(out, logprob_diff: float = 1e-3) -> list[list[dict]]:
+def trajectories(out, logprob_diff: float = 1e-3, on_policy: bool = True) -> list[list[dict]]:
     """Each iteration's saved trajectories, after checking the run: two iterations, the trainer's
     logprobs within `logprob_diff` of the engine's; every trajectory's mask and logprobs cover its
     response; the policy's tokens carry the engine's logprobs and that iteration's weights, the
-    context tokens logprob 0 and no version."""
+    context tokens logprob 0 and no version (with `on_policy` False: that iteration's or an older one)."""
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout_id"] for m in metrics] == [0, 1]
     assert metrics[0]["train_rollout_logprob_abs_diff"] < logprob_diff
@@ -154,7 +155,7 @@ def trajectories(out, logprob_diff: float = 1e-3) -> list[list[dict]]:
             assert t["status"] in ("completed", "truncated"), t["metadata"].get("error")
             assert n > 0 and len(t["loss_mask"]) == n == len(t["rollout_logprobs"]) == len(t["policy_versions"])
             for m, lp, v in zip(t["loss_mask"], t["rollout_logprobs"], t["policy_versions"]):
-                assert (lp < 0 and v == it) if m else (lp == 0.0 and v == -1)
+                assert (lp < 0 and (v == it if on_policy else 0 <= v <= it)) if m else (lp == 0.0 and v == -1)
         runs.append(rows)
     return runs
 
@@ -221,6 +222,38 @@ def test_slimes_search_r1_example_trains(slime_env, retrieval, tmp_path):
                         text.startswith("\nMy previous action is invalid."), text
                 start = end
     assert contexts > 0  # 12 random tokens hold no answer: a second turn followed an observation
+
+
+def test_slimes_retool_example_trains(slime_env, tmp_path):
+    """examples/retool (its retool_qwen3_4b_rl.sh pairing): generate_with_retool.generate with
+    its reward_func (math_dapo, strict \\boxed{}, a dict with the parsed answer as text) and
+    --reward-key score, as the script passes them. The tiny model calls no tool, so every
+    reward is the script's wrong-answer score (at most -0.6); the dict's text is dropped."""
+    data = tmp_path / "dapo.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {n} + {n}?"}],
+                                        "label": str(2 * n)}) + "\n" for n in range(4)))
+    out = tmp_path / "run"
+    train(slime_env, out, "--prompt-data", str(data), "--custom-generate-function-path", "generate_with_retool.generate",
+          "--custom-rm-path", "generate_with_retool.reward_func", "--reward-key", "score",
+          "--max-tokens-per-gpu", "4096")
+    for rows in trajectories(out):
+        for t in rows:
+            assert set(t["reward"]) == {"score", "acc"} and t["reward"]["score"] <= -0.6, t["reward"]
+
+
+def test_slimes_fully_async_example_runs_with_async(slime_env, tmp_path):
+    """examples/fully_async (train_async.py there, --async here): slime's
+    generate_rollout_fully_async, whose own worker thread keeps generating between calls, with
+    its script's --rm-type deepscaler (slime's generate_and_rm_group scores through the
+    derived --custom-rm-path, agentrl's rm_hub)."""
+    data = tmp_path / "dapo.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {n} + 1?"}],
+                                        "label": str(n + 1)}) + "\n" for n in range(16)))
+    out = tmp_path / "run"
+    train(slime_env, out, "--prompt-data", str(data), "--async", "--rm-type", "deepscaler",
+          "--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async")
+    for rows in trajectories(out, logprob_diff=0.05, on_policy=False):  # generated ahead, under older weights
+        assert all(t["reward"] == 0 for t in rows)  # no </think> in 12 random tokens: deepscaler's 0
 
 
 def test_slimes_search_observation_is_agentrl_search_r1s(slime_env, retrieval):

@@ -96,7 +96,7 @@ def test_resume_continues_at_the_same_data_position(tmp_path):
     (["--rollout-batch-size", "3", "--global-batch-size", "5"], "batch sizes do not fit"),
     (["--prompt-data", "{bad}"], ":2: not valid JSON"),
     (["--model", "{empty_model}"], "no tokenizer"),
-    (["--load", "{empty_model}"], "no checkpoint"),
+    (["--load", "{empty_model}"], "no tokenizer"),  # an HF folder in --load is the model to start from (slime)
 ])
 def test_bad_input_gets_a_clear_error(tmp_path, args, message):
     bad = tmp_path / "bad.jsonl"

@@ -197,7 +197,7 @@ def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
         sglang_server_concurrency=r.max_concurrency,
         over_sampling_batch_size=r.over_sampling_batch_size or r.rollout_batch_size,
         rollout_stop=env_stop(cfg.run.env), rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
-        rollout_global_dataset=True, group_rm=False, reward_key=None, eval_reward_key=None,
+        rollout_global_dataset=True, group_rm=False, eval_reward_key=None,
         use_rollout_routing_replay=False, sglang_dp_size=values.get("sglang_dp_size"), ci_test=False,
         # one engine group behind the router: slime's request limit is concurrency x engines
         rollout_num_gpus=r.rollout_num_gpus or r.rollout_num_gpus_per_engine, use_distributed_post=False,
@@ -206,11 +206,21 @@ def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
         rm_type=values.get("rm_type"), rm_url=values.get("rm_url"), multimodal_keys=None,
         apply_chat_template_kwargs=values.get("apply_chat_template_kwargs") or {},
         sglang_enable_deterministic_inference=False, router_policy=values.get("router_policy"),
+        rollout_max_context_len=None,  # agentrl bounds a trajectory by --rollout-max-response-len
+        **megatron_sizes(cfg.megatron_args),
         sglang_model_routers=None, eval_datasets=[],
     )
     args = SlimeArgs(**values)
     init_slime_http(args)
     return args
+
+
+def megatron_sizes(megatron_args: dict) -> dict[str, int]:
+    """Megatron's parallel sizes as slime's args carry them (ints, default 1): slime's examples
+    size budgets by them (retool: context_parallel_size * max_tokens_per_gpu)."""
+    names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+             "expert_model_parallel_size")
+    return {n: int(megatron_args.get(n) or 1) for n in names}
 
 
 def env_stop(name: str) -> list[str] | None:
@@ -307,7 +317,7 @@ def to_agentrl(s: Any, *, where: str, trajectory_id: str, group_id: int, env_nam
             start = end
     reward = getattr(s, "reward", None)
     if reward is not None:
-        out.reward = {k: float(v) for k, v in reward.items()} if isinstance(reward, dict) else float(reward)
+        out.reward = numeric_reward(reward)
     out.validate()
     return out
 
@@ -329,7 +339,7 @@ async def score(sample: AgentSample, task: dict, *, env: Env, seed: int, reward_
             ids = ids[:-1]
         text = sample.response or renderer.decode(ids)
         _, reward, *_ = await env.astep(Action.build(text, ids, renderer.decode))
-        sample.reward = {k: float(v) for k, v in reward.items()} if isinstance(reward, dict) else float(reward)
+        sample.reward = numeric_reward(reward)
     except Exception as exc:
         sample.status, sample.reward = SampleStatus.FAILED, 0.0
         sample.metadata["error"] = f"scoring the sample: {type(exc).__name__}: {exc}"
@@ -448,13 +458,28 @@ class RolloutHook:
         self.failures: dict[str, int] = {}  # failed samples by kind
         self.failed_in_row, self.first_failure = 0, None
         self.last_batch: list[AgentSample] = []  # a stopped run writes it
+        self.ahead: tuple[int, asyncio.Future] | None = None  # --async: the next batch's call, started early
 
     async def next_batch(self, rollout_id: int, version: int) -> list[AgentSample]:
-        """The function's groups as agentrl Samples, scored (the unscored ones)."""
+        """The function's groups as agentrl Samples, scored (the unscored ones). With --async
+        (slime's train_async.py) the call for the next batch starts as soon as this one is
+        returned, so it generates while this one trains: one step off policy, as in slime; the
+        weight update in between waits for the requests in flight (update_engines drains)."""
+        if self.ahead is not None and self.ahead[0] == rollout_id:
+            task, self.ahead = self.ahead[1], None
+        else:
+            task = asyncio.ensure_future(self._generate(rollout_id, version))
+        self.last_batch = []
+        samples, self.metrics = await task
+        self.last_batch = samples
+        if getattr(self.args, "async_rollout", False) and rollout_id + 1 < self.args.num_rollout:
+            self.ahead = (rollout_id + 1, asyncio.ensure_future(self._generate(rollout_id + 1, version)))
+        return samples
+
+    async def _generate(self, rollout_id: int, version: int) -> tuple[list[AgentSample], dict]:
         where = f"{ROLLOUT_FLAG} {self.spec}"
         kwargs = {"evaluation": False} if self.takes_evaluation else {}
         call = functools.partial(self.fn, self.args, rollout_id, self.data_source, **kwargs)
-        self.last_batch = []
         try:
             out = await call() if inspect.iscoroutinefunction(self.fn) else await asyncio.to_thread(call)
             if inspect.isawaitable(out):
@@ -464,10 +489,10 @@ class RolloutHook:
         except Exception as exc:  # no retry of a whole batch: slime stops here too
             raise RolloutFailedError(f"{where} raised {type(exc).__name__}: {exc}\n"
                                      f"{traceback.format_exc().rstrip()}") from exc
-        self.metrics = {}
+        metrics = {}
         if hasattr(out, "samples"):  # slime's RolloutFnTrainOutput(samples, metrics)
-            self.metrics = {f"rollout_fn/{k}": v for k, v in (getattr(out, "metrics", None) or {}).items()
-                            if isinstance(v, (int, float))}
+            metrics = {f"rollout_fn/{k}": v for k, v in (getattr(out, "metrics", None) or {}).items()
+                       if isinstance(v, (int, float))}
             out = out.samples
         if not isinstance(out, list) or not out:
             raise ConfigError(f"{where} returned {type(out).__name__}; expected slime's list[list[Sample]] "
@@ -493,7 +518,7 @@ class RolloutHook:
         await asyncio.gather(*unscored)
         self.last_batch = samples
         self._bound(samples, where)
-        return samples
+        return samples, metrics
 
     def _bound(self, samples: list[AgentSample], where: str) -> None:
         by_group: dict[int, list[AgentSample]] = {}
@@ -521,6 +546,14 @@ class RolloutHook:
                         reward_fn=self.reward_fn, renderer=self.renderer)
         finally:
             await env.aclose()
+
+
+def numeric_reward(reward) -> float | dict[str, float]:
+    """A reward as agentrl keeps it: a number, or a dict of numbers. slime's reward dicts also
+    carry text (math_dapo's "pred", the parsed answer): it is dropped, not a crash."""
+    if isinstance(reward, dict):
+        return {k: float(v) for k, v in reward.items() if isinstance(v, (int, float)) and not isinstance(v, str)}
+    return float(reward)
 
 
 def load_slime_rm(args):
@@ -551,14 +584,28 @@ async def slime_reward(rm, args, sample) -> None:
 
 
 def check_hooks(cfg) -> None:
-    """Load the configured hooks and check their signatures before anything starts."""
+    """Import every configured hook and check it takes slime's arguments, before anything
+    starts (and in --dry-run): a wrong path or a module that fails to import is an error
+    naming the flag and the path."""
     r = cfg.rollout
-    if r.custom_generate_function_path:
-        _check_signature(load_function(r.custom_generate_function_path, flag=GENERATE_FLAG),
-                         r.custom_generate_function_path, GENERATE_FLAG, ("args", "sample", "sampling_params"))
-    if r.rollout_function_path:
-        _check_signature(load_function(r.rollout_function_path, flag=ROLLOUT_FLAG), r.rollout_function_path,
-                         ROLLOUT_FLAG, ("args", "rollout_id", "data_source"))
+    hooks = [(GENERATE_FLAG, r.custom_generate_function_path, ("args", "sample", "sampling_params")),
+             (ROLLOUT_FLAG, r.rollout_function_path, ("args", "rollout_id", "data_source")),
+             ("--custom-rm-path", cfg.algo.custom_rm_path, ("args", "sample")),
+             ("--dynamic-sampling-filter-path", None if r.dynamic_sampling_filter_path == "nonzero_std"
+              else r.dynamic_sampling_filter_path, ("args", "samples"))]
+    for flag, spec, names in hooks:
+        if spec:
+            _check_signature(import_hook(spec, flag), spec, flag, names)
+
+
+def import_hook(spec: str, flag: str) -> Callable:
+    """load_function, with an import failure (a typo, a missing dependency) as a ConfigError naming the hook."""
+    try:
+        return load_function(spec, flag=flag)
+    except ConfigError:
+        raise
+    except Exception as exc:  # ImportError, or whatever the module raised while importing
+        raise ConfigError(f"{flag} {spec}: cannot import it: {type(exc).__name__}: {exc}") from exc
 
 
 def _chunk(flat: list, n: int, where: str) -> list[list]:

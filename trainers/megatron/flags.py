@@ -154,3 +154,13 @@ def wants_routing_replay(megatron_args: dict) -> bool:
         if key.lstrip("-").replace("-", "_") == "use_rollout_routing_replay":
             return value is None or value is True or str(value).lower() in ("true", "1", "yes")
     return False
+
+
+# megatron.training flags slime's scripts pass (appended for slime's launch scripts, issue 33)
+TRAINING_FLAGS.update({
+    "accumulate_allreduce_grads_in_fp32": ("grad_reduce_in_fp32", True),
+    "no_check_for_nan_in_loss_and_grad": ("check_for_nan_in_grad", False),
+    "decoder_first_pipeline_num_layers": ("num_layers_in_first_pipeline_stage", None),
+    "decoder_last_pipeline_num_layers": ("num_layers_in_last_pipeline_stage", None),
+    "fp8_format": ("fp8", None),  # e4m3 | hybrid: megatron.training's name of TransformerConfig.fp8
+})

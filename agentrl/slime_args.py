@@ -1,0 +1,417 @@
+"""slime's launch-script flags: what `agentrl train` does with the ones that are not agentrl
+config fields, so a slime script's arguments (its `train.py` / `train_async.py` line, with
+`scripts/models/*.sh` sourced) run unchanged.
+
+Each such flag is, in this order of preference:
+- mapped onto an agentrl field (`--rollout-seed` -> `--seed`, `--update-weight-buffer-size`
+  bytes -> `--weight-sync-bucket-mb`);
+- a model-shape flag (`--num-layers`, `--rotary-base`, `--swiglu`, ...): agentrl builds the
+  Megatron model from the HF `config.json`, so each is checked against it (equal is fine,
+  different is an error naming both values) and then dropped;
+- passed to Megatron (trainers/megatron/flags.py) or SGLang (`--sglang-*`), list values too;
+- accepted with a one-line notice where it has no effect here (NO_EFFECT says why);
+- refused with the reason (REFUSED: slime hooks agentrl cannot run).
+
+A slime run is recognised by its model-shape flags or `--ref-load` (every slime script has
+both): it then selects what slime runs, under any explicit flag: the Megatron trainer,
+SGLang engines, bf16 (fp16 with `--fp16`), and the `slime` env (the prompt as given, one
+response, scored by `--rm-type` / `--custom-rm-path`, agentrl/rm_hub). Why this and not a
+separate drop-in entry point: one command, one parser, one `--help`, and a slime script's
+flags mix freely with agentrl's; a second entry would be a second parser to keep in step.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from agentrl.errors import ConfigError
+
+SLIME_ENV, SLIME_ENV_MODULE = "slime", "agentrl.rm_hub.env"
+
+
+def _rope_theta(hf: dict):
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return hf.get("rope_theta", params.get("rope_theta") if isinstance(params, dict) else None)
+
+
+def _head_dim(hf: dict):
+    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+
+
+def _experts(hf: dict):
+    return hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts")
+
+
+# Megatron model flag -> its value in the HF config.json (a key, or a function of the config)
+SHAPE_VALUES: dict[str, Callable[[dict], Any]] = {
+    "num_layers": lambda hf: hf["num_hidden_layers"],
+    "hidden_size": lambda hf: hf["hidden_size"],
+    "ffn_hidden_size": lambda hf: hf["intermediate_size"],
+    "num_attention_heads": lambda hf: hf["num_attention_heads"],
+    "num_query_groups": lambda hf: hf.get("num_key_value_heads", hf["num_attention_heads"]),
+    "kv_channels": _head_dim,
+    "norm_epsilon": lambda hf: hf["rms_norm_eps"],
+    "rotary_base": _rope_theta,
+    "vocab_size": lambda hf: hf["vocab_size"],
+    "rotary_percent": lambda hf: hf.get("partial_rotary_factor", 1.0),
+    "num_experts": _experts,
+    "moe_ffn_hidden_size": lambda hf: hf["moe_intermediate_size"],
+    "moe_router_topk": lambda hf: hf["num_experts_per_tok"],
+    "max_position_embeddings": lambda hf: hf["max_position_embeddings"],
+    "q_lora_rank": lambda hf: hf["q_lora_rank"],
+    "kv_lora_rank": lambda hf: hf["kv_lora_rank"],
+    "qk_head_dim": lambda hf: hf["qk_nope_head_dim"],
+    "qk_pos_emb_head_dim": lambda hf: hf["qk_rope_head_dim"],
+    "v_head_dim": lambda hf: hf["v_head_dim"],
+    "normalization": lambda hf: "RMSNorm" if "rms_norm_eps" in hf else "LayerNorm",
+    "position_embedding_type": lambda hf: "rope" if _rope_theta(hf) is not None else "learned_absolute",
+}
+# Megatron model switches (bare flags) -> whether the HF config says the same
+SHAPE_SWITCHES: dict[str, Callable[[dict], bool]] = {
+    "swiglu": lambda hf: hf.get("hidden_act") in ("silu", "swish"),
+    "untie_embeddings_and_output_weights": lambda hf: not hf.get("tie_word_embeddings", False),
+    "group_query_attention": lambda hf: hf.get("num_key_value_heads", hf["num_attention_heads"])
+    < hf["num_attention_heads"],
+    "use_rotary_position_embeddings": lambda hf: _rope_theta(hf) is not None,
+    "disable_bias_linear": lambda hf: not hf.get("mlp_bias", False),
+    "add_qkv_bias": lambda hf: hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias")),
+    "qk_layernorm": lambda hf: str(hf.get("model_type", "")).startswith("qwen3"),
+}
+# structure flags of families whose layout agentrl reads from config.json alone
+SHAPE_FROM_CONFIG = {"apply_layernorm_1p", "use_gated_attention", "mscale", "mscale_all_dim", "rotary_scaling_factor",
+                     "use_rope_scaling", "spec", "no_position_embedding", "post_self_attn_layernorm",
+                     "post_mlp_layernorm", "multi_latent_attention", "seq_length"}
+
+# accepted, with the reason it changes nothing here
+NO_EFFECT: dict[str, str] = {
+    "balance_data": "batches are split across data-parallel ranks in order (no token balancing); "
+                    "no effect with one data-parallel rank",
+    "use_tensorboard": "tensorboard/ is always written in the run folder",
+    "save_debug_rollout_data": "every sample is always saved under <output_dir>/trajectories/",
+    "log_probs_chunk_size": "the log-prob kernels chunk the vocabulary themselves",
+    "disable_compute_advantages_and_returns": "SFT (--loss-type sft_loss) computes no advantages",
+    "disable_wandb_random_suffix": "the wandb run is named after the run folder",
+    "no_offload_train": "--colocate decides offloading (--colocate-offload)",
+    "no_offload_rollout": "--colocate decides offloading (--colocate-offload)",
+    "data_pad_size_multiplier": "packed micro-batches are padded as tensor/sequence parallelism needs, by the trainer",
+    "enable_experimental": "GLM-5's model file sets it; no model family of agentrl's Megatron trainer uses it",
+    "model_name": "the HF <-> Megatron weight mapping is picked by config.json's model_type",
+    "loss_mask_type": "masks come from the agent loop (policy tokens 1, the rest 0), never re-derived from text",
+    "use_dynamic_batch_size": "",  # checked in finish(): it needs --max-tokens-per-gpu, which agentrl packs by
+}
+# slime options agentrl refuses, each with why
+REFUSED: dict[str, str] = {
+    "custom_loss_function_path": "agentrl's losses are its algorithms (--advantage-estimator, --loss-type); "
+                                 "a custom loss would have to run inside the trainer actor's Megatron step",
+    "custom_advantage_function_path": "advantages come from --advantage-estimator (agentrl/algorithms.py)",
+    "custom_reward_post_process_path": "group normalisation is the advantage estimator's (grpo, dr_grpo, rloo, ...)",
+    "buffer_filter_path": "agentrl keeps no sample buffer between iterations (--over-sampling-batch-size "
+                          "and --dynamic-sampling-filter-path select the groups)",
+    "rollout_sample_filter_path": "use --dynamic-sampling-filter-path (whole groups, as agentrl trains them)",
+    "rollout_all_samples_process_path": "the run folder's trajectories/ holds every sample of every iteration",
+    "eval_function_path": "evaluation runs the rollout path on --eval-prompt-data (agentrl/evaluation.py)",
+    "data_source_path": "prompts come from --prompt-data or the env's dataset (agentrl/data.py)",
+    "custom_tis_function_path": "importance weights are --use-tis with --tis-mode",
+    "custom_config_path": "give agentrl a YAML file with --config",
+    "eval_config": "give eval sets with --eval-prompt-data NAME PATH",
+    "train_backend": "pick the trainer with --trainer torch|megatron",
+    "enable_mtp_training": "multi-token-prediction layers are not built (the model comes from the HF config.json)",
+    "use_rollout_logprobs": "the trainer recomputes the old logprobs; --use-tis corrects the rollout/trainer mismatch",
+    "rollout_stop_token_ids": "a turn ends at EOS, the env's stop strings or its token budget",
+    "rollout_max_context_len": "--rollout-max-response-len bounds the whole trajectory",
+    "multimodal_keys": "agentrl trains on text only",
+    "prefill_num_servers": "prefill/decode disaggregated engines are not launched",
+    "allgather_cp": "context parallelism is megatron-core's own (--context-parallel-size)",
+    "update_weight_mode": "weights reach the engines by --weight-sync-mode {auto,tensor,distributed,disk}",
+    "update_weight_transport": "weights reach the engines by --weight-sync-mode {auto,tensor,distributed,disk}",
+    "update_weight_disk_dir": "--weight-sync-mode disk writes under the run folder",
+    "update_weight_local_checkpoint_dir": "--weight-sync-mode disk writes under the run folder",
+    "update_weight_delta_encoding": "weight syncs send whole tensors (no delta encoding)",
+    "update_weight_delta_checksum": "weight syncs send whole tensors (no delta encoding)",
+}
+# slime flag -> agentrl flag (same meaning, another name)
+RENAMED = {"rollout_seed": "--seed"}
+
+
+@dataclass
+class SlimeFlags:
+    """What translate() took out of argv: checked or applied once the config is resolved."""
+
+    shape: dict[str, Any] = field(default_factory=dict)  # Megatron model flag -> value (True for a switch)
+    megatron: dict[str, Any] = field(default_factory=dict)  # typed Megatron values (moe_layer_freq lists)
+    notices: list[str] = field(default_factory=list)
+    environ: dict[str, str] = field(default_factory=dict)  # wandb's key, team, host: set before the run
+    eval_top_p: float | None = None
+    eval_top_k: int | None = None
+    lr_warmup_fraction: float | None = None
+    dynamic_batch_size: bool = False
+    present: bool = False  # a slime run: model-shape flags or --ref-load
+
+    def note(self, flag: str, why: str) -> None:
+        self.notices.append(f"{flag}: accepted, no effect here: {why}")
+
+
+def _values(argv: list[str], i: int) -> tuple[list[str], int]:
+    """The words after argv[i] up to the next --flag, and the index after them."""
+    j = i + 1
+    while j < len(argv) and not argv[j].startswith("--"):
+        j += 1
+    return argv[i + 1:j], j
+
+
+def _number(text: str, flag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{flag}: expected a number, got {text!r}") from None
+
+
+def _layer_freq(text: str) -> int | list[int]:
+    """Megatron's --moe-layer-freq: an int (every Nth layer) or a list of 0/1 per layer."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"--moe-layer-freq: expected an int or a list such as [1,1,0], got {text!r}") from None
+    if isinstance(value, int) or (isinstance(value, list) and all(isinstance(v, int) for v in value)):
+        return value
+    raise ConfigError(f"--moe-layer-freq: expected an int or a list of ints, got {text!r}")
+
+
+def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
+    """slime's flags that are not agentrl fields -> (argv for agentrl's parser, SlimeFlags)."""
+    out, flags = [], SlimeFlags()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            out.append(arg)
+            i += 1
+            continue
+        flag, eq, inline = arg.partition("=")
+        name = flag[2:].replace("-", "_")
+        if eq:
+            values, nxt = [inline], i + 1
+        else:
+            values, nxt = _values(argv, i)
+        value = values[-1] if values else None
+        if name in SHAPE_VALUES or name in SHAPE_SWITCHES:
+            flags.shape[name] = True if name in SHAPE_SWITCHES and value is None else value
+            if name in SHAPE_VALUES and value is None:
+                raise ConfigError(f"{flag}: needs a value")
+        elif name in SHAPE_FROM_CONFIG:
+            flags.note(flag, "the Megatron model is built from the HF config.json, which sets this")
+        elif name in NO_EFFECT:
+            if name == "use_dynamic_batch_size":
+                flags.dynamic_batch_size = True
+            else:
+                flags.note(flag, NO_EFFECT[name])
+        elif name in REFUSED:
+            raise ConfigError(f"{flag}: not supported by agentrl: {REFUSED[name]} (docs/slime.md)")
+        elif name in RENAMED:
+            out += [RENAMED[name], *values]
+        elif name == "update_weight_buffer_size":  # bytes -> MB
+            if value is None:
+                raise ConfigError(f"{flag}: needs a value (bytes)")
+            out += ["--weight-sync-bucket-mb", repr(_number(value, flag) / 2**20)]
+        elif name == "eval_top_p":
+            flags.eval_top_p = _number(value or "", flag)
+        elif name == "eval_top_k":
+            flags.eval_top_k = int(_number(value or "", flag))
+        elif name == "lr_warmup_fraction":
+            flags.lr_warmup_fraction = _number(value or "", flag)
+        elif name == "moe_layer_freq":
+            flags.megatron[name] = _layer_freq(value or "")
+        elif name in ("wandb_key", "wandb_team", "wandb_host"):
+            if value:  # `--wandb-key ${WANDB_KEY}` with the variable unset gives no value: no key
+                env = {"wandb_key": "WANDB_API_KEY", "wandb_team": "WANDB_ENTITY", "wandb_host": "WANDB_BASE_URL"}
+                flags.environ[env[name]] = value
+        else:
+            if name == "ref_load":
+                flags.present = True
+            out += [arg] if eq else [arg, *values]
+        i = nxt
+    flags.present = flags.present or bool(flags.shape)
+    return out, flags
+
+
+MAPPED = {"update_weight_buffer_size", "eval_top_p", "eval_top_k", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
+          "wandb_host"}  # translate() turns these into agentrl's settings
+
+
+def flag_status(flag: str, parser_flags: set[str]) -> str:
+    """How `agentrl train` takes a slime flag (docs/slime.md is checked against this):
+    agentrl (a field or mapped onto one), model-shape, no-effect, refused, megatron, sglang,
+    router, or unknown (refused by the parser)."""
+    from agentrl.trainers.megatron.flags import is_megatron_flag
+
+    name = flag.lstrip("-").replace("-", "_")
+    if flag in parser_flags or name in RENAMED or name in MAPPED or name == "use_dynamic_batch_size":
+        return "agentrl"
+    if name in SHAPE_VALUES or name in SHAPE_SWITCHES:
+        return "model-shape"
+    if name in SHAPE_FROM_CONFIG or name in NO_EFFECT:
+        return "no-effect"
+    if name in REFUSED:
+        return "refused"
+    if flag.startswith("--sglang-"):
+        return "sglang"
+    if flag.startswith("--router-"):
+        return "router"
+    return "megatron" if is_megatron_flag(name) else "unknown"
+
+
+def defaults(flags: SlimeFlags, megatron_args: dict) -> dict[str, dict[str, Any]]:
+    """The layer a slime run puts under YAML and flags: what slime would run."""
+    if not flags.present:
+        return {}
+    dtype = "float16" if "fp16" in megatron_args else "bfloat16"
+    return {"train": {"trainer": "megatron"}, "rollout": {"rollout_engine": "sglang"},
+            "model": {"dtype": dtype}, "run": {"env": SLIME_ENV}}
+
+
+def prepare(layers: dict, flags: SlimeFlags) -> None:
+    """Before resolve (layers: section -> fields, edited in place): --ref-load and --load as slime
+    reads them, the slime env's module, --lr-warmup-fraction, --rm-type's reward."""
+    run, model, algo = layers.setdefault("run", {}), layers.setdefault("model", {}), layers.setdefault("algo", {})
+    ref = run.get("ref_load")
+    if ref:
+        if _is_hf(ref):
+            if not model.get("model"):
+                model["model"] = ref
+            elif Path(model["model"]).resolve() != Path(ref).resolve():
+                raise ConfigError(f"--ref-load {ref} and --hf-checkpoint {model['model']} are different HF models: "
+                                  "agentrl starts from and references one checkpoint (drop one of them)")
+        else:
+            flags.notices.append(f"--ref-load {ref}: the KL reference and starting weights are read from "
+                                 f"--hf-checkpoint's HF weights (slime's torch_dist copy of them is not needed)")
+    load = run.get("load")
+    if load and not _has_checkpoint(Path(load)):
+        run["load"] = None
+        if _is_hf(load):  # slime: an HF folder in --load is the starting model (its finetune mode)
+            model["model"] = load
+            flags.notices.append(f"--load {load}: an HF checkpoint, not a run checkpoint: training starts from it")
+        else:
+            flags.notices.append(f"--load {load}: no checkpoint there yet, so training starts from the reference "
+                                 f"({model.get('model') or 'the built-in tiny model'}); --save writes there")
+    if run.get("env") == SLIME_ENV and SLIME_ENV_MODULE not in run.get("env_module", []):
+        run["env_module"] = [*run.get("env_module", []), SLIME_ENV_MODULE]
+    if algo.get("rm_type") and not algo.get("custom_rm_path"):
+        algo["custom_rm_path"] = "agentrl.rm_hub.async_rm"  # slime: --custom-rm-path wins over --rm-type
+
+
+def warmup(layers: dict, flags: SlimeFlags) -> None:
+    """--lr-warmup-fraction: Megatron's warmup in optimizer steps, of the run's total."""
+    if flags.lr_warmup_fraction is None:
+        return
+    from agentrl.config import RolloutConfig, TrainConfig
+
+    def get(section, cls, name):
+        return layers.get(section, {}).get(name, cls.model_fields[name].default)
+
+    steps = (int(get("rollout", RolloutConfig, "num_rollout")) * int(get("rollout", RolloutConfig, "rollout_batch_size"))
+             * int(get("rollout", RolloutConfig, "n_samples_per_prompt"))
+             // int(get("train", TrainConfig, "global_batch_size")))
+    layers.setdefault("megatron_args", {})["lr_warmup_iters"] = str(math.floor(flags.lr_warmup_fraction * steps))
+
+
+def finish(cfg, flags: SlimeFlags) -> None:
+    """After resolve: the model-shape flags against config.json, and the checks slime makes."""
+    if flags.dynamic_batch_size and cfg.train.max_tokens_per_gpu is None:
+        raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (as in slime)")
+    if flags.eval_top_p is not None and not math.isclose(flags.eval_top_p, cfg.rollout.rollout_top_p):
+        raise ConfigError(f"--eval-top-p {flags.eval_top_p}: agentrl samples evaluations with the rollout's top-p "
+                          f"(--rollout-top-p {cfg.rollout.rollout_top_p}); give them the same value")
+    if flags.eval_top_k is not None and flags.eval_top_k != cfg.rollout.rollout_top_k:
+        raise ConfigError(f"--eval-top-k {flags.eval_top_k}: agentrl samples evaluations with the rollout's top-k "
+                          f"(--rollout-top-k {cfg.rollout.rollout_top_k}); give them the same value")
+    if cfg.algo.reward_key not in (None, "score"):
+        raise ConfigError(f"--reward-key {cfg.algo.reward_key}: agentrl's advantages read a dict reward's 'score' "
+                          "entry; return the reward under 'score' (other keys are logged as they are)")
+    if cfg.algo.rm_type:
+        from agentrl.rm_hub import check_rm_type
+
+        check_rm_type(cfg.algo.rm_type, rm_url=cfg.algo.rm_url)
+    r = cfg.rollout
+    if cfg.run.env == SLIME_ENV and not (cfg.algo.custom_rm_path or r.custom_generate_function_path
+                                         or r.rollout_function_path):
+        raise ConfigError("the slime env scores with --rm-type or --custom-rm-path: give one (slime raises "
+                          "'Rule-based RM type is not specified' too)")
+    if flags.shape:
+        check_shape(flags.shape, read_hf_config(cfg.model.model, sorted(flags.shape)), cfg.model.model)
+
+
+def dry_run_checks(cfg) -> None:
+    """What --dry-run checks beyond the config: every hook imported with slime's arguments, the
+    Megatron flags typed by megatron-core's own config fields, the model family known."""
+    from agentrl.rollout.slime import check_hooks
+
+    check_hooks(cfg)
+    if cfg.train.trainer == "megatron":
+        from agentrl.trainers.megatron.args import parse_megatron_args
+
+        parse_megatron_args(dict(cfg.megatron_args))
+        if cfg.model.model:
+            check_family(read_hf_config(cfg.model.model, []), cfg.model.model)
+
+
+def read_hf_config(model: str | None, names: list[str]) -> dict:
+    given = ", ".join("--" + n.replace("_", "-") for n in names) or "slime's model flags"
+    if not model:
+        raise ConfigError(f"{given}: checked against the model's config.json, but no --hf-checkpoint is given")
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{given}: checked against the model's config.json, but {path} does not exist")
+    hf = json.loads(path.read_text())
+    return {**hf, **(hf.get("text_config") or {})}  # a multimodal model's text half
+
+
+def check_shape(shape: dict[str, Any], hf: dict, model: str) -> None:
+    """Each flag equal to the HF config's value, else an error naming both."""
+    for name, given in shape.items():
+        flag = "--" + name.replace("_", "-")
+        try:
+            expected = SHAPE_SWITCHES[name](hf) if name in SHAPE_SWITCHES else SHAPE_VALUES[name](hf)
+        except (KeyError, TypeError):
+            raise ConfigError(f"{flag} {given}: {model}/config.json has no value to check it against") from None
+        if name in SHAPE_SWITCHES:
+            if given is not True:
+                raise ConfigError(f"{flag}: a switch, takes no value (got {given!r})")
+            if not expected:
+                raise ConfigError(f"{flag}: {model}/config.json says otherwise (model_type "
+                                  f"{hf.get('model_type')!r}); drop the flag or use the model it was written for")
+            continue
+        if not _equal(given, expected):
+            raise ConfigError(f"{flag} {given} differs from {model}/config.json ({expected}); the Megatron model "
+                              "is built from config.json: drop the flag or fix it")
+
+
+def _equal(given: str, expected) -> bool:
+    if isinstance(expected, (int, float)) and not isinstance(expected, bool):
+        try:
+            return math.isclose(float(given), float(expected), rel_tol=1e-9)
+        except ValueError:
+            return False
+    return str(given).strip('"') == str(expected)
+
+
+def check_family(hf: dict, model: str) -> None:
+    """The Megatron trainer's weight mapping knows this model_type (else it would fail at start)."""
+    from agentrl.trainers.megatron.families import FAMILIES
+
+    known = sorted(t for m in FAMILIES for t in m.MODEL_TYPES)
+    if hf.get("model_type") not in known:
+        raise ConfigError(f"{model}: model family {hf.get('model_type')!r} not supported yet by the Megatron trainer "
+                          f"(supported: {', '.join(known)})")
+
+
+def _is_hf(folder: str) -> bool:
+    return (Path(folder) / "config.json").is_file()
+
+
+def _has_checkpoint(folder: Path) -> bool:
+    return (folder / "trainer_state.json").exists() or any(folder.glob("iter_*/trainer_state.json"))

@@ -1,0 +1,215 @@
+"""slime's launch scripts run unchanged through `agentrl train --dry-run` (issue 33).
+
+Five of slime's scripts (tests/slime_scripts.py lists them), their train.py / train_async.py
+arguments built as bash builds them: from slime's own files when a slime checkout is there (the
+git mirror, as tests/test_slime_real.py finds it), and always from the copies checked in under
+tests/data/slime_scripts/ (which must equal what slime's files give). Each runs through the
+parse and the dry run's checks: what it selects (Megatron, SGLang, bf16, the reward of
+--rm-type), its model-shape flags checked against the model's config.json, its hooks imported."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from slime_scripts import HF_CONFIGS, HOOK_DIRS, SCRIPTS, checked_in, script_args, slime_checkout
+
+from agentrl.config import parse_config
+from agentrl.errors import ConfigError
+from agentrl.slime_args import dry_run_checks
+
+# hooks of the scripts, written here when slime is absent: user functions with slime's signatures
+FIXTURE_HOOKS = {
+    "generate_with_search.py": "async def generate(args, sample, sampling_params):\n    return sample\n\n"
+                               "async def reward_func(args, sample, **kwargs):\n    return 0.0\n",
+    "generate_with_retool.py": "async def generate(args, sample, sampling_params):\n    return sample\n\n"
+                               "async def reward_func(args, sample, **kwargs):\n    return 0.0\n",
+    "slime/__init__.py": "", "slime/rollout/__init__.py": "",
+    "slime/rollout/fully_async_rollout.py": "def generate_rollout_fully_async(args, rollout_id, data_source, "
+                                            "evaluation=False):\n    return []\n",
+}
+
+
+@pytest.fixture(scope="module")
+def slime(tmp_path_factory):
+    return slime_checkout(tmp_path_factory.mktemp("slime"))
+
+
+@pytest.fixture
+def hooks_importable(slime, tmp_path, monkeypatch):
+    """slime's example folders on sys.path (as the scripts' PYTHONPATH), else fixture hooks."""
+    if slime is not None:
+        for folder in HOOK_DIRS:
+            monkeypatch.syspath_prepend(str(slime / folder))
+    else:
+        for name, text in FIXTURE_HOOKS.items():
+            (tmp_path / "hooks" / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "hooks" / name).write_text(text)
+        monkeypatch.syspath_prepend(str(tmp_path / "hooks"))
+    for name in [m for m in sys.modules if m.split(".")[0] in ("slime", "generate_with_search", "generate_with_retool")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def localize(args: list[str], root: Path, name: str) -> list[str]:
+    """The script's /root/... and /tmp/... paths moved under `root`; its model folder gets the
+    model's config.json."""
+    args = [str(root) + a if a.startswith(("/root/", "/tmp/")) else a for a in args]
+    model = Path(args[args.index("--hf-checkpoint") + 1])
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(HF_CONFIGS[name]))
+    return args
+
+
+def megatron_families() -> set[str]:
+    from agentrl.trainers.megatron.families import FAMILIES
+
+    return {t for m in FAMILIES for t in m.MODEL_TYPES}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_slime_script_runs_what_slime_would(name, tmp_path, hooks_importable):
+    text = " ".join(checked_in(name))
+    args = localize(checked_in(name), tmp_path, name)
+    cfg, ns = parse_config(args)
+    assert (cfg.train.trainer, cfg.rollout.rollout_engine, cfg.model.dtype) == ("megatron", "sglang", "bfloat16")
+    assert cfg.model.model == str(tmp_path) + args[args.index("--hf-checkpoint") + 1][len(str(tmp_path)):]
+    assert cfg.data.input_key == "prompt" and cfg.rollout.rollout_batch_size == int(text.split("--rollout-batch-size ")[1].split()[0])
+    # the model-shape flags were checked against config.json, not handed to Megatron to override it
+    assert not {"num_layers", "hidden_size", "num_attention_heads", "num_query_groups"} & set(cfg.megatron_args)
+    assert cfg.megatron_args["tensor_model_parallel_size"] == text.split("--tensor-model-parallel-size ")[1].split()[0]
+    assert "accumulate_allreduce_grads_in_fp32" in cfg.megatron_args
+    assert cfg.algo.use_kl_loss and cfg.algo.kl_loss_type == "low_var_kl" and cfg.algo.eps_clip_high == 0.28
+    assert cfg.train.max_tokens_per_gpu == int(text.split("--max-tokens-per-gpu ")[1].split()[0])
+    assert any(n.startswith("--balance-data: accepted, no effect here") for n in ns.slime_notices)
+    if "--rm-type" in text:  # the reward slime's rm_hub would give, here agentrl's rm_hub
+        assert cfg.algo.rm_type == "deepscaler" and cfg.algo.custom_rm_path == "agentrl.rm_hub.async_rm"
+        assert cfg.run.env == "slime" and "agentrl.rm_hub.env" in cfg.run.env_module
+    if "--custom-rm-path" in text:
+        assert cfg.algo.custom_rm_path.endswith(".reward_func") and cfg.rollout.custom_generate_function_path
+    if name == "qwen3-30B-A3B":
+        assert cfg.sglang_args["cuda-graph-bs"].split() == ["1", "2", "4", "8"] + [str(n) for n in range(16, 257, 8)]
+        assert cfg.megatron_args["moe_layer_freq"] == [1] * 48
+    if "--load" in args:  # slime's load-and-save folder, empty on the first run: start from the reference
+        assert cfg.run.load is None and any("no checkpoint there yet" in n for n in ns.slime_notices)
+    if HF_CONFIGS[name]["model_type"] in megatron_families():
+        dry_run_checks(cfg)
+    else:  # the MoE family is the scale work's: here the run gets as far as the model
+        with pytest.raises(ConfigError, match=r"model family 'qwen3_moe' not supported yet"):
+            dry_run_checks(cfg)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_checked_in_arguments_are_slimes(name, slime):
+    if slime is None:
+        pytest.skip("no slime checkout (AGENTRL_SLIME_SRC or the git mirror)")
+    assert script_args(slime, SCRIPTS[name]) == checked_in(name), \
+        f"refresh tests/data/slime_scripts: python tests/slime_scripts.py SLIME_DIR"
+
+
+def test_a_model_flag_that_differs_from_config_json_names_both(tmp_path, hooks_importable):
+    args = localize(checked_in("qwen3-4B"), tmp_path, "qwen3-4B")
+    args[args.index("--num-layers") + 1] = "35"
+    with pytest.raises(ConfigError, match=r"--num-layers 35 differs from .*config.json \(36\)"):
+        parse_config(args)
+    args = localize(checked_in("qwen3-4B"), tmp_path, "qwen3-4B") + ["--untie-embeddings-and-output-weights"]
+    with pytest.raises(ConfigError, match="--untie-embeddings-and-output-weights: .*config.json says otherwise"):
+        parse_config(args)
+    with pytest.raises(ConfigError, match=r"--rotary-base: checked against the model's config.json, but "
+                                          r".*nowhere/config.json does not exist"):
+        parse_config(["--rotary-base", "10000", "--hf-checkpoint", str(tmp_path / "nowhere"), "--rm-type", "math"])
+
+
+def test_a_hook_path_with_a_typo_fails_the_dry_run(tmp_path, hooks_importable):
+    args = localize(checked_in("search-r1"), tmp_path, "search-r1")
+    args[args.index("--custom-generate-function-path") + 1] = "generate_with_serch.generate"
+    cfg, _ = parse_config(args)
+    with pytest.raises(ConfigError, match=r"--custom-generate-function-path generate_with_serch.generate: "
+                                          r"cannot import it: ModuleNotFoundError"):
+        dry_run_checks(cfg)
+
+
+def test_load_as_slime_reads_it(tmp_path):
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    base = ["--hf-checkpoint", str(model)]
+    cfg, ns = parse_config(base + ["--load", str(tmp_path / "empty")])  # not there yet: start from the model
+    assert cfg.run.load is None and cfg.model.model == str(model) and "no checkpoint there yet" in ns.slime_notices[0]
+    run = tmp_path / "run"
+    (run / "iter_000002").mkdir(parents=True)
+    (run / "iter_000002" / "trainer_state.json").write_text("{}")
+    assert parse_config(base + ["--load", str(run)])[0].run.load == str(run)  # a checkpoint: resume
+    cfg, _ = parse_config(["--load", str(model)])  # an HF folder: slime's finetune start
+    assert cfg.run.load is None and cfg.model.model == str(model)
+    cfg, _ = parse_config(["--ref-load", str(model), "--rm-type", "math"])  # an HF reference: the start and the KL reference
+    assert cfg.model.model == str(model) and cfg.train.trainer == "megatron"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="are different HF models"):
+        parse_config(["--ref-load", str(model), "--hf-checkpoint", str(other), "--rm-type", "math"])
+
+
+def test_slime_flags_without_an_effect_say_so_and_refused_ones_say_why(tmp_path, monkeypatch):
+    cfg, ns = parse_config(["--use-tensorboard", "--update-weight-buffer-size", str(256 * 2**20),
+                            "--rollout-seed", "7", "--wandb-key", "secret", "--wandb-team", "team",
+                            "--lr-warmup-fraction", "0.5", "--num-rollout", "4", "--rollout-batch-size", "4",
+                            "--n-samples-per-prompt", "4", "--global-batch-size", "8"])
+    assert ns.slime_notices == ["--use-tensorboard: accepted, no effect here: tensorboard/ is always written in the "
+                                "run folder"]
+    assert cfg.train.weight_sync_bucket_mb == 256 and cfg.run.seed == 7
+    assert ns.slime_environ == {"WANDB_API_KEY": "secret", "WANDB_ENTITY": "team"}
+    assert "secret" not in json.dumps(cfg.model_dump(mode="json"))
+    assert cfg.megatron_args["lr_warmup_iters"] == "4"  # half of 4 rollouts x 2 steps
+    assert parse_config(["--wandb-key", "--num-rollout", "2"])[1].slime_environ == {}  # ${WANDB_KEY} unset
+    with pytest.raises(ConfigError, match="--custom-loss-function-path: not supported by agentrl: agentrl's losses"):
+        parse_config(["--custom-loss-function-path", "x.loss"])
+    with pytest.raises(ConfigError, match="--use-dynamic-batch-size needs --max-tokens-per-gpu"):
+        parse_config(["--use-dynamic-batch-size"])
+    with pytest.raises(ConfigError, match="--eval-top-p 0.9: agentrl samples evaluations with the rollout's top-p"):
+        parse_config(["--eval-top-p", "0.9"])
+    with pytest.raises(ConfigError, match="--rm-type nope: unknown; choose from deepscaler"):
+        parse_config(["--rm-type", "nope"])
+    with pytest.raises(ConfigError, match="the slime env scores with --rm-type or --custom-rm-path"):
+        parse_config(["--env", "slime", "--prompt-data", "x.jsonl"])
+
+
+def test_list_flags_take_slimes_lists():
+    cfg, _ = parse_config(["--sglang-cuda-graph-bs", "1", "2", "4", "--router-policy", "cache_aware",
+                           "--recompute-modules", "core_attn", "mlp", "--num-rollout", "2"])
+    assert cfg.sglang_args == {"cuda-graph-bs": "1 2 4"} and cfg.router_args == {"policy": "cache_aware"}
+    assert cfg.megatron_args["recompute_modules"] == "core_attn mlp"
+
+
+def test_did_you_mean_suggests_only_close_flags(capsys):
+    from agentrl.cli import suggest_flags
+    from agentrl.config import build_parser
+
+    with pytest.raises(SystemExit):
+        suggest_flags(build_parser()).parse_args(["--num-rolout", "2"])
+    assert "--num-rolout: did you mean --num-rollout?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the issue's --rotary-base -> --ray-address: no far-off hint
+        suggest_flags(build_parser()).parse_args(["--rotary-bass", "2", "--rm-typ", "x"])
+    assert "did you mean" not in capsys.readouterr().err
+
+
+def test_rm_type_scores_a_real_run(tmp_path):
+    """The slime env and --rm-type in the loop: 2 iterations on the tiny model, every saved
+    trajectory scored by rm_hub's math (1/0), none failed."""
+    import subprocess
+
+    from spine_helpers import agentrl_cli, run_env
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {n}.", "label": str(n)}) + "\n" for n in range(8)))
+    out = tmp_path / "run"
+    proc = subprocess.run([agentrl_cli(), "train", "--env", "slime", "--rm-type", "math", "--prompt-data", str(data),
+                           "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+                           "--global-batch-size", "8", "--rollout-max-response-len", "8", "--no-progress",
+                           "--output-dir", str(out)], capture_output=True, text=True, env=run_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for i in range(2)
+            for line in (out / "trajectories" / f"rollout_{i:05d}.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all(r["reward"] in (0, 1) for r in rows)
+    assert all(r["status"] != "failed" for r in rows), [r.get("metadata", {}).get("error") for r in rows]
