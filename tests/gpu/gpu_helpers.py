@@ -48,12 +48,18 @@ def random_qwen2(shape: str) -> Path:
     config.layer_types = ["full_attention"] * config.num_hidden_layers
     config.max_position_embeddings = 8192
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    # this process's own folder: scenarios run side by side on two GPUs build the same model at once
+    return save_with_tiny_tokenizer(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), out)
+
+
+def save_with_tiny_tokenizer(model, out: Path) -> Path:
+    """`model` saved at `out` beside the built-in tiny tokenizer's files. Written in this process's
+    own folder first: scenarios run side by side build the same model (same seed) at once."""
+    from agentrl.models import build_tiny_model
+
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    for f in tiny.iterdir():
+    for f in build_tiny_model().iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy2(f, tmp / f.name)
     try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -27,15 +26,12 @@ SHAPES = {
 
 def random_qwen3_moe(folder: Path, shape: str, max_positions: int) -> Path:
     """A random-init Qwen3-MoE of a named shape with the tiny tokenizer, bf16, seed 0 (cached)."""
-    import shutil
-
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from agentrl.models import build_tiny_model
+    from gpu_helpers import save_with_tiny_tokenizer
 
     if (folder / "config.json").exists():
         return folder
-    tiny = build_tiny_model()
     config = Qwen3MoeConfig(vocab_size=512, norm_topk_prob=True, max_position_embeddings=max_positions,
                             tie_word_embeddings=False, rms_norm_eps=1e-6, **SHAPES[shape])
     torch.manual_seed(0)
@@ -44,17 +40,7 @@ def random_qwen3_moe(folder: Path, shape: str, max_positions: int) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.02)
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    for f in tiny.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy2(f, tmp / f.name)
-    try:
-        tmp.rename(folder)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    return save_with_tiny_tokenizer(model, folder)
 
 
 def samples(n: int, length: int, seed: int):

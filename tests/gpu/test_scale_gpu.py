@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import KIT, OUT, SGLANG, agentrl_train, mean, random_qwen2
+from gpu_helpers import KIT, OUT, SGLANG, agentrl_train, mean, random_qwen2, save_with_tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 4,
                                 reason="the scale scenarios need 4 GPUs (the device tool's nvidia-h100-x4)")
@@ -53,15 +52,9 @@ def random_qwen2_7b() -> Path:
     torch.manual_seed(0)
     with torch.device("cuda:0"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    save_with_tiny_tokenizer(model, out)
     del model
     torch.cuda.empty_cache()
-    for f in tiny.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy2(f, tmp / f.name)
-    tmp.rename(out)
     return out
 
 

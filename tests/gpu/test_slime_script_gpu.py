@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import KIT, OUT, SGLANG, agentrl_train, trajectories
+from gpu_helpers import KIT, OUT, SGLANG, agentrl_train, save_with_tiny_tokenizer, trajectories
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the checked-in script arguments
 from slime_scripts import HF_CONFIGS, checked_in  # noqa: E402
@@ -47,12 +47,7 @@ def qwen25_05b_shape() -> Path:
             setattr(config, k, v)
     config.layer_types = ["full_attention"] * config.num_hidden_layers
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    for f in tiny.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            (out / f.name).write_bytes(f.read_bytes())
-    return out
+    return save_with_tiny_tokenizer(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), out)
 
 
 def test_fully_async_script_runs_unchanged(tmp_path):
