@@ -173,10 +173,12 @@ if left:
     sys.exit("not clean: " + ", ".join(left[:20]))
 """
 
-def _tgid(tid: int) -> int | None:
+def proc_status_number(pid: int, field: str) -> int | None:
+    """The first number of /proc/PID/status's FIELD line ("Tgid", "Uid": the real uid, ...); None
+    when the process (or thread) is gone."""
     try:
-        for line in Path(f"/proc/{tid}/status").read_text().splitlines():
-            if line.startswith("Tgid:"):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
     except (OSError, ValueError):
         pass
@@ -203,7 +205,7 @@ def kill_cgroup(cgroup: Path, keep: frozenset[int] = frozenset(), timeout_s: flo
             tids = [int(t) for t in listing.read_text().split()]
         except (OSError, ValueError):
             return False
-        doomed = [t for t in tids if not keep or _tgid(t) not in keep]
+        doomed = [t for t in tids if not keep or proc_status_number(t, "Tgid") not in keep]
         if not doomed:
             return True
         if time.monotonic() > deadline:

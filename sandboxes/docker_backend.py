@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .local_backend import claim_host_uid, release_host_uid, release_orphan_claims
-from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, ImageNotFoundError,
-                   Sandbox, SandboxError, cap_stderr, kill_cgroup, log, owner_alive, reap_once)
+from .base import (OWNER_PID, OWNER_START, RUN_ID, WORKDIR, ImageNotFoundError,
+                   Sandbox, SandboxError, cap_stderr, kill_cgroup, log, owner_alive, proc_status_number, reap_once)
 
 DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
 LABEL = "agentrl.sandbox"
@@ -167,7 +167,7 @@ class DockerSandbox(Sandbox):
         if not init or cgroup is None:
             return False
         if self._main_pid is None:
-            mains = [p for p in _children(init) if _real_uid(p) == MAIN_UID]
+            mains = [p for p in _children(init) if proc_status_number(p, "Uid") == MAIN_UID]
             if len(mains) != 1:
                 return False
             self._main_pid = mains[0]
@@ -216,16 +216,6 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except (OSError, ValueError):
         return []
-
-
-def _real_uid(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def list_containers(all_runs: bool = True) -> list:
