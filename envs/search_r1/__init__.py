@@ -24,6 +24,7 @@ import json
 import re
 import string
 import sys
+import tempfile
 import threading
 from collections import Counter
 from contextlib import AsyncExitStack
@@ -278,11 +279,15 @@ class SearchR1Env(Env):
         if self.search_server is None:  # a big corpus takes a while to index: callers use a thread
             return _in_process_server(self.corpus, self.retriever_url, self.topk)
         if self.search_server == "stdio":
-            from mcp.client.stdio import StdioServerParameters
+            from mcp.client.stdio import StdioServerParameters, stdio_client
 
             source = ["--corpus", self.corpus] if self.corpus else ["--retriever-url", self.retriever_url]
-            return StdioServerParameters(command=sys.executable,
-                                         args=["-m", "agentrl.tools.search_server", *source, "--topk", str(self.topk)])
+            params = StdioServerParameters(command=sys.executable,
+                                           args=["-m", "agentrl.tools.search_server", *source, "--topk", str(self.topk)])
+            # its stderr to a file of our own: the SDK's default is the sys.stderr of when mcp was first
+            # imported, which may have no file descriptor (a notebook's, a test's capture) and fail the spawn
+            errlog = self._stack.enter_context(tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace"))
+            return stdio_client(params, errlog=errlog)
         return self.search_server  # the URL of a running MCP server
 
     async def search(self, query: str) -> str:

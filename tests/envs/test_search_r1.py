@@ -424,3 +424,28 @@ def test_append_observation_is_search_r1s_continuation(run_async):
             SearchR1Env(observation="turn")
 
     run_async(main())
+
+
+def test_stdio_search_server_starts_when_mcp_was_imported_under_a_stderr_without_a_file():
+    """The MCP SDK binds its stdio servers' stderr to the sys.stderr of when it was imported; under a
+    notebook or a test's capture that object has no file descriptor and the spawn failed."""
+    script = f"""
+import asyncio, io, sys
+sys.stderr = io.StringIO()
+import mcp.client.stdio
+sys.stderr = sys.__stderr__
+from agentrl.envs.search_r1 import SearchR1Env
+
+async def main():
+    env = SearchR1Env(search_server="stdio", topk=1)
+    await env.areset(options={TASK!r})
+    try:
+        obs, *_ = await env.astep("<search>Vrokath Works founder</search>")
+    finally:
+        await env.aclose()
+    print(obs[0]["content"])
+
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "Doc 1" in out.stdout, out.stderr[-2000:]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import ScriptedEngine, settings
 
 from agentrl.registry import import_env_module, make
