@@ -71,9 +71,7 @@ def cmd_train(argv: list[str]) -> int:
     if getattr(ns, "dry_run", False):
         import yaml
 
-        from agentrl.slime_args import dry_run_checks
-
-        dry_run_checks(cfg)  # hooks imported (a typo in a path fails here), Megatron flags typed, model family known
+        dry_run_checks(cfg)
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return 0
     if cfg.train.loss_type == "sft_loss":  # slime's way to ask for SFT
@@ -221,6 +219,22 @@ COMMANDS = {
 
 def _prints_only(args: list[str]) -> bool:
     return not args or args[0] in ("envs", "--version") or "-h" in args or "--help" in args
+
+
+def dry_run_checks(cfg) -> None:
+    """What --dry-run checks beyond the config: every hook imported with slime's arguments (a typo
+    in a path fails here), the Megatron flags typed by megatron-core's own config fields, the
+    model family known."""
+    from agentrl.rollout.slime import check_hooks
+    from agentrl.slime_args import check_family, read_hf_config
+
+    check_hooks(cfg)
+    if cfg.train.trainer == "megatron":
+        from agentrl.trainers.megatron.args import parse_megatron_args
+
+        parse_megatron_args(dict(cfg.megatron_args))
+        if cfg.model.model:
+            check_family(read_hf_config(cfg.model.model, []), cfg.model.model)
 
 
 def main(argv: list[str] | None = None) -> int:

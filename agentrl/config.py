@@ -581,7 +581,7 @@ def parse_config(argv: list[str], env_defaults_for=None, parser: argparse.Argume
     layers["sglang_args"] = {**layers.get("sglang_args", {}), **passthrough["sglang_args"]}
     layers["router_args"] = {**layers.get("router_args", {}), **passthrough["router_args"]}
     layers["megatron_args"] = {**layers.get("megatron_args", {}), **passthrough["megatron_args"]}
-    slime_args.warmup(layers, slime)
+    slime_args.warmup(layers, slime, {"rollout": RolloutConfig, "train": TrainConfig})
     cfg = resolve(layers)
     slime_args.finish(cfg, slime)
     ns.slime_notices, ns.slime_environ = slime.notices, slime.environ

@@ -304,18 +304,17 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
         algo["custom_rm_path"] = "agentrl.rm_hub.async_rm"  # slime: --custom-rm-path wins over --rm-type
 
 
-def warmup(layers: dict, flags: SlimeFlags) -> None:
-    """--lr-warmup-fraction: Megatron's warmup in optimizer steps, of the run's total."""
+def warmup(layers: dict, flags: SlimeFlags, sections: dict[str, Any]) -> None:
+    """--lr-warmup-fraction: Megatron's warmup in optimizer steps, of the run's total. `sections`:
+    the config's section classes by name (their defaults fill what the layers leave out)."""
     if flags.lr_warmup_fraction is None:
         return
-    from agentrl.config import RolloutConfig, TrainConfig
 
-    def get(section, cls, name):
-        return layers.get(section, {}).get(name, cls.model_fields[name].default)
+    def get(section, name):
+        return layers.get(section, {}).get(name, sections[section].model_fields[name].default)
 
-    steps = (int(get("rollout", RolloutConfig, "num_rollout")) * int(get("rollout", RolloutConfig, "rollout_batch_size"))
-             * int(get("rollout", RolloutConfig, "n_samples_per_prompt"))
-             // int(get("train", TrainConfig, "global_batch_size")))
+    steps = (int(get("rollout", "num_rollout")) * int(get("rollout", "rollout_batch_size"))
+             * int(get("rollout", "n_samples_per_prompt")) // int(get("train", "global_batch_size")))
     layers.setdefault("megatron_args", {})["lr_warmup_iters"] = str(math.floor(flags.lr_warmup_fraction * steps))
 
 
@@ -343,20 +342,6 @@ def finish(cfg, flags: SlimeFlags) -> None:
                           "'Rule-based RM type is not specified' too)")
     if flags.shape:
         check_shape(flags.shape, read_hf_config(cfg.model.model, sorted(flags.shape)), cfg.model.model)
-
-
-def dry_run_checks(cfg) -> None:
-    """What --dry-run checks beyond the config: every hook imported with slime's arguments, the
-    Megatron flags typed by megatron-core's own config fields, the model family known."""
-    from agentrl.rollout.slime import check_hooks
-
-    check_hooks(cfg)
-    if cfg.train.trainer == "megatron":
-        from agentrl.trainers.megatron.args import parse_megatron_args
-
-        parse_megatron_args(dict(cfg.megatron_args))
-        if cfg.model.model:
-            check_family(read_hf_config(cfg.model.model, []), cfg.model.model)
 
 
 def read_hf_config(model: str | None, names: list[str]) -> dict:

@@ -15,9 +15,9 @@ import pytest
 
 from slime_scripts import HF_CONFIGS, HOOK_DIRS, SCRIPTS, checked_in, script_args, slime_checkout
 
+from agentrl.cli import dry_run_checks
 from agentrl.config import parse_config
 from agentrl.errors import ConfigError
-from agentrl.slime_args import dry_run_checks
 
 # hooks of the scripts, written here when slime is absent: user functions with slime's signatures
 FIXTURE_HOOKS = {
@@ -194,6 +194,7 @@ def test_did_you_mean_suggests_only_close_flags(capsys):
     assert "did you mean" not in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_rm_type_scores_a_real_run(tmp_path):
     """The slime env and --rm-type in the loop: 2 iterations on the tiny model, every saved
     trajectory scored by rm_hub's math (1/0), none failed."""

@@ -65,7 +65,10 @@ def test_target_token_learns_the_task_not_one_word(tmp_path):
     context = json.loads((out / "run.json").read_text())
     assert context["outcome"] == "completed" and context["device"] == "cpu" and context["command"][1] == "train"
     assert context["engines"]["kind"] == "embedded" and len(context["engines"]["urls"]) == 1
-    assert context["placement"] == {"trainer_gpus": [[]], "engine_gpus": [[]], "gpu_sharing": None}
+    placement = context["placement"]
+    assert {k: placement[k] for k in ("trainer_gpus", "engine_gpus", "gpu_sharing")} == {
+        "trainer_gpus": [[]], "engine_gpus": [[]], "gpu_sharing": None}
+    assert len(set(placement["trainer_nodes"] + placement["engine_nodes"])) == 1  # Ray started here: one node
     assert "device: auto" in (out / "config.yaml").read_text()
 
 

@@ -176,6 +176,7 @@ def test_the_handover_tells_the_trainer_whether_the_engines_released_their_memor
 
     class Engines:
         memory = EngineMemory()
+        probe_prompts = None  # no weight check due
 
     cfg = parse_config(["--rollout-engine", "sglang", "--colocate"])[0]
     trainer, engines = Trainer(), Engines()
