@@ -853,12 +853,12 @@ class LeadingRank:
 
 
 def _rendezvous_address() -> tuple[str, int]:
-    """Run in rank 0's bundle: its node's IP and a port free there (MASTER_ADDR, MASTER_PORT)."""
-    import socket
+    """Run in rank 0's bundle: its node's IP and a port free there (MASTER_ADDR, MASTER_PORT),
+    outside the kernel's ephemeral range: a port picked inside it could be taken as some outgoing
+    connection's source port before rank 0 listens (EADDRINUSE, seen in CI under a parallel worker)."""
+    from agentrl.engines.launch import server_port
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return node_ip(), s.getsockname()[1]
+    return node_ip(), server_port()
 
 
 RANK_TIMEOUT_S = 3600.0  # save / load of a rank (a rank stuck in a collective fails sooner: Megatron's

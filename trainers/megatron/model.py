@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
-import socket
 
 import torch
 import torch.nn.functional as F
@@ -87,9 +86,9 @@ def init_distributed(margs: MegatronArgs, device: str, seed: int = 1234, *, num_
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from agentrl.engines.launch import server_port  # outside the ephemeral range (see _rendezvous_address)
+
+    return server_port()
 
 
 # -- config and model ----------------------------------------------------------------------------
