@@ -41,17 +41,20 @@ def test_a_grader_that_raises_is_a_grading_error_and_a_dying_worker_the_answers_
     assert pool.call("operator:add", "\ud800", "x", timeout=30) == "\ud800x"  # lone surrogates travel escaped
 
 
+async def record_stalls(stalls: list[float], done: asyncio.Event) -> None:
+    """How long each 20-ms sleep of the event loop took, until `done`: a grading that blocks the
+    loop shows as a long one."""
+    while not done.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(0.02)
+        stalls.append(time.perf_counter() - t)
+
+
 def test_acall_leaves_the_event_loop_free(pool):
     async def go():
         stalls, done = [], asyncio.Event()
 
-        async def ticker():
-            while not done.is_set():
-                t = time.perf_counter()
-                await asyncio.sleep(0.02)
-                stalls.append(time.perf_counter() - t)
-
-        tick = asyncio.create_task(ticker())
+        tick = asyncio.create_task(record_stalls(stalls, done))
         with pytest.raises(GradingTimeout):
             await pool.acall("time:sleep", 30, timeout=1.0)
         done.set()
@@ -95,13 +98,7 @@ def test_math_grading_of_hostile_answers_is_bounded_and_off_the_loop():
         stalls = []
         done = asyncio.Event()
 
-        async def ticker():
-            while not done.is_set():
-                t = time.perf_counter()
-                await asyncio.sleep(0.02)
-                stalls.append(time.perf_counter() - t)
-
-        tick = asyncio.create_task(ticker())
+        tick = asyncio.create_task(record_stalls(stalls, done))
         t0 = time.monotonic()
         async_reward = (await env.astep("\\boxed{10^{10}!}"))[1]
         sync_reward = (await asyncio.to_thread(env.step, "\\boxed{(10^{10})!}"))[1]  # a sync caller's thread
