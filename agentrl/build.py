@@ -30,6 +30,17 @@ from agentrl.rollout.slime import DataSource, GenerateHook, RolloutHook, slime_a
 from agentrl.types import Sample
 
 
+def engine_sglang_args(cfg: Config) -> dict:
+    """The --sglang-* arguments the launched SGLang servers get: the user's, plus what a trainer
+    feature needs from the engine (routing replay: the experts each token was routed to)."""
+    from agentrl.trainers.megatron.flags import wants_routing_replay
+
+    needed = {}
+    if cfg.rollout.rollout_engine == "sglang" and wants_routing_replay(cfg.megatron_args):
+        needed["enable-return-routed-experts"] = None
+    return {**needed, **cfg.sglang_args}
+
+
 def lora_engine_args(cfg: Config) -> dict:
     """start_engines' LoRA arguments: with --lora-sync adapter the engines serve adapters."""
     if not (cfg.train.lora_rank and cfg.train.lora_sync == "adapter"):

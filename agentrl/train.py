@@ -25,8 +25,8 @@ from typing import Any, Callable
 from agentrl.batches import BatchSource, HookBatches, ProducerBatches, ReplayBatches, rollout_metrics
 from agentrl.build import (build_env_lookup, build_group_filter, build_group_runner, build_prompt_source,
                            build_reward_fn, build_rollout_hook, latest_checkpoint, load_debug_rollouts,
-                           load_eval_sets, lora_engine_args, resolve_device, resolve_model, seed_everything,
-                           start_sandbox_pool, turn_budget_warning)
+                           engine_sglang_args, load_eval_sets, lora_engine_args, resolve_device, resolve_model,
+                           seed_everything, start_sandbox_pool, turn_budget_warning)
 from agentrl.config import Config
 from agentrl.data import PromptSource
 from agentrl.engines.group import EngineGroup, start_engines
@@ -94,7 +94,7 @@ def train(cfg: Config) -> Path:
             trainer.load(latest_checkpoint(Path(cfg.run.load)))
         if replay is None:
             engines = start_engines(cfg.rollout, model_path=str(model_path), device=device, seed=cfg.run.seed,
-                                    log_dir=out / "logs", sglang_args=cfg.sglang_args, router_args=cfg.router_args,
+                                    log_dir=out / "logs", sglang_args=engine_sglang_args(cfg), router_args=cfg.router_args,
                                     dtype=cfg.model.dtype, placement=placement, **lora_engine_args(cfg))
             if trainer is not None:  # which trainer rank sits on each engine TP rank's GPU (weight sync)
                 trainer.engines_placed(engines.engine_urls)

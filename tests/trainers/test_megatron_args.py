@@ -84,6 +84,15 @@ def test_scale_flags_from_slime_reach_the_trainer():
     assert not wants_routing_replay({"use_rollout_routing_replay": "false"}) and not wants_routing_replay({})
     margs = parse_megatron_args(cfg.megatron_args)
     assert (margs.ep, margs.etp, margs.pp, margs.vpp(12)) == (4, 1, 2, 2) and margs.flag("use_rollout_routing_replay")
+    # the launched SGLang servers are asked to return the routed experts R3 replays (not the embedded engine)
+    from agentrl.build import engine_sglang_args
+
+    assert engine_sglang_args(cfg) == {}
+    sglang, _ = parse_config(["--trainer", "megatron", "--rollout-engine", "sglang", "--use-rollout-routing-replay",
+                              "--sglang-mem-fraction-static", "0.5"])
+    assert engine_sglang_args(sglang) == {"enable-return-routed-experts": None, "mem-fraction-static": "0.5"}
+    plain, _ = parse_config(["--trainer", "megatron", "--rollout-engine", "sglang"])
+    assert engine_sglang_args(plain) == {}
     with pytest.raises(ConfigError, match="do not split"):
         margs.vpp(10)
     assert parse_megatron_args({"tensor_model_parallel_size": "2"}).etp == 2  # megatron-core's default: TP
