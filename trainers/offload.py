@@ -67,8 +67,11 @@ def _torch_optimizers(obj: Any) -> Iterator[torch.optim.Optimizer]:
         for item in obj:
             yield from _torch_optimizers(item)
     elif obj is not None and not isinstance(obj, (torch.Tensor, torch.nn.Module)):
-        yield from _torch_optimizers(getattr(obj, "chained_optimizers", None))
-        yield from _torch_optimizers(getattr(obj, "optimizer", None))
+        chain = getattr(obj, "chained_optimizers", None)
+        if chain is not None:  # a ChainedOptimizer's `.optimizer` asserts it holds one (MoE: dense + expert)
+            yield from _torch_optimizers(chain)
+        else:
+            yield from _torch_optimizers(getattr(obj, "optimizer", None))
 
 
 def _storages(tensors) -> Iterator[tuple[torch.Tensor, torch.UntypedStorage]]:

@@ -189,3 +189,30 @@ def test_the_handover_tells_the_trainer_whether_the_engines_released_their_memor
     first, second = asyncio.run(iteration()), asyncio.run(iteration())
     assert trainer.calls == [False, True]
     assert first["colocate/kept_gib"] == second["colocate/kept_gib"] == 1.5
+
+
+def test_a_chain_of_optimizers_is_walked_without_touching_its_single_optimizer_view():
+    """Megatron's ChainedOptimizer (MoE: one optimizer for dense parameters, one for experts)
+    asserts it holds one optimizer when `.optimizer` is read: both members' state is found, and
+    that property is never read (the colocated MoE run at EP=4 died on it, 2026-11-26)."""
+    dense, expert = torch.nn.Linear(3, 3), torch.nn.Linear(2, 2)
+    opts = [torch.optim.Adam(dense.parameters()), torch.optim.Adam(expert.parameters())]
+    for m, opt in zip((dense, expert), opts):
+        m(torch.ones(1, m.in_features)).sum().backward()
+        opt.step()
+
+    class Wrapper:  # megatron's per-group optimizer wrapper: the torch optimizer as `.optimizer`
+        def __init__(self, opt):
+            self.optimizer = opt
+
+    class Chain:
+        chained_optimizers = [Wrapper(o) for o in opts]
+
+        @property
+        def optimizer(self):
+            raise AssertionError("ChainedOptimizer has more than one optimizer when accessing self.optimizer")
+
+    found = {id(t) for t in held_tensors(Chain())}
+    for opt in opts:
+        for state in opt.state.values():
+            assert {id(state["exp_avg"]), id(state["exp_avg_sq"])} <= found
