@@ -32,7 +32,8 @@ from scale_moe_worker import random_qwen3_moe  # noqa: E402
 ARGS = ["--env", "target-token", "--device", "cuda", "--dtype", "bfloat16", "--lr", "1e-4",
         "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size", "128",
         "--trainer", "megatron", "--actor-num-gpus-per-node", "4", "--expert-model-parallel-size", "4",
-        "--use-distributed-optimizer", *SGLANG, *COLOCATE, "--rollout-num-gpus-per-engine", "1",
+        # (no --use-distributed-optimizer: its final dist checkpoint failed in megatron-core 0.19.2, 2026-11-26)
+        *SGLANG, *COLOCATE, "--rollout-num-gpus-per-engine", "1",
         "--weight-check-interval", "5"]
 
 
@@ -51,7 +52,8 @@ def test_moe_target_token_ep4(r3):
     diffs = [r["train_rollout_logprob_abs_diff"] for r in rows]
     first, last = mean(r["reward_mean"] for r in rows[:5]), mean(r["reward_mean"] for r in rows[-5:])
     above = [mean(r["env/above_chance_mean"] for r in part) for part in (rows[:5], rows[-5:])]
-    figures = {"iterations": n, "reward_first5": first, "reward_last5": last, "above_chance_first5": above[0],
+    early = diffs[:2]  # before the policy sharpens (a near-deterministic policy differs by ~0 either way)
+    figures = {"iterations": n, "logprob_abs_diff_early": mean(early), "reward_first5": first, "reward_last5": last, "above_chance_first5": above[0],
                "above_chance_last5": above[1], "logprob_abs_diff": diffs,
                "logprob_abs_diff_mean": mean(diffs), "iteration_s": [r.get("iteration_s") for r in rows],
                "weight_sync_s": [r.get("weight_sync_s") for r in rows],
@@ -71,11 +73,12 @@ def test_moe_target_token_ep4(r3):
 
 def test_moe_target_token_r3_lowers_the_mismatch():
     """Replaying the engine's routing makes the trainer's logprobs of the sampled tokens closer to
-    the engine's than routing afresh does (a token whose top-8 nearly tie routes differently)."""
+    the engine's than routing afresh does (a token whose top-8 nearly tie routes differently).
+    Compared on iterations 0-1: the same weights in both runs (seed 0) at iteration 0."""
     plain, r3 = result_path(False), result_path(True)
     if not (plain.exists() and r3.exists()):
         pytest.skip("run both test_moe_target_token_ep4 cases first")
     a, b = json.loads(plain.read_text()), json.loads(r3.read_text())
-    print(f"engine-vs-trainer |logprob diff|: without R3 {a['logprob_abs_diff_mean']:.4f}, with R3 "
-          f"{b['logprob_abs_diff_mean']:.4f}", flush=True)
-    assert b["logprob_abs_diff_mean"] < a["logprob_abs_diff_mean"], (a["logprob_abs_diff"], b["logprob_abs_diff"])
+    print(f"engine-vs-trainer |logprob diff|, iterations 0-1: without R3 {a['logprob_abs_diff_early']:.4f}, with R3 "
+          f"{b['logprob_abs_diff_early']:.4f}", flush=True)
+    assert b["logprob_abs_diff_early"] < a["logprob_abs_diff_early"], (a["logprob_abs_diff"], b["logprob_abs_diff"])
