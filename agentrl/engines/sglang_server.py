@@ -2,7 +2,8 @@
 
 Usage is SGLang's own: python -m agentrl.engines.sglang_server --model-path DIR --port N ...
 (every argument goes to SGLang unchanged); the engine id comes from $AGENTRL_ENGINE_ID
-(agentrl sets it to the engine's URL), else host:port.
+(agentrl sets it to the engine's URL), else host:port. With --enable-return-routed-experts
+every /generate returns the routed experts unless the request says otherwise (RoutedExperts).
 
 Why: to measure session affinity the rollout side must know which engine served each
 turn. SGLang's /generate reply does not say (meta_info has no server identity, and
@@ -15,6 +16,7 @@ answer without the header; affinity is then reported as unknown, not wrong.)
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
@@ -41,6 +43,52 @@ class EngineHeader:
         return await self.app(scope, receive, send_with_header)
 
 
+class RoutedExperts:
+    """ASGI middleware: a /generate request with no `return_routed_experts` gets `true`.
+
+    Why: routing replay (R3) needs each reply's meta_info.routed_experts, but sglang-router
+    0.3.2 re-serialises /generate requests through a typed struct that has no such field and
+    drops it (rid, lora_path, logprob_start_len pass; checked 2026-11-26 with an echo worker).
+    agentrl starts SGLang with --enable-return-routed-experts only for R3 runs, where every
+    turn must carry them, so the server asks for them itself."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") != "/generate":
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: let SGLang see it
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            request = json.loads(body)
+        except ValueError:
+            request = None  # SGLang answers a malformed body with its own error
+        if isinstance(request, dict) and "return_routed_experts" not in request:
+            request["return_routed_experts"] = True
+            body = json.dumps(request).encode()
+            headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+            scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
+        return await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive),
+                              send)
+
+
+def _replay(messages: list[dict], receive):
+    """An ASGI receive() that hands out `messages` first, then the real ones."""
+    pending = list(messages)
+
+    async def replay():
+        return pending.pop(0) if pending else await receive()
+
+    return replay
+
+
 def _engine_id(argv: list[str]) -> str:
     if os.environ.get("AGENTRL_ENGINE_ID"):
         return os.environ["AGENTRL_ENGINE_ID"]
@@ -61,6 +109,10 @@ def main() -> None:
         http_server.app.add_middleware(EngineHeader, engine_id=engine_id)
     except Exception as exc:  # serve anyway: only the affinity metric needs the header
         print(f"agentrl: could not add the X-Agentrl-Engine header ({exc!r}); serving without it", file=sys.stderr)
+    if "--enable-return-routed-experts" in sys.argv[1:]:  # not optional: R3 fails without it
+        from sglang.srt.entrypoints import http_server
+
+        http_server.app.add_middleware(RoutedExperts)
     sys.argv[0] = "sglang.launch_server"
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 

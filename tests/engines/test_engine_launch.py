@@ -319,3 +319,85 @@ def test_detect_kind_gives_up_after_its_timeout_naming_the_url():
                                           r"\(URLError.*refused"):
         detect_kind(url, timeout_s=1)
     assert time.monotonic() - start < 1.5
+
+
+ROUTED_ECHO = textwrap.dedent('''
+    """An SGLang-shaped worker behind agentrl.engines.sglang_server's RoutedExperts middleware: its
+    /generate reply says which of the request's fields arrived."""
+    import json
+    import sys
+
+    import uvicorn
+    from fastapi import FastAPI, Request
+
+    from agentrl.engines.sglang_server import RoutedExperts
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/get_model_info")
+    async def info():
+        return {"model_path": "m", "tokenizer_path": "m", "is_generation": True}
+
+    @app.get("/get_server_info")
+    async def server_info():
+        return {}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = {"raw": raw.decode()}
+        return {"text": "", "output_ids": [1], "meta_info": {"output_token_logprobs": [[-1.0, 1, None]],
+                "finish_reason": {"type": "length"}, "prompt_tokens": 2, "arrived": body}}
+
+    app.add_middleware(RoutedExperts)
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+''')
+
+
+def test_routed_experts_reach_sglang_through_the_router(tmp_path):
+    """sglang-router 0.3.2 drops `return_routed_experts` from /generate requests (a typed struct
+    without the field), so routing replay could not get its experts through the router. An SGLang
+    launched by agentrl with --enable-return-routed-experts asks for them itself: through the real
+    router, the worker sees the field set; a request that says false keeps false; other paths and
+    malformed bodies pass untouched."""
+    import json
+    import urllib.request
+
+    from agentrl.engines.router import launch_router
+
+    script = tmp_path / "worker.py"
+    script.write_text(ROUTED_ECHO)
+    port = free_port()
+    worker = ServerProcess([sys.executable, str(script), str(port)], url=f"http://127.0.0.1:{port}", name="worker",
+                           log_dir=tmp_path)
+    router = None
+    try:
+        worker.wait_healthy(60)
+        router = launch_router([worker.url], router_args={}, log_dir=tmp_path, timeout_s=60)
+
+        def arrived(url, payload):
+            req = urllib.request.Request(url + "/generate", data=json.dumps(payload).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return json.loads(resp.read())["meta_info"]["arrived"]
+
+        base = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}, "return_logprob": True}
+        through_router = arrived(router.url, {**base, "return_routed_experts": True, "rid": "r1"})
+        assert through_router["return_routed_experts"] is True and through_router["rid"] == "r1"
+        assert arrived(worker.url, base)["return_routed_experts"] is True
+        assert arrived(worker.url, {**base, "return_routed_experts": False})["return_routed_experts"] is False
+        bad = urllib.request.Request(worker.url + "/generate", data=b"{not json",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(bad, timeout=30) as resp:  # SGLang answers it with its own error
+            assert json.loads(resp.read())["meta_info"]["arrived"] == {"raw": "{not json"}
+    finally:
+        if router is not None:
+            router.stop()
+        worker.stop()
