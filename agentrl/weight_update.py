@@ -14,7 +14,8 @@ from agentrl.config import Config
 from agentrl.engines.colocate import wait_idle
 from agentrl.engines.group import EngineGroup
 from agentrl.errors import EngineError
-from agentrl.rollout.client import EngineClient
+from agentrl.rollout.client import EngineClient, decode_routed_experts
+from agentrl.trainers.megatron.flags import wants_routing_replay
 from agentrl.rollout.control import RolloutControl
 
 log = logging.getLogger("agentrl.weight_update")
@@ -125,14 +126,19 @@ async def probe_engines(cfg: Config, engines: EngineGroup | None, clients: list[
     request = {"sampling_params": params, "return_logprob": True}
     if engines.probe_lora:
         request["lora_path"] = engines.probe_lora
+    replay = wants_routing_replay(cfg.megatron_args)
+    if replay:  # R3: the trainer replays the engine's routing on the probe too (it refuses a sample without)
+        request["return_routed_experts"] = True
 
     async def one(client: EngineClient, prompt: list[int]):
         reply = await client.post("/generate", {"input_ids": prompt, **request})
         meta = reply["meta_info"]
         pairs = [(int(t), float(lp)) for lp, t, *_ in meta["output_token_logprobs"]]
-        return client.base_url, str(meta.get("weight_version")), Sample(
-            prompt_tokens=list(prompt), response_tokens=[t for t, _ in pairs], loss_mask=[1] * len(pairs),
-            rollout_logprobs=[lp for _, lp in pairs], policy_versions=[0] * len(pairs))
+        sample = Sample(prompt_tokens=list(prompt), response_tokens=[t for t, _ in pairs], loss_mask=[1] * len(pairs),
+                        rollout_logprobs=[lp for _, lp in pairs], policy_versions=[0] * len(pairs))
+        if replay:
+            sample.routed_experts = decode_routed_experts(meta.get("routed_experts"), len(prompt) + len(pairs) - 1)
+        return client.base_url, str(meta.get("weight_version")), sample
 
     serving = set(engines.serving())  # one down or catching up is the monitor's, and holds older weights
     replies = await asyncio.gather(*[one(c, p) for c in clients if c.base_url in serving for p in prompts],

@@ -166,3 +166,49 @@ def test_routed_experts_are_asked_for_and_decoded_per_token(form):
     result = asyncio.run(go())
     assert seen[0]["return_routed_experts"] is True and "return_routed_experts" not in seen[-1]
     assert result.routed_experts == ids.reshape(3, 4).tolist()
+
+
+def test_the_weight_check_probe_carries_the_engines_routing_under_r3():
+    """With --use-rollout-routing-replay the trainer replays recorded routing and refuses a sample
+    without it, so the weight check's probe asks each engine for its routed experts and keeps them
+    on the probe sample (the EP=4 MoE run on 4x H100 stopped at its first probe without, 2026-11-26);
+    without R3 nothing is asked."""
+    import base64
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from agentrl.config import parse_config
+    from agentrl.weight_update import probe_engines
+
+    ids = np.arange(4 * 3, dtype=np.int32).reshape(4, 3)  # prompt 3 + output 2 - 1 tokens, 3 ids each
+    seen = []
+
+    async def generate(request):
+        body = await request.json()
+        seen.append(body)
+        meta = {"finish_reason": {"type": "length"}, "prompt_tokens": 3, "weight_version": "1",
+                "output_token_logprobs": [[-0.5, 7, None], [-0.1, 8, None]]}
+        if body.get("return_routed_experts"):
+            meta["routed_experts"] = base64.b64encode(ids.tobytes()).decode()
+        return web.json_response({"output_ids": [7, 8], "meta_info": meta})
+
+    async def go(flags):
+        cfg, _ = parse_config(["--trainer", "megatron", *flags])
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        server = TestServer(app)
+        await server.start_server()
+        try:
+            async with EngineClient(str(server.make_url("")).rstrip("/")) as client:
+                group = SimpleNamespace(probe_prompts=[[1, 2, 3]], probe_lora=None, probe_results=None,
+                                        serving=lambda: [client.base_url])
+                await probe_engines(cfg, group, [client])
+                return group.probe_results[0][2]
+        finally:
+            await server.close()
+
+    replayed = asyncio.run(go(["--use-rollout-routing-replay"]))
+    assert seen[-1]["return_routed_experts"] is True and replayed.routed_experts == ids.tolist()
+    plain = asyncio.run(go([]))
+    assert "return_routed_experts" not in seen[-1] and plain.routed_experts is None
