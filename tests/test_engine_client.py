@@ -9,6 +9,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from agentrl.errors import EngineError
+from agentrl.http import RetryPolicy
 from agentrl.rollout.client import EngineClient
 
 REPLY = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 1,
@@ -16,7 +17,7 @@ REPLY = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}, "
 
 
 def generate_with(script: list, *, retries: int = 3, backoff_s: float = 0.001, max_backoff_s: float = 0.004,
-                  monkeypatch=None):
+                  jitter: float = 0.25, monkeypatch=None):
     """POST /generate to a server that answers request i with script[i] (an HTTP status, "drop" to
     close the connection, "hang" to answer after the client's timeout). Returns (result or the
     EngineError, requests served, client.retried, the client's back-off sleeps)."""
@@ -50,8 +51,8 @@ def generate_with(script: list, *, retries: int = 3, backoff_s: float = 0.001, m
         server = TestServer(app)
         await server.start_server()
         try:
-            async with EngineClient(str(server.make_url("")).rstrip("/"), retries=retries, backoff_s=backoff_s,
-                                    max_backoff_s=max_backoff_s, request_timeout_s=0.5) as client:
+            retry = RetryPolicy(attempts=retries + 1, backoff_s=backoff_s, max_backoff_s=max_backoff_s, jitter=jitter)
+            async with EngineClient(str(server.make_url("")).rstrip("/"), retry=retry, request_timeout_s=0.5) as client:
                 try:
                     result = await client.generate([1], {})
                 except EngineError as exc:
@@ -93,10 +94,26 @@ def test_a_request_that_timed_out_twice_is_not_tried_a_third_time():
 
 
 def test_the_back_off_doubles_up_to_its_cap(monkeypatch):
-    error, served, retried, sleeps = generate_with([503], retries=5, backoff_s=0.5, max_backoff_s=3.0,
+    error, served, retried, sleeps = generate_with([503], retries=5, backoff_s=0.5, max_backoff_s=3.0, jitter=0,
                                                    monkeypatch=monkeypatch)
     assert len(served) == 6 and retried == 5 and "HTTP 503" in str(error)
     assert sleeps == pytest.approx([0.5, 1.0, 2.0, 3.0, 3.0])  # none after the last try
+
+
+def test_the_back_off_is_jittered_below_its_cap(monkeypatch):
+    _, served, _, sleeps = generate_with([503], retries=5, backoff_s=0.5, max_backoff_s=3.0, jitter=0.5,
+                                         monkeypatch=monkeypatch)
+    assert len(served) == 6 and len(sleeps) == 5
+    assert all(0.5 * d <= s <= d for s, d in zip(sleeps, [0.5, 1.0, 2.0, 3.0, 3.0])), sleeps
+    assert sleeps != pytest.approx([0.5, 1.0, 2.0, 3.0, 3.0])
+
+
+def test_the_default_policy_bounds_a_generate_by_attempts_and_a_deadline_past_the_request_timeout():
+    from agentrl.rollout.client import GENERATE_RETRY, RETRY_GRACE_S
+
+    client = EngineClient("http://127.0.0.1:9", request_timeout_s=30)
+    assert client.retry.attempts == GENERATE_RETRY.attempts == 7
+    assert client.retry.deadline_s == 30 + RETRY_GRACE_S
 
 
 def test_the_json_codec_sends_and_reads_what_the_standard_library_does():
@@ -105,7 +122,7 @@ def test_the_json_codec_sends_and_reads_what_the_standard_library_does():
     import json
     import math
 
-    from agentrl.rollout.client import _dumps, _loads
+    from agentrl.http import dumps_json as _dumps, loads_json as _loads
 
     payloads = [
         {"input_ids": list(range(300)), "sampling_params": {"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 9,
