@@ -247,7 +247,7 @@ def detect_kind(url: str, timeout_s: float = 60.0) -> str:
     found = poll(kind, timeout_s=timeout_s, interval_s=0.5)
     if found:
         return found
-    raise EngineError(f"--rollout-engine-urls {url}: no engine answers /model_info after {timeout_s:.0f} s ({last!r})")
+    raise EngineError(f"--rollout-engine-urls {url}: no engine answers /model_info after {timeout_s:.0f} s ({last})")
 
 
 def weight_version(url: str) -> str | None:
