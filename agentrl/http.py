@@ -39,8 +39,9 @@ __all__ = ["HTTPCallError", "RetryPolicy", "NO_RETRY", "request_json", "http_ok"
 
 
 class HTTPCallError(EngineError):
-    """No usable answer from a URL: `status` is the HTTP status of a non-2xx answer, None when
-    none came (refused, reset, timed out, a garbled reply); `timed_out` says it was a timeout."""
+    """No usable answer from a URL: `status` is the HTTP status of an answer that cannot be used
+    (not 2xx, or not the JSON asked for), None when none came (refused, reset, timed out, a
+    garbled reply); `timed_out` says it was a timeout."""
 
     def __init__(self, message: str, *, url: str, status: int | None = None, timed_out: bool = False):
         super().__init__(message)
@@ -189,14 +190,22 @@ _NO_ANSWER = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio
 
 
 async def _json_call(session: aiohttp.ClientSession, method: str, url: str, payload: Any,
-                     headers: dict | None, timeout: aiohttp.ClientTimeout | None):
-    """One try: (body, response headers); the body is JSON when the server says so, else text."""
+                     headers: dict | None, timeout: aiohttp.ClientTimeout | None, expect_json: bool = False):
+    """One try: (body, response headers); the body is JSON when the server says so (or
+    `expect_json`: whatever it says; a body that is not JSON is then an HTTPCallError), else text."""
     extra = {"timeout": timeout} if timeout is not None else {}  # aiohttp reads timeout=None as "none at all"
     try:
         async with session.request(method, url, json=payload, headers=headers, **extra) as resp:
             if resp.status != 200:
                 text = (await resp.text(errors="replace"))[:500]
                 raise HTTPCallError(f"{method} {url}: HTTP {resp.status}: {text}", url=url, status=resp.status)
+            if expect_json:
+                data = (await resp.read()).strip()
+                try:
+                    return (loads_json(data) if data else None), resp.headers
+                except ValueError:
+                    raise HTTPCallError(f"{method} {url}: the answer is not JSON: {data[:200]!r}", url=url,
+                                        status=resp.status) from None
             if resp.content_type == "application/json":  # as resp.json(), without its checks redone
                 data = (await resp.read()).strip()
                 return (loads_json(data) if data else None), resp.headers
@@ -207,15 +216,17 @@ async def _json_call(session: aiohttp.ClientSession, method: str, url: str, payl
 
 
 async def post_json(session: aiohttp.ClientSession, url: str, payload: Any, *, headers: dict | None = None,
-                    retry: RetryPolicy = NO_RETRY, on_retry: Callable[[BaseException], None] | None = None):
-    """POST `payload` as JSON under `retry`: (body, response headers). After the last try: the
-    status error as it is, or "failed after N tries" naming the last transport failure."""
+                    retry: RetryPolicy = NO_RETRY, on_retry: Callable[[BaseException], None] | None = None,
+                    expect_json: bool = False):
+    """POST `payload` as JSON under `retry`: (body, response headers); `expect_json`: the body is
+    read as JSON whatever its content type says. After the last try: the status error as it
+    is, or "failed after N tries" naming the last transport failure."""
     tries = 0
 
     async def once():
         nonlocal tries
         tries += 1
-        return await _json_call(session, "POST", url, payload, headers, None)
+        return await _json_call(session, "POST", url, payload, headers, None, expect_json)
 
     try:
         return await retry.call(once, on_retry=on_retry)

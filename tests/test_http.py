@@ -173,3 +173,24 @@ def test_http_ok_is_a_yes_or_no(server):
     assert http_ok(server + "/empty")
     assert not http_ok(server + "/status/500")
     assert not http_ok(f"http://127.0.0.1:{free_port()}/health", timeout=1)
+
+
+def test_post_json_reads_json_by_content_type_or_when_expected(server):
+    from agentrl.http import get_json, json_session, post_json
+
+    async def main():
+        async with json_session(timeout_s=5) as session:
+            body, _ = await post_json(session, server + "/json", {"k": 1})  # no JSON content type: text
+            assert json.loads(body) == {"echo": {"k": 1}, "method": "POST"}
+            body, _ = await post_json(session, server + "/json", {"k": 1}, expect_json=True)
+            assert body == {"echo": {"k": 1}, "method": "POST"}
+            with pytest.raises(HTTPCallError, match=f"POST {server}/garbled: the answer is not JSON") as err:
+                await post_json(session, server + "/garbled", {}, expect_json=True, retry=FAST)
+            assert err.value.status == 200 and not FAST.retryable(err.value)  # a wrong answer is not sent again
+            with pytest.raises(HTTPCallError, match=f"GET {server}/status/502: HTTP 502"):
+                await get_json(session, server + "/status/502")
+            url = f"http://127.0.0.1:{free_port()}/x"
+            with pytest.raises(HTTPCallError, match=f"POST {url} failed after 4 tries: ClientConnectorError"):
+                await post_json(session, url, {}, retry=FAST)
+
+    asyncio.run(main())

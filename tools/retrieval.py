@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import os
 import re
@@ -164,10 +163,8 @@ class RemoteRetriever:
         retry = RetryPolicy(attempts=self.retries + 1, backoff_s=0.2, max_backoff_s=5.0)
         try:
             async with json_session(timeout_s=self.timeout_s) as http:
-                body, _ = await post_json(http, self.url, payload, retry=retry)
-            if isinstance(body, str):  # JSON without its content type
-                body = json.loads(body)
-        except (HTTPCallError, ValueError) as exc:
+                body, _ = await post_json(http, self.url, payload, retry=retry, expect_json=True)
+        except HTTPCallError as exc:
             raise RetrievalError(f"retrieval service {self.url} failed: {type(exc).__name__}: {exc}") from None
         return self._parse(body, len(queries))
 

@@ -30,7 +30,7 @@ import string
 from collections import Counter
 from typing import Any, Callable
 
-from agentrl.errors import ConfigError, EngineError
+from agentrl.errors import ConfigError
 from agentrl.envs.math_env.grader import last_boxed, verify_answer
 
 __all__ = ["RM_TYPES", "async_rm", "check_rm_type", "deepscaler", "dapo", "math", "f1", "gpqa", "ifbench"]
@@ -239,9 +239,7 @@ async def remote_rm(args, sample, *, timeout_s: float = 120.0, attempts: int = 1
                "label": sample.label}
     retry = RetryPolicy(attempts=attempts, backoff_s=1.0, max_backoff_s=30.0)
     async with json_session(timeout_s=timeout_s) as session:
-        body, _ = await post_json(session, _setting(args, "rm_url"), payload, retry=retry)
-    if isinstance(body, str):  # the server did not say application/json
-        raise EngineError(f"--rm-url {_setting(args, 'rm_url')}: the answer is not JSON: {body[:200]!r}")
+        body, _ = await post_json(session, _setting(args, "rm_url"), payload, retry=retry, expect_json=True)
     return body
 
 
