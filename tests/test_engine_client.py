@@ -183,3 +183,31 @@ def test_routed_experts_are_asked_for_and_decoded_per_token(form):
     result = asyncio.run(go())
     assert seen[0]["return_routed_experts"] is True and "return_routed_experts" not in seen[-1]
     assert result.routed_experts == ids.reshape(3, 4).tolist()
+
+
+def test_post_keeps_its_older_retries_keyword():
+    """`post(..., retries=N)`: N more tries (callers written before RetryPolicy)."""
+    served = []
+
+    async def flush(request):
+        served.append(1)
+        return web.Response(status=503, text="busy")
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/flush_cache", flush)
+        server = TestServer(app)
+        await server.start_server()
+        try:
+            async with EngineClient(str(server.make_url("")).rstrip("/")) as client:
+                with pytest.raises(EngineError, match="HTTP 503"):
+                    await client.post("/flush_cache", {}, retries=1)
+                assert len(served) == 2
+                served.clear()
+                with pytest.raises(EngineError, match="HTTP 503"):
+                    await client.post("/flush_cache", {}, retries=0)
+                assert len(served) == 1
+        finally:
+            await server.close()
+
+    asyncio.run(go())

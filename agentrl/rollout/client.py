@@ -186,8 +186,12 @@ class EngineClient:
                 else "sglang"
         return self._kind
 
-    async def post(self, path: str, payload: dict, *, retry: RetryPolicy = CONTROL_RETRY) -> dict | str | None:
+    async def post(self, path: str, payload: dict, *, retry: RetryPolicy = CONTROL_RETRY,
+                   retries: int | None = None) -> dict | str | None:
         """Any other protocol call: /flush_cache, /abort_request, /update_weights_from_*, ...
-        (retried less than /generate: CONTROL_RETRY)."""
+        (retried less than /generate: CONTROL_RETRY). `retries`: the older spelling of
+        `retry`, as that many more tries (kept for callers written against it)."""
+        if retries is not None:
+            retry = replace(retry, attempts=retries + 1)
         body, _ = await self._post(path, payload, retry=retry)
         return body
