@@ -35,7 +35,7 @@ from agentrl.errors import EngineError
 T = TypeVar("T")
 
 __all__ = ["HTTPCallError", "RetryPolicy", "NO_RETRY", "request_json", "http_ok", "json_session", "post_json",
-           "get_json", "dumps_json", "loads_json"]
+           "get_json", "get_ok", "dumps_json", "loads_json"]
 
 
 class HTTPCallError(EngineError):
@@ -235,6 +235,15 @@ async def post_json(session: aiohttp.ClientSession, url: str, payload: Any, *, h
             raise
         raise HTTPCallError(f"POST {url} failed after {tries} tries: {exc.__cause__ or exc!r}", url=url,
                             timed_out=exc.timed_out) from exc.__cause__
+
+
+async def get_ok(session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> bool:
+    """`http_ok` on the rollout path's session: does GET url answer 200 (the body unread)?"""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
 
 
 async def get_json(session: aiohttp.ClientSession, url: str, *, timeout_s: float | None = None):

@@ -194,3 +194,15 @@ def test_post_json_reads_json_by_content_type_or_when_expected(server):
                 await post_json(session, url, {}, retry=FAST)
 
     asyncio.run(main())
+
+
+def test_get_ok_is_a_yes_or_no_on_the_session(server):
+    from agentrl.http import get_ok, json_session
+
+    async def main():
+        async with json_session(timeout_s=5) as session:
+            return [await get_ok(session, server + "/garbled", timeout_s=2),  # 200: the body is not read
+                    await get_ok(session, server + "/status/503", timeout_s=2),
+                    await get_ok(session, f"http://127.0.0.1:{free_port()}/health", timeout_s=2)]
+
+    assert asyncio.run(main()) == [True, False, False]

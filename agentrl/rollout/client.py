@@ -29,7 +29,7 @@ import numpy as np
 
 from agentrl.engines import ENGINE_HEADER
 from agentrl.errors import EngineError
-from agentrl.http import RetryPolicy, get_json, json_session, post_json
+from agentrl.http import RetryPolicy, get_json, get_ok, json_session, post_json
 from agentrl.rollout.affinity import Turn, TurnLog
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -169,11 +169,7 @@ class EngineClient:
         return result
 
     async def health(self, timeout_s: float = 5.0) -> bool:
-        try:
-            await get_json(self.session, self.base_url + "/health", timeout_s=timeout_s)
-        except EngineError:
-            return False
-        return True
+        return await get_ok(self.session, self.base_url + "/health", timeout_s=timeout_s)
 
     async def get(self, path: str) -> dict | str | None:
         return await get_json(self.session, self.base_url + path)
