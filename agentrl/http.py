@@ -1,10 +1,12 @@
 """The host side's HTTP, in one place: every call agentrl makes to an engine, the router or
 another service goes through here.
 
-- `request_json(method, url, payload, timeout=...)`: a blocking JSON call for the control
-  plane (the router's worker API, /model_info, /health probes), through the standard library.
-- `json_session(...)` and `post_json` / `get_json`: the aiohttp session and calls of the
-  rollout path (/generate and the engines' other protocol calls), JSON through orjson.
+- `request_json(method, url, payload, timeout=...)` and `http_ok(url)`: blocking calls for the
+  control plane (the router's worker API, /model_info, /health probes), through the standard
+  library.
+- `json_session(...)` and `post_json` / `get_json` / `get_ok`: the aiohttp session and calls
+  of the rollout path (/generate and the engines' other protocol calls; the reward model, the
+  judge and the retrieval service), JSON through orjson.
 - `RetryPolicy`: the one retry policy, run by tenacity: a bounded number of tries, a bound
   on the total time, exponential back-off with jitter, and which failures are retried
   (no answer at all, or an HTTP status in `retry_statuses`; never a 4xx).
