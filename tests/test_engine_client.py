@@ -3,6 +3,7 @@
 once more), 4xx never; the error after the last try names the URL, the tries and the cause."""
 
 import asyncio
+import contextlib
 
 import pytest
 from aiohttp import web
@@ -14,6 +15,19 @@ from agentrl.rollout.client import EngineClient
 
 REPLY = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 1,
                                           "output_token_logprobs": [[-0.5, 7, None]]}}
+
+
+@contextlib.asynccontextmanager
+async def serving(path: str, handler):
+    """The base URL of an in-process server that answers POST `path` with `handler`."""
+    app = web.Application()
+    app.router.add_post(path, handler)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
 
 
 def generate_with(script: list, *, retries: int = 3, backoff_s: float = 0.001, max_backoff_s: float = 0.004,
@@ -46,20 +60,14 @@ def generate_with(script: list, *, retries: int = 3, backoff_s: float = 0.001, m
                 return await real_sleep(0)
 
             monkeypatch.setattr(asyncio, "sleep", recording_sleep)
-        app = web.Application()
-        app.router.add_post("/generate", generate)
-        server = TestServer(app)
-        await server.start_server()
-        try:
-            retry = RetryPolicy(attempts=retries + 1, backoff_s=backoff_s, max_backoff_s=max_backoff_s, jitter=jitter)
-            async with EngineClient(str(server.make_url("")).rstrip("/"), retry=retry, request_timeout_s=0.5) as client:
-                try:
-                    result = await client.generate([1], {})
-                except EngineError as exc:
-                    result = exc
-                return result, client.retried
-        finally:
-            await server.close()
+        retry = RetryPolicy(attempts=retries + 1, backoff_s=backoff_s, max_backoff_s=max_backoff_s, jitter=jitter)
+        async with serving("/generate", generate) as url, \
+                EngineClient(url, retry=retry, request_timeout_s=0.5) as client:
+            try:
+                result = await client.generate([1], {})
+            except EngineError as exc:
+                result = exc
+            return result, client.retried
 
     result, retried = asyncio.run(go())
     return result, served, retried, sleeps
@@ -165,20 +173,14 @@ def test_routed_experts_are_asked_for_and_decoded_per_token(form):
         return web.json_response({"output_ids": [7, 8], "meta_info": meta})
 
     async def go():
-        app = web.Application()
-        app.router.add_post("/generate", generate)
-        server = TestServer(app)
-        await server.start_server()
-        try:
-            async with EngineClient(str(server.make_url("")).rstrip("/"), return_routed_experts=True) as client:
+        async with serving("/generate", generate) as url:
+            async with EngineClient(url, return_routed_experts=True) as client:
                 first = await client.generate([1, 2], {})
                 with pytest.raises(EngineError, match="enable-return-routed-experts"):
                     await client.generate([1, 2], {})
-            async with EngineClient(str(server.make_url("")).rstrip("/")) as plain:
+            async with EngineClient(url) as plain:
                 assert (await plain.generate([1, 2], {})).routed_experts is None
             return first
-        finally:
-            await server.close()
 
     result = asyncio.run(go())
     assert seen[0]["return_routed_experts"] is True and "return_routed_experts" not in seen[-1]
@@ -194,20 +196,13 @@ def test_post_keeps_its_older_retries_keyword():
         return web.Response(status=503, text="busy")
 
     async def go():
-        app = web.Application()
-        app.router.add_post("/flush_cache", flush)
-        server = TestServer(app)
-        await server.start_server()
-        try:
-            async with EngineClient(str(server.make_url("")).rstrip("/")) as client:
-                with pytest.raises(EngineError, match="HTTP 503"):
-                    await client.post("/flush_cache", {}, retries=1)
-                assert len(served) == 2
-                served.clear()
-                with pytest.raises(EngineError, match="HTTP 503"):
-                    await client.post("/flush_cache", {}, retries=0)
-                assert len(served) == 1
-        finally:
-            await server.close()
+        async with serving("/flush_cache", flush) as url, EngineClient(url) as client:
+            with pytest.raises(EngineError, match="HTTP 503"):
+                await client.post("/flush_cache", {}, retries=1)
+            assert len(served) == 2
+            served.clear()
+            with pytest.raises(EngineError, match="HTTP 503"):
+                await client.post("/flush_cache", {}, retries=0)
+            assert len(served) == 1
 
     asyncio.run(go())
