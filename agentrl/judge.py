@@ -33,6 +33,8 @@ from pathlib import Path
 
 import aiohttp
 
+from agentrl.http import HTTPCallError, json_session, post_json
+
 DELIMITER_STEM = "policy-answer"
 SCORE_RE = re.compile(r"SCORE:\s*(-?\d{1,4}(?:\.\d{1,4})?)\s*(?:/\s*\d{1,4})?\s*$", re.IGNORECASE | re.MULTILINE)
 MAX_QUOTED_CHARS = 32_000  # an answer longer than this is cut (and says so) before it reaches the judge
@@ -128,17 +130,13 @@ class LLMJudge:
                                            nonce=secrets.token_hex(8))}
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = json_session(timeout_s=self.timeout_s)
         async with self._limit:
             self.requests += 1
             try:
-                async with self._session.post(self.url, json=body, headers=headers) as resp:
-                    if resp.status != 200:
-                        raise JudgeUnavailable(f"judge {self.url} answered HTTP {resp.status}: "
-                                               f"{(await resp.text())[:300]}")
-                    reply = await resp.json(content_type=None)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                raise JudgeUnavailable(f"judge {self.url}: {type(exc).__name__}: {exc}") from exc
+                reply, _ = await post_json(self._session, self.url, body, headers=headers, expect_json=True)
+            except HTTPCallError as exc:
+                raise JudgeUnavailable(f"judge unavailable: {exc}") from exc
         try:
             text = reply["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):

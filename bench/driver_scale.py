@@ -145,8 +145,8 @@ async def _drive(url: str, engine_pid: int, gc_mode: str, in_flight: int, latenc
             return await super().generate(input_ids, sampling_params, session_id=session_id, rid=rid,
                                           lora_path=lora_path)
 
-        async def _post(self, path, payload, headers=None, retries=None):
-            body, engine = await super()._post(path, payload, headers, retries)
+        async def _post(self, path, payload, headers=None, retry=None):
+            body, engine = await super()._post(path, payload, headers, retry)
             if path == "/generate":
                 self.engine_s[payload["rid"]] = body["meta_info"]["e2e_latency"]
             return body, engine

@@ -145,10 +145,11 @@ def start_server(args, name: str, gpu: int, port: int, mem: float, model: Path, 
 
 
 async def wait_ready(server: Server, timeout_s: float) -> None:
+    from agentrl.http import NO_RETRY
     from agentrl.rollout.client import EngineClient
 
     deadline = time.monotonic() + timeout_s
-    async with EngineClient(server.url, retries=0) as c:
+    async with EngineClient(server.url, retry=NO_RETRY) as c:
         while time.monotonic() < deadline:
             if server.proc.poll() is not None:
                 raise RuntimeError(f"{server.name} exited with {server.proc.returncode} (see server_{server.name}.log)")

@@ -34,6 +34,7 @@ import time
 from collections import OrderedDict
 from typing import AsyncIterator, Mapping
 
+from .backends import create, resolve_backend
 from .base import Sandbox, SandboxError, SandboxLimits, log
 
 
@@ -55,7 +56,6 @@ class SandboxPool:
                  mounts: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
                  reuse: bool = True, acquire_timeout_s: float = 600.0, max_groups: int = 256,
                  snapshot_max_bytes: int = 64 << 20):
-        from . import resolve_backend
         self.backend = resolve_backend(backend)
         if max_active is None:  # sized to the machine and the backend
             max_active = default_max_active(self.backend, limits.memory_mb if limits else None)
@@ -105,7 +105,6 @@ class SandboxPool:
         await asyncio.gather(*[sb.close() for sb in doomed], return_exceptions=True)
 
     async def _new(self) -> Sandbox:
-        from . import create
         async with self._creating:
             try:
                 sb = await create(self.backend, **self.kw)

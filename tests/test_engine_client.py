@@ -3,20 +3,35 @@
 once more), 4xx never; the error after the last try names the URL, the tries and the cause."""
 
 import asyncio
+import contextlib
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from agentrl.errors import EngineError
+from agentrl.http import RetryPolicy
 from agentrl.rollout.client import EngineClient
 
 REPLY = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 1,
                                           "output_token_logprobs": [[-0.5, 7, None]]}}
 
 
+@contextlib.asynccontextmanager
+async def serving(path: str, handler):
+    """The base URL of an in-process server that answers POST `path` with `handler`."""
+    app = web.Application()
+    app.router.add_post(path, handler)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
 def generate_with(script: list, *, retries: int = 3, backoff_s: float = 0.001, max_backoff_s: float = 0.004,
-                  monkeypatch=None):
+                  jitter: float = 0.25, monkeypatch=None):
     """POST /generate to a server that answers request i with script[i] (an HTTP status, "drop" to
     close the connection, "hang" to answer after the client's timeout). Returns (result or the
     EngineError, requests served, client.retried, the client's back-off sleeps)."""
@@ -45,20 +60,14 @@ def generate_with(script: list, *, retries: int = 3, backoff_s: float = 0.001, m
                 return await real_sleep(0)
 
             monkeypatch.setattr(asyncio, "sleep", recording_sleep)
-        app = web.Application()
-        app.router.add_post("/generate", generate)
-        server = TestServer(app)
-        await server.start_server()
-        try:
-            async with EngineClient(str(server.make_url("")).rstrip("/"), retries=retries, backoff_s=backoff_s,
-                                    max_backoff_s=max_backoff_s, request_timeout_s=0.5) as client:
-                try:
-                    result = await client.generate([1], {})
-                except EngineError as exc:
-                    result = exc
-                return result, client.retried
-        finally:
-            await server.close()
+        retry = RetryPolicy(attempts=retries + 1, backoff_s=backoff_s, max_backoff_s=max_backoff_s, jitter=jitter)
+        async with serving("/generate", generate) as url, \
+                EngineClient(url, retry=retry, request_timeout_s=0.5) as client:
+            try:
+                result = await client.generate([1], {})
+            except EngineError as exc:
+                result = exc
+            return result, client.retried
 
     result, retried = asyncio.run(go())
     return result, served, retried, sleeps
@@ -93,10 +102,26 @@ def test_a_request_that_timed_out_twice_is_not_tried_a_third_time():
 
 
 def test_the_back_off_doubles_up_to_its_cap(monkeypatch):
-    error, served, retried, sleeps = generate_with([503], retries=5, backoff_s=0.5, max_backoff_s=3.0,
+    error, served, retried, sleeps = generate_with([503], retries=5, backoff_s=0.5, max_backoff_s=3.0, jitter=0,
                                                    monkeypatch=monkeypatch)
     assert len(served) == 6 and retried == 5 and "HTTP 503" in str(error)
     assert sleeps == pytest.approx([0.5, 1.0, 2.0, 3.0, 3.0])  # none after the last try
+
+
+def test_the_back_off_is_jittered_below_its_cap(monkeypatch):
+    _, served, _, sleeps = generate_with([503], retries=5, backoff_s=0.5, max_backoff_s=3.0, jitter=0.5,
+                                         monkeypatch=monkeypatch)
+    assert len(served) == 6 and len(sleeps) == 5
+    assert all(0.5 * d <= s <= d for s, d in zip(sleeps, [0.5, 1.0, 2.0, 3.0, 3.0])), sleeps
+    assert sleeps != pytest.approx([0.5, 1.0, 2.0, 3.0, 3.0])
+
+
+def test_the_default_policy_bounds_a_generate_by_attempts_and_a_deadline_past_the_request_timeout():
+    from agentrl.rollout.client import GENERATE_RETRY, RETRY_GRACE_S
+
+    client = EngineClient("http://127.0.0.1:9", request_timeout_s=30)
+    assert client.retry.attempts == GENERATE_RETRY.attempts == 7
+    assert client.retry.deadline_s == 30 + RETRY_GRACE_S
 
 
 def test_the_json_codec_sends_and_reads_what_the_standard_library_does():
@@ -105,7 +130,7 @@ def test_the_json_codec_sends_and_reads_what_the_standard_library_does():
     import json
     import math
 
-    from agentrl.rollout.client import _dumps, _loads
+    from agentrl.http import dumps_json as _dumps, loads_json as _loads
 
     payloads = [
         {"input_ids": list(range(300)), "sampling_params": {"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 9,
@@ -148,20 +173,14 @@ def test_routed_experts_are_asked_for_and_decoded_per_token(form):
         return web.json_response({"output_ids": [7, 8], "meta_info": meta})
 
     async def go():
-        app = web.Application()
-        app.router.add_post("/generate", generate)
-        server = TestServer(app)
-        await server.start_server()
-        try:
-            async with EngineClient(str(server.make_url("")).rstrip("/"), return_routed_experts=True) as client:
+        async with serving("/generate", generate) as url:
+            async with EngineClient(url, return_routed_experts=True) as client:
                 first = await client.generate([1, 2], {})
                 with pytest.raises(EngineError, match="enable-return-routed-experts"):
                     await client.generate([1, 2], {})
-            async with EngineClient(str(server.make_url("")).rstrip("/")) as plain:
+            async with EngineClient(url) as plain:
                 assert (await plain.generate([1, 2], {})).routed_experts is None
             return first
-        finally:
-            await server.close()
 
     result = asyncio.run(go())
     assert seen[0]["return_routed_experts"] is True and "return_routed_experts" not in seen[-1]
@@ -212,3 +231,24 @@ def test_the_weight_check_probe_carries_the_engines_routing_under_r3():
     assert seen[-1]["return_routed_experts"] is True and replayed.routed_experts == ids.tolist()
     plain = asyncio.run(go([]))
     assert "return_routed_experts" not in seen[-1] and plain.routed_experts is None
+
+
+def test_post_keeps_its_older_retries_keyword():
+    """`post(..., retries=N)`: N more tries (callers written before RetryPolicy)."""
+    served = []
+
+    async def flush(request):
+        served.append(1)
+        return web.Response(status=503, text="busy")
+
+    async def go():
+        async with serving("/flush_cache", flush) as url, EngineClient(url) as client:
+            with pytest.raises(EngineError, match="HTTP 503"):
+                await client.post("/flush_cache", {}, retries=1)
+            assert len(served) == 2
+            served.clear()
+            with pytest.raises(EngineError, match="HTTP 503"):
+                await client.post("/flush_cache", {}, retries=0)
+            assert len(served) == 1
+
+    asyncio.run(go())

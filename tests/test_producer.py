@@ -241,7 +241,8 @@ def test_a_failed_group_is_rerun_whole_at_most_max_group_retries_times(caplog, r
 
 
 def test_a_retry_waits_longer_each_time_up_to_30_s(caplog, monkeypatch):
-    # group 0 fails its first 6 attempts: the retries wait retry_backoff_s doubled each time, capped at 30 s
+    # group 0 fails its first 6 attempts: the retries wait retry_backoff_s doubled each time, capped at 30 s,
+    # each shortened by up to the policy's jitter
     groups = FakeGroups(fails=lambda g, attempt: g == 0 and attempt < 6)
     producer = make_producer(groups, over_sampling=1, max_group_retries=6, retry_backoff_s=1.5)
     waits = []
@@ -260,7 +261,8 @@ def test_a_retry_waits_longer_each_time_up_to_30_s(caplog, monkeypatch):
         return batch
 
     assert group_ids(run_clean(main, caplog)) == [0] and producer.retried == 6
-    assert waits == [1.5, 3.0, 6.0, 12.0, 24.0, 30.0]
+    jitter = producer.retry.jitter
+    assert len(waits) == 6 and all((1 - jitter) * d <= w <= d for w, d in zip(waits, [1.5, 3.0, 6.0, 12.0, 24.0, 30.0]))
 
 
 # -- stopping -------------------------------------------------------------------------------

@@ -632,7 +632,12 @@ async def bounded_stdio_client(argv: list[str], env: dict[str, str] | None, cwd:
     line is joined once, at its newline (the SDK re-joins its buffer per chunk: a 48 MB line
     cost seconds of CPU), and a line longer than `max_line` or a flood of lines closes the
     connection (the session then sees the server gone). The server runs in its own session;
-    leaving kills its process group."""
+    leaving kills its process group.
+
+    Why not the SDK's `stdio_client` (mcp 2.3): its reader keeps a line of any length and takes
+    no bound (a server that model code controls can print one without end), and its reading
+    cannot be replaced on its own. Everything above the line (JSON-RPC, the session, the
+    message types) is the SDK's: `ClientSession`, `SessionMessage`, `jsonrpc_message_adapter`."""
     import anyio
     from mcp.client.stdio import get_default_environment
     from mcp.shared.message import SessionMessage

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import tenacity
-
 log = logging.getLogger(__name__)
 
 
@@ -53,10 +51,6 @@ class Passage:
 
 class RetrievalError(RuntimeError):
     """The retriever could not answer (bad corpus, unreachable or malformed service)."""
-
-
-class _ClientErrorAnswer(Exception):
-    """A 4xx answer of the retrieval service: not sent again."""
 
 
 class Retriever(Protocol):
@@ -162,31 +156,17 @@ class RemoteRetriever:
         self.timeout_s, self.retries = timeout_s, retries
 
     async def search(self, queries: list[str], topk: int = 3) -> list[list[Passage]]:
-        import aiohttp
+        from agentrl.http import HTTPCallError, RetryPolicy, json_session, post_json
 
         payload = {"queries": list(queries), "topk": int(topk), "return_scores": True}
-
-        async def ask() -> list[list[Passage]]:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as http:
-                async with http.post(self.url, json=payload) as resp:
-                    if resp.status >= 500:
-                        raise RetrievalError(f"{self.url}: HTTP {resp.status}: {(await resp.text())[:200]}")
-                    if resp.status != 200:  # a client error will not get better on retry
-                        raise _ClientErrorAnswer(f"{self.url}: HTTP {resp.status}: {(await resp.text())[:200]}")
-                    body = await resp.json(content_type=None)
-            return self._parse(body, len(queries))
-
-        def give_up(state: tenacity.RetryCallState):
-            last = state.outcome.exception()
-            raise RetrievalError(f"retrieval service {self.url} failed: {type(last).__name__}: {last}")
-
+        # no answer or a 5xx is sent again (0.2 s, 0.4 s, ... jittered); a 4xx will not get better on retry
+        retry = RetryPolicy(attempts=self.retries + 1, backoff_s=0.2, max_backoff_s=5.0)
         try:
-            return await tenacity.AsyncRetrying(
-                retry=tenacity.retry_if_exception_type((aiohttp.ClientError, asyncio.TimeoutError, RetrievalError)),
-                stop=tenacity.stop_after_attempt(self.retries + 1), wait=tenacity.wait_exponential(multiplier=0.2),
-                retry_error_callback=give_up)(ask)
-        except _ClientErrorAnswer as exc:
-            raise RetrievalError(f"retrieval service {self.url} failed: {exc}") from None
+            async with json_session(timeout_s=self.timeout_s) as http:
+                body, _ = await post_json(http, self.url, payload, retry=retry, expect_json=True)
+        except HTTPCallError as exc:
+            raise RetrievalError(f"retrieval service {self.url} failed: {type(exc).__name__}: {exc}") from None
+        return self._parse(body, len(queries))
 
     def _parse(self, body: Any, n: int) -> list[list[Passage]]:
         result = body.get("result") if isinstance(body, dict) else None

@@ -33,7 +33,6 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from agentrl.config import RolloutConfig
 from agentrl.engines.colocate import EngineMemory
 from agentrl.engines.launch import ENGINE_ENV, ServerProcess, embedded_argv, http_ok, poll, server_port
 from agentrl.errors import ConfigError, EngineError
+from agentrl.http import HTTPCallError, request_json
 
 log = logging.getLogger("agentrl.engines")
 
@@ -227,12 +227,6 @@ def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: P
             for p in plans], ordered
 
 
-def _get_json(url: str, timeout: float = 5.0):
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        body = resp.read()
-    return json.loads(body) if body else None
-
-
 def _healthy(url: str, timeout: float = 10.0) -> bool:
     return http_ok(url + "/health", timeout)
 
@@ -244,8 +238,8 @@ def detect_kind(url: str, timeout_s: float = 60.0) -> str:
     def kind() -> str | None:
         nonlocal last
         try:
-            info = _get_json(url + "/model_info")
-        except (OSError, ValueError) as exc:
+            info = request_json("GET", url + "/model_info", timeout=5.0)
+        except HTTPCallError as exc:
             last = exc
             return None
         return "embedded" if (info or {}).get("engine") == "agentrl-embedded" else "sglang"
@@ -253,19 +247,13 @@ def detect_kind(url: str, timeout_s: float = 60.0) -> str:
     found = poll(kind, timeout_s=timeout_s, interval_s=0.5)
     if found:
         return found
-    raise EngineError(f"--rollout-engine-urls {url}: no engine answers /model_info after {timeout_s:.0f} s ({last!r})")
-
-
-def _post(url: str, payload: dict, timeout: float = 30.0) -> None:
-    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        resp.read()
+    raise EngineError(f"--rollout-engine-urls {url}: no engine answers /model_info after {timeout_s:.0f} s ({last})")
 
 
 def weight_version(url: str) -> str | None:
     try:
-        return str(_get_json(url + "/model_info")["weight_version"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return str(request_json("GET", url + "/model_info", timeout=5.0)["weight_version"])
+    except (HTTPCallError, KeyError, TypeError):
         return None
 
 
@@ -330,7 +318,7 @@ class EngineMonitor:
         if e.state == "starting":
             if _healthy(e.url):
                 if e.kind == "sglang":  # SGLang cannot start paused: pause it now, before it gets the weights
-                    _post(e.url + "/pause_generation", {"mode": "in_place"})
+                    request_json("POST", e.url + "/pause_generation", {"mode": "in_place"}, timeout=30.0)
                 e.state, e.pending = "catching_up", None
             elif not e.server.alive() or time.monotonic() - e.since > self.startup_timeout_s:
                 e.state = "down" if e.server is not None and e.server.restarts < MAX_RESTARTS else "failed"
@@ -345,7 +333,7 @@ class EngineMonitor:
                 done, e.pending = e.pending, None
                 done.result(timeout=0)  # a failed push raises here (logged); the next check tries again
             else:  # the weights never change: the engine as it started is current
-                _post(e.url + "/continue_generation", {})
+                request_json("POST", e.url + "/continue_generation", {}, timeout=30.0)
             others = {weight_version(o.url) for o in self.group.engines if o is not e and o.state == "serving"}
             others.discard(None)
             mine = weight_version(e.url)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import http.client
 import os
 import random
 import signal
@@ -13,13 +12,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Callable, TypeVar
 
 import tenacity
 
 from agentrl.errors import EngineError
+from agentrl.http import http_ok
 
 
 # The environment of every engine server agentrl starts. SGLang's /health runs a one-token
@@ -80,17 +79,6 @@ def poll(check: Callable[[], T], *, timeout_s: float, interval_s: float) -> T:
     return tenacity.Retrying(retry=tenacity.retry_if_result(lambda result: not result),
                              stop=tenacity.stop_before_delay(timeout_s), wait=tenacity.wait_fixed(interval_s),
                              retry_error_callback=lambda state: state.outcome.result())(check)
-
-
-def http_ok(url: str, timeout: float = 5.0) -> bool:
-    """Does GET url answer 200? Any failure to get an answer (refused, reset, a garbled or
-    partial reply, a timeout) is "no", never an exception: a server that is starting or
-    dying can fail in all of these ways."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status == 200
-    except (OSError, http.client.HTTPException, ValueError):
-        return False
 
 
 def _die_with_parent() -> None:

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from agentrl.engines.launch import ServerProcess, free_port, poll
 from agentrl.errors import ConfigError, EngineError
+from agentrl.http import HTTPCallError, request_json
 
 OWNED = {"worker-urls": "--rollout-engine-urls / --num-engines", "host": "", "port": "", "prometheus-port": "",
          "pd-disaggregation": "", "prefill": "", "decode": ""}
@@ -86,12 +84,7 @@ class Router:
         self.process = process
 
     def _call(self, method: str, path: str, payload: dict | None = None, timeout: float = 10.0):
-        data = json.dumps(payload).encode() if payload is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"} if data else {})
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            body = resp.read()
-        return json.loads(body) if body else None
+        return request_json(method, self.url + path, payload, timeout=timeout)
 
     def workers(self) -> list[dict]:
         return self._call("GET", "/workers")["workers"]
@@ -108,8 +101,8 @@ class Router:
         for worker_id in ids:
             try:
                 self._call("DELETE", f"/workers/{worker_id}")
-            except urllib.error.HTTPError as exc:
-                if exc.code != 404:
+            except HTTPCallError as exc:
+                if exc.status != 404:  # gone already
                     raise
         return bool(ids)
 
@@ -123,7 +116,7 @@ class Router:
                 missing = set(urls) - self.healthy_urls()
                 if not missing:
                     return True
-            except (OSError, ValueError, KeyError):
+            except (HTTPCallError, KeyError, TypeError):  # not answering yet, or not the worker API's answer
                 pass
             if self.process is not None and not self.process.alive():
                 raise EngineError(f"sglang-router exited with code {self.process.proc.returncode}; last log lines:\n"

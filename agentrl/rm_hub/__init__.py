@@ -231,19 +231,16 @@ def _setting(args, name: str):
 
 
 async def remote_rm(args, sample, *, timeout_s: float = 120.0, attempts: int = 10):
-    """POST {prompt, response, label} to --rm-url, retried with back-off (a bounded number of times)."""
-    import aiohttp
-    from tenacity import AsyncRetrying, stop_after_attempt, wait_random_exponential
+    """POST {prompt, response, label} to --rm-url, retried with back-off `attempts` tries at most
+    (no answer or a 5xx; a 4xx is the request's fault and is not sent again)."""
+    from agentrl.http import RetryPolicy, json_session, post_json
 
     payload = {"prompt": getattr(sample, "prompt", None) or _prompt_text(sample), "response": sample.response,
                "label": sample.label}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        async for attempt in AsyncRetrying(stop=stop_after_attempt(attempts), wait=wait_random_exponential(max=30),
-                                           reraise=True):
-            with attempt:
-                async with session.post(_setting(args, "rm_url"), json=payload) as resp:
-                    resp.raise_for_status()
-                    return await resp.json()
+    retry = RetryPolicy(attempts=attempts, backoff_s=1.0, max_backoff_s=30.0)
+    async with json_session(timeout_s=timeout_s) as session:
+        body, _ = await post_json(session, _setting(args, "rm_url"), payload, retry=retry, expect_json=True)
+    return body
 
 
 def _prompt_text(sample) -> str:

@@ -6,10 +6,13 @@ key (`X-SMG-Routing-Key`, read by sglang-router's `manual` policy), so every tur
 trajectory lands on one engine and finds its prefix in that engine's cache.
 
 Failures: a /generate that fails on the way (connection refused or reset, timeout, HTTP
-5xx, e.g. the router's answer when the engine behind it died) is sent again, with
-exponential backoff, up to `retries` more times (a timeout only once more); the router meanwhile drops the dead
-engine and maps the trajectory to a surviving one. 4xx answers are not retried. A retried
-request is the same request: its trajectory is continued once, never duplicated.
+5xx, e.g. the router's answer when the engine behind it died) is sent again under
+`GENERATE_RETRY` (agentrl.http.RetryPolicy: back-off with jitter, 7 tries, none started
+later than a minute past the request timeout, a timeout only once more); the router
+meanwhile drops the dead engine and maps the trajectory to a surviving one. 4xx answers are
+not retried. A retried request is the same request: its
+trajectory is continued once, never duplicated. Other protocol calls retry less
+(`CONTROL_RETRY`: 3 tries).
 
 Each completed /generate is recorded in a TurnLog (which engine served it, prompt and
 cached tokens) for the router_affinity and prefix_cache_hit_rate metrics.
@@ -17,39 +20,24 @@ cached tokens) for the router_affinity and prefix_cache_hit_rate metrics.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import aiohttp
 import numpy as np
-import orjson
 
 from agentrl.engines import ENGINE_HEADER
 from agentrl.errors import EngineError
+from agentrl.http import RetryPolicy, get_json, get_ok, json_session, post_json
 from agentrl.rollout.affinity import Turn, TurnLog
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-
-
-# JSON both ways through orjson: the standard library's codec was ~10% of a turn's client CPU with a
-# 100-token context (bench/rollout_overhead.py), and grows with the context. What orjson refuses to
-# write (integers past 64 bits) or read (NaN) goes through json as before. Unlike json, orjson writes
-# NaN and infinities as null and reads integers past 64 bits as floats: no engine reply holds those.
-def _dumps(value) -> str:
-    try:
-        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
-    except TypeError:
-        return json.dumps(value)
-
-
-def _loads(data: bytes):
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)
+GENERATE_RETRY = RetryPolicy(attempts=7, backoff_s=0.5, max_backoff_s=8.0)
+CONTROL_RETRY = replace(GENERATE_RETRY, attempts=3)
+# each client's deadline: no try starts later than this past its request timeout, counted from the
+# first try (a reply that failed late still gets retries; the router drops a dead engine in seconds)
+RETRY_GRACE_S = 60.0
 
 
 @dataclass
@@ -101,13 +89,13 @@ class EngineClient:
     in flight and a 1,024 pool, p99 turn latency rose by 5 s: bench/driver_scale.py)."""
 
     def __init__(self, base_url: str, *, request_timeout_s: float = 600.0, max_connections: int | None = None,
-                 retries: int = 6, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
-                 turn_log: TurnLog | None = None, return_routed_experts: bool = False):
+                 retry: RetryPolicy | None = None, turn_log: TurnLog | None = None,
+                 return_routed_experts: bool = False):
         self.base_url = base_url.rstrip("/")
         self.return_routed_experts = return_routed_experts  # R3 (SGLang --enable-return-routed-experts)
         self.request_timeout_s = request_timeout_s
-        self.retries = retries
-        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        # of /generate (other calls: CONTROL_RETRY)
+        self.retry = retry or replace(GENERATE_RETRY, deadline_s=request_timeout_s + RETRY_GRACE_S)
         self.turn_log = TurnLog() if turn_log is None else turn_log  # which engine served each turn
         self.retried = 0  # requests sent again after a failure (all calls of this client)
         self._max_connections = max_connections
@@ -123,10 +111,7 @@ class EngineClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections or 0),  # 0: aiohttp's "no limit"
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s), json_serialize=_dumps,
-            )
+            self._session = json_session(timeout_s=self.request_timeout_s, max_connections=self._max_connections)
         return self._session
 
     async def close(self) -> None:
@@ -134,41 +119,16 @@ class EngineClient:
             await self._session.close()
             self._session = None
 
-    def _delay(self, attempt: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
+    def _count_retry(self, exc: BaseException) -> None:
+        self.retried += 1
 
     async def _post(self, path: str, payload: dict, headers: dict | None = None,
-                    retries: int | None = None) -> tuple[dict | str | None, str | None]:
+                    retry: RetryPolicy | None = None) -> tuple[dict | str | None, str | None]:
         """(body, the engine that served it: the X-Agentrl-Engine header or None)."""
-        retries = self.retries if retries is None else retries
-        last: Exception | None = None
-        timeouts = 0
-        for attempt in range(retries + 1):
-            if attempt:
-                self.retried += 1
-            try:
-                async with self.session.post(self.base_url + path, json=payload, headers=headers) as resp:
-                    if resp.status >= 500 and attempt < retries:
-                        last = EngineError(f"POST {self.base_url}{path}: HTTP {resp.status} {(await resp.text())[:300]}")
-                        await asyncio.sleep(self._delay(attempt))
-                        continue
-                    if resp.status != 200:
-                        raise EngineError(f"POST {self.base_url}{path}: HTTP {resp.status}: {(await resp.text())[:500]}")
-                    # a case-insensitive lookup: sglang-router (hyper) sends headers lower-cased
-                    engine = resp.headers.get(ENGINE_HEADER)
-                    if resp.content_type == "application/json":  # as resp.json(), without its checks redone
-                        data = (await resp.read()).strip()
-                        return (_loads(data) if data else None), engine
-                    return await resp.text(), engine
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
-                last = exc
-                if isinstance(exc, asyncio.TimeoutError):
-                    timeouts += 1
-                    if timeouts > 1:  # a request that timed out twice is not tried a third time
-                        break
-                if attempt < retries:
-                    await asyncio.sleep(self._delay(attempt))
-        raise EngineError(f"POST {self.base_url}{path} failed after {attempt + 1} tries: {last!r}")
+        body, resp_headers = await post_json(self.session, self.base_url + path, payload, headers=headers,
+                                             retry=self.retry if retry is None else retry, on_retry=self._count_retry)
+        # a case-insensitive lookup: sglang-router (hyper) sends headers lower-cased
+        return body, resp_headers.get(ENGINE_HEADER)
 
     async def generate(self, input_ids: list[int], sampling_params: dict, *, session_id: str | None = None,
                        rid: str | None = None, lora_path: str | None = None) -> GenerateResult:
@@ -209,17 +169,10 @@ class EngineClient:
         return result
 
     async def health(self, timeout_s: float = 5.0) -> bool:
-        try:
-            async with self.session.get(self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
+        return await get_ok(self.session, self.base_url + "/health", timeout_s=timeout_s)
 
     async def get(self, path: str) -> dict | str | None:
-        async with self.session.get(self.base_url + path) as r:
-            if r.status != 200:
-                raise EngineError(f"GET {self.base_url}{path}: HTTP {r.status}: {(await r.text())[:300]}")
-            return await r.json() if r.content_type == "application/json" else await r.text()
+        return await get_json(self.session, self.base_url + path)
 
     async def kind(self) -> str:
         """"embedded" (agentrl's engine) or "sglang", from /model_info (cached)."""
@@ -229,8 +182,12 @@ class EngineClient:
                 else "sglang"
         return self._kind
 
-    async def post(self, path: str, payload: dict, *, retries: int | None = None) -> dict | str | None:
+    async def post(self, path: str, payload: dict, *, retry: RetryPolicy = CONTROL_RETRY,
+                   retries: int | None = None) -> dict | str | None:
         """Any other protocol call: /flush_cache, /abort_request, /update_weights_from_*, ...
-        (control calls retry less by default: 2 more tries)."""
-        body, _ = await self._post(path, payload, retries=2 if retries is None else retries)
+        (retried less than /generate: CONTROL_RETRY). `retries`: the older spelling of
+        `retry`, as that many more tries (kept for callers written against it)."""
+        if retries is not None:
+            retry = replace(retry, attempts=retries + 1)
+        body, _ = await self._post(path, payload, retry=retry)
         return body

@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable
 
 from agentrl.data import PromptSource
 from agentrl.errors import AgentRLError
+from agentrl.http import RetryPolicy
 from agentrl.types import Sample, SampleStatus
 
 log = logging.getLogger("agentrl.rollout")
@@ -64,7 +65,12 @@ class RolloutProducer:
                  max_failed_groups: int | None = 8, report: Callable[[str], None] | None = None,
                  retry_backoff_s: float = 1.0):
         self.source, self.run_group, self.over_sampling = source, run_group, over_sampling
-        self.group_filter, self.max_group_retries = group_filter, max_group_retries
+        self.group_filter = group_filter
+        # a retry waits (1 s, 2 s, 4 s, ... 30 s, jittered): an overloaded machine or service gets room to
+        # recover. A failed group is re-launched beside the running ones, not awaited in a loop: the
+        # policy gives the bound and the waits (_collect, _attempt)
+        self.retry = RetryPolicy(attempts=max_group_retries + 1, backoff_s=min(retry_backoff_s, 30.0),
+                                 max_backoff_s=30.0)
         self.keep_generating = keep_generating  # async mode: generate the next batch during training
         self.next_id = first_group_id  # group ids are unique across the run (and its resumes)
         self._requeued: list[dict] = list(pending or [])  # resumed: launched before the restart, never trained
@@ -75,7 +81,6 @@ class RolloutProducer:
         self._ready: list[tuple[int, dict, list[Sample]]] = []  # (group id, task, samples)
         self.max_failed_groups = max_failed_groups  # dropped in a row before the run stops; None: never
         self.report = report or log.warning  # the first failure of each kind, as it happens
-        self.retry_backoff_s = retry_backoff_s
         self.dropped: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # failed trajectories by kind
         self.retried = 0
@@ -97,8 +102,8 @@ class RolloutProducer:
             self._wakeup.set_result(None)
 
     async def _attempt(self, task: dict, group_id: int, attempt: int) -> list[Sample]:
-        if attempt:  # a retry waits (1 s, 2 s, 4 s, ... 30 s): an overloaded machine or service gets room to recover
-            await asyncio.sleep(min(self.retry_backoff_s * 2 ** (attempt - 1), 30.0))
+        if attempt:
+            await asyncio.sleep(self.retry.delay(attempt))
         # one group starts per turn of the event loop, in launch order: a batch's groups launched
         # at once would start all their trajectories in one turn (250 at 2,000 in flight: 7-23 ms
         # in which no reply of the running ones is read; bench/driver_scale.py)
@@ -121,7 +126,7 @@ class RolloutProducer:
             for s in samples:  # the whole attempt: its failed members and the ones it takes down (not trained)
                 s.metadata["attempt_failed"] = True
             self.failed_samples += samples
-            if attempt < self.max_group_retries:
+            if attempt + 1 < self.retry.attempts:
                 self.retried += 1
                 self._launch(task, group_id, attempt + 1)
                 return
@@ -129,7 +134,7 @@ class RolloutProducer:
             self.failed_in_row += 1
             if self.max_failed_groups is not None and self.failed_in_row >= self.max_failed_groups:
                 raise RolloutFailedError(
-                    f"{self.failed_in_row} groups in a row failed, each tried {self.max_group_retries + 1} times "
+                    f"{self.failed_in_row} groups in a row failed, each tried {self.retry.attempts} times "
                     f"({self._failure_summary()}); stopping (--max-failed-groups {self.max_failed_groups}). "
                     f"The first failure: {self.first_failure}")
             return

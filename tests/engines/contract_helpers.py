@@ -109,7 +109,7 @@ class RecordingClient(EngineClient):
         super().__init__(*args, **kwargs)
         self.calls: list[tuple[str, dict, int, str, object]] = []
 
-    async def _post(self, path, payload, headers=None, retries=None):
+    async def _post(self, path, payload, headers=None, retry=None):
         async with self.session.post(self.base_url + path, json=payload, headers=headers) as resp:
             text = await resp.text()
             ctype = resp.content_type

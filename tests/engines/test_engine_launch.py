@@ -316,7 +316,7 @@ def test_detect_kind_gives_up_after_its_timeout_naming_the_url():
     url = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()
     with pytest.raises(EngineError, match=rf"--rollout-engine-urls {url}: no engine answers /model_info after 1 s "
-                                          r"\(URLError.*refused"):
+                                          rf"\(GET {url}/model_info: URLError.*refused"):
         detect_kind(url, timeout_s=1)
     assert time.monotonic() - start < 1.5
 

@@ -13,6 +13,7 @@ from agentrl.config import parse_config
 from agentrl.engines.embedded import EmbeddedEngine, encode_named_tensors
 from agentrl.engines.group import Engine, EngineGroup
 from agentrl.errors import EngineError
+from agentrl.http import NO_RETRY
 from agentrl.rollout.client import EngineClient
 from agentrl.weight_sync import sync_weights_from_tensor
 from agentrl.weight_update import check_probe, probe_engines, weight_check_due
@@ -56,7 +57,7 @@ def test_emulated_tp_engine_takes_exactly_one_identical_payload_per_rank(engine2
                                 ("different", [encode_named_tensors(named), encode_named_tensors(other)])):
             with pytest.raises(EngineError) as err:
                 await client.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads,
-                                                                  "flush_cache": True}, retries=0)
+                                                                  "flush_cache": True}, retry=NO_RETRY)
             replies[label] = str(err.value)
         # the weight sync reads tp_size from /server_info and sends one payload per rank
         out = await sync_weights_from_tensor([client], named, version=7, bucket_bytes=1 << 20)
@@ -74,7 +75,7 @@ def test_emulated_tp_engine_refuses_a_distributed_group(engine2):
         with pytest.raises(EngineError) as err:
             await client.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
                                                              "rank_offset": 1, "world_size": 3, "group_name": "g"},
-                              retries=0)
+                              retry=NO_RETRY)
         return str(err.value)
 
     assert "emulates --tp-size 2 for tensor updates only" in _serve(engine2, go)

@@ -8,6 +8,7 @@ import torch
 from aiohttp.test_utils import TestServer
 
 from agentrl.engines.embedded import EmbeddedEngine, encode_named_tensors
+from agentrl.http import NO_RETRY
 from agentrl.models import load_model
 from agentrl.rollout.client import EngineClient
 from agentrl.weight_sync import WeightUpdateGroup, sync_weights_from_disk
@@ -127,7 +128,7 @@ def test_a_flushing_weight_update_over_requests_paused_in_place_kills_the_engine
                 try:
                     await c.post("/update_weights_from_tensor", {
                         "serialized_named_tensors": [encode_named_tensors([("model.norm.weight", norm)])]},
-                        retries=0)
+                        retry=NO_RETRY)
                     error = None
                 except Exception as exc:  # noqa: BLE001 - the reply is a 500
                     error = str(exc)

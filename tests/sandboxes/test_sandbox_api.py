@@ -251,7 +251,7 @@ def test_no_engine_errors_and_auto_falls_back(monkeypatch, caplog):
     from agentrl.sandboxes import docker_backend
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
     monkeypatch.setattr(docker_backend, "_client", None)
-    monkeypatch.setattr(sbx, "_auto_choice", None)
+    monkeypatch.setattr(sbx.backends, "_auto_choice", None)
     with pytest.raises(SandboxError, match="no Docker engine answers"):
         resolve_backend("docker")
     with pytest.raises(SandboxError, match="no Docker engine answers"):
