@@ -73,19 +73,40 @@ def flatten_bucket(chunk: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor,
     dtype, start, end) in bytes: SGLang's `load_format="flattened_bucket"` layout (one IPC handle
     a bucket instead of one a tensor). Offsets are ALIGN-aligned, so mixed dtypes share a buffer;
     the copies are queued on the device, nothing waits for them here."""
+    if not chunk:
+        raise EngineError("flatten_bucket: an empty bucket")
     meta, at = [], 0
     for name, t in chunk:
         at = -(-at // ALIGN) * ALIGN
         n = t.numel() * t.element_size()
         meta.append((name, tuple(t.shape), t.dtype, at, at + n))
         at += n
-    if not chunk:
-        raise EngineError("flatten_bucket: an empty bucket")
-    flat = torch.empty(at, dtype=torch.uint8, device=chunk[0][1].device)
+    flat = _ipc_buffer(at, chunk[0][1].device)
     for (_, t), (_, _, _, start, end) in zip(chunk, meta):
         if end > start:
             flat[start:end].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
     return flat, meta
+
+
+def _expandable_segments() -> bool:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def _ipc_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A bucket's buffer. On a GPU with expandable segments (agentrl's trainer ranks run so), a
+    block goes out over CUDA IPC as one file descriptor per 20 MB of its segment, each imported
+    and mapped by every engine rank: for a view into Megatron's parameter buffer that is the whole
+    buffer, every bucket. So the buffer is a plain cudaMalloc block of its own (one IPC handle),
+    as PyTorch advises for tensors shared between processes."""
+    if device.type != "cuda" or not _expandable_segments():
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    set_settings = torch.cuda.memory._set_allocator_settings
+    set_settings("expandable_segments:False")
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    finally:
+        set_settings("expandable_segments:True")
 
 
 def unflatten_bucket(flat: torch.Tensor, meta: list[tuple]) -> list[tuple[str, torch.Tensor]]:
