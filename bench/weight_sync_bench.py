@@ -104,7 +104,7 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['layout']} | {r['bucket_mb']:g} | {r['buckets']} | {r['median_s']:.3f} | "
-                     f"{r['min_s']:.3f}-{r['max_s']:.3f} | {r["gb_per_s"]:.3g} | {r['export_s']:.3f} | "
+                     f"{r['min_s']:.3f}-{r['max_s']:.3f} | {r['gb_per_s']:.3g} | {r['export_s']:.3f} | "
                      f"{r['encode_s']:.3f} | {r['wait_s']:.3f} | {r['finish_s']:.3f} |")
     return "\n".join(lines)
 
