@@ -96,13 +96,17 @@ def _expandable_segments() -> bool:
 def _ipc_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """A bucket's buffer. On a GPU with expandable segments (agentrl's trainer ranks run so), a
     block goes out over CUDA IPC as one file descriptor per 20 MB of its segment, each imported
-    and mapped by every engine rank: for a view into Megatron's parameter buffer that is the whole
-    buffer, every bucket. So the buffer is a plain cudaMalloc block of its own (one IPC handle),
-    as PyTorch advises for tensors shared between processes."""
+    and mapped by every engine rank (which also reserves address space for the whole GPU per
+    import, pytorch/pytorch#186213): for a view into Megatron's parameter buffer that is the whole
+    buffer, every bucket. So the buffer is a plain cudaMalloc block of its own, one IPC handle,
+    allocated with expandable segments off for the moment (PyTorch's advice for IPC)."""
     if device.type != "cuda" or not _expandable_segments():
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    set_settings = torch.cuda.memory._set_allocator_settings
-    set_settings("expandable_segments:False")
+    set_settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    try:
+        set_settings("expandable_segments:False")
+    except Exception:  # noqa: BLE001 - an older or newer PyTorch: an expandable block still works, slower
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
     try:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     finally:
