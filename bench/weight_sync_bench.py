@@ -50,7 +50,13 @@ async def run(args, results: dict, save) -> None:
     out = Path(args.out)
     tdev = "cuda:0" if args.device == "cuda" else "cpu"
     model = wsg.make_checkpoint(Path(args.model_dir), args.shape, getattr(torch, args.dtype), tdev)
-    server = wsg.start_server(args, "colo", 0, args.port, args.mem, model, out)
+    # the engine without the trainer's allocator setting, as agentrl starts engines (and CUDA has read it here)
+    conf = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    try:
+        server = wsg.start_server(args, "colo", 0, args.port, args.mem, model, out)
+    finally:
+        if conf is not None:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
     try:
         side = wsg.MegatronSide(model, args.device, args.dtype) if args.trainer == "megatron" else \
             wsg.HFSide(model, tdev, args.dtype)
