@@ -212,3 +212,80 @@ def test_a_rejected_bucket_still_lets_the_export_finish():
         asyncio.run(sync_weights_from_tensor([engine], export(), version=1, bucket_bytes=1024))
     assert exported == list(range(6))  # all of it ran (a sharded trainer's collectives), nothing more was sent
     assert engine.posts == ["/update_weights_from_tensor"] * 2
+
+
+class PairGather:
+    """Two ranks' RankGather over queues (rank 0 and rank 1 in two threads): a collective one rank
+    makes and the other does not times out instead of hanging, and each rank logs its calls."""
+
+    def __init__(self, rank: int, items, verdicts):
+        self.rank, self.items, self.verdicts, self.calls = rank, items, verdicts, []
+
+    def collect(self, item):
+        self.calls.append("collect")
+        if self.rank:
+            self.items.put(item)
+            return None
+        return [item, self.items.get(timeout=20)]
+
+    def verdict(self, error):
+        self.calls.append("verdict")
+        if self.rank == 0:
+            self.verdicts.put(error)
+            return error
+        return self.verdicts.get(timeout=20)
+
+
+@pytest.mark.parametrize("fail_at", [None, 1])
+def test_per_rank_protocol_keeps_both_ranks_in_step(fail_at):
+    """Rank 0 (sync_weights_per_rank) and rank 1 (serve_weights_per_rank) make the same collectives
+    in the same order, with the engine taking every bucket or rejecting one: then both stop
+    gathering, both finish their export, and rank 0 raises."""
+    import queue
+    import threading
+
+    from agentrl.weight_sync import serve_weights_per_rank, sync_weights_per_rank
+
+    items, verdicts = queue.Queue(), queue.Queue()
+    gathers = [PairGather(0, items, verdicts), PairGather(1, items, verdicts)]
+    exported = {0: [], 1: []}
+
+    def export(rank):
+        for i in range(5):
+            exported[rank].append(i)
+            yield f"w{i}", torch.full((256,), float(i))  # 1 KiB: a bucket each
+
+    class Engine:
+        base_url = "http://e0"
+
+        def __init__(self):
+            self.loaded = []
+
+        async def post(self, path, payload, **kw):
+            if path != "/update_weights_from_tensor":
+                return {"success": True}
+            names = [n for n, _ in decode_flattened_bucket(payload["serialized_named_tensors"][0])]
+            ok = len(self.loaded) != fail_at
+            self.loaded.append(names)
+            return {"success": ok, "message": "rejected"}
+
+    engine = Engine()
+    other = threading.Thread(target=serve_weights_per_rank, args=(export(1),),
+                             kwargs=dict(bucket_bytes=1024, kind="embedded", gather=gathers[1]))
+    other.start()
+    try:
+        result = asyncio.run(sync_weights_per_rank([engine], export(0), version=2, bucket_bytes=1024, sources=[[1, 0]],
+                                                   kind="embedded", gather=gathers[0]))
+    except EngineError as exc:
+        result = exc
+    other.join(timeout=30)
+    assert not other.is_alive()
+    assert gathers[0].calls == gathers[1].calls  # the same collectives, in the same order
+    assert exported == {0: list(range(5)), 1: list(range(5))}
+    if fail_at is None:
+        assert result["weight_sync_buckets"] == 5 and engine.loaded == [[f"w{i}"] for i in range(5)]
+        assert gathers[0].calls == ["collect"] + ["verdict", "collect"] * 4 + ["verdict"]
+    else:
+        assert isinstance(result, EngineError) and "rejected" in str(result)
+        assert engine.loaded == [["w0"], ["w1"]]  # nothing after the rejected bucket
+        assert gathers[0].calls == ["collect", "verdict", "collect", "verdict"]
