@@ -3,7 +3,10 @@
 Three paths, the same for SGLang and the embedded engine (they speak one protocol):
 
 - from tensors (`sync_weights_from_tensor`, colocated): POST /update_weights_from_tensor
-  per bucket. The encoding of `serialized_named_tensors` depends on the engine, read from
+  per bucket, in SGLang's `load_format="flattened_bucket"`: the bucket's tensors copied into
+  one uint8 buffer, sent with SGLang's FlattenedTensorMetadata per tensor, so one CUDA-IPC
+  handle a bucket instead of one a tensor (`flattened=False`: the per-tensor payload, for
+  comparison). The encoding of `serialized_named_tensors` depends on the engine, read from
   its /model_info: SGLang gets its own `MultiprocessingSerializer` pickle (CUDA IPC
   handles: the tensors must live on a GPU of the same machine), the embedded engine base64
   of torch.save with CPU tensors (see agentrl.engines.embedded). The list holds one payload
@@ -11,7 +14,10 @@ Three paths, the same for SGLang and the embedded engine (they speak one protoco
   each TP rank the copy of the trainer rank on that rank's own GPU (`sync_weights_per_rank`,
   as slime gathers them): every rank holds the full HF tensors after the export, each
   serializes its own, rank 0 gathers the payloads and posts, and no rank frees a bucket
-  before the engines have loaded it.
+  before the engines have loaded it. Either way the next bucket is exported and encoded (in
+  a worker thread) while the engines load this one; then the weight version and one cache
+  flush. The metrics break a sync's seconds down (weight_sync_export_s, _encode_s,
+  _gather_s, _wait_s: engine time not hidden, _finish_s).
 - from a process group (`WeightUpdateGroup`, disaggregated): /init_weights_update_group
   once, then per bucket /update_weights_from_distributed while rank 0 (the trainer)
   broadcasts each tensor; NCCL for GPU tensors, gloo for CPU ones (the embedded engine).
@@ -21,8 +27,8 @@ Three paths, the same for SGLang and the embedded engine (they speak one protoco
   adapter folder (MBs, not GBs), every engine loads it with /load_lora_adapter under the
   version's name, and requests name it in /generate's `lora_path`.
 
-Every path sends to all engines at once and gives the last request `weight_version` and
-`flush_cache` (a prefix cache built under old weights is never reused).
+Every path sends to all engines at once and ends with the new `weight_version` and a cache
+flush (a prefix cache built under old weights is never reused).
 """
 
 from __future__ import annotations
