@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -94,9 +95,13 @@ def flatten_bucket(chunk: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor,
     return flat, meta
 
 
-def _expandable_segments() -> bool:
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
+def _allocator_conf() -> str | None:
+    """The allocator settings this process runs with, where they turn expandable segments on."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        conf = os.environ.get(var, "")
+        if re.search(r"expandable_segments:\s*true", conf, re.I):
+            return conf
+    return None
 
 
 def _ipc_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -106,17 +111,18 @@ def _ipc_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     import, pytorch/pytorch#186213): for a view into Megatron's parameter buffer that is the whole
     buffer, every bucket. So the buffer is a plain cudaMalloc block of its own, one IPC handle,
     allocated with expandable segments off for the moment (PyTorch's advice for IPC)."""
-    if device.type != "cuda" or not _expandable_segments():
+    conf = _allocator_conf() if device.type == "cuda" else None
+    if conf is None:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     set_settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
-    try:
-        set_settings("expandable_segments:False")
+    try:  # the whole setting string each time: a parse may reset what it does not name
+        set_settings(re.sub(r"expandable_segments:\s*true", "expandable_segments:False", conf, flags=re.I))
     except Exception:  # noqa: BLE001 - an older or newer PyTorch: an expandable block still works, slower
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     try:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     finally:
-        set_settings("expandable_segments:True")
+        set_settings(conf)
 
 
 def unflatten_bucket(flat: torch.Tensor, meta: list[tuple]) -> list[tuple[str, torch.Tensor]]:

@@ -289,3 +289,34 @@ def test_per_rank_protocol_keeps_both_ranks_in_step(fail_at):
         assert isinstance(result, EngineError) and "rejected" in str(result)
         assert engine.loaded == [["w0"], ["w1"]]  # nothing after the rejected bucket
         assert gathers[0].calls == ["collect", "verdict", "collect", "verdict"]
+
+
+def test_a_gpu_bucket_buffer_is_allocated_outside_expandable_segments(monkeypatch):
+    """Under expandable segments (agentrl's trainer ranks) a bucket's buffer is a plain block, one
+    IPC handle (not one per 20 MB of a segment); the allocator's settings come back whole, even
+    when the allocation fails."""
+    from agentrl import weight_sync
+
+    calls, real_empty = [], torch.empty
+
+    def empty(n, dtype, device):
+        calls.append(("empty", str(device)))
+        if n < 0:
+            raise RuntimeError("CUDA out of memory")
+        return real_empty(n, dtype=dtype)
+
+    conf = "max_split_size_mb:256,expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(weight_sync.torch, "empty", empty)
+    cuda = torch.device("cuda", 0)
+    assert weight_sync._ipc_buffer(64, cuda).numel() == 64
+    with pytest.raises(RuntimeError, match="out of memory"):
+        weight_sync._ipc_buffer(-1, cuda)
+    off = "max_split_size_mb:256,expandable_segments:False"
+    assert calls == [off, ("empty", "cuda:0"), conf] * 2
+    calls.clear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
+    weight_sync._ipc_buffer(64, cuda)  # the allocator's default: nothing to switch
+    weight_sync._ipc_buffer(64, torch.device("cpu"))
+    assert calls == [("empty", "cuda:0"), ("empty", "cpu")]
