@@ -180,7 +180,8 @@ def main() -> None:
             + (table(results["summary"]) if ok else str(results["summary"])))
     for c in results["checks"]:
         text += (f"\ncheck {c['layout']} {c['bucket_mb']:g} MB: logprob max diff {c['logprob_max_diff']:.2e}, version "
-                 f"{'ok' if c.get('version_ok') else 'WRONG'}" + (f", checksum {c['checksum']}" if "checksum" in c else ""))
+                 f"{'ok' if c.get('version_ok') else 'WRONG'}")
+        text += f", checksum {c['checksum']}" if "checksum" in c else ""
     print(text, flush=True)
     (out / "weight_sync_bench.md").write_text(text + "\n")
     sys.stdout.flush()

@@ -145,7 +145,8 @@ def encode_flattened_bucket(flat: torch.Tensor, meta: list[tuple]) -> str:
     here as dicts}) as base64 of torch.save, the buffer on the CPU. `meta`: (name, shape, dtype,
     start, end) per tensor, byte offsets into `flat`."""
     buf = io.BytesIO()
-    metadata = [dict(zip(FLAT_FIELDS, (n, list(s), str(d).removeprefix("torch."), a, b, b - a))) for n, s, d, a, b in meta]
+    metadata = [dict(zip(FLAT_FIELDS, (n, list(s), str(d).removeprefix("torch."), a, b, b - a)))
+                for n, s, d, a, b in meta]
     torch.save({"flattened_tensor": flat.detach().cpu(), "metadata": metadata}, buf)
     return base64.b64encode(buf.getvalue()).decode()
 
@@ -158,14 +159,16 @@ def decode_flattened_bucket(data: str) -> list[tuple[str, torch.Tensor]]:
     bucket = torch.load(io.BytesIO(base64.b64decode(data)), weights_only=True)
     if not isinstance(bucket, dict) or set(bucket) != {"flattened_tensor", "metadata"}:
         got = sorted(bucket) if isinstance(bucket, dict) else type(bucket).__name__
-        raise ValueError(f"a flattened bucket is a dict of flattened_tensor and metadata (SGLang reads both), got {got}")
+        raise ValueError(f"a flattened bucket is a dict of flattened_tensor and metadata (SGLang reads both), "
+                         f"got {got}")
     flat, metadata = bucket["flattened_tensor"], bucket["metadata"]
     if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError("flattened_tensor must be a 1-D uint8 tensor (SGLang views its byte slices by dtype)")
     out, end = [], 0
     for i, m in enumerate(metadata):
         if not isinstance(m, dict) or set(m) != set(FLAT_FIELDS):
-            raise ValueError(f"metadata[{i}]: the fields of SGLang's FlattenedTensorMetadata {FLAT_FIELDS}, got {m!r:.200}")
+            raise ValueError(f"metadata[{i}]: the fields of SGLang's FlattenedTensorMetadata {FLAT_FIELDS}, "
+                             f"got {m!r:.200}")
         dtype = getattr(torch, str(m["dtype"]), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"metadata[{i}] ({m['name']}): unknown dtype {m['dtype']!r}")
@@ -173,7 +176,8 @@ def decode_flattened_bucket(data: str) -> list[tuple[str, torch.Tensor]]:
         start, stop = int(m["start_idx"]), int(m["end_idx"])
         if start < end or stop - start != size or m["numel"] != size or stop > flat.numel() or start % dtype.itemsize:
             raise ValueError(f"metadata[{i}] ({m['name']}): bytes [{start}, {stop}) numel {m['numel']} do not hold "
-                             f"{m['shape']} {m['dtype']} ({size} bytes) after byte {end} of a {flat.numel()}-byte buffer, "
+                             f"{m['shape']} {m['dtype']} ({size} bytes) after byte {end} of a "
+                             f"{flat.numel()}-byte buffer, "
                              f"aligned to its element size")
         out.append((m["name"], flat[start:stop].view(dtype).reshape(m["shape"])))
         end = stop

@@ -41,7 +41,8 @@ def export_like() -> list[tuple[str, torch.Tensor]]:
            ("model.layers.0.mlp.expert_bias", torch.tensor(0.5))]  # 0-dim
     for e in (0, 5, 7):  # EP rank 1's experts get global indices 4..7
         for w, shape in (("gate_proj", (3, 16)), ("up_proj", (3, 16)), ("down_proj", (16, 3))):
-            out.append((f"model.layers.0.mlp.experts.{e}.{w}.weight", torch.randn(*shape, generator=g).to(torch.bfloat16)))
+            expert = torch.randn(*shape, generator=g).to(torch.bfloat16)
+            out.append((f"model.layers.0.mlp.experts.{e}.{w}.weight", expert))
     return out
 
 
@@ -49,7 +50,8 @@ def same(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -
     assert [n for n, _ in a] == [n for n, _ in b]
     for (name, x), (_, y) in zip(a, b):
         assert x.dtype == y.dtype and x.shape == y.shape, (name, x.dtype, y.dtype, x.shape, y.shape)
-        assert torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)), name
+        assert torch.equal(x.contiguous().reshape(-1).view(torch.uint8),
+                           y.contiguous().reshape(-1).view(torch.uint8)), name
 
 
 @pytest.mark.parametrize("bucket_bytes", [64, 700, 1 << 20])  # a tensor larger than a bucket; a few; all in one
@@ -78,17 +80,19 @@ def test_the_embedded_engine_refuses_what_sglang_cannot_load(tiny_model):
         torch.save(bucket, buf)
         return base64.b64encode(buf.getvalue()).decode()
 
-    entry = {"name": n, "shape": list(shape), "dtype": "float32", "start_idx": start, "end_idx": end, "numel": end - start}
+    entry = {"name": n, "shape": list(shape), "dtype": "float32", "start_idx": start, "end_idx": end,
+             "numel": end - start}
     cases = {
         "per-tensor payload as a bucket": ([encode_named_tensors(good)] * 2, "flattened_bucket"),
         "bucket as a per-tensor payload": ([encode_flattened_bucket(flat, meta)] * 2, None),
         "unknown load_format": ([encode_flattened_bucket(flat, meta)] * 2, "direct"),
-        "short slice": ([raw({"flattened_tensor": flat, "metadata": [entry | {"end_idx": end - 4, "numel": end - 4}]})] * 2,
-                        "flattened_bucket"),
+        "short slice": ([raw({"flattened_tensor": flat,
+                              "metadata": [entry | {"end_idx": end - 4, "numel": end - 4}]})] * 2, "flattened_bucket"),
         "past the buffer": ([raw({"flattened_tensor": flat[:-4], "metadata": [entry]})] * 2, "flattened_bucket"),
         "misaligned": ([raw({"flattened_tensor": torch.cat([torch.zeros(2, dtype=torch.uint8), flat]),
                              "metadata": [entry | {"start_idx": 2, "end_idx": end + 2}]})] * 2, "flattened_bucket"),
-        "not uint8": ([raw({"flattened_tensor": flat.view(torch.float32), "metadata": [entry]})] * 2, "flattened_bucket"),
+        "not uint8": ([raw({"flattened_tensor": flat.view(torch.float32), "metadata": [entry]})] * 2,
+                      "flattened_bucket"),
         "TP ranks differ": ([encode_flattened_bucket(flat, meta),
                              encode_flattened_bucket(flatten_bucket([(name, param.detach() * 3)])[0], meta)],
                             "flattened_bucket"),
