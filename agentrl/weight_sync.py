@@ -221,8 +221,8 @@ def _worker() -> ThreadPoolExecutor:
 
 
 def _release_ipc() -> None:
-    """Blocks that went out as CUDA IPC handles are freed only once the engines let go of them
-    (PyTorch's IPC limbo): collect them after a sync, as slime does."""
+    """A block that went out as a CUDA IPC handle and is dropped before the engine let go of it
+    waits in PyTorch's IPC limbo until collected: after each bucket, as slime does (cheap)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.ipc_collect()
 
@@ -264,6 +264,7 @@ async def sync_weights_from_tensor(clients: list[EngineClient], named: Iterable[
                 await pending[0]
                 timing.wait += time.perf_counter() - t
                 pending = None  # the engines hold their copy: the bucket may go
+                _release_ipc()
             if encoded is None:
                 break
             payloads = [{"serialized_named_tensors": [encoded[kind].payload] * tp,
@@ -388,6 +389,7 @@ async def sync_weights_per_rank(clients: list[EngineClient], named: Iterable[tup
                 timing.wait += time.perf_counter() - t
                 await loop.run_in_executor(pool, settle, error)
                 pending, failed = None, error is not None
+                _release_ipc()
             if got is False:  # the export's end
                 break
             if got is True or failed:  # a bucket after a failure: exported, not gathered
@@ -421,6 +423,7 @@ def serve_weights_per_rank(named: Iterable[tuple[str, torch.Tensor]], *, bucket_
             mine, enc, _ = _encoded(kind, chunk, flattened)  # a failure goes to rank 0 as the payload's absence
             if held is not None:
                 failed, held = gather.verdict(None), None
+                _release_ipc()
                 if failed is not None:
                     continue
             gather.collect(mine)
