@@ -288,25 +288,34 @@ async def sync_weights_from_tensor(clients: list[EngineClient], named: Iterable[
             **timing.metrics()}
 
 
+_OBJECT_GROUP: tuple = (None, None)  # (the default group, a gloo group of its ranks), made at the first per-rank sync
+
+
 class RankGather:
-    """The trainer's ranks around one bucket of the per-rank path, over torch.distributed's
-    default group (the trainer's own: gloo on the CPU, NCCL on GPUs): `collect` gathers every
-    rank's (names, payload) on rank 0, `verdict` sends rank 0's outcome of the post to all (an
-    error string or None), which is also when the others may let go of the bucket's tensors."""
+    """The trainer's ranks around one bucket of the per-rank path: `collect` gathers every rank's
+    (names, payload) on rank 0, `verdict` sends rank 0's outcome of the post to all (an error
+    string or None), which is also when the others may let go of the bucket's tensors. Over a
+    gloo group of all ranks: over NCCL each object collective copies to and from the GPU, so the
+    host would wait there for the export's queued work every bucket. Made by every rank at the
+    start of each per-rank sync (the first one creates the group, a collective of all ranks)."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
 
-        self.dist, self.rank, self.world = dist, dist.get_rank(), dist.get_world_size()
+        global _OBJECT_GROUP
+        world = dist.distributed_c10d._get_default_group()
+        if _OBJECT_GROUP[0] is not world:  # the first sync, or the trainer's group was made anew
+            _OBJECT_GROUP = (world, dist.new_group(backend="gloo"))
+        self.dist, self.rank, self.world, self.group = dist, dist.get_rank(), dist.get_world_size(), _OBJECT_GROUP[1]
 
     def collect(self, item):
         out = [None] * self.world if self.rank == 0 else None
-        self.dist.gather_object(item, out, dst=0)
+        self.dist.gather_object(item, out, dst=0, group=self.group)
         return out
 
     def verdict(self, error: str | None) -> str | None:
         box = [error]
-        self.dist.broadcast_object_list(box, src=0)
+        self.dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
 
