@@ -38,9 +38,12 @@ SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (agentrl starts engines so).
 
 `serialized_named_tensors` format: SGLang's own is a CUDA-IPC `MultiprocessingSerializer`
 pickle, which only works between processes sharing a GPU. The embedded engine takes one
-list element (for its single "TP rank") that is base64 of `torch.save([(name, tensor),
-...])` with CPU tensors (`encode_named_tensors` below); weight_sync picks the encoding by
-engine kind. Distributed updates rendezvous exactly like SGLang's (tcp:// store, a
+list element (for its single "TP rank") that is base64 of `torch.save` with CPU tensors, of
+the structure SGLang reads for the request's `load_format`: None, a list of (name, tensor)
+(`encode_named_tensors` below); "flattened_bucket", one uint8 buffer and per tensor SGLang's
+FlattenedTensorMetadata fields (`encode_flattened_bucket`, what weight_sync sends). A payload
+of the other format, or a bucket whose offsets do not hold its tensors, is refused;
+weight_sync picks the encoding by engine kind. Distributed updates rendezvous exactly like SGLang's (tcp:// store, a
 PrefixStore named after the group) and use gloo when the engine runs on CPU.
 
 `--tp-size N` emulates what an engine of N TP ranks asks of its callers, on one device:
@@ -60,6 +63,7 @@ import asyncio
 import base64
 import io
 import itertools
+import math
 import logging
 import os
 import time
@@ -130,6 +134,54 @@ def encode_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
 
 def decode_named_tensors(data: str) -> list[tuple[str, torch.Tensor]]:
     return torch.load(io.BytesIO(base64.b64decode(data)), weights_only=True)
+
+
+FLAT_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")  # SGLang's FlattenedTensorMetadata
+
+
+def encode_flattened_bucket(flat: torch.Tensor, meta: list[tuple]) -> str:
+    """The embedded engine's `load_format="flattened_bucket"` element: SGLang's structure
+    ({"flattened_tensor": uint8 buffer, "metadata": per tensor FlattenedTensorMetadata's fields,
+    here as dicts}) as base64 of torch.save, the buffer on the CPU. `meta`: (name, shape, dtype,
+    start, end) per tensor, byte offsets into `flat`."""
+    buf = io.BytesIO()
+    metadata = [dict(zip(FLAT_FIELDS, (n, list(s), str(d).removeprefix("torch."), a, b, b - a)))
+                for n, s, d, a, b in meta]
+    torch.save({"flattened_tensor": flat.detach().cpu(), "metadata": metadata}, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def decode_flattened_bucket(data: str) -> list[tuple[str, torch.Tensor]]:
+    """A flattened-bucket element -> (name, tensor) views of its buffer, as SGLang's
+    FlattenedTensorBucket.reconstruct_tensors rebuilds them. Stricter than SGLang: every entry's
+    fields, sizes and offsets are checked (SGLang fails on a misaligned or short slice, and loads
+    overlapping or out-of-order entries silently)."""
+    bucket = torch.load(io.BytesIO(base64.b64decode(data)), weights_only=True)
+    if not isinstance(bucket, dict) or set(bucket) != {"flattened_tensor", "metadata"}:
+        got = sorted(bucket) if isinstance(bucket, dict) else type(bucket).__name__
+        raise ValueError(f"a flattened bucket is a dict of flattened_tensor and metadata (SGLang reads both), "
+                         f"got {got}")
+    flat, metadata = bucket["flattened_tensor"], bucket["metadata"]
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError("flattened_tensor must be a 1-D uint8 tensor (SGLang views its byte slices by dtype)")
+    out, end = [], 0
+    for i, m in enumerate(metadata):
+        if not isinstance(m, dict) or set(m) != set(FLAT_FIELDS):
+            raise ValueError(f"metadata[{i}]: the fields of SGLang's FlattenedTensorMetadata {FLAT_FIELDS}, "
+                             f"got {m!r:.200}")
+        dtype = getattr(torch, str(m["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"metadata[{i}] ({m['name']}): unknown dtype {m['dtype']!r}")
+        size = math.prod(m["shape"]) * dtype.itemsize
+        start, stop = int(m["start_idx"]), int(m["end_idx"])
+        if start < end or stop - start != size or m["numel"] != size or stop > flat.numel() or start % dtype.itemsize:
+            raise ValueError(f"metadata[{i}] ({m['name']}): bytes [{start}, {stop}) numel {m['numel']} do not hold "
+                             f"{m['shape']} {m['dtype']} ({size} bytes) after byte {end} of a "
+                             f"{flat.numel()}-byte buffer, "
+                             f"aligned to its element size")
+        out.append((m["name"], flat[start:stop].view(dtype).reshape(m["shape"])))
+        end = stop
+    return out
 
 
 def _abort(message: str = "aborted") -> dict:
@@ -672,7 +724,7 @@ class EmbeddedEngine:
         try:
             if body.get("abort_all_requests"):
                 await self._abort_everything()
-            named = self._decode_ranks(body["serialized_named_tensors"])
+            named = self._decode_ranks(body["serialized_named_tensors"], body.get("load_format"))
             async with self._weights_guard():
                 await asyncio.to_thread(self._load_named, named)
                 if fatal := self._loaded(body, "tensor"):
@@ -681,13 +733,20 @@ class EmbeddedEngine:
             return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"}, status=400)
         return web.json_response({"success": True, "message": f"Succeeded to update {len(named)} tensors."})
 
-    def _decode_ranks(self, payloads: list) -> list[tuple[str, torch.Tensor]]:
-        """One payload per (emulated) TP rank; every rank must get the same weights."""
+    def _decode_ranks(self, payloads: list, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+        """One payload per (emulated) TP rank, in `load_format` (SGLang's None: a list of (name,
+        tensor); "flattened_bucket": one buffer and its metadata); every rank must get the same weights."""
         if not isinstance(payloads, list) or len(payloads) != self.tp_size:
             got = len(payloads) if isinstance(payloads, list) else type(payloads).__name__
             raise ValueError(f"serialized_named_tensors holds {got} payloads for {self.tp_size} TP ranks "
                              "(SGLang's TP rank k reads element k)")
-        ranks = [decode_named_tensors(p) for p in payloads]
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format {load_format!r}: the embedded engine reads None and 'flattened_bucket'")
+        ranks = [decode_flattened_bucket(p) if load_format else decode_named_tensors(p) for p in payloads]
+        if load_format is None and not all(isinstance(r, list) and all(isinstance(x, (tuple, list)) and len(x) == 2
+                                                                       for x in r) for r in ranks):
+            raise ValueError("load_format None reads a list of (name, tensor) pairs (SGLang unpacks each); a flattened "
+                             "bucket needs load_format 'flattened_bucket'")
         for k, other in enumerate(ranks[1:], start=1):
             same = len(other) == len(ranks[0]) and all(
                 n == n0 and t.shape == t0.shape and torch.equal(t, t0) for (n, t), (n0, t0) in zip(other, ranks[0]))

@@ -8,6 +8,8 @@
 #                                           figures and metrics go to $OUT (or $AGENTRL_GPU_OUT);
 #                                           AGENTRL_NO_INSTALL=1: use the agentrl an earlier call installed
 #                                           (scenarios run side by side on different GPUs install once)
+#   bash scripts/gpu/run.sh weight_sync_1p5b  one GPU, ~3 min: the 1.5B shape's colocated weight sync by
+#                                           payload layout and bucket size (bench/weight_sync_bench.py)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 kit=${AGENTRL_KIT:-/root/agentrl-kit}; site=$kit/site
