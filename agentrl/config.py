@@ -173,7 +173,11 @@ class AlgoConfig(Section):
     use_tis: bool = False
     """Correct the rollout/training mismatch with importance weights pi_old(train) / pi(rollout)."""
     tis_mode: Literal["truncate", "mask"] = "truncate"
-    """truncate (TIS): clamp the weights to [--tis-clip-low, --tis-clip]; mask (MIS): drop tokens outside."""
+    """truncate (TIS): clamp the weights to [--tis-clip-low, --tis-clip]; mask (MIS): drop from the loss the
+    tokens (or, at sequence level, the sequences) whose ratio is outside."""
+    tis_level: Literal["token", "sequence", "geometric"] = "token"
+    """The --use-tis ratio: token (each token's), sequence (the product over the sequence's trained tokens) or
+    geometric (their geometric mean; use tight bounds such as --tis-clip-low 0.999 --tis-clip 1.001)."""
     tis_clip: float = Field(2.0, gt=0)
     """Upper bound of the --use-tis importance weights."""
     tis_clip_low: float = Field(0.0, ge=0)
