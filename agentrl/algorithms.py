@@ -46,6 +46,13 @@ def check_algo(algo) -> None:
         raise ConfigError(f"--tis-clip ({algo.tis_clip}) must exceed --tis-clip-low ({algo.tis_clip_low})")
 
 
+def teacher_in_trainer(algo) -> bool:
+    """--use-opd with the teacher loaded beside the policy (not served by an engine group, agentrl.teacher)."""
+    from agentrl.teacher import teacher_is_served
+
+    return bool(algo.use_opd) and not teacher_is_served(algo)
+
+
 def needs_reference(algo) -> bool:
     return bool(algo.use_kl_loss and algo.kl_loss_coef > 0) or algo.kl_coef > 0
 
@@ -438,6 +445,10 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
     values = trainer.compute_values(samples) if trainer.critic is not None else None
     teacher_model = getattr(trainer, "teacher_model", None)
     teacher = trainer.compute_logprobs(samples, teacher_model) if teacher_model is not None else None
+    if teacher is None and getattr(algo, "use_opd", False):  # the served teacher's, carried on the samples
+        from agentrl.teacher import carried_teacher_logprobs
+
+        teacher = carried_teacher_logprobs(samples)
     adv = compute_advantages(samples, algo, old_logprobs=old, ref_logprobs=ref, values=values, teacher_logprobs=teacher)
     metrics: dict[str, list[float]] = {}
     for start in range(0, len(samples), global_batch_size):

@@ -15,9 +15,10 @@ re-run, never scored 0 for the policy's sake).
 Requests are bounded in number at once (--judge-max-concurrency), identical ones in flight are
 sent once, and verdicts are cached by (rubric, question, answer).
 
-Use: `--custom-rm-path agentrl.judge:llm_judge --judge-url http://host:port/v1 --judge-rubric FILE_OR_TEXT`
-(a key for a hosted judge from the environment variable AGENTRL_JUDGE_API_KEY, never from the config,
-which is saved with the run).
+Use: `--rm-type llm-judge` (or `--custom-rm-path agentrl.judge:llm_judge`) with `--judge-url
+http://host:port/v1` (any OpenAI-compatible server; a key for a hosted judge from the environment
+variable AGENTRL_JUDGE_API_KEY, never from the config, which is saved with the run) or `--judge-load
+PATH` (a judge engine group the run starts, agentrl.teacher), and `--judge-rubric FILE_OR_TEXT`.
 """
 
 from __future__ import annotations
@@ -160,10 +161,17 @@ def load_rubric(value: str) -> str:
 
 
 def question_and_answer(sample) -> tuple[str, str]:
-    """The first user message and the last assistant message of a trajectory."""
-    users = [m.get("content") for m in sample.messages if m.get("role") == "user"]
-    assistants = [m.get("content") for m in sample.messages if m.get("role") == "assistant"]
+    """The first user message and the last assistant message of a trajectory (slime's Sample,
+    which has no messages: its prompt, or the prompt's first user message, and its response)."""
     text = lambda c: c if isinstance(c, str) else "" if c is None else str(c)  # noqa: E731
+    messages = getattr(sample, "messages", None)
+    if not messages:
+        prompt = getattr(sample, "prompt", "")
+        if isinstance(prompt, list):
+            prompt = next((m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"), "")
+        return text(prompt), text(getattr(sample, "response", ""))
+    users = [m.get("content") for m in messages if m.get("role") == "user"]
+    assistants = [m.get("content") for m in messages if m.get("role") == "assistant"]
     return text(users[0] if users else ""), text(assistants[-1] if assistants else "")
 
 
@@ -171,18 +179,31 @@ _judges: dict[tuple, LLMJudge] = {}
 
 
 async def llm_judge(args, sample) -> float:
-    """slime-style reward function (`--custom-rm-path agentrl.judge:llm_judge`): the judge's score of
-    the sample's final answer, with the verdict's reason in sample.metadata["judge"]."""
-    a = args.algo
-    if not a.judge_url:
-        raise JudgeUnavailable("agentrl.judge:llm_judge needs --judge-url (an OpenAI-compatible base URL)")
-    key = (a.judge_url, a.judge_model, a.judge_rubric, asyncio.get_running_loop())
+    """slime-style reward function (`--rm-type llm-judge`, or `--custom-rm-path agentrl.judge:llm_judge`):
+    the judge's score of the sample's final answer, with the verdict's reason in sample.metadata["judge"].
+    `args`: agentrl's Config or slime's flat args. The judge: --judge-url, else the engine group
+    this run started for --judge-load (agentrl.teacher)."""
+    from agentrl.config import AlgoConfig
+    from agentrl.rm_hub import _setting
+    from agentrl.teacher import served_url
+
+    def get(name):  # slime's flat args may lack agentrl's judge flags: their defaults then
+        value = _setting(args, name)
+        return AlgoConfig.model_fields[name].default if value is None else value
+
+    url = get("judge_url") or served_url("judge")
+    if not url:
+        raise JudgeUnavailable("the LLM judge needs --judge-url (an OpenAI-compatible base URL) or --judge-load "
+                               "(a judge engine group, which `agentrl train` starts)")
+    key = (url, get("judge_model"), get("judge_rubric"), asyncio.get_running_loop())
     if key not in _judges:
-        _judges[key] = LLMJudge(base_url=a.judge_url, model=a.judge_model, rubric=load_rubric(a.judge_rubric),
-                                api_key=os.environ.get("AGENTRL_JUDGE_API_KEY"), max_score=a.judge_max_score, timeout_s=a.judge_timeout_s,
-                                max_concurrency=a.judge_max_concurrency)
+        _judges[key] = LLMJudge(base_url=url, model=get("judge_model"),
+                                rubric=load_rubric(get("judge_rubric")), api_key=os.environ.get("AGENTRL_JUDGE_API_KEY"),
+                                max_score=get("judge_max_score"), timeout_s=get("judge_timeout_s"),
+                                max_concurrency=get("judge_max_concurrency"))
     verdict = await _judges[key].score(*question_and_answer(sample))
-    sample.metadata["judge"] = {"score": verdict.score, "reason": verdict.reason}
+    if isinstance(getattr(sample, "metadata", None), dict):
+        sample.metadata["judge"] = {"score": verdict.score, "reason": verdict.reason}
     return verdict.score
 
 

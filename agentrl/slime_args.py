@@ -334,7 +334,7 @@ def finish(cfg, flags: SlimeFlags) -> None:
     if cfg.algo.rm_type:
         from agentrl.rm_hub import check_rm_type
 
-        check_rm_type(cfg.algo.rm_type, rm_url=cfg.algo.rm_url)
+        check_rm_type(cfg.algo.rm_type, rm_url=cfg.algo.rm_url, judge=cfg.algo.judge_url or cfg.algo.judge_load)
     r = cfg.rollout
     if cfg.run.env == SLIME_ENV and not (cfg.algo.custom_rm_path or r.custom_generate_function_path
                                          or r.rollout_function_path):

@@ -30,6 +30,7 @@ from agentrl.build import (build_env_lookup, build_group_filter, build_group_run
 from agentrl.config import Config
 from agentrl.data import PromptSource
 from agentrl.engines.group import EngineGroup, start_engines
+from agentrl.teacher import score_with_teacher, start_served_models
 from agentrl.evaluation import evaluate
 from agentrl.metrics import RunContext, RunLog, start_wandb
 from agentrl.models import load_tokenizer
@@ -85,13 +86,14 @@ def train(cfg: Config) -> Path:
     context.record(device=device, model_path=str(model_path), resumed_from=state.rollout_id if cfg.run.load else None)
 
     start_ray(cfg)
-    engines, runlog, placement, watch = None, None, None, None
+    engines, runlog, placement, watch, served = None, None, None, None, None
     try:
         # one placement group: trainer rank(s) and engines, each a Ray actor in its bundle
         placement = reserve_placement(cfg, device, trainer=not cfg.run.debug_rollout_only, engines=replay is None)
         trainer = None if cfg.run.debug_rollout_only else RemoteTrainer(cfg, model_path, device, placement)
         if trainer is not None and cfg.run.load:
             trainer.load(latest_checkpoint(Path(cfg.run.load)))
+        served = start_served_models(cfg, device=device, log_dir=out / "logs")  # --judge-load, a served OPD teacher
         if replay is None:
             engines = start_engines(cfg.rollout, model_path=str(model_path), device=device, seed=cfg.run.seed,
                                     log_dir=out / "logs", sglang_args=cfg.sglang_args, router_args=cfg.router_args,
@@ -116,6 +118,8 @@ def train(cfg: Config) -> Path:
             watch.stop()
         if engines is not None:
             engines.stop()
+        if served is not None:
+            served.stop()
         if runlog is not None:
             runlog.close()
         progress.close()
@@ -239,6 +243,7 @@ async def train_step(run: Run, samples: list[Sample], weights_lock: asyncio.Lock
         checked = await check_probe(run.cfg, run.trainer, run.engines, run.state.policy_version)
         t0 = time.perf_counter()
         run.progress.phase("train", f"{len(samples)} samples")
+        await score_with_teacher(run.cfg, samples)  # --opd-type sglang: the served teacher's logprobs
         out = await run.trainer.train_rollout(samples)
         t_train = time.perf_counter() - t0
         run.state.policy_version += 1
