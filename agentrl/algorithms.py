@@ -400,8 +400,9 @@ def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor
                      rollout_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
                      seq_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The whole policy loss of one micro-batch, as configured: clipped surrogate (token or
-    sequence ratio, dual clip), TIS/MIS weights (token, sequence or geometric level), KL loss, entropy bonus. Every stat is a
-    token sum / denom, so the global batch's stats are the sums over its micro-batches."""
+    sequence ratio, dual clip), TIS/MIS weights (token, sequence or geometric level), KL loss,
+    entropy bonus. Every stat is a token sum / denom, so the global batch's stats are the sums
+    over its micro-batches."""
     weights = None
     stats: dict[str, torch.Tensor] = {}
     if algo.use_tis:

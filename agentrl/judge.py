@@ -198,7 +198,8 @@ async def llm_judge(args, sample) -> float:
     key = (url, get("judge_model"), get("judge_rubric"), asyncio.get_running_loop())
     if key not in _judges:
         _judges[key] = LLMJudge(base_url=url, model=get("judge_model"),
-                                rubric=load_rubric(get("judge_rubric")), api_key=os.environ.get("AGENTRL_JUDGE_API_KEY"),
+                                rubric=load_rubric(get("judge_rubric")),
+                                api_key=os.environ.get("AGENTRL_JUDGE_API_KEY"),
                                 max_score=get("judge_max_score"), timeout_s=get("judge_timeout_s"),
                                 max_concurrency=get("judge_max_concurrency"))
     verdict = await _judges[key].score(*question_and_answer(sample))

@@ -30,8 +30,8 @@ from agentrl.build import (build_env_lookup, build_group_filter, build_group_run
 from agentrl.config import Config
 from agentrl.data import PromptSource
 from agentrl.engines.group import EngineGroup, start_engines
-from agentrl.teacher import score_with_teacher, start_served_models
 from agentrl.evaluation import evaluate
+from agentrl.fp8 import engine_model_path
 from agentrl.metrics import RunContext, RunLog, start_wandb
 from agentrl.models import load_tokenizer
 from agentrl.orchestration import NodeWatch, RemoteTrainer, reserve_placement, start_ray, stop_ray
@@ -41,6 +41,7 @@ from agentrl.rollout.control import RolloutControl
 from agentrl.rollout.gc_tuning import tune_gc_for_rollouts
 from agentrl.rollout.producer import RolloutProducer
 from agentrl.rollout.slime import check_hooks
+from agentrl.teacher import score_with_teacher, start_served_models
 from agentrl.trainers.megatron.flags import wants_routing_replay
 from agentrl.types import Sample
 from agentrl.weight_update import catch_up_fn, check_probe, colocated, update_engines
@@ -95,7 +96,8 @@ def train(cfg: Config) -> Path:
             trainer.load(latest_checkpoint(Path(cfg.run.load)))
         served = start_served_models(cfg, device=device, log_dir=out / "logs")  # --judge-load, a served OPD teacher
         if replay is None:
-            engines = start_engines(cfg.rollout, model_path=str(model_path), device=device, seed=cfg.run.seed,
+            engine_model = engine_model_path(cfg, model_path, out)  # --sglang-quantization fp8: a block-fp8 copy
+            engines = start_engines(cfg.rollout, model_path=str(engine_model), device=device, seed=cfg.run.seed,
                                     log_dir=out / "logs", sglang_args=cfg.sglang_args, router_args=cfg.router_args,
                                     dtype=cfg.model.dtype, placement=placement, **lora_engine_args(cfg))
             if trainer is not None:  # which trainer rank sits on each engine TP rank's GPU (weight sync)
