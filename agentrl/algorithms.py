@@ -18,6 +18,12 @@ Estimators (`--advantage-estimator`):
 
 `sft_loss` is the supervised warm start's loss (mean NLL of the assistant tokens).
 
+Engine-vs-trainer mismatch (`--use-tis`): `importance_weights` gives each trained token the
+ratio pi_trainer_old / pi_rollout at token, sequence (product) or geometric-mean level, clamped
+(TIS, `--tis-mode truncate`) or masking what falls outside the bounds out of the loss (MIS,
+`--tis-mode mask`). On-policy distillation (`--use-opd`) subtracts the per-token reverse KL to a
+teacher from the advantages; the teacher runs in the trainer or is served (agentrl.teacher).
+
 Trajectories are sequences of *trained* tokens: env/tool tokens (mask 0) are context, not
 actions, so returns and GAE run over the trained tokens only and give the rest 0.
 """
