@@ -52,11 +52,33 @@ def check_algo(algo) -> None:
         raise ConfigError(f"--tis-clip ({algo.tis_clip}) must exceed --tis-clip-low ({algo.tis_clip_low})")
 
 
+SERVED_OPD_TYPES = ("sglang",)  # --opd-type values whose teacher is served (agentrl.teacher), not in the trainer
+
+
+def teacher_is_served(algo) -> bool:
+    return bool(algo.use_opd and algo.opd_type in SERVED_OPD_TYPES)
+
+
 def teacher_in_trainer(algo) -> bool:
     """--use-opd with the teacher loaded beside the policy (not served by an engine group, agentrl.teacher)."""
-    from agentrl.teacher import teacher_is_served
-
     return bool(algo.use_opd) and not teacher_is_served(algo)
+
+
+def carried_teacher_logprobs(samples) -> list[list[float]]:
+    """The served teacher's logprobs that agentrl.teacher.score_with_teacher put on the samples
+    (metadata["teacher_logprobs"]), as the OPD advantage reads them (zeros for an untrainable
+    sample, which gets no advantage)."""
+    out = []
+    for s in samples:
+        lps = s.metadata.get("teacher_logprobs")
+        if lps is None and s.trainable:
+            raise ValueError(f"--opd-type sglang: trajectory {s.trajectory_id} carries no teacher logprobs "
+                             "(metadata['teacher_logprobs'], set by agentrl.teacher.score_with_teacher)")
+        if lps is not None and len(lps) != s.response_length:
+            raise ValueError(f"trajectory {s.trajectory_id}: {len(lps)} teacher logprobs for {s.response_length} "
+                             "response tokens")
+        out.append(list(lps) if lps is not None else [0.0] * s.response_length)
+    return out
 
 
 def needs_reference(algo) -> bool:
@@ -453,8 +475,6 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
     teacher_model = getattr(trainer, "teacher_model", None)
     teacher = trainer.compute_logprobs(samples, teacher_model) if teacher_model is not None else None
     if teacher is None and getattr(algo, "use_opd", False):  # the served teacher's, carried on the samples
-        from agentrl.teacher import carried_teacher_logprobs
-
         teacher = carried_teacher_logprobs(samples)
     adv = compute_advantages(samples, algo, old_logprobs=old, ref_logprobs=ref, values=values, teacher_logprobs=teacher)
     metrics: dict[str, list[float]] = {}

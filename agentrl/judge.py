@@ -34,6 +34,8 @@ from pathlib import Path
 
 import aiohttp
 
+from agentrl.served import served_url
+
 DELIMITER_STEM = "policy-answer"
 SCORE_RE = re.compile(r"SCORE:\s*(-?\d{1,4}(?:\.\d{1,4})?)\s*(?:/\s*\d{1,4})?\s*$", re.IGNORECASE | re.MULTILINE)
 MAX_QUOTED_CHARS = 32_000  # an answer longer than this is cut (and says so) before it reaches the judge
@@ -183,25 +185,21 @@ async def llm_judge(args, sample) -> float:
     the judge's score of the sample's final answer, with the verdict's reason in sample.metadata["judge"].
     `args`: agentrl's Config or slime's flat args. The judge: --judge-url, else the engine group
     this run started for --judge-load (agentrl.teacher)."""
-    from agentrl.config import AlgoConfig
-    from agentrl.rm_hub import _setting
-    from agentrl.teacher import served_url
-
-    def get(name):  # slime's flat args may lack agentrl's judge flags: their defaults then
-        value = _setting(args, name)
-        return AlgoConfig.model_fields[name].default if value is None else value
+    def get(name):  # agentrl's Config (the algo section) or slime's flat args, which carry every config field
+        return getattr(getattr(args, "algo", args), name, None)
 
     url = get("judge_url") or served_url("judge")
     if not url:
         raise JudgeUnavailable("the LLM judge needs --judge-url (an OpenAI-compatible base URL) or --judge-load "
                                "(a judge engine group, which `agentrl train` starts)")
+    if not get("judge_rubric"):
+        raise JudgeUnavailable("the LLM judge needs --judge-rubric (its args carry none)")
     key = (url, get("judge_model"), get("judge_rubric"), asyncio.get_running_loop())
     if key not in _judges:
-        _judges[key] = LLMJudge(base_url=url, model=get("judge_model"),
-                                rubric=load_rubric(get("judge_rubric")),
+        optional = {k: get("judge_" + k) for k in ("model", "max_score", "timeout_s", "max_concurrency")}
+        _judges[key] = LLMJudge(base_url=url, rubric=load_rubric(get("judge_rubric")),
                                 api_key=os.environ.get("AGENTRL_JUDGE_API_KEY"),
-                                max_score=get("judge_max_score"), timeout_s=get("judge_timeout_s"),
-                                max_concurrency=get("judge_max_concurrency"))
+                                **{k: v for k, v in optional.items() if v is not None})
     verdict = await _judges[key].score(*question_and_answer(sample))
     if isinstance(getattr(sample, "metadata", None), dict):
         sample.metadata["judge"] = {"score": verdict.score, "reason": verdict.reason}

@@ -25,19 +25,9 @@ from pathlib import Path
 
 import aiohttp
 
+from agentrl.algorithms import teacher_is_served
 from agentrl.errors import EngineError
-
-SERVED_OPD_TYPES = ("sglang",)  # --opd-type values whose teacher is served, not run in the trainer
-_served: dict[str, str] = {}  # role ("judge", "teacher") -> base URL of the group serving it
-
-
-def served_url(role: str) -> str | None:
-    """The base URL of this process's engine group serving `role`, if one was started."""
-    return _served.get(role)
-
-
-def teacher_is_served(algo) -> bool:
-    return bool(algo.use_opd and algo.opd_type in SERVED_OPD_TYPES)
+from agentrl.served import served_url, set_served
 
 
 @dataclass
@@ -46,7 +36,7 @@ class ServedModels:
 
     def stop(self) -> None:
         for role, group in self.groups.items():
-            _served.pop(role, None)
+            set_served(role, None)
             group.stop()
         self.groups.clear()
 
@@ -61,7 +51,7 @@ def start_served_models(cfg, *, device: str, log_dir: Path) -> ServedModels:
         roles["judge"] = cfg.algo.judge_load
     if teacher_is_served(cfg.algo):
         if cfg.algo.opd_teacher_url:
-            _served["teacher"] = cfg.algo.opd_teacher_url.rstrip("/")
+            set_served("teacher", cfg.algo.opd_teacher_url)
         else:
             roles["teacher"] = cfg.algo.opd_teacher_load
     out = ServedModels()
@@ -74,7 +64,7 @@ def start_served_models(cfg, *, device: str, log_dir: Path) -> ServedModels:
                                   sglang_args=cfg.sglang_args if cfg.rollout.rollout_engine == "sglang" else None,
                                   dtype=cfg.model.dtype)
             out.groups[role] = group
-            _served[role] = group.url + ("/v1" if role == "judge" else "")
+            set_served(role, group.url + ("/v1" if role == "judge" else ""))
     except BaseException:
         out.stop()
         raise
@@ -133,19 +123,3 @@ async def score_with_teacher(cfg, samples) -> None:
     for s, lps in zip(samples, await teacher_logprobs(url, samples, timeout_s=cfg.rollout.request_timeout_s)):
         if lps is not None:
             s.metadata["teacher_logprobs"] = lps
-
-
-def carried_teacher_logprobs(samples) -> list[list[float]]:
-    """The logprobs score_with_teacher put on the samples, as the OPD advantage reads them
-    (zeros for an untrainable sample, which gets no advantage)."""
-    out = []
-    for s in samples:
-        lps = s.metadata.get("teacher_logprobs")
-        if lps is None and s.trainable:
-            raise ValueError(f"--opd-type sglang: trajectory {s.trajectory_id} carries no teacher logprobs "
-                             "(metadata['teacher_logprobs'], set by agentrl.teacher.score_with_teacher)")
-        if lps is not None and len(lps) != s.response_length:
-            raise ValueError(f"trajectory {s.trajectory_id}: {len(lps)} teacher logprobs for {s.response_length} "
-                             "response tokens")
-        out.append(list(lps) if lps is not None else [0.0] * s.response_length)
-    return out

@@ -208,7 +208,8 @@ def test_a_judge_served_by_an_engine_group_of_its_own(tiny_model, tmp_path):
     """--judge-load starts an embedded engine for the judge; llm_judge asks it over
     /v1/chat/completions. The random tiny model writes no verdict: a 0 with that reason, which
     shows the request went through the chat template and back."""
-    from agentrl.teacher import served_url, start_served_models
+    from agentrl.served import served_url
+    from agentrl.teacher import start_served_models
 
     cfg, _ = parse_config(["--rm-type", "llm-judge", "--judge-load", str(tiny_model), "--judge-max-score", "3"])
     served = start_served_models(cfg, device="cpu", log_dir=tmp_path)

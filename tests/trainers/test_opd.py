@@ -183,7 +183,8 @@ def test_a_served_teacher_reply_that_does_not_score_the_response_is_refused(tiny
 
     from agentrl.engines.embedded import EmbeddedEngine
     from agentrl.errors import EngineError
-    from agentrl.teacher import carried_teacher_logprobs, teacher_logprobs
+    from agentrl.algorithms import carried_teacher_logprobs
+    from agentrl.teacher import teacher_logprobs
 
     s = Sample(prompt_tokens=[5, 6, 7], trajectory_id="t0")
     s.append_generated([8, 9], [-1.0, -1.0], 0)
