@@ -32,6 +32,7 @@ from agentrl.data import PromptSource
 from agentrl.engines.group import EngineGroup, start_engines
 from agentrl.evaluation import evaluate
 from agentrl.fp8 import engine_model_path
+from agentrl.judge import close_judges
 from agentrl.metrics import RunContext, RunLog, start_wandb
 from agentrl.models import load_tokenizer
 from agentrl.orchestration import NodeWatch, RemoteTrainer, reserve_placement, start_ray, stop_ray
@@ -169,6 +170,7 @@ async def _loop(run: Run) -> None:
     run.control.partial_rollout = r.partial_rollout
     weights_lock = asyncio.Lock()  # held from a training step to the end of its weight sync
     async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(close_judges)  # the LLM judge's HTTP sessions on this loop (--rm-type llm-judge)
         batches, evaluate_now, pool = await start_rollout(run, stack, weights_lock)
         before_train = {}
         if evaluate_now is not None and state.rollout_id == 0 and not cfg.eval.skip_eval_before_train:
