@@ -33,12 +33,15 @@ from agentrl.served import served_url, set_served
 @dataclass
 class ServedModels:
     groups: dict = field(default_factory=dict)  # role -> EngineGroup (started by this run)
+    attached: list = field(default_factory=list)  # roles served by a server this run did not start
 
     def stop(self) -> None:
-        for role, group in self.groups.items():
+        for role in [*self.groups, *self.attached]:
             set_served(role, None)
+        for group in self.groups.values():
             group.stop()
         self.groups.clear()
+        self.attached.clear()
 
 
 def start_served_models(cfg, *, device: str, log_dir: Path) -> ServedModels:
@@ -46,15 +49,15 @@ def start_served_models(cfg, *, device: str, log_dir: Path) -> ServedModels:
     starts). Every group is stopped again if one fails to start."""
     from agentrl.engines.group import start_engines
 
-    roles = {}
+    out, roles = ServedModels(), {}
     if cfg.algo.judge_load:
         roles["judge"] = cfg.algo.judge_load
     if teacher_is_served(cfg.algo):
         if cfg.algo.opd_teacher_url:
             set_served("teacher", cfg.algo.opd_teacher_url)
+            out.attached.append("teacher")
         else:
             roles["teacher"] = cfg.algo.opd_teacher_load
-    out = ServedModels()
     one = {"num_engines": 1, "use_router": "never", "rollout_engine_urls": [], "engine_restart": False,
            "rollout_num_gpus": cfg.rollout.rollout_num_gpus_per_engine}
     try:
@@ -101,10 +104,11 @@ async def teacher_logprobs(url: str, samples, *, timeout_s: float = 600.0, max_c
             raise EngineError(f"OPD teacher {url}: {got} input_token_logprobs for trajectory {s.trajectory_id}'s "
                               f"{s.response_length} response tokens (does it honour logprob_start_len?)")
         out = []
-        for (lp, tok, *_), want in zip(entries, s.response_tokens):
-            if tok != want or not isinstance(lp, (int, float)):
-                raise EngineError(f"OPD teacher {url}: scored token {tok} with logprob {lp!r} where trajectory "
-                                  f"{s.trajectory_id} has {want}")
+        for entry, want in zip(entries, s.response_tokens):
+            lp, tok = (entry[0], entry[1]) if isinstance(entry, list) and len(entry) >= 2 else (None, None)
+            if tok != want or isinstance(lp, bool) or not isinstance(lp, (int, float)):
+                raise EngineError(f"OPD teacher {url}: scored {entry!r} where trajectory {s.trajectory_id} has "
+                                  f"token {want} (SGLang's [logprob, token id, text])")
             out.append(float(lp))
         return out
 
