@@ -100,6 +100,9 @@ def check_fp8_model(cfg, model_path: Path) -> None:
     if config.get("quantization_config"):
         raise ConfigError(f"--sglang-quantization fp8: {model_path} is already quantized "
                           f"({config['quantization_config'].get('quant_method')}); give the bf16 checkpoint")
+    if config.get("num_experts") or config.get("num_local_experts"):
+        raise ConfigError(f"--sglang-quantization fp8: {model_path} is a mixture of experts, whose expert weights "
+                          "agentrl does not quantize (dense Qwen2/Qwen3/Llama only)")
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     rows = {"q_proj": heads * head_dim, "k_proj": kv * head_dim, "v_proj": kv * head_dim,

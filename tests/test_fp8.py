@@ -100,5 +100,8 @@ def test_the_engines_start_from_a_block_fp8_copy_and_bad_combinations_are_refuse
     assert (out / "tokenizer_config.json").exists() or (out / "tokenizer.json").exists()
     with pytest.raises(ConfigError, match="already quantized"):
         engine_model_path(_cfg(), out, tmp_path / "run")
+    moe, _ = _model(tiny_model, tmp_path / "moe", num_experts=4)
+    with pytest.raises(ConfigError, match="mixture of experts"):
+        engine_model_path(_cfg(), moe, tmp_path / "run")
     with pytest.raises(ConfigError, match="--rollout-engine sglang"):
         engine_model_path(parse_config(["--sglang-quantization", "fp8"])[0], model, tmp_path / "run")
