@@ -52,7 +52,8 @@ def test_a_sync_sends_linear_weights_as_fp8_with_their_scales_and_the_rest_as_is
                           "model.norm.weight", "lm_head.weight"]
     assert sent["model.layers.0.mlp.down_proj.weight"].dtype == FP8
     assert sent["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 2)
-    assert sent["lm_head.weight"].dtype == torch.float32 and sent["model.layers.0.self_attn.q_proj.bias"].dtype == torch.float32
+    assert sent["lm_head.weight"].dtype == torch.float32
+    assert sent["model.layers.0.self_attn.q_proj.bias"].dtype == torch.float32
     # the same weights twice give the same bytes; a changed weight changes its fp8 copy (re-quantized every sync)
     again = dict(engine_tensors(_cfg(), iter(named)))
     q = "model.layers.0.self_attn.q_proj.weight"

@@ -31,8 +31,8 @@ ARGS = ["--env", "target-token", "--device", "cuda", "--dtype", "bfloat16", "--t
 def test_fp8_rollout(mode):
     n = int(os.environ.get("AGENTRL_GPU_ITERS", 6))
     model = str(random_qwen2("1.5b"))
-    correction = (["--use-tis", "--tis-mode", "mask", "--tis-level", "token", "--tis-clip-low", "0.5", "--tis-clip", "2"]
-                  if mode == "mis_token" else
+    correction = (["--use-tis", "--tis-mode", "mask", "--tis-level", "token", "--tis-clip-low", "0.5",
+                   "--tis-clip", "2"] if mode == "mis_token" else
                   ["--use-tis", "--tis-mode", "truncate", "--tis-level", "geometric", "--tis-clip-low", "0.99",
                    "--tis-clip", "1.01"])
     figures = {}
