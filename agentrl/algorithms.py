@@ -18,6 +18,12 @@ Estimators (`--advantage-estimator`):
 
 `sft_loss` is the supervised warm start's loss (mean NLL of the assistant tokens).
 
+Engine-vs-trainer mismatch (`--use-tis`): `importance_weights` gives each trained token the
+ratio pi_trainer_old / pi_rollout at token, sequence (product) or geometric-mean level, clamped
+(TIS, `--tis-mode truncate`) or masking what falls outside the bounds out of the loss (MIS,
+`--tis-mode mask`). On-policy distillation (`--use-opd`) subtracts the per-token reverse KL to a
+teacher from the advantages; the teacher runs in the trainer or is served (agentrl.teacher).
+
 Trajectories are sequences of *trained* tokens: env/tool tokens (mask 0) are context, not
 actions, so returns and GAE run over the trained tokens only and give the rest 0.
 """
@@ -44,6 +50,35 @@ def check_algo(algo) -> None:
                           "--kl-loss-coef instead")
     if algo.use_tis and algo.tis_clip <= algo.tis_clip_low:
         raise ConfigError(f"--tis-clip ({algo.tis_clip}) must exceed --tis-clip-low ({algo.tis_clip_low})")
+
+
+SERVED_OPD_TYPES = ("sglang",)  # --opd-type values whose teacher is served (agentrl.teacher), not in the trainer
+
+
+def teacher_is_served(algo) -> bool:
+    return bool(algo.use_opd and algo.opd_type in SERVED_OPD_TYPES)
+
+
+def teacher_in_trainer(algo) -> bool:
+    """--use-opd with the teacher loaded beside the policy (not served by an engine group, agentrl.teacher)."""
+    return bool(algo.use_opd) and not teacher_is_served(algo)
+
+
+def carried_teacher_logprobs(samples) -> list[list[float]]:
+    """The served teacher's logprobs that agentrl.teacher.score_with_teacher put on the samples
+    (metadata["teacher_logprobs"]), as the OPD advantage reads them (zeros for an untrainable
+    sample, which gets no advantage)."""
+    out = []
+    for s in samples:
+        lps = s.metadata.get("teacher_logprobs")
+        if lps is None and s.trainable:
+            raise ValueError(f"--opd-type sglang: trajectory {s.trajectory_id} carries no teacher logprobs "
+                             "(metadata['teacher_logprobs'], set by agentrl.teacher.score_with_teacher)")
+        if lps is not None and len(lps) != s.response_length:
+            raise ValueError(f"trajectory {s.trajectory_id}: {len(lps)} teacher logprobs for {s.response_length} "
+                             "response tokens")
+        out.append(list(lps) if lps is not None else [0.0] * s.response_length)
+    return out
 
 
 def needs_reference(algo) -> bool:
@@ -306,23 +341,57 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     )
 
 
-def importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *,
-                       mode: str = "truncate", low: float = 0.0, high: float = 2.0
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rollout/training mismatch correction: w = pi_train_old / pi_rollout per token.
+MISMATCH_LEVELS = ("token", "sequence", "geometric")
+_MAX_LOG_RATIO = 20.0  # exp() of a sequence's summed log-ratio overflows past this; slime's SAFETY_BOUND
 
-    truncate (TIS): w clamped to [low, high];  mask (MIS): w where low <= w <= high, else 0.
-    Returns (weights, 1.0 where the weight was clamped or masked), both detached.
+
+def mismatch_log_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *,
+                       level: str = "token", seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """log(pi_train_old / pi_rollout) per token at `level`, detached, in mask's shape:
+    token: each token's own; sequence: the sum over the sequence's trained tokens (log of the
+    product of its ratios); geometric: their mean (log of the geometric mean). A sequence-level
+    value is given to each of the sequence's tokens. Untrained tokens count 0."""
+    d = ((old_logprobs - rollout_logprobs) * mask).detach()
+    if level == "token":
+        return d
+    if level not in MISMATCH_LEVELS:
+        raise ValueError(f"tis level {level!r}: choose from {', '.join(MISMATCH_LEVELS)}")
+    ids, n = _segments(mask, seq_ids)
+    flat = d.reshape(-1)
+    sums = torch.zeros(n, dtype=flat.dtype, device=flat.device).index_add(0, ids, flat)
+    if level == "geometric":
+        counts = torch.zeros(n, dtype=flat.dtype, device=flat.device).index_add(0, ids, mask.reshape(-1).to(flat.dtype))
+        sums = sums / counts.clamp(min=1)
+    return sums[ids].reshape(mask.shape)
+
+
+@dataclass
+class ISWeights:
+    weights: torch.Tensor  # what scales each token's loss (0 for a masked token)
+    outside: torch.Tensor  # 1.0 where the ratio fell outside [low, high] (clamped or masked)
+    ratio: torch.Tensor  # the ratio before the bounds (exp of mismatch_log_ratio, itself bounded at e^20)
+
+
+def importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *,
+                       mode: str = "truncate", low: float = 0.0, high: float = 2.0, level: str = "token",
+                       seq_ids: torch.Tensor | None = None) -> ISWeights:
+    """Rollout/training mismatch correction: w = pi_train_old / pi_rollout, per token or per
+    sequence (`level`, see mismatch_log_ratio).
+
+    truncate (TIS): w clamped to [low, high];  mask (MIS): w where low <= w <= high, else 0, so
+    the token (token level) or the whole sequence (sequence, geometric) leaves the loss.
+    All detached.
     """
-    w = torch.exp(old_logprobs - rollout_logprobs).detach()
-    outside = ((w < low) | (w > high)).to(w.dtype)
+    log_ratio = mismatch_log_ratio(old_logprobs, rollout_logprobs, mask, level=level, seq_ids=seq_ids)
+    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    outside = ((ratio < low) | (ratio > high)).to(ratio.dtype)
     if mode == "truncate":
-        weights = w.clamp(min=low, max=high)
+        weights = ratio.clamp(min=low, max=high)
     elif mode == "mask":
-        weights = w * (1.0 - outside)
+        weights = ratio * (1.0 - outside)
     else:
         raise ValueError(f"tis mode {mode!r}: truncate or mask")
-    return weights, outside
+    return ISWeights(weights, outside, ratio)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
@@ -359,17 +428,21 @@ def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor
                      rollout_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
                      seq_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The whole policy loss of one micro-batch, as configured: clipped surrogate (token or
-    sequence ratio, dual clip), TIS/MIS weights, KL loss, entropy bonus. Every stat is a
-    token sum / denom, so the global batch's stats are the sums over its micro-batches."""
+    sequence ratio, dual clip), TIS/MIS weights (token, sequence or geometric level), KL loss,
+    entropy bonus. Every stat is a token sum / denom, so the global batch's stats are the sums
+    over its micro-batches."""
     weights = None
     stats: dict[str, torch.Tensor] = {}
     if algo.use_tis:
         if rollout_logprobs is None:
             raise ValueError("--use-tis needs the rollout logprobs")
-        weights, outside = importance_weights(old_logprobs, rollout_logprobs, mask, mode=algo.tis_mode,
-                                              low=algo.tis_clip_low, high=algo.tis_clip)
-        stats["tis_weight"] = masked_mean(weights, mask, denom)
-        stats["tis_clipfrac"] = masked_mean(outside, mask, denom)
+        iw = importance_weights(old_logprobs, rollout_logprobs, mask, mode=algo.tis_mode, low=algo.tis_clip_low,
+                                high=algo.tis_clip, level=algo.tis_level, seq_ids=seq_ids)
+        weights = iw.weights
+        stats["tis_ratio"] = masked_mean(iw.ratio, mask, denom)  # before the bounds
+        stats["tis_weight"] = masked_mean(weights, mask, denom)  # after
+        # the share of trained tokens outside [low, high]: clamped (truncate) or dropped from the loss (mask)
+        stats["tis_masked_frac" if algo.tis_mode == "mask" else "tis_clipfrac"] = masked_mean(iw.outside, mask, denom)
     clip_high = algo.eps_clip_high if algo.eps_clip_high is not None else algo.eps_clip
     out = policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=algo.eps_clip, clip_high=clip_high,
                       dual_clip_c=algo.dual_clip_c, denom=denom,
@@ -401,6 +474,8 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
     values = trainer.compute_values(samples) if trainer.critic is not None else None
     teacher_model = getattr(trainer, "teacher_model", None)
     teacher = trainer.compute_logprobs(samples, teacher_model) if teacher_model is not None else None
+    if teacher is None and getattr(algo, "use_opd", False):  # the served teacher's, carried on the samples
+        teacher = carried_teacher_logprobs(samples)
     adv = compute_advantages(samples, algo, old_logprobs=old, ref_logprobs=ref, values=values, teacher_logprobs=teacher)
     metrics: dict[str, list[float]] = {}
     for start in range(0, len(samples), global_batch_size):

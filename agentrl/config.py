@@ -173,7 +173,11 @@ class AlgoConfig(Section):
     use_tis: bool = False
     """Correct the rollout/training mismatch with importance weights pi_old(train) / pi(rollout)."""
     tis_mode: Literal["truncate", "mask"] = "truncate"
-    """truncate (TIS): clamp the weights to [--tis-clip-low, --tis-clip]; mask (MIS): drop tokens outside."""
+    """truncate (TIS): clamp the weights to [--tis-clip-low, --tis-clip]; mask (MIS): drop from the loss the
+    tokens (or, at sequence level, the sequences) whose ratio is outside."""
+    tis_level: Literal["token", "sequence", "geometric"] = "token"
+    """The --use-tis ratio: token (each token's), sequence (the product over the sequence's trained tokens) or
+    geometric (their geometric mean; use tight bounds such as --tis-clip-low 0.999 --tis-clip 1.001)."""
     tis_clip: float = Field(2.0, gt=0)
     """Upper bound of the --use-tis importance weights."""
     tis_clip_low: float = Field(0.0, ge=0)
@@ -184,14 +188,21 @@ class AlgoConfig(Section):
     estimator (with a constant reward, distillation alone)."""
     opd_type: Literal["megatron", "torch", "sglang"] | None = None
     """Where the teacher runs: beside the policy in the trainer ("megatron", slime's name, also for the
-    PyTorch trainer; "torch" is its alias). None with --use-opd: the trainer's."""
+    PyTorch trainer; "torch" is its alias), or "sglang" (slime's name): an engine group of its own serving
+    --opd-teacher-load (SGLang with --rollout-engine sglang, else embedded) or the server at
+    --opd-teacher-url, scoring the sampled tokens by prefill before each step. None with --use-opd: the trainer's."""
     opd_kl_coef: float = Field(1.0, ge=0)
     """Weight of the reverse-KL penalty of --use-opd."""
     opd_teacher_load: str | None = None
     """The teacher's HF checkpoint (same architecture and tokenizer as the policy)."""
+    opd_teacher_url: str | None = None
+    """--opd-type sglang: a teacher already serving SGLang's /generate at this URL (nothing is launched)."""
     judge_url: str | None = None
-    """LLM judge reward (--custom-rm-path agentrl.judge:llm_judge): base URL of an OpenAI-compatible
-    endpoint serving the judge, e.g. http://host:30000/v1."""
+    """LLM judge reward (--rm-type llm-judge, or --custom-rm-path agentrl.judge:llm_judge): base URL of an
+    OpenAI-compatible endpoint serving the judge, e.g. http://host:30000/v1."""
+    judge_load: str | None = None
+    """LLM judge reward: the judge's HF checkpoint, served by an engine group of its own that the run starts
+    (SGLang with --rollout-engine sglang, else embedded); instead of --judge-url."""
     judge_model: str = "default"
     """The judge's model name in its requests."""
     judge_rubric: str = "Score how correct and complete the answer is for the question."
@@ -660,13 +671,20 @@ def resolve(layers: dict) -> Config:
                           "(--async): drop one of the two")
     if cfg.rollout.mask_offpolicy_in_partial_rollout and not cfg.rollout.partial_rollout:
         raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
-    if cfg.algo.use_opd and cfg.algo.opd_type == "sglang":
-        raise ConfigError("--opd-type sglang (the teacher's logprobs from an SGLang server during rollout) is not "
-                          "supported yet: use --opd-type megatron, the teacher loaded beside the policy in the trainer")
-    if cfg.algo.use_opd and not cfg.algo.opd_teacher_load:
+    a = cfg.algo
+    if a.opd_teacher_url and not (a.use_opd and a.opd_type == "sglang"):
+        raise ConfigError("--opd-teacher-url is the served teacher of --use-opd --opd-type sglang")
+    if a.use_opd and a.opd_type == "sglang" and bool(a.opd_teacher_load) == bool(a.opd_teacher_url):
+        raise ConfigError("--use-opd --opd-type sglang needs one of --opd-teacher-load PATH (an engine group of its "
+                          "own is started for it) or --opd-teacher-url URL (a teacher already serving /generate)")
+    if a.use_opd and a.opd_type != "sglang" and not a.opd_teacher_load:
         raise ConfigError("--use-opd needs --opd-teacher-load PATH (the teacher's HF checkpoint)")
-    if cfg.algo.opd_teacher_load and not Path(cfg.algo.opd_teacher_load).exists():
-        raise ConfigError(f"--opd-teacher-load {cfg.algo.opd_teacher_load}: no such folder")
+    for flag, path in (("--opd-teacher-load", a.opd_teacher_load), ("--judge-load", a.judge_load)):
+        if path and not Path(path).exists():
+            raise ConfigError(f"{flag} {path}: no such folder")
+    if a.judge_url and a.judge_load:
+        raise ConfigError("--judge-url (a judge already serving) and --judge-load (a judge engine group the run "
+                          "starts) exclude each other: give one")
     if cfg.algo.overlong_buffer_len is not None:
         if cfg.algo.overlong_buffer_len >= cfg.algo.overlong_max_len:
             raise ConfigError(f"--overlong-buffer-len ({cfg.algo.overlong_buffer_len}) must be shorter than the length "

@@ -15,9 +15,10 @@ re-run, never scored 0 for the policy's sake).
 Requests are bounded in number at once (--judge-max-concurrency), identical ones in flight are
 sent once, and verdicts are cached by (rubric, question, answer).
 
-Use: `--custom-rm-path agentrl.judge:llm_judge --judge-url http://host:port/v1 --judge-rubric FILE_OR_TEXT`
-(a key for a hosted judge from the environment variable AGENTRL_JUDGE_API_KEY, never from the config,
-which is saved with the run).
+Use: `--rm-type llm-judge` (or `--custom-rm-path agentrl.judge:llm_judge`) with `--judge-url
+http://host:port/v1` (any OpenAI-compatible server; a key for a hosted judge from the environment
+variable AGENTRL_JUDGE_API_KEY, never from the config, which is saved with the run) or `--judge-load
+PATH` (a judge engine group the run starts, agentrl.teacher), and `--judge-rubric FILE_OR_TEXT`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 import aiohttp
 
 from agentrl.http import HTTPCallError, json_session, post_json
+from agentrl.served import served_url
 
 DELIMITER_STEM = "policy-answer"
 SCORE_RE = re.compile(r"SCORE:\s*(-?\d{1,4}(?:\.\d{1,4})?)\s*(?:/\s*\d{1,4})?\s*$", re.IGNORECASE | re.MULTILINE)
@@ -158,10 +160,17 @@ def load_rubric(value: str) -> str:
 
 
 def question_and_answer(sample) -> tuple[str, str]:
-    """The first user message and the last assistant message of a trajectory."""
-    users = [m.get("content") for m in sample.messages if m.get("role") == "user"]
-    assistants = [m.get("content") for m in sample.messages if m.get("role") == "assistant"]
+    """The first user message and the last assistant message of a trajectory (slime's Sample,
+    which has no messages: its prompt, or the prompt's first user message, and its response)."""
     text = lambda c: c if isinstance(c, str) else "" if c is None else str(c)  # noqa: E731
+    messages = getattr(sample, "messages", None)
+    if not messages:
+        prompt = getattr(sample, "prompt", "")
+        if isinstance(prompt, list):
+            prompt = next((m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"), "")
+        return text(prompt), text(getattr(sample, "response", ""))
+    users = [m.get("content") for m in messages if m.get("role") == "user"]
+    assistants = [m.get("content") for m in messages if m.get("role") == "assistant"]
     return text(users[0] if users else ""), text(assistants[-1] if assistants else "")
 
 
@@ -169,18 +178,28 @@ _judges: dict[tuple, LLMJudge] = {}
 
 
 async def llm_judge(args, sample) -> float:
-    """slime-style reward function (`--custom-rm-path agentrl.judge:llm_judge`): the judge's score of
-    the sample's final answer, with the verdict's reason in sample.metadata["judge"]."""
-    a = args.algo
-    if not a.judge_url:
-        raise JudgeUnavailable("agentrl.judge:llm_judge needs --judge-url (an OpenAI-compatible base URL)")
-    key = (a.judge_url, a.judge_model, a.judge_rubric, asyncio.get_running_loop())
+    """slime-style reward function (`--rm-type llm-judge`, or `--custom-rm-path agentrl.judge:llm_judge`):
+    the judge's score of the sample's final answer, with the verdict's reason in sample.metadata["judge"].
+    `args`: agentrl's Config or slime's flat args. The judge: --judge-url, else the engine group
+    this run started for --judge-load (agentrl.teacher)."""
+    def get(name):  # agentrl's Config (the algo section) or slime's flat args, which carry every config field
+        return getattr(getattr(args, "algo", args), name, None)
+
+    url = get("judge_url") or served_url("judge")
+    if not url:
+        raise JudgeUnavailable("the LLM judge needs --judge-url (an OpenAI-compatible base URL) or --judge-load "
+                               "(a judge engine group, which `agentrl train` starts)")
+    if not get("judge_rubric"):
+        raise JudgeUnavailable("the LLM judge needs --judge-rubric (its args carry none)")
+    key = (url, get("judge_model"), get("judge_rubric"), asyncio.get_running_loop())
     if key not in _judges:
-        _judges[key] = LLMJudge(base_url=a.judge_url, model=a.judge_model, rubric=load_rubric(a.judge_rubric),
-                                api_key=os.environ.get("AGENTRL_JUDGE_API_KEY"), max_score=a.judge_max_score, timeout_s=a.judge_timeout_s,
-                                max_concurrency=a.judge_max_concurrency)
+        optional = {k: get("judge_" + k) for k in ("model", "max_score", "timeout_s", "max_concurrency")}
+        _judges[key] = LLMJudge(base_url=url, rubric=load_rubric(get("judge_rubric")),
+                                api_key=os.environ.get("AGENTRL_JUDGE_API_KEY"),
+                                **{k: v for k, v in optional.items() if v is not None})
     verdict = await _judges[key].score(*question_and_answer(sample))
-    sample.metadata["judge"] = {"score": verdict.score, "reason": verdict.reason}
+    if isinstance(getattr(sample, "metadata", None), dict):
+        sample.metadata["judge"] = {"score": verdict.score, "reason": verdict.reason}
     return verdict.score
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from agentrl.config import Config
 from agentrl.errors import AgentRLError, ConfigError
+from agentrl.fp8 import engine_tensors  # --sglang-quantization fp8: re-quantized at every sync
 
 
 def start_ray(cfg: Config) -> None:
@@ -590,7 +591,8 @@ class TrainerWorker:
             from agentrl.weight_sync import RankGather, serve_weights_per_rank
 
             bucket_bytes, kind = args
-            serve_weights_per_rank(self.trainer.named_tensors(), bucket_bytes=bucket_bytes, kind=kind,
+            serve_weights_per_rank(engine_tensors(self.cfg, self.trainer.named_tensors()), bucket_bytes=bucket_bytes,
+                                   kind=kind,
                                    gather=RankGather())
         else:
             for _ in self.trainer.named_tensors():
@@ -652,14 +654,16 @@ class TrainerWorker:
             for c in clients:  # a group per engine: a dead engine breaks only its own
                 group = await self._group(c.base_url)
                 try:
-                    out = await group.sync(self.trainer.named_tensors(), version=version, bucket_bytes=bucket)
+                    out = await group.sync(engine_tensors(self.cfg, self.trainer.named_tensors()), version=version,
+                                           bucket_bytes=bucket)
                 except BaseException:
                     await self._drop_group(c.base_url)
                     raise
             return out
         if per_rank := await self._per_rank_sources(clients):
             return await self._sync_per_rank(clients, version, bucket, *per_rank)
-        return await sync_weights_from_tensor(clients, self.trainer.named_tensors(), version=version,
+        return await sync_weights_from_tensor(clients, engine_tensors(self.cfg, self.trainer.named_tensors()),
+                                              version=version,
                                               bucket_bytes=bucket)
 
     async def _per_rank_sources(self, clients) -> tuple[list[list[int]], str] | None:
@@ -685,7 +689,8 @@ class TrainerWorker:
         lead: LeadingRank = self.trainer
         refs = [a.export.remote("per_rank", bucket, kind) for a in lead.others]
         try:
-            return await sync_weights_per_rank(clients, lead.inner.named_tensors(), version=version,
+            return await sync_weights_per_rank(clients, engine_tensors(self.cfg, lead.inner.named_tensors()),
+                                               version=version,
                                                bucket_bytes=bucket, sources=sources, kind=kind, gather=RankGather())
         finally:  # the other ranks are done once rank 0 is (the same buckets, the same verdicts)
             await asyncio.to_thread(ray.get, refs, timeout=TIMEOUT_S)

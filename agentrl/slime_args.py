@@ -116,7 +116,7 @@ REFUSED: dict[str, str] = {
     "rollout_all_samples_process_path": "the run folder's trajectories/ holds every sample of every iteration",
     "eval_function_path": "evaluation runs the rollout path on --eval-prompt-data (agentrl/evaluation.py)",
     "data_source_path": "prompts come from --prompt-data or the env's dataset (agentrl/data.py)",
-    "custom_tis_function_path": "importance weights are --use-tis with --tis-mode",
+    "custom_tis_function_path": "importance weights are --use-tis with --tis-mode and --tis-level",
     "custom_config_path": "give agentrl a YAML file with --config",
     "eval_config": "give eval sets with --eval-prompt-data NAME PATH",
     "train_backend": "pick the trainer with --trainer torch|megatron",
@@ -334,7 +334,7 @@ def finish(cfg, flags: SlimeFlags) -> None:
     if cfg.algo.rm_type:
         from agentrl.rm_hub import check_rm_type
 
-        check_rm_type(cfg.algo.rm_type, rm_url=cfg.algo.rm_url)
+        check_rm_type(cfg.algo.rm_type, rm_url=cfg.algo.rm_url, judge=cfg.algo.judge_url or cfg.algo.judge_load)
     r = cfg.rollout
     if cfg.run.env == SLIME_ENV and not (cfg.algo.custom_rm_path or r.custom_generate_function_path
                                          or r.rollout_function_path):

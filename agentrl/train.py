@@ -31,6 +31,8 @@ from agentrl.config import Config
 from agentrl.data import PromptSource
 from agentrl.engines.group import EngineGroup, start_engines
 from agentrl.evaluation import evaluate
+from agentrl.fp8 import engine_model_path
+from agentrl.judge import close_judges
 from agentrl.metrics import RunContext, RunLog, start_wandb
 from agentrl.models import load_tokenizer
 from agentrl.orchestration import NodeWatch, RemoteTrainer, reserve_placement, start_ray, stop_ray
@@ -40,6 +42,7 @@ from agentrl.rollout.control import RolloutControl
 from agentrl.rollout.gc_tuning import tune_gc_for_rollouts
 from agentrl.rollout.producer import RolloutProducer
 from agentrl.rollout.slime import check_hooks
+from agentrl.teacher import score_with_teacher, start_served_models
 from agentrl.trainers.megatron.flags import wants_routing_replay
 from agentrl.types import Sample
 from agentrl.weight_update import catch_up_fn, check_probe, colocated, update_engines
@@ -85,15 +88,17 @@ def train(cfg: Config) -> Path:
     context.record(device=device, model_path=str(model_path), resumed_from=state.rollout_id if cfg.run.load else None)
 
     start_ray(cfg)
-    engines, runlog, placement, watch = None, None, None, None
+    engines, runlog, placement, watch, served = None, None, None, None, None
     try:
         # one placement group: trainer rank(s) and engines, each a Ray actor in its bundle
         placement = reserve_placement(cfg, device, trainer=not cfg.run.debug_rollout_only, engines=replay is None)
         trainer = None if cfg.run.debug_rollout_only else RemoteTrainer(cfg, model_path, device, placement)
         if trainer is not None and cfg.run.load:
             trainer.load(latest_checkpoint(Path(cfg.run.load)))
+        served = start_served_models(cfg, device=device, log_dir=out / "logs")  # --judge-load, a served OPD teacher
         if replay is None:
-            engines = start_engines(cfg.rollout, model_path=str(model_path), device=device, seed=cfg.run.seed,
+            engine_model = engine_model_path(cfg, model_path, out)  # --sglang-quantization fp8: a block-fp8 copy
+            engines = start_engines(cfg.rollout, model_path=str(engine_model), device=device, seed=cfg.run.seed,
                                     log_dir=out / "logs", sglang_args=engine_sglang_args(cfg), router_args=cfg.router_args,
                                     dtype=cfg.model.dtype, placement=placement, **lora_engine_args(cfg))
             if trainer is not None:  # which trainer rank sits on each engine TP rank's GPU (weight sync)
@@ -116,6 +121,8 @@ def train(cfg: Config) -> Path:
             watch.stop()
         if engines is not None:
             engines.stop()
+        if served is not None:
+            served.stop()
         if runlog is not None:
             runlog.close()
         progress.close()
@@ -163,6 +170,7 @@ async def _loop(run: Run) -> None:
     run.control.partial_rollout = r.partial_rollout
     weights_lock = asyncio.Lock()  # held from a training step to the end of its weight sync
     async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(close_judges)  # the LLM judge's HTTP sessions on this loop (--rm-type llm-judge)
         batches, evaluate_now, pool = await start_rollout(run, stack, weights_lock)
         before_train = {}
         if evaluate_now is not None and state.rollout_id == 0 and not cfg.eval.skip_eval_before_train:
@@ -239,6 +247,7 @@ async def train_step(run: Run, samples: list[Sample], weights_lock: asyncio.Lock
         checked = await check_probe(run.cfg, run.trainer, run.engines, run.state.policy_version)
         t0 = time.perf_counter()
         run.progress.phase("train", f"{len(samples)} samples")
+        await score_with_teacher(run.cfg, samples)  # --opd-type sglang: the served teacher's logprobs
         out = await run.trainer.train_rollout(samples)
         t_train = time.perf_counter() - t0
         run.state.policy_version += 1

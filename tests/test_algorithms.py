@@ -111,16 +111,85 @@ def test_importance_weights_truncate_and_mask():
     old = torch.tensor([0.0, 0.0, 0.0])
     rollout = torch.tensor([0.0, -math.log(3.0), math.log(4.0)])  # w = 1, 3, 0.25
     mask = torch.ones(3)
-    w, outside = importance_weights(old, rollout, mask, mode="truncate", low=0.5, high=2.0)
-    assert w.tolist() == pytest.approx([1.0, 2.0, 0.5])
-    assert outside.tolist() == [0.0, 1.0, 1.0]
-    w, _ = importance_weights(old, rollout, mask, mode="mask", low=0.5, high=2.0)
-    assert w.tolist() == pytest.approx([1.0, 0.0, 0.0])
+    iw = importance_weights(old, rollout, mask, mode="truncate", low=0.5, high=2.0)
+    assert iw.weights.tolist() == pytest.approx([1.0, 2.0, 0.5])
+    assert iw.ratio.tolist() == pytest.approx([1.0, 3.0, 0.25])
+    assert iw.outside.tolist() == [0.0, 1.0, 1.0]
+    iw = importance_weights(old, rollout, mask, mode="mask", low=0.5, high=2.0)
+    assert iw.weights.tolist() == pytest.approx([1.0, 0.0, 0.0])
     # TIS scales each token's surrogate: on-policy ratio 1, loss = -sum(A * w) / n
     adv = torch.tensor([1.0, 1.0, 1.0])
-    tw, _ = importance_weights(old, rollout, mask, mode="truncate", low=0.0, high=2.0)
+    tw = importance_weights(old, rollout, mask, mode="truncate", low=0.0, high=2.0).weights
     out = policy_loss(old, old, adv, mask, token_weights=tw)
     assert out.loss.item() == pytest.approx(-(1.0 + 2.0 + 0.25) / 3)
+
+
+# Two sequences of a [2, 3] batch; sequence 0's third token is an env token (mask 0).
+# token ratios: seq 0: 2, 1.5, (env: 100); seq 1: 0.5, 0.8, 1.25
+_LV_OLD = torch.zeros(2, 3)
+_LV_ROLLOUT = -torch.log(torch.tensor([[2.0, 1.5, 100.0], [0.5, 0.8, 1.25]]))
+_LV_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+
+
+def test_sequence_level_weights_are_the_product_of_the_trained_tokens_ratios():
+    # seq 0: 2 * 1.5 = 3 (the env token's 100 is not an action); seq 1: 0.5 * 0.8 * 1.25 = 0.5
+    iw = importance_weights(_LV_OLD, _LV_ROLLOUT, _LV_MASK, mode="truncate", low=0.0, high=2.0, level="sequence")
+    assert (iw.ratio * _LV_MASK).flatten().tolist() == pytest.approx([3.0, 3.0, 0.0, 0.5, 0.5, 0.5])
+    assert (iw.weights * _LV_MASK).flatten().tolist() == pytest.approx([2.0, 2.0, 0.0, 0.5, 0.5, 0.5])
+    # MIS at sequence level drops the whole of sequence 0 (ratio 3 > 2) and keeps sequence 1 whole
+    iw = importance_weights(_LV_OLD, _LV_ROLLOUT, _LV_MASK, mode="mask", low=0.25, high=2.0, level="sequence")
+    assert (iw.weights * _LV_MASK).flatten().tolist() == pytest.approx([0.0, 0.0, 0.0, 0.5, 0.5, 0.5])
+    assert (iw.outside * _LV_MASK).tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_geometric_level_is_the_geometric_mean_and_packed_input_matches_padded():
+    # seq 0: sqrt(2 * 1.5) = sqrt(3); seq 1: (0.5)^(1/3)
+    g0, g1 = math.sqrt(3.0), 0.5 ** (1 / 3)
+    iw = importance_weights(_LV_OLD, _LV_ROLLOUT, _LV_MASK, mode="mask", low=0.7, high=1.5, level="geometric")
+    assert (iw.ratio * _LV_MASK).flatten().tolist() == pytest.approx([g0, g0, 0.0, g1, g1, g1])
+    # sqrt(3) = 1.73 > 1.5: sequence 0 masked; 0.79 inside [0.7, 1.5]: sequence 1 kept
+    assert (iw.weights * _LV_MASK).flatten().tolist() == pytest.approx([0.0, 0.0, 0.0, g1, g1, g1])
+    # the Megatron trainer's packed [N] layout with seq_ids gives the same weights
+    packed = importance_weights(_LV_OLD.reshape(-1), _LV_ROLLOUT.reshape(-1), _LV_MASK.reshape(-1),
+                                mode="mask", low=0.7, high=1.5, level="geometric",
+                                seq_ids=torch.tensor([0, 0, 0, 1, 1, 1]))
+    assert packed.weights.tolist() == pytest.approx(iw.weights.reshape(-1).tolist())
+    with pytest.raises(ValueError, match="seq_ids"):
+        importance_weights(_LV_OLD.reshape(-1), _LV_ROLLOUT.reshape(-1), _LV_MASK.reshape(-1), level="sequence")
+    with pytest.raises(ValueError, match="tis level"):
+        importance_weights(_LV_OLD, _LV_ROLLOUT, _LV_MASK, level="tokens")
+
+
+def test_token_level_mis_masks_tokens_out_of_the_loss_and_reports_the_fraction():
+    # token ratios of the trained tokens: 2, 1.5 | 0.5, 0.8, 1.25; bounds [0.6, 1.6] mask 2 and 0.5
+    lp = torch.zeros(2, 3)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    algo = AlgoConfig(use_tis=True, tis_mode="mask", tis_clip_low=0.6, tis_clip=1.6)
+    loss, stats = policy_objective(algo, logprobs=lp, old_logprobs=lp, advantages=adv, mask=_LV_MASK, denom=5.0,
+                                   rollout_logprobs=_LV_ROLLOUT)
+    # kept: 1.5 (A=1), 0.8 and 1.25 (A=-1); surrogate at ratio 1 is -A * w
+    assert stats["pg_loss"].item() == pytest.approx((-1.5 + 0.8 + 1.25) / 5)
+    assert stats["tis_masked_frac"].item() == pytest.approx(2 / 5)
+    assert stats["tis_ratio"].item() == pytest.approx((2 + 1.5 + 0.5 + 0.8 + 1.25) / 5)
+    assert stats["tis_weight"].item() == pytest.approx((1.5 + 0.8 + 1.25) / 5)
+    # the masked tokens get no gradient
+    lp = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = policy_objective(algo, logprobs=lp, old_logprobs=lp.detach(), advantages=adv, mask=_LV_MASK,
+                               denom=5.0, rollout_logprobs=_LV_ROLLOUT)
+    loss.backward()
+    assert lp.grad.flatten().tolist() == pytest.approx([0.0, -1.5 / 5, 0.0, 0.0, 0.8 / 5, 1.25 / 5])
+
+
+def test_sequence_level_tis_in_the_objective():
+    lp = torch.zeros(2, 3)
+    adv = torch.ones(2, 3)
+    algo = AlgoConfig(use_tis=True, tis_level="sequence", tis_clip=2.0)
+    _, stats = policy_objective(algo, logprobs=lp, old_logprobs=lp, advantages=adv, mask=_LV_MASK, denom=5.0,
+                                rollout_logprobs=_LV_ROLLOUT)
+    # sequence 0's weight 3 truncated to 2 on its 2 tokens, sequence 1's 0.5 on its 3
+    assert stats["pg_loss"].item() == pytest.approx(-(2 * 2.0 + 3 * 0.5) / 5)
+    assert stats["tis_clipfrac"].item() == pytest.approx(2 / 5)
+    assert stats["tis_ratio"].item() == pytest.approx((2 * 3.0 + 3 * 0.5) / 5)
 
 
 def test_value_loss_clipped():

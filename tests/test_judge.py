@@ -173,3 +173,59 @@ def test_llm_judge_reward_function_reads_the_trajectory_and_records_the_reason()
 
     assert asyncio.run(with_judge(JudgeServer(), main)) == 1.0
     assert sample.metadata["judge"] == {"score": 1.0, "reason": "ok"}
+
+
+def test_rm_type_llm_judge_names_the_judge_for_agentrl_and_slime_samples():
+    """--rm-type llm-judge installs rm_hub's async_rm, which asks the judge; slime's flat args and
+    Sample (prompt and response, no messages) work too, the judge flags they lack at their defaults."""
+    from types import SimpleNamespace
+
+    from agentrl.errors import ConfigError
+    from agentrl.rm_hub import async_rm
+
+    with pytest.raises(ConfigError, match="llm-judge needs the judge"):
+        parse_config(["--rm-type", "llm-judge"])
+    sample = Sample(prompt_tokens=[1], messages=[{"role": "user", "content": "Capital of France?"},
+                                                 {"role": "assistant", "content": "Lyon."}])
+    slime_sample = SimpleNamespace(prompt=[{"role": "user", "content": "Capital of France?"}],
+                                   response="Paris, of course.", metadata={}, label=None)
+
+    async def main(judge):
+        url = judge.url.removesuffix("/chat/completions")
+        cfg, _ = parse_config(["--rm-type", "llm-judge", "--judge-url", url, "--judge-rubric", RUBRIC])
+        assert cfg.algo.custom_rm_path == "agentrl.rm_hub.async_rm"
+        flat = SimpleNamespace(rm_type="llm_judge", judge_url=url, judge_rubric=RUBRIC)
+        try:
+            return await async_rm(cfg, sample), await async_rm(flat, slime_sample)
+        finally:
+            await judge_mod.close_judges()
+
+    assert asyncio.run(with_judge(JudgeServer(), main)) == (0.2, 1.0)
+    assert slime_sample.metadata["judge"]["reason"] == "ok"
+
+
+def test_a_judge_served_by_an_engine_group_of_its_own(tiny_model, tmp_path):
+    """--judge-load starts an embedded engine for the judge; llm_judge asks it over
+    /v1/chat/completions. The random tiny model writes no verdict: a 0 with that reason, which
+    shows the request went through the chat template and back."""
+    from agentrl.served import served_url
+    from agentrl.teacher import start_served_models
+
+    cfg, _ = parse_config(["--rm-type", "llm-judge", "--judge-load", str(tiny_model), "--judge-max-score", "3"])
+    served = start_served_models(cfg, device="cpu", log_dir=tmp_path)
+    try:
+        assert served_url("judge") == served.groups["judge"].url + "/v1"
+        sample = Sample(prompt_tokens=[1], messages=[{"role": "user", "content": "2+2?"},
+                                                     {"role": "assistant", "content": "4"}])
+
+        async def main():
+            try:
+                return await asyncio.wait_for(llm_judge(cfg, sample), 120)
+            finally:
+                await judge_mod.close_judges()
+
+        assert asyncio.run(main()) == 0.0
+        assert sample.metadata["judge"]["reason"] in ("judge reply has no 'SCORE: N' line", "judge reply has no text")
+    finally:
+        served.stop()
+    assert served_url("judge") is None

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from agentrl.algorithms import (check_algo, entropy_from_logits, needs_reference, policy_objective, sft_loss,
-                                train_iteration, value_loss)
+                                teacher_in_trainer, train_iteration, value_loss)
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.models import load_model, load_tokenizer
 from agentrl.trainers import rng_state, set_rng_state
@@ -54,7 +54,7 @@ class TorchTrainer:
         if needs_reference(algo):  # --use-kl-loss or --kl-coef: KL against the initial model
             self.ref_model = load_model(model_path, device=device, dtype=dtype).eval().requires_grad_(False)
         self.teacher_model = None  # --use-opd: the teacher whose logprobs the advantages are pulled toward
-        if algo.use_opd:
+        if teacher_in_trainer(algo):
             self.teacher_model = load_model(algo.opd_teacher_load, device=device, dtype=dtype).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr, weight_decay=train.weight_decay,
                                            betas=(train.adam_beta1, train.adam_beta2))

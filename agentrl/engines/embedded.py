@@ -497,6 +497,20 @@ class EmbeddedEngine:
                 adapter = await self._resolve_adapter(body["lora_path"])
             except ValueError as exc:
                 return _error(str(exc))
+        start = body.get("logprob_start_len")
+        start = -1 if start is None else start
+        if not isinstance(start, int) or isinstance(start, bool) or start < -1 or start >= len(input_ids):
+            # SGLang aborts a request whose logprob_start_len is not below its input length
+            return _error(f"logprob_start_len must be -1 or in [0, {len(input_ids)}) (the input's length), "
+                          f"got {start!r}")
+        input_lps = None
+        if body.get("return_logprob") and start >= 0:  # the input tokens' logprobs (a teacher scoring tokens)
+            async with self.lock:
+                self._use_adapter(adapter)
+                try:
+                    input_lps = await asyncio.to_thread(self._input_logprobs, input_ids, start)
+                finally:
+                    self._use_adapter(None)
         rid = str(body.get("rid") or f"req-{next(self._rid)}")
         req = _Request(rid=rid, input_ids=input_ids, params=body.get("sampling_params") or {},
                        return_logprob=bool(body.get("return_logprob")),
@@ -526,12 +540,55 @@ class EmbeddedEngine:
             "engine_id": self.engine_id,  # not SGLang's: which engine served this
         }
         if req.return_logprob:
-            meta["input_token_logprobs"] = []
+            meta["input_token_logprobs"] = input_lps or []
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
             meta["output_token_logprobs_length"] = len(req.output_ids)
         skip = req.params.get("skip_special_tokens", True)
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=skip)
         return web.json_response({"text": text, "output_ids": req.output_ids, "meta_info": meta})
+
+    @torch.no_grad()
+    def _input_logprobs(self, input_ids: list[int], start: int) -> list[list]:
+        """SGLang's input_token_logprobs from `start` on: [logprob, token id, None] per input token,
+        the logprob of the token given the ones before it (None for the first token, which has
+        no context), at temperature 1 (SGLang's input logprobs are not temperature-scaled)."""
+        ids = torch.tensor([input_ids], device=self.device)
+        logits = self.model(input_ids=ids).logits[0].float()  # [T, V]: row t predicts token t + 1
+        lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        values = [None, *lp]
+        return [[values[t], input_ids[t], None] for t in range(start, len(input_ids))]
+
+    async def chat_completions(self, request: web.Request) -> web.Response:
+        """OpenAI's /v1/chat/completions, as SGLang serves it, for an LLM judge served by an
+        embedded engine (agentrl.judge): the messages through the model's chat template, sampled
+        like /generate (temperature, top_p, max_tokens), answered as one choice."""
+        body = await _json(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in
+                ("system", "user", "assistant") for m in messages):
+            return _error("messages must be a non-empty list of {role: system|user|assistant, content: str}")
+        if body.get("stream") or (body.get("n") or 1) != 1:
+            return _error("the embedded engine answers one choice, unstreamed")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        input_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        params = {"temperature": float(body.get("temperature", 1.0)), "top_p": float(body.get("top_p", 1.0)),
+                  "max_new_tokens": int(body.get("max_tokens") or 128)}
+        req = _Request(rid=f"chat-{next(self._rid)}", input_ids=list(input_ids), params=params, return_logprob=False,
+                       future=asyncio.get_running_loop().create_future())
+        self.inflight += 1
+        try:
+            self._enqueue(req)
+            await req.future
+        finally:
+            self.inflight -= 1
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        finish = "stop" if (req.finish or {}).get("type") == "stop" else "length"
+        return web.json_response({
+            "id": req.rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_path,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+            "usage": {"prompt_tokens": len(input_ids), "completion_tokens": len(req.output_ids),
+                      "total_tokens": len(input_ids) + len(req.output_ids)}})
 
     async def health(self, request: web.Request) -> web.Response:
         if os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() in ("false", "0", "no", "off"):
@@ -926,6 +983,7 @@ class EmbeddedEngine:
         app = web.Application(client_max_size=1 << 31, middlewares=[identify])
         r = app.router
         r.add_post("/generate", self.generate)
+        r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
         r.add_get("/model_info", self.model_info)

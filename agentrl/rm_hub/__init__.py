@@ -14,6 +14,8 @@ meaning, written for agentrl: one function per type, `(response, label, metadata
                 (its `evaluation_lib` must be importable: nothing is fetched at run time)
     remote_rm   POST {prompt, response, label} to --rm-url; its JSON answer is the reward
     random      0 or 1 at random (for tests)
+    llm-judge   an LLM judge's score of the final answer in [0, 1] (agentrl.judge: --judge-url, or a
+                judge engine group of its own with --judge-load; --judge-rubric); also llm_judge
     boxed_X     X applied to the last \\boxed{} content of the response
 
 `async_rm(args, sample)` is what `--rm-type` installs as the reward function (slime's
@@ -205,16 +207,26 @@ RM_TYPES: dict[str, Callable[[str, Any, dict | None], Any]] = {
 }
 
 
-def check_rm_type(rm_type: str, *, rm_url: str | None = None) -> None:
-    """At start (and in --dry-run): a known type, and what it needs is there."""
+LLM_JUDGE_TYPES = ("llm-judge", "llm_judge")  # agentrl.judge, not slime's (slime has no judge rm type)
+
+
+def check_rm_type(rm_type: str, *, rm_url: str | None = None, judge: str | None = None) -> None:
+    """At start (and in --dry-run): a known type, and what it needs is there (`judge`: the
+    --judge-url or --judge-load that llm-judge asks)."""
+    if rm_type.strip() in LLM_JUDGE_TYPES:
+        if not judge:
+            raise ConfigError(f"--rm-type {rm_type.strip()} needs the judge: --judge-url URL (an OpenAI-compatible "
+                              "endpoint) or --judge-load PATH (a judge engine group of its own)")
+        return
     base = rm_type.strip().removeprefix("boxed_")
     if base == "remote_rm":
         if not rm_url:
             raise ConfigError("--rm-type remote_rm needs --rm-url URL")
         return
     if base not in RM_TYPES:
-        raise ConfigError(f"--rm-type {rm_type}: unknown; choose from {', '.join([*RM_TYPES, 'remote_rm'])} "
-                          "(each may be prefixed boxed_)")
+        raise ConfigError(f"--rm-type {rm_type}: unknown; choose from "
+                          f"{', '.join([*RM_TYPES, 'remote_rm', LLM_JUDGE_TYPES[0]])} (each but {LLM_JUDGE_TYPES[0]} "
+                          "may be prefixed boxed_)")
     if base == "ifbench":
         _ifbench_lib()
 
@@ -254,6 +266,10 @@ async def async_rm(args, sample):
     rm_type = str(metadata.get("rm_type") or _setting(args, "rm_type") or "").strip()
     if not rm_type:
         raise ConfigError("no reward: neither --rm-type nor the row's metadata rm_type is set")
+    if rm_type in LLM_JUDGE_TYPES:  # the judge reads the whole sample (question and final answer)
+        from agentrl.judge import llm_judge
+
+        return await llm_judge(args, sample)
     response = sample.response
     if rm_type.startswith("boxed_"):
         response, rm_type = last_boxed(response) or "", rm_type[len("boxed_"):]

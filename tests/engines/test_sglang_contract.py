@@ -82,6 +82,10 @@ def test_agentrl_requests_and_embedded_replies_fit_sglang(tiny_model):
     assert abort_reply["meta_info"]["id"] == "long"
 
 
+# OpenAI's chat-completion request fields the embedded engine reads (the LLM judge, agentrl.judge)
+OPENAI_FIELDS = {"/v1/chat/completions": {"messages", "temperature", "top_p", "max_tokens", "stream", "n"}}
+
+
 def _handler_fields() -> tuple[dict[str, set[str]], set[str]]:
     """endpoint -> request keys its handler reads; and the sampling params read anywhere."""
     tree = ast.parse(inspect.getsource(embedded))
@@ -118,6 +122,8 @@ def test_embedded_handlers_read_only_sglang_fields():
         if path in CONTRACT["requests"]:
             fields = set(CONTRACT["requests"][path]["fields"])
             assert keys <= fields, f"{path}: the embedded engine reads {keys - fields}, which SGLang does not define"
+        elif path in OPENAI_FIELDS:  # OpenAI's protocol, which SGLang serves too (the LLM judge's path)
+            assert keys <= OPENAI_FIELDS[path], keys - OPENAI_FIELDS[path]
         else:
             assert not keys, (path, keys)
     assert sampling <= set(CONTRACT["sampling_params"]), sampling - set(CONTRACT["sampling_params"])

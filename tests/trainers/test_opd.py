@@ -3,8 +3,10 @@ trainer) scores the sampled tokens, and each token's advantage loses opd_kl_coef
 logprob - teacher logprob). With a constant reward that is distillation alone: the student's
 exact KL to the teacher on held-out contexts falls."""
 
+import asyncio
 import shutil
 
+import aiohttp
 import pytest
 import torch
 
@@ -115,3 +117,120 @@ def test_opd_flags_fail_fast(tmp_path):
         parse_config(["--use-opd", "--opd-teacher-load", str(tmp_path / "missing")])
     cfg, _ = parse_config(["--use-opd", "--opd-teacher-load", str(tmp_path), "--opd-kl-coef", "0.3"])
     assert cfg.algo.use_opd and cfg.algo.opd_kl_coef == 0.3
+
+
+def test_an_engine_served_teacher_scores_as_the_in_trainer_one_and_its_step_moves_the_student(tiny_model, teacher):
+    """--opd-type sglang: the teacher's engine (here the embedded one) scores the student's sampled
+    tokens by prefill (/generate, max_new_tokens 0, logprob_start_len = the prompt's length); its
+    logprobs equal the in-trainer teacher's on the same tokens, the OPD gradient from the logprobs
+    carried on the samples equals the in-trainer one, and a step along it lowers the held-out KL."""
+    from aiohttp.test_utils import TestServer
+
+    from agentrl.engines.embedded import EmbeddedEngine
+    from agentrl.teacher import teacher_logprobs
+
+    torch.manual_seed(0)
+    train = TrainConfig(lr=1e-9, global_batch_size=256, micro_batch_size=256)
+    inside = TorchTrainer(str(tiny_model), train=train, temperature=1.0,
+                          algo=AlgoConfig(use_opd=True, opd_teacher_load=str(teacher)))
+    g = torch.Generator().manual_seed(0)
+    samples = sample_from(inside.model, torch.randint(3, 500, (256, 4), generator=g), g)
+    samples[0].append_observation([11, 12])  # an env token is scored too (it is context, not trained)
+    engine = EmbeddedEngine(str(teacher))
+
+    async def score():
+        server = TestServer(engine.app())
+        await server.start_server()
+        try:
+            return await teacher_logprobs(str(server.make_url("")).rstrip("/"), samples)
+        finally:
+            await server.close()
+
+    served = asyncio.run(score())
+    in_trainer = inside.compute_logprobs(samples, inside.teacher_model)
+    diff = max(abs(a - b) for x, y in zip(served, in_trainer) for a, b in zip(x, y))
+    assert all(len(x) == s.response_length for x, s in zip(served, samples)) and diff < 1e-4, diff
+
+    grads = []
+    for t, algo in ((inside, None), (None, AlgoConfig(use_opd=True, opd_type="sglang", opd_teacher_url="http://t"))):
+        if t is None:
+            t = TorchTrainer(str(tiny_model), train=train, algo=algo, temperature=1.0)
+            assert t.teacher_model is None  # the served teacher is not loaded in the trainer
+            for s, lps in zip(samples, served):
+                s.metadata["teacher_logprobs"] = lps
+        t.optimizer.step = lambda: None
+        t.model.zero_grad()
+        metrics = t.train_rollout(samples)
+        grads.append([p.grad.detach().clone() for p in t.model.parameters() if p.requires_grad])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+    assert metrics["opd_reverse_kl"] > 0
+
+    held_out = torch.randint(3, 500, (8, 10), generator=g)
+    with torch.no_grad():
+        before = float(exact_kl(t.model, inside.teacher_model, held_out))
+        for p, grad in zip([p for p in t.model.parameters() if p.requires_grad], grads[1]):
+            p.sub_(1e-4 * grad.sign())
+        after = float(exact_kl(t.model, inside.teacher_model, held_out))
+    assert after < before
+
+
+def test_a_served_teacher_reply_that_does_not_score_the_response_is_refused(tiny_model):
+    """The embedded engine refuses a logprob_start_len not below the input's length (as SGLang
+    aborts it); a teacher that ignores logprob_start_len (scores the whole input) is an error,
+    never misaligned logprobs; a sample without carried logprobs fails its step loudly."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from agentrl.engines.embedded import EmbeddedEngine
+    from agentrl.errors import EngineError
+    from agentrl.algorithms import carried_teacher_logprobs
+    from agentrl.teacher import teacher_logprobs
+
+    s = Sample(prompt_tokens=[5, 6, 7], trajectory_id="t0")
+    s.append_generated([8, 9], [-1.0, -1.0], 0)
+
+    async def ignoring(request):  # scores every input token, as if logprob_start_len were 0
+        body = await request.json()
+        return web.json_response({"meta_info": {"input_token_logprobs": [[None, body["input_ids"][0], None]] + [
+            [-1.0, t, None] for t in body["input_ids"][1:]]}})
+
+    async def main():
+        engine_server = TestServer(EmbeddedEngine(str(tiny_model)).app())
+        app = web.Application()
+        app.router.add_post("/generate", ignoring)
+        bad_server = TestServer(app)
+        await engine_server.start_server()
+        await bad_server.start_server()
+        try:
+            url = str(engine_server.make_url("/generate"))
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url, json={"input_ids": [5, 6, 7], "return_logprob": True,
+                                                   "logprob_start_len": 3,
+                                                   "sampling_params": {"max_new_tokens": 0}}) as r:
+                    refused = (r.status, await r.text())
+            good = await teacher_logprobs(str(engine_server.make_url("")).rstrip("/"), [s])
+            with pytest.raises(EngineError, match="logprob_start_len"):
+                await teacher_logprobs(str(bad_server.make_url("")).rstrip("/"), [s])
+            return refused, good
+        finally:
+            await engine_server.close()
+            await bad_server.close()
+
+    (status, text), good = asyncio.run(main())
+    assert status == 400 and "logprob_start_len" in text
+    assert len(good[0]) == 2 and all(lp < 0 for lp in good[0])
+    with pytest.raises(ValueError, match="carries no teacher logprobs"):
+        carried_teacher_logprobs([s])
+
+
+def test_served_opd_and_judge_flags_fail_fast(tmp_path):
+    with pytest.raises(ConfigError, match="--opd-teacher-load PATH .* or --opd-teacher-url"):
+        parse_config(["--use-opd", "--opd-type", "sglang"])
+    with pytest.raises(ConfigError, match="--opd-teacher-url is the served teacher"):
+        parse_config(["--use-opd", "--opd-teacher-load", str(tmp_path), "--opd-teacher-url", "http://t"])
+    cfg, _ = parse_config(["--use-opd", "--opd-type", "sglang", "--opd-teacher-url", "http://t:1"])
+    assert cfg.algo.opd_teacher_url == "http://t:1"
+    with pytest.raises(ConfigError, match="exclude each other"):
+        parse_config(["--judge-url", "http://j/v1", "--judge-load", str(tmp_path)])
+    with pytest.raises(ConfigError, match="--judge-load .*no such folder"):
+        parse_config(["--judge-load", str(tmp_path / "missing")])

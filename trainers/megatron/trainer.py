@@ -24,7 +24,8 @@ from typing import Iterator
 
 import torch
 
-from agentrl.algorithms import check_algo, needs_reference, policy_objective, sft_loss, train_iteration, value_loss
+from agentrl.algorithms import (check_algo, needs_reference, policy_objective, sft_loss, teacher_in_trainer,
+                                train_iteration, value_loss)
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.errors import ConfigError
 from agentrl.trainers import rng_state, set_rng_state
@@ -100,7 +101,7 @@ class MegatronTrainer:
         if needs_reference(algo):  # frozen initial policy for --use-kl-loss / --kl-coef
             self.ref_model = self._frozen_model(ckpt, dtype, device)
         self.teacher_model = None  # --use-opd: the teacher whose logprobs the advantages are pulled toward
-        if algo.use_opd:
+        if teacher_in_trainer(algo):
             self.teacher_model = self._frozen_model(HFCheckpoint(algo.opd_teacher_load), dtype, device)
         self.critic = self.critic_ddp = self.critic_optimizer = self.critic_scheduler = None
         if algo.advantage_estimator == "ppo":

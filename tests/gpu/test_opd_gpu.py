@@ -1,0 +1,42 @@
+"""On-policy distillation with a teacher served by an engine group of its own (--use-opd
+--opd-type sglang --opd-teacher-load, agentrl.teacher) on one GPU: the student is
+SmolLM2-135M-Instruct, the teacher SmolLM2 after `agentrl sft` on the math env's
+demonstrations (tests/gpu/test_learning_gpu.py's sft_model: run `bash scripts/gpu/run.sh
+"sft_on_demos and math"` in an earlier call, it is cached on the machine). The teacher's SGLang
+engine scores the student's sampled tokens by prefill before each step; distillation alone (the
+reward's advantage is 0 for a group that scores alike, the OPD term is the signal).
+Checked: the per-token reverse KL to the teacher (opd_reverse_kl, the KL curve, saved to
+OUT/opd_served.json) falls. Run: bash scripts/gpu/run.sh opd_served"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpu_helpers import OUT, SGLANG, agentrl_train, mean
+from test_learning_gpu import TRAINER, iters, sft_model, smollm2  # noqa: F401 (smollm2: the fixture)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
+
+
+def test_opd_served_teacher_kl_falls(smollm2):  # noqa: F811
+    teacher = sft_model(smollm2, "math")
+    n = iters(20)
+    # three engines' worth of memory on one GPU: the policy's (released while training), the teacher's, the trainer
+    _, rows = agentrl_train("opd_served", "--env", "math", "--model", str(smollm2), "--trainer", TRAINER,
+                            "--device", "cuda", "--dtype", "bfloat16", *SGLANG, "--colocate",
+                            "--sglang-enable-memory-saver", "--sglang-mem-fraction-static", "0.25",
+                            "--use-opd", "--opd-type", "sglang", "--opd-teacher-load", str(teacher),
+                            "--opd-kl-coef", "1.0", "--rollout-temperature", "1.0", "--lr", "5e-6",
+                            "--rollout-batch-size", "32", "--n-samples-per-prompt", "4", "--global-batch-size", "128",
+                            "--micro-batch-size", "16", "--rollout-max-response-len", "256",
+                            "--num-rollout", str(n), timeout_s=560)
+    kl = [r["opd_reverse_kl"] for r in rows]
+    (OUT / "opd_served.json").write_text(json.dumps({"opd_reverse_kl": kl, "reward_mean": [r["reward_mean"]
+                                                                                            for r in rows]}))
+    print("reverse KL to the teacher per iteration:", " ".join(f"{x:.4f}" for x in kl))
+    assert len(rows) == n
+    assert mean(kl[-3:]) < 0.8 * mean(kl[:3]), kl
