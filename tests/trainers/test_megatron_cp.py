@@ -99,3 +99,25 @@ def test_context_parallel_2_with_token_budget_equals_cp1(reference, tmp_path):
     result = run_ranks(2, ["--megatron", json.dumps(megatron), "--algo", json.dumps(ALGO), "--max-tokens", "24"],
                        tmp_path / "cp2b.json")
     compare(result, reference, "CP=2, token budget")
+
+
+@pytest.mark.e2e  # four CPU ranks: ~90 s on a shared two-core machine
+def test_context_parallel_2_with_tensor_parallel_2_and_sequence_parallel_equals_cp1(reference, tmp_path):
+    megatron = {"context_parallel_size": "2", "tensor_model_parallel_size": "2", "sequence_parallel": None}
+    result = run_ranks(4, ["--megatron", json.dumps(megatron), "--algo", json.dumps(ALGO)], tmp_path / "cp2tp2.json")
+    compare(result, reference, "CP=2 x TP=2 + SP")
+
+
+def test_context_parallel_forms_it_does_not_do_are_refused_by_name():
+    from agentrl.errors import ConfigError
+    from agentrl.trainers.megatron.args import parse_megatron_args
+
+    parse_megatron_args({"--context-parallel-size": "2", "--cp-comm-type": "all_gather"}).check_context_parallel(False)
+    with pytest.raises(ConfigError, match="--transformer-impl local"):
+        parse_megatron_args({"--context-parallel-size": "2"}).check_context_parallel(True)
+    with pytest.raises(ConfigError, match="--cp-comm-type p2p"):
+        parse_megatron_args({"--context-parallel-size": "2", "--cp-comm-type": "p2p"}).check_context_parallel(False)
+    with pytest.raises(ConfigError, match="--hierarchical-context-parallel-sizes"):
+        parse_megatron_args({"--context-parallel-size": "4",
+                             "--hierarchical-context-parallel-sizes": "2 2"}).check_context_parallel(False)
+    parse_megatron_args({"--cp-comm-type": "p2p"}).check_context_parallel(True)  # CP 1: nothing to refuse

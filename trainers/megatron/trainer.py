@@ -60,6 +60,7 @@ class MegatronTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.model_path = str(model_path)
         self.margs = parse_megatron_args(megatron_args or {})
+        self.margs.check_context_parallel(use_te_spec(self.margs, device))  # context_parallel.py: local spec only
         if device == "cpu" and not megatron_patched_for_cpu:
             raise ConfigError("the Megatron trainer needs CUDA GPUs (on CPU use --trainer torch; tests apply "
                               "tests/trainers/megatron_cpu_shim.py)")
@@ -73,11 +74,6 @@ class MegatronTrainer:
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.te = use_te_spec(self.margs, device)
         self.cp = self.margs.cp
-        if self.cp > 1 and self.te:
-            # megatron-core's CP under TE wants its own THD layout (cu_seqlens_*_padded per sequence);
-            # the trainer splits sequences for its local attention core (context_parallel.py)
-            raise ConfigError("--context-parallel-size > 1 runs with the local spec only (--transformer-impl local); "
-                              "Transformer Engine's context-parallel attention is not wired to the trainer's packing")
         self.family, self.layout = layout_for(self.hf_config, self.margs, self.te)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
