@@ -1,7 +1,9 @@
 """Context parallelism on CPU: the split of packed sequences (context_parallel.split), the CP
-attention against whole-sequence attention, and two gloo ranks with --context-parallel-size 2
-(megatron_worker.py) against the one-process trainer on the same rollout of uneven lengths:
-the same logprobs, loss, grad norm and logprobs after one optimizer step."""
+attention against whole-sequence attention, the refusals, and gloo ranks with
+--context-parallel-size 2 (megatron_worker.py) against the one-process trainer on the same
+rollout of uneven lengths: the same logprobs, loss, grad norm and logprobs after one optimizer
+step, and the same exported HF tensors. CP=2 in the fast lane; CP=2 with token-budget
+micro-batches, x TP=2+SP, x PP=2, and x EP=2 on Qwen3-MoE in the e2e lane (more ranks, minutes)."""
 
 import json
 
@@ -93,6 +95,7 @@ def test_context_parallel_2_equals_cp1(reference, tmp_path):
     compare(result, reference, "CP=2")
 
 
+@pytest.mark.e2e  # the fast lane has CP=2 above; these layouts add ~20-150 s each on a shared CPU
 def test_context_parallel_2_with_token_budget_equals_cp1(reference, tmp_path):
     """--max-tokens-per-gpu with CP: micro-batches of several packed sequences, cut per sequence."""
     megatron = {"context_parallel_size": "2"}
@@ -106,6 +109,26 @@ def test_context_parallel_2_with_tensor_parallel_2_and_sequence_parallel_equals_
     megatron = {"context_parallel_size": "2", "tensor_model_parallel_size": "2", "sequence_parallel": None}
     result = run_ranks(4, ["--megatron", json.dumps(megatron), "--algo", json.dumps(ALGO)], tmp_path / "cp2tp2.json")
     compare(result, reference, "CP=2 x TP=2 + SP")
+
+
+@pytest.mark.e2e  # four CPU ranks
+def test_context_parallel_2_with_pipeline_parallel_2_equals_cp1(reference, tmp_path):
+    megatron = {"context_parallel_size": "2", "pipeline_model_parallel_size": "2"}
+    result = run_ranks(4, ["--megatron", json.dumps(megatron), "--algo", json.dumps(ALGO), "--max-tokens", "40"],
+                       tmp_path / "cp2pp2.json", timeout=400)
+    compare(result, reference, "CP=2 x PP=2")
+
+
+@pytest.mark.e2e
+def test_context_parallel_2_with_expert_parallel_2_on_qwen3_moe_equals_one_process(tiny_model, tmp_path):
+    """Qwen3-MoE (8 experts, top-2): EP=2 spans the two CP ranks (megatron-core folds EP over DP x CP)."""
+    from megatron_helpers import tiny_family_model
+
+    model = tiny_family_model(tmp_path / "qwen3_moe", "qwen3_moe", tokenizer_from=tiny_model)
+    args = ["--model", str(model), "--algo", json.dumps(ALGO)]
+    one = run_ranks(1, args, tmp_path / "moe1.json")
+    megatron = {"context_parallel_size": "2", "expert_model_parallel_size": "2"}
+    compare(run_ranks(2, [*args, "--megatron", json.dumps(megatron)], tmp_path / "moecp2.json"), one, "MoE CP=2 x EP=2")
 
 
 def test_context_parallel_forms_it_does_not_do_are_refused_by_name():
