@@ -92,12 +92,11 @@ class SDPAttention(torch.nn.Module):
             outs.append(_sdpa(qi, ki, vi, p, self.scale)[0].transpose(0, 1))  # [L, h, d]
         return torch.cat(outs, dim=0)
 
-
     def _context_parallel(self, q, k, v, share, p: float):
         from agentrl.trainers.megatron.context_parallel import attention
 
         def attend(qh, kh, vh, cu_q, cu_k, max_q, max_k):
-            if qh.is_cuda and p == 0.0 and hasattr(torch.ops, "torch_attn") and hasattr(torch.ops.torch_attn, "_varlen_attn"):
+            if qh.is_cuda and p == 0.0 and _varlen_attn is not None:  # its op, torch_attn::_varlen_attn
                 return _varlen_prefix(qh, kh, vh, cu_q, cu_k, max_q, max_k, self.scale)
             return _prefix_loop(qh, kh, vh, cu_q, cu_k, p, self.scale)
 
