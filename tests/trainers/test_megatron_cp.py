@@ -144,3 +144,16 @@ def test_context_parallel_forms_it_does_not_do_are_refused_by_name():
         parse_megatron_args({"--context-parallel-size": "4",
                              "--hierarchical-context-parallel-sizes": "2 2"}).check_context_parallel(False)
     parse_megatron_args({"--cp-comm-type": "p2p"}).check_context_parallel(True)  # CP 1: nothing to refuse
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("megatron", [{"context_parallel_size": "2"}, {}], ids=["CP=2", "DP=2"])
+def test_ppo_critic_with_context_or_data_parallel_equals_one_process(tmp_path, megatron):
+    """The critic's values gathered over CP ranks; its fresh value head the same on every rank
+    (each rank drew its own before: DP=2's critic then differed from one process's)."""
+    algo = json.dumps({**ALGO, "advantage_estimator": "ppo"})
+    one = run_ranks(1, ["--algo", algo], tmp_path / "ppo1.json")
+    two = run_ranks(2, ["--algo", algo, "--megatron", json.dumps(megatron)], tmp_path / "ppo2.json")
+    compare(two, one, f"PPO {megatron}")
+    for key in ("value_loss", "critic_grad_norm"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
