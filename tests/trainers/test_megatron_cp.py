@@ -26,9 +26,13 @@ from test_megatron_parallel import ALGO, compare  # noqa: E402
 def test_split_gives_each_rank_an_early_and_a_late_chunk_of_every_sequence():
     samples = make_samples()
     cp = 2
-    parts = [context_parallel.split(pack(samples, [0, 3, 5], seq_pad=2 * cp, pad_to=2 * cp * 2), cp, r, None)
-             for r in range(cp)]
     whole = pack(samples, [0, 3, 5], seq_pad=2 * cp, pad_to=2 * cp * 2)
+    routing = torch.arange(whole.num_tokens * 3 * 2).reshape(whole.num_tokens, 3, 2)  # [T, layers, top-k] (R3)
+    parts = []
+    for r in range(cp):
+        mb = pack(samples, [0, 3, 5], seq_pad=2 * cp, pad_to=2 * cp * 2)
+        mb.routing = routing.clone()
+        parts.append(context_parallel.split(mb, cp, r, None))
     cu = whole.cu_seqlens.tolist()
     assert all((b - a) % (2 * cp) == 0 for a, b in zip(cu[:-1], cu[1:]))
     # sequence 0 (14 tokens -> 16): chunks of 4; rank 0 has chunks 0 and 3, rank 1 chunks 1 and 2
@@ -44,6 +48,10 @@ def test_split_gives_each_rank_an_early_and_a_late_chunk_of_every_sequence():
         rows = whole.logit_index[p.cp.resp_index]
         assert torch.equal(p.position_ids[0, p.logit_index], whole.position_ids[0, rows])
         assert torch.equal(p.tokens[0, p.logit_index], whole.tokens[0, rows])
+    # the recorded experts follow their tokens
+    for r, p in enumerate(parts):
+        rows = torch.cat([torch.arange(a, b) for a, b in context_parallel.chunk_rows(whole.cu_seqlens.tolist(), cp, r)])
+        assert torch.equal(p.routing, routing[rows]) and torch.equal(p.tokens[0], whole.tokens[0, rows])
     # the local token count is a multiple of TP (sequence parallelism cuts it again)
     assert all(p.num_tokens % 2 == 0 for p in parts)
 
