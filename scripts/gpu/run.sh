@@ -5,7 +5,7 @@
 #   bash scripts/gpu/run.sh SCENARIO [...]  unpack what is carried, install agentrl from this tree as
 #                                           a wheel, run `pytest tests/gpu -k SCENARIO` (a -k expression:
 #                                           "colocated and megatron", "1_5b", "tool_envs", "fp8_rollout",
-#                                           "opd_served"); each scenario's
+#                                           "opd_served", "cp2_32k": CP=2 at 32k tokens on 2 GPUs); each scenario's
 #                                           figures and metrics go to $OUT (or $AGENTRL_GPU_OUT);
 #                                           AGENTRL_NO_INSTALL=1: use the agentrl an earlier call installed
 #                                           (scenarios run side by side on different GPUs install once)

@@ -237,7 +237,7 @@ def test_multi_tensor_ops_without_apex():
 
 
 def test_layouts_megatron_core_cannot_train_are_refused_up_front(tmp_path, tiny_model):
-    """Context parallelism (not implemented: every CP rank would run whole sequences), MoE with
+    """Context parallelism in a form the trainer does not do (p2p: Transformer Engine's), MoE with
     TP but no sequence parallelism (megatron-core's MoE layer refuses it at the first training
     step), and an EP size that does not divide the experts (or a dense model): a ConfigError
     naming the flag, before any model is built."""
@@ -247,9 +247,9 @@ def test_layouts_megatron_core_cannot_train_are_refused_up_front(tmp_path, tiny_
     from agentrl.trainers.megatron.args import parse_megatron_args
     from agentrl.trainers.megatron.model import layout_for, transformer_config
 
-    with pytest.raises(ConfigError, match="context-parallel-size"):
+    with pytest.raises(ConfigError, match="cp-comm-type p2p"):
         MegatronTrainer(str(tiny_model), train=TrainConfig(), algo=AlgoConfig(), temperature=1.0, device="cpu",
-                        dtype="float32", megatron_args={"context_parallel_size": "2"})
+                        dtype="float32", megatron_args={"context_parallel_size": "2", "cp_comm_type": "p2p"})
     moe = AutoConfig.from_pretrained(tiny_family_model(tmp_path / "moe", "qwen3_moe"))
     margs = parse_megatron_args({"tensor_model_parallel_size": "2"})
     fam, _ = layout_for(moe, margs, te=False)

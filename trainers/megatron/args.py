@@ -43,6 +43,22 @@ class MegatronArgs:
         value = self.transformer.get("expert_tensor_parallel_size")
         return self.tp if value is None else int(value)
 
+    def check_context_parallel(self, te: bool) -> None:
+        """--context-parallel-size > 1 as the trainer does it (context_parallel.py: the local
+        attention core, K/V all-gathered); the other forms of megatron-core's CP are refused."""
+        if self.cp <= 1:
+            return
+        if te:
+            raise ConfigError("--context-parallel-size > 1 runs with the local spec only (--transformer-impl local): "
+                              "Transformer Engine's context-parallel attention is not wired to the trainer's packing")
+        comm = self.transformer.get("cp_comm_type")
+        if any(c not in (None, "all_gather") for c in (comm if isinstance(comm, list) else [comm])):
+            raise ConfigError(f"--cp-comm-type {comm}: the trainer's context parallelism all-gathers K/V "
+                              "(all_gather); p2p / a2a are Transformer Engine's")
+        for name in ("hierarchical_context_parallel_sizes", "hybrid_context_parallel"):
+            if self.transformer.get(name) or self.trainer.get(name):
+                raise ConfigError(f"--{name.replace('_', '-')}: not supported by the trainer's context parallelism")
+
     def flag(self, name: str) -> bool:
         """A trainer-level on/off flag: absent -> False; bare or true/1/yes -> True."""
         if name not in self.trainer:

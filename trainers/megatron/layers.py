@@ -44,9 +44,9 @@ class SDPAttention(torch.nn.Module):
                  cp_comm_type: str | None = None, pg_collection=None, **_ignored):
         super().__init__()
         self.config = config
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("context parallelism needs Transformer Engine's attention "
-                                      "(--transformer-impl transformer_engine); the SDPA core does not split sequences")
+        if config.context_parallel_size > 1 and cp_comm_type not in (None, "all_gather"):
+            raise NotImplementedError(f"--cp-comm-type {cp_comm_type}: the local attention core does context "
+                                      "parallelism by all-gathering K/V only (all_gather)")
         kv_channels = config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else (
             config.softmax_scale if getattr(config, "softmax_scale", None) else 1.0 / math.sqrt(kv_channels))
@@ -55,6 +55,13 @@ class SDPAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_ignored):
         p = self.dropout if self.training else 0.0
+        share = getattr(packed_seq_params, "cp_share", None)
+        if share is not None:  # context parallelism (context_parallel.py)
+            out = self._context_parallel(query, key, value, share, p)
+            return out.reshape(out.shape[0], -1)
+        if self.config.context_parallel_size > 1:
+            raise NotImplementedError("context parallelism in the local attention core needs packed micro-batches "
+                                      "split by context_parallel.split (PackedSeqParams.cp_share)")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             out = self._packed(query, key, value, packed_seq_params, p)  # [t, h, d]
             return out.reshape(out.shape[0], -1)
@@ -84,6 +91,51 @@ class SDPAttention(torch.nn.Module):
             qi, ki, vi = (x[s:e].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, h, L, d]
             outs.append(_sdpa(qi, ki, vi, p, self.scale)[0].transpose(0, 1))  # [L, h, d]
         return torch.cat(outs, dim=0)
+
+    def _context_parallel(self, q, k, v, share, p: float):
+        from agentrl.trainers.megatron.context_parallel import attention
+
+        def attend(qh, kh, vh, cu_q, cu_k, max_q, max_k):
+            if qh.is_cuda and p == 0.0 and _varlen_attn is not None:  # its op, torch_attn::_varlen_attn
+                return _varlen_prefix(qh, kh, vh, cu_q, cu_k, max_q, max_k, self.scale)
+            return _prefix_loop(qh, kh, vh, cu_q, cu_k, p, self.scale)
+
+        return attention(q, k, v, share, attend)
+
+
+def _varlen_prefix(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float):
+    """Flash varlen over (query chunk, key prefix) pairs; its causal mask is aligned bottom-right
+    when a pair's query and key lengths differ, which is what a chunk ending its prefix needs."""
+    global NATIVE_GQA
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    if q.shape[1] != k.shape[1] and not NATIVE_GQA:
+        k, v = _repeat_kv(k, v, q.shape[1])
+    try:
+        return torch.ops.torch_attn._varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, True, scale, [-1, 0])[0]
+    except RuntimeError:
+        if q.shape[1] == k.shape[1]:
+            raise
+        NATIVE_GQA = False  # a kernel that wants equal head counts
+        k, v = _repeat_kv(k, v, q.shape[1])
+        return torch.ops.torch_attn._varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, True, scale, [-1, 0])[0]
+
+
+def _prefix_loop(q, k, v, cu_q, cu_k, p: float, scale: float):
+    """The same, one SDPA call per pair with an explicit bottom-right causal mask (CPU)."""
+    outs = []
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for (sq, eq), (sk, ek) in zip(zip(bq[:-1], bq[1:]), zip(bk[:-1], bk[1:])):
+        if eq == sq:
+            continue
+        lq, lk = eq - sq, ek - sk
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)  # query i sees keys <= lk-lq+i
+        qi, ki, vi = (x.transpose(0, 1).unsqueeze(0) for x in (q[sq:eq], k[sk:ek], v[sk:ek]))  # [1, h, L, d]
+        if ki.shape[1] != qi.shape[1]:
+            rep = qi.shape[1] // ki.shape[1]
+            ki, vi = ki.repeat_interleave(rep, dim=1), vi.repeat_interleave(rep, dim=1)
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, dropout_p=p, scale=scale)[0]
+                    .transpose(0, 1))
+    return torch.cat(outs, dim=0)
 
 
 def _sdpa(q, k, v, p, scale):

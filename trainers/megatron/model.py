@@ -362,7 +362,11 @@ class ValueHead(torch.nn.Module):
         self.sequence_parallel = bool(config.sequence_parallel)
         self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype,
                                                      device="cpu" if config.use_cpu_initialization else None))
-        torch.nn.init.normal_(self.weight, std=1.0 / (config.hidden_size + 1) ** 0.5)
+        # the same head on every rank (data, context and tensor parallel copies must start equal;
+        # the process's own random state differs between ranks)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(self.weight.shape, generator=g) / (config.hidden_size + 1) ** 0.5)
         setattr(self.weight, "average_gradients_across_tp_domain", True)
 
     def forward(self, hidden, weight=None, runtime_gather_output=None, **_ignored):

@@ -61,6 +61,11 @@ class PackedBatch:
     resp_slices: list[tuple[int, int]]  # per sample, its [start, end) in the flat N
     dummy: bool = False  # a stand-in run with zero loss weight (a data-parallel rank with no samples)
     routing: torch.Tensor | None = None  # [T, layers, top-k] the engine's experts per token (routing replay)
+    # Context parallelism (context_parallel.split): this rank's share of the packed tokens. Then
+    # tokens/position_ids/logit_index/targets/routing are this rank's, while seq_ids,
+    # resp_slices and flat() stay over every response token, and `gather` turns this rank's
+    # per-token results into those of every response token.
+    cp: "object | None" = None  # context_parallel.CPShare
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +74,14 @@ class PackedBatch:
     def to(self, device) -> "PackedBatch":
         for name in ("tokens", "position_ids", "cu_seqlens", "logit_index", "targets", "seq_ids"):
             setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+        if self.cp is not None:
+            self.cp.to(device)
         return self
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Per-response-token values computed on this rank ([len(logit_index)]) -> those of every
+        response token of the micro-batch ([N], flat order); the identity without context parallelism."""
+        return local if self.cp is None else self.cp.gather(local)
 
     def pad_to_length(self, length: int, pad_id: int = 0) -> "PackedBatch":
         """Padded at the end to `length` tokens, the padding a segment of its own (as pack's)."""
@@ -86,14 +98,17 @@ class PackedBatch:
 
     def packed_seq_params(self, rope_by_position: bool = False):
         """rope_by_position: RoPE frequencies come per token (model.enable_position_rope), so
-        RoPE is told the batch is one segment (cu_seqlens_*_padded = [0, T])."""
+        RoPE is told the batch is one segment (cu_seqlens_*_padded = [0, T]). With context
+        parallelism the params carry `cp_share` (read by layers.SDPAttention)."""
         from megatron.core.packed_seq_params import PackedSeqParams
         one = None
         if rope_by_position:
             one = torch.tensor([0, self.num_tokens], dtype=torch.int32, device=self.cu_seqlens.device)
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-                               cu_seqlens_q_padded=one, cu_seqlens_kv_padded=one,
-                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                                 cu_seqlens_q_padded=one, cu_seqlens_kv_padded=one,
+                                 max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        params.cp_share = self.cp
+        return params
 
     def flat(self, per_sample: list[list[float]], device=None, dtype=torch.float32) -> torch.Tensor:
         """Per-sample response-token values (e.g. old logprobs) in this batch's flat order. [N]"""
@@ -105,15 +120,23 @@ class PackedBatch:
         return [values[s:e] for s, e in self.resp_slices]
 
 
-def pack(samples, indices: list[int], pad_to: int = 1, pad_id: int = 0) -> PackedBatch:
+def padded_length(length: int, seq_pad: int) -> int:
+    return length + (-length) % seq_pad
+
+
+def pack(samples, indices: list[int], pad_to: int = 1, pad_id: int = 0, seq_pad: int = 1) -> PackedBatch:
+    """seq_pad: every sequence padded at its end to a multiple of it (context parallelism splits
+    each one into 2 x CP equal chunks); the padding follows the sequence's last token, so causal
+    attention keeps it out of every real token's output."""
     tokens, positions, cu, logit_index, targets, seq_ids, slices = [], [], [0], [], [], [], []
     n = 0
     for k, i in enumerate(indices):
         s = samples[i]
         ids = s.tokens
         start = len(tokens)
-        tokens += ids
-        positions += range(len(ids))
+        length = padded_length(len(ids), seq_pad)
+        tokens += ids + [pad_id] * (length - len(ids))
+        positions += range(length)
         cu.append(len(tokens))
         p = len(s.prompt_tokens)
         r = s.response_length
@@ -137,15 +160,16 @@ def pack(samples, indices: list[int], pad_to: int = 1, pad_id: int = 0) -> Packe
 
 
 def micro_batches(samples, indices: list[int], *, dp_rank: int, dp_size: int, max_tokens: int | None,
-                  micro_batch_size: int, pad_to: int = 1, pad_id: int = 0) -> list[PackedBatch]:
-    """This data-parallel rank's packed micro-batches of the given samples."""
-    lengths = [len(samples[i].tokens) for i in indices]
+                  micro_batch_size: int, pad_to: int = 1, pad_id: int = 0, seq_pad: int = 1) -> list[PackedBatch]:
+    """This data-parallel rank's packed micro-batches of the given samples (each sequence padded
+    to a multiple of seq_pad, the whole to a multiple of pad_to)."""
+    lengths = [padded_length(len(samples[i].tokens), seq_pad) for i in indices]
     mine = [indices[j] for j in balanced_split(lengths, dp_size)[dp_rank]] if dp_size > 1 else list(indices)
     if not mine:
         return []
     if max_tokens is not None:
-        groups = token_budget_batches([len(samples[i].tokens) for i in mine], max_tokens)
+        groups = token_budget_batches([padded_length(len(samples[i].tokens), seq_pad) for i in mine], max_tokens)
         groups = [[mine[j] for j in g] for g in groups]
     else:
         groups = [mine[k:k + micro_batch_size] for k in range(0, len(mine), micro_batch_size)]
-    return [pack(samples, g, pad_to=pad_to, pad_id=pad_id) for g in groups]
+    return [pack(samples, g, pad_to=pad_to, pad_id=pad_id, seq_pad=seq_pad) for g in groups]

@@ -31,6 +31,8 @@ from agentrl.errors import ConfigError
 from agentrl.trainers import rng_state, set_rng_state
 from agentrl.trainers.megatron import no_apex
 from agentrl.trainers.megatron.args import parse_megatron_args
+from agentrl.trainers.megatron.context_parallel import rope_without_cp_split
+from agentrl.trainers.megatron.context_parallel import split as cp_split
 from agentrl.trainers.megatron.logprobs import fused_logprobs
 from agentrl.trainers.megatron.model import (DTYPES, build_gpt, enable_position_rope, enable_response_head,
                                              init_distributed, layer_spec, layout_for, transformer_config,
@@ -59,14 +61,7 @@ class MegatronTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.model_path = str(model_path)
         self.margs = parse_megatron_args(megatron_args or {})
-        if self.margs.cp > 1:
-            # megatron-core's context parallelism is Transformer Engine's attention (its local
-            # attention asserts CP == 1), and the trainer would also have to give each CP rank
-            # its share of every packed sequence and gather the logprobs back; without that,
-            # every CP rank would run whole sequences with TE told they are split.
-            raise ConfigError("--context-parallel-size > 1 is not supported by the Megatron trainer yet (it needs "
-                              "Transformer Engine and per-rank sequence splitting); use --max-tokens-per-gpu and "
-                              "recompute for long sequences")
+        self.margs.check_context_parallel(use_te_spec(self.margs, device))  # context_parallel.py: local spec only
         if device == "cpu" and not megatron_patched_for_cpu:
             raise ConfigError("the Megatron trainer needs CUDA GPUs (on CPU use --trainer torch; tests apply "
                               "tests/trainers/megatron_cpu_shim.py)")
@@ -79,6 +74,7 @@ class MegatronTrainer:
         self.tokenizer = load_tokenizer(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.te = use_te_spec(self.margs, device)
+        self.cp = self.margs.cp
         self.family, self.layout = layout_for(self.hf_config, self.margs, self.te)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -90,6 +86,10 @@ class MegatronTrainer:
         self.routing_replay = self.margs.flag("use_rollout_routing_replay")  # R3
         self.max_tokens = train.max_tokens_per_gpu
         self.pad_to = self.margs.tp if self.margs.transformer.get("sequence_parallel") and self.margs.tp > 1 else 1
+        self.seq_pad = 2 * self.cp if self.cp > 1 else 1  # each sequence cut into 2 x CP chunks (context_parallel.py)
+        self.pad_to *= self.seq_pad
+        if self.max_tokens is not None and self.cp > 1:
+            self.max_tokens *= self.cp  # --max-tokens-per-gpu: a micro-batch spans the CP group's GPUs
         if self.max_tokens is not None and self.pad_to > 1:
             self.max_tokens -= self.max_tokens % self.pad_to or 0
         ckpt = HFCheckpoint(self.model_path)
@@ -157,6 +157,8 @@ class MegatronTrainer:
                               vp_stage=vp_stage).to(self.device)
             if not self.te:
                 enable_position_rope(chunk)
+            if self.cp > 1:
+                rope_without_cp_split(chunk)
             enable_response_head(chunk)
             load_hf_weights(chunk, ckpt, self.family, self.layout, self.tp_rank, value_head=value_head)
             chunks.append(chunk)
@@ -186,11 +188,11 @@ class MegatronTrainer:
     def _batches(self, samples: list[Sample], indices: list[int]) -> list[PackedBatch]:
         batches = micro_batches(samples, indices, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                 max_tokens=self.max_tokens, micro_batch_size=self.train_cfg.micro_batch_size,
-                                pad_to=self.pad_to, pad_id=self.pad_id)
+                                pad_to=self.pad_to, pad_id=self.pad_id, seq_pad=self.seq_pad)
         want = self._micro_batch_count(len(batches))
         while len(batches) < want:  # run copies with zero weight so collectives match
-            dummy = micro_batches(samples, indices[:1], dp_rank=0, dp_size=1, max_tokens=None,
-                                  micro_batch_size=1, pad_to=self.pad_to, pad_id=self.pad_id)[0]
+            dummy = micro_batches(samples, indices[:1], dp_rank=0, dp_size=1, max_tokens=None, micro_batch_size=1,
+                                  pad_to=self.pad_to, pad_id=self.pad_id, seq_pad=self.seq_pad)[0]
             dummy.dummy = True
             batches.append(dummy)
         if self.margs.pp == 2 and isinstance(self.ddp, list):
@@ -201,6 +203,10 @@ class MegatronTrainer:
         if self.routing_replay:
             for b in batches:
                 b.routing = self._recorded_routing(samples, b)
+        if self.cp > 1:  # this CP rank's chunks of every sequence
+            from megatron.core import parallel_state as ps
+            batches = [cp_split(b, self.cp, ps.get_context_parallel_rank(), ps.get_context_parallel_group())
+                       for b in batches]
         return [b.to(self.device) for b in batches]
 
     def _recorded_routing(self, samples: list[Sample], mb: PackedBatch) -> torch.Tensor:
@@ -302,9 +308,11 @@ class MegatronTrainer:
         rows = mb.logit_index
         if logits.shape[1] != mb.num_tokens:  # N < T: every sample has a prompt token
             rows = torch.arange(rows.numel(), device=rows.device)
-        return fused_logprobs(logits[0], rows, mb.targets, temperature=self.temperature,
-                              vocab_size=self.layout.vocab, tp_group=self.tp_group, tp_rank=self.tp_rank,
-                              with_entropy=with_entropy)
+        logp, entropy = fused_logprobs(logits[0], rows, mb.targets, temperature=self.temperature,
+                                       vocab_size=self.layout.vocab, tp_group=self.tp_group, tp_rank=self.tp_rank,
+                                       with_entropy=with_entropy)
+        # context parallelism: every response token's, in flat order, on every CP rank
+        return mb.gather(logp), (mb.gather(entropy) if entropy is not None else None)
 
     def _gather_results(self, local: dict[int, list[float]]) -> dict[int, list[float]]:
         """Per-sample results held by the last stage of each data-parallel rank -> every rank."""
@@ -356,7 +364,7 @@ class MegatronTrainer:
         results: dict[int, list[float]] = {}
 
         def loss_fn(mb, values):
-            v = values[0, :, 0].index_select(0, mb.logit_index).float()
+            v = mb.gather(values[0, :, 0].index_select(0, mb.logit_index).float())
             for i, row in zip(mb.indices, mb.split(v)):
                 if not getattr(mb, "dummy", False):
                     results[i] = row
@@ -452,7 +460,7 @@ class MegatronTrainer:
 
     def critic_step(self, idx, samples, old_values, returns) -> dict[str, float]:
         def make_loss(mb: PackedBatch, values, denom):
-            v = values[0, :, 0].index_select(0, mb.logit_index).float()
+            v = mb.gather(values[0, :, 0].index_select(0, mb.logit_index).float())
             dev = v.device
             mask = mb.flat([s.loss_mask for s in samples], dev)
             loss, clipfrac = value_loss(v, mb.flat(old_values, dev), mb.flat(returns, dev), mask,
