@@ -77,6 +77,13 @@ def cap_stderr(argv: Sequence[str], limit: int = STDERR_CAP_BYTES) -> list[str]:
     return ["/bin/sh", "-c", _CAP_STDERR, "sh", str(int(limit)), *argv]
 
 
+def inodes_for(size_mb: int) -> int:
+    """A tmpfs's file count for its size: one per 4 KiB page (no more files than pages could hold
+    data). The default, half the host's RAM pages, lets empty files pin kernel memory (about 1 KiB
+    each, outside the size cap) by the gigabyte."""
+    return max(1024, (size_mb << 20) // 4096)
+
+
 MAX_STRAY_LINES = 64  # answers with a wrong id skipped per request before the channel counts as broken
 RUN_ID = os.environ.get("AGENTRL_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
 

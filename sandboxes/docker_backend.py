@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 
 from .local_backend import claim_host_uid, release_host_uid, release_orphan_claims
 from .base import (OWNER_PID, OWNER_START, RUN_ID, WORKDIR, ImageNotFoundError,
-                   Sandbox, SandboxError, cap_stderr, kill_cgroup, log, owner_alive, proc_status_number, reap_once)
+                   Sandbox, SandboxError, cap_stderr, inodes_for, kill_cgroup, log, owner_alive, proc_status_number, reap_once)
 
 DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
 LABEL = "agentrl.sandbox"
@@ -105,6 +105,7 @@ class DockerSandbox(Sandbox):
                 f"Build the base image with `agentrl sandbox build` (or `bash scripts/build_sandbox_image.sh`), "
                 f"or build your own with `agentrl sandbox build --dockerfile PATH --tag {self.image}`.") from None
         lim = self.limits
+        shm_mb = min(lim.tmp_mb, 64)
         # the agent's uid: one of its own per container, claimed like a local sandbox's host uid. Without
         # a user namespace it is the host's uid, and the kernel counts per-user objects (inotify
         # instances and watches) per uid: with one uid for all, one container could take them all
@@ -128,9 +129,11 @@ class DockerSandbox(Sandbox):
                 nano_cpus=int(lim.cpus * 1e9), pids_limit=lim.pids,
                 ulimits=[Ulimit(name="nofile", soft=lim.nofile, hard=lim.nofile),
                          Ulimit(name="core", soft=0, hard=0)],
-                tmpfs={WORKDIR: f"size={lim.workdir_mb}m,uid={self.uid},gid={self.uid},mode=0755,exec",
-                       "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
-                shm_size=f"{min(lim.tmp_mb, 64)}m",
+                # file counts capped with the sizes (inodes_for): empty files cost kernel memory too
+                tmpfs={WORKDIR: f"size={lim.workdir_mb}m,nr_inodes={inodes_for(lim.workdir_mb)},uid={self.uid},"
+                                f"gid={self.uid},mode=0755,exec",
+                       "/tmp": f"size={lim.tmp_mb}m,nr_inodes={inodes_for(lim.tmp_mb)},mode=1777,exec",
+                       "/dev/shm": f"size={shm_mb}m,nr_inodes={inodes_for(shm_mb)},mode=1777,nosuid,nodev,noexec"},
                 volumes={**{h: {"bind": s, "mode": "ro"} for h, s in self.mounts.items()}, **self._etc_mounts()},
                 cgroupns="private",
                 environment={**self.env, "AGENTRL_SANDBOX_UID": str(self.uid)}, working_dir=WORKDIR)

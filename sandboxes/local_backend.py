@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 
 from . import seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
-                   cap_stderr, kill_cgroup, log, owner_alive, reap_once)
+                   cap_stderr, inodes_for, kill_cgroup, log, owner_alive, reap_once)
 
 HOST_UID = 65534  # what sandboxed processes are on the host when we are not given one of their own
 # As root, each sandbox runs as a host uid of its own from this range (claimed in `$state_root/.uids`):
@@ -249,7 +249,8 @@ class LocalSandbox(Sandbox):
             # paths inside it ("/work", "/etc/passwd") in the sandbox's /proc/self/mountinfo
             size = (lim.workdir_mb + lim.tmp_mb) << 20
             subprocess.run(["mount", "-t", "tmpfs", "-o",
-                            f"size={size},mode=0700,uid={self.host_uid},gid={self.host_uid},nosuid,nodev",
+                            f"size={size},nr_inodes={inodes_for(lim.workdir_mb + lim.tmp_mb)},mode=0700,"
+                            f"uid={self.host_uid},gid={self.host_uid},nosuid,nodev",
                             "sandbox", str(self.fs)], check=True, capture_output=True, timeout=30)
             self.mounted = True
         etc = (self.fs if root else self.root) / "etc"
@@ -257,7 +258,7 @@ class LocalSandbox(Sandbox):
         for name, text in OWN_ETC.items():
             (etc / name).write_text(text)
             (etc / name).chmod(0o644)
-        for sub in ("work", "tmp"):
+        for sub in ("work", "tmp", "shm") if root else ("work", "tmp"):
             (self.fs / sub).mkdir(mode=0o700)
             if root:
                 os.chown(self.fs / sub, self.host_uid, self.host_uid)
@@ -269,8 +270,11 @@ class LocalSandbox(Sandbox):
                  "--bind", str(self.fs / "work"), WORKDIR, "--bind", str(self.fs / "tmp"), "/tmp"]
         if self.network:
             fixed += ["--share-net", "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
-        fixed += [*(["--size", str(min(lim.tmp_mb, 64) << 20)] if _bwrap_has_size() else []),
-                  "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+        if root:  # on the sandbox's tmpfs, whose size and file count are capped (bwrap cannot cap a count)
+            fixed += ["--bind", str(self.fs / "shm"), "/dev/shm", "--remount-ro", "/dev"]
+        else:
+            fixed += [*(["--size", str(min(lim.tmp_mb, 64) << 20)] if _bwrap_has_size() else []),
+                      "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         for host, inside in self.mounts.items():
             fixed += ["--ro-bind", host, inside]
         self.bwrap_args = self.root / "bwrap.args"

@@ -479,6 +479,48 @@ def test_a_sandbox_cannot_exhaust_anothers_message_queues(backend):
             assert int(other[0]) >= 1, other
     run(go())
 
+# Empty files cost no bytes of a tmpfs's size but about 1 KiB of kernel memory each (inode and
+# dentry), outside the size cap and the memory limit: a tmpfs's default file count is half the
+# host's RAM pages (millions), so a sandbox could pin gigabytes of the host's kernel memory
+FILE_FLOOD = r"""
+import os, sys, time
+t0, n, err = time.monotonic(), 0, None
+root = sys.argv[1] + "/flood"
+os.makedirs(root)
+try:
+    while n < 400000 and time.monotonic() - t0 < 60:
+        if n % 5000 == 0:
+            os.mkdir("%s/%d" % (root, n // 5000))
+        os.close(os.open("%s/%d/%d" % (root, n // 5000, n), os.O_CREAT | os.O_WRONLY, 0o600))
+        n += 1
+except OSError as e:
+    err = e.errno
+print(n, err)
+"""
+
+
+def test_a_flood_of_empty_files_is_capped_with_the_size(backend):
+    """Empty files in every writable place (/work, /tmp, /dev/shm) stop at a count bounded by that
+    place's size (one file per 4 KiB: inodes_for), with ENOSPC, and the sandbox still works; a
+    reset gives the room back."""
+    from agentrl.sandboxes.base import inodes_for
+    if os.geteuid() != 0 and backend == "local":
+        pytest.skip("local, not root: /work and /tmp are folders on the host's disk (docs/security.md)")
+    cap = max(inodes_for(SMALL.workdir_mb + SMALL.tmp_mb), inodes_for(SMALL.workdir_mb))
+
+    async def go():
+        async with sandbox(backend) as sb:
+            for place in ("/work", "/tmp", "/dev/shm"):
+                r = await sb.exec(["python3", "-c", FILE_FLOOD, place], timeout=90)
+                n, err = r.stdout.split()
+                assert err == "28" and int(n) <= cap, (place, r)  # ENOSPC at the cap
+                assert (await sb.exec("echo alive")).stdout == "alive\n"
+                assert (await sb.exec(f"rm -rf {place}/flood", timeout=60)).ok  # (local: one tmpfs for all three)
+            assert await sb.reset()
+            r = await sb.exec(["python3", "-c", FILE_FLOOD, "/work"], timeout=90)
+            assert r.stdout.split()[1] == "28" and int(r.stdout.split()[0]) > 1000, r
+    run(go(), timeout=600)
+
 def test_no_host_path_in_mountinfo_or_command_lines(backend):
     """/proc/self/mountinfo in a tool sandbox names no host folder of its mounts (local: the state dir
     sbx-*/etc, docker and local: the staging folders, docker: its data root's per-container
