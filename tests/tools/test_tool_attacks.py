@@ -367,3 +367,37 @@ def test_exhausted_fds_and_a_full_disk_are_the_agents_problem(arun, backend):
         assert not env.sandbox_instance.tainted
     finally:
         arun(env.aclose())
+
+
+@pytest.mark.e2e  # about 60 s a backend: waits out stopped servers and their restarts
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stopping_the_tool_server_is_bounded_and_the_agents_fault(arun, backend):
+    """SIGSTOP to the tool server (its process and every process of the agent's uid): no answer
+    comes, and no exit either. Each call is bounded by tool_timeout plus a restart, and never
+    raises: a stopped server is restarted (the call reports it) or the episode ends as the agent's
+    fault (reward 0, reason recorded); docker: the server's uid is out of the agent's reach."""
+    _skip_unless(backend)
+
+    class Short(AttackEnv):
+        tool_timeout = 2.0
+
+    env = Short(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        for command in ("kill -STOP $PPID; echo after", "kill -STOP -1; echo after") * 2:
+            t0 = time.monotonic()
+            obs, reward, done, _, info = _bash(arun, env, command)
+            elapsed = time.monotonic() - t0
+            assert elapsed < 90, (elapsed, obs, info)
+            if done:
+                assert (obs, reward) == ([], 0.0) and info.get("agent_fault"), (obs, info)
+                assert backend == "local", info
+                return
+            if backend == "docker":
+                assert "Operation not permitted" in obs[0]["content"] or "after" in obs[0]["content"], obs
+                assert not env.sandbox_instance.tainted
+        assert backend == "docker"  # local: the second stopped server ends the episode
+        obs, *_ = _bash(arun, env, "echo alive")
+        assert obs[0]["content"].startswith("alive"), obs
+    finally:
+        arun(env.aclose())
