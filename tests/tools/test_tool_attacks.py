@@ -401,3 +401,46 @@ def test_stopping_the_tool_server_is_bounded_and_the_agents_fault(arun, backend)
         assert obs[0]["content"].startswith("alive"), obs
     finally:
         arun(env.aclose())
+
+
+SOLUTION_TASK = {"prompt": "Write `double(x)`.", "label": ["assert double(2) == 4", "assert double(0) == 0"],
+                 "metadata": {"entry_point": "double"}}
+# What solution.py can be besides a file: each is read in the agent's sandbox by a short-lived
+# process with a timeout, and refused or cut, never read without end by the host
+SOLUTION_TRAPS = {
+    "a symlink to an endless device": "ln -s /dev/zero solution.py",
+    "a symlink to the reader's own memory": "ln -s /proc/self/mem solution.py",
+    "a symlink to a FIFO no one writes": "mkfifo /tmp/f; ln -s /tmp/f solution.py",
+    "a directory": "mkdir solution.py",
+    "a symlink loop": "ln -s solution.py solution.py",
+    # time of check to time of use: a process the agent left keeps rewriting it, past 1 MiB
+    "a file rewritten and grown while it is read":
+        "(while :; do head -c 3000000 /dev/zero | tr '\\0' 'x' > solution.py; "
+        "echo 'def double(x): return 2 * x' > solution.py; done) >/dev/null 2>&1 &",
+}
+
+
+@pytest.mark.e2e  # a code episode per trap on each backend
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_solution_file_that_is_not_a_plain_file(arun, backend):
+    """solution.py as a device, /proc/self/mem, a FIFO, a directory, a loop, or a file a leftover
+    process keeps rewriting: each episode ends within bound with reward 0 and the reason in
+    `solution_files_skipped` (or, for the rewritten one, a consistent read of one version), never
+    an exception out of the env."""
+    _skip_unless(backend)
+    from agentrl.envs.code_env import CodeEnv
+    for trap, command in SOLUTION_TRAPS.items():
+        env = CodeEnv(sandbox=backend, answer_in_message=False)
+        try:
+            arun(env.areset(seed=0, options=SOLUTION_TASK))
+            obs, *_ = _bash(arun, env, command + "; sleep 0.5; echo planted")
+            assert "planted" in obs[0]["content"], (trap, obs)
+            t0 = time.monotonic()
+            obs, reward, done, _, info = arun(env.astep("done"))
+            assert done and time.monotonic() - t0 < 120, (trap, info)
+            if trap.startswith("a file rewritten"):  # whichever version it read: judged as that
+                assert reward in (0.0, 1.0) and ("solution_files_skipped" in info or "passed" in info), info
+            else:
+                assert reward == 0.0 and info.get("solution_files_skipped"), (trap, info)
+        finally:
+            arun(env.aclose())
