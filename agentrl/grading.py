@@ -20,7 +20,8 @@ function and its arguments (nothing is pickled on the way in; the value comes ba
 and is killed past its time limit or memory bound: `GradingTimeout`, the agent's fault, and
 nothing left running. An async reward function stays on the event loop under an asyncio
 timeout (`call_reward_fn`). What a forked call changes in its arguments or globals stays in
-the child.
+the child, and the child has only the thread that forked it: a function that waits on a lock
+another thread of the parent held at that moment waits until its bound.
 """
 
 from __future__ import annotations
@@ -269,6 +270,9 @@ def call_in_fork(fn: Callable, *args: Any, timeout: float, what: str = "",
         raise GradingError(f"{what} {value}")
     if kind == "memory":
         raise GradingTimeout(f"{what} ran out of its {memory_mb} MiB memory bound on this output")
+    if size > MAX_MESSAGE_BYTES:
+        raise GradingTimeout(f"{what} returned more than {MAX_MESSAGE_BYTES >> 20} MiB on this output (its process "
+                             "was killed)")
     if not ended:
         raise GradingTimeout(f"{what} ran past its {timeout:g} s limit on this output (its process was killed)")
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None

@@ -262,3 +262,10 @@ def test_a_hanging_sync_reward_scores_its_trajectory_zero_and_the_group_goes_on(
     assert rewards == [0.0, 0.75], [s.metadata for s in samples]
     [hung] = [s for s in samples if s.reward == 0.0]
     assert "5 s limit" in hung.metadata["agent_fault"]
+
+
+def test_a_forked_value_past_the_message_bound_is_the_outputs_fault():
+    from agentrl.grading import MAX_MESSAGE_BYTES, call_in_fork
+    with pytest.raises(GradingTimeout, match="returned more than"):
+        call_in_fork(lambda: b"x" * (MAX_MESSAGE_BYTES + 1), timeout=60)
+    assert call_in_fork(lambda: b"x" * 1000, timeout=60) == b"x" * 1000
