@@ -444,3 +444,42 @@ def test_a_solution_file_that_is_not_a_plain_file(arun, backend):
                 assert reward == 0.0 and info.get("solution_files_skipped"), (trap, info)
         finally:
             arun(env.aclose())
+
+
+INJECT_ENV = r"""
+import os
+os.makedirs("/work/bin", exist_ok=True)
+for name in ("ls", "python3", "bash", "sh"):
+    with open("/work/bin/" + name, "w") as f:
+        f.write("#!/bin/sh\necho HIJACKED-" + name + "\n")
+    os.chmod("/work/bin/" + name, 0o755)
+open("/work/env.sh", "w").write("echo BASH-ENV-RAN\n")
+os.environ.update(PATH="/work/bin:" + os.environ["PATH"], BASH_ENV="/work/env.sh", ENV="/work/env.sh",
+                  PYTHONSTARTUP="/work/env.sh", PYTHONPATH="/work", LD_PRELOAD="/work/nothing.so")
+os.putenv("PROMPT_COMMAND", "echo PROMPT-RAN")
+"injected"
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_environment_set_by_one_call_reaches_no_other_command(arun, backend):
+    """Variables the agent sets in the python tool's interpreter (PATH ahead to planted binaries,
+    BASH_ENV, ENV, PYTHONPATH, LD_PRELOAD...) stay in that interpreter: the bash tool's next
+    command, and the interpreter after a restart, run with the server's environment."""
+    _skip_unless(backend)
+    env = AttackEnv(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        obs, *_ = arun(env.astep(call("python", code=INJECT_ENV)))
+        assert obs[0]["content"] == "'injected'", obs
+        obs, *_ = _bash(arun, env, "ls -d /work; python3 -c 'print(1)'; echo \"[$LD_PRELOAD][$BASH_ENV][$PATH]\"")
+        out = obs[0]["content"]
+        assert "HIJACKED" not in out and "BASH-ENV-RAN" not in out and "PROMPT-RAN" not in out, out
+        assert "/work\n1\n[][][" in out and "/work/bin" not in out, out
+        obs, *_ = arun(env.astep(call("python", code="import os; os._exit(3)")))
+        obs, *_ = arun(env.astep(call("python", code="import os, subprocess\n"
+                                      "(os.environ.get('LD_PRELOAD'), '/work/bin' in os.environ['PATH'], "
+                                      "subprocess.run(['ls', '-d', '/work'], capture_output=True, text=True).stdout)")))
+        assert obs[0]["content"] == "(None, False, '/work\\n')", obs
+    finally:
+        arun(env.aclose())
