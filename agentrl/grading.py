@@ -13,9 +13,15 @@ parent's ``__main__``), capped in memory, and dies with its parent.
     ok = grading_pool().call("agentrl.envs.math_env.grader:verify_in_process", answer, gold, timeout=20)
     ok = await grading_pool().acall(...)   # the same from the event loop, in a thread: never blocks it
 
-Custom reward functions (``--custom-rm-path``) run in the trainer's process, as slime calls
-them: `call_reward_fn` bounds the wait for them (a sync one runs in a thread of its own, so a
-hung one holds no shared executor) and makes a timeout the agent's fault as well.
+User code registered in-process (``--custom-rm-path`` reward functions, ``register_parser``
+tool-call parsers) may be a closure, so it cannot be named for a fresh interpreter: a sync one
+runs in a process forked from the caller for the call (`call_in_fork`), which inherits the
+function and its arguments (nothing is pickled on the way in; the value comes back pickled),
+and is killed past its time limit or memory bound: `GradingTimeout`, the agent's fault, and
+nothing left running. An async reward function stays on the event loop under an asyncio
+timeout (`call_reward_fn`). What a forked call changes in its arguments or globals stays in
+the child, and the child has only the thread that forked it: a function that waits on a lock
+another thread of the parent held at that moment waits until its bound.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import importlib
 import inspect
 import json
 import os
+import pickle
+import resource
 import select
 import subprocess
 import sys
@@ -36,7 +44,7 @@ from typing import Any, Callable
 
 from agentrl.errors import AgentFault, AgentRLError
 
-__all__ = ["GraderPool", "GradingTimeout", "GradingError", "grading_pool", "call_reward_fn"]
+__all__ = ["GraderPool", "GradingTimeout", "GradingError", "grading_pool", "call_reward_fn", "call_in_fork"]
 
 WORKER_MEMORY_MB = 3072      # address space of a worker: a huge number's digits end in MemoryError, not the host's OOM
 WORKER_START_TIMEOUT_S = 60  # importing sympy on a loaded machine
@@ -166,36 +174,123 @@ def grading_pool() -> GraderPool:
         return _POOL
 
 
-async def call_reward_fn(rm: Callable, *args: Any, timeout: float) -> Any:
-    """``rm(*args)`` (sync or async) within `timeout` seconds, GradingTimeout past it. A sync rm
-    runs in a daemon thread of its own: one that never returns leaks that thread, not a slot of
-    the loop's shared executor (a Python thread cannot be killed; a grader that must be killable
-    belongs in a GraderPool)."""
-    if inspect.iscoroutinefunction(rm):
-        out = rm(*args)
-    else:
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
+def _vm_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
 
-        def run() -> None:
+
+def _child(fn: Callable, args: tuple, out: int, memory_mb: int) -> None:
+    """The forked child: fn(*args), its value (or exception) pickled to `out`; never returns."""
+    try:
+        os.setpgid(0, 0)  # its own group: the kill reaches what it started
+        _die_with_parent()
+        limit = _vm_bytes() + (memory_mb << 20)  # on top of what it inherited mapped
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        try:
+            value = fn(*args)
+            if inspect.isawaitable(value):
+                data = pickle.dumps(("bad", "returned an awaitable: define it with `async def` so it runs on the "
+                                            "event loop"))
+            else:
+                try:
+                    data = pickle.dumps(("value", value))
+                except Exception as e:  # noqa: BLE001 - said to the caller
+                    data = pickle.dumps(("bad", f"returned a value that cannot come back from its process "
+                                                f"({type(e).__name__}: {e}): return a number, a dict or "
+                                                "another picklable value"[:1000]))
+        except MemoryError:
+            data = pickle.dumps(("memory", None))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
             try:
-                value, error = rm(*args), None
-            except BaseException as e:  # handed to the caller
-                value, error = None, e
+                data = pickle.dumps(("raised", e))
+            except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
+                data = pickle.dumps(("error", f"{type(e).__name__}: {e}"[:1000]))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(out, view[:1 << 16]):]
+    finally:
+        os._exit(0)  # no atexit, no flushing of the parent's buffers
+
+
+def call_in_fork(fn: Callable, *args: Any, timeout: float, what: str = "",
+                 memory_mb: int = WORKER_MEMORY_MB) -> Any:
+    """``fn(*args)`` in a child forked from this process for this call, from any thread: its
+    value (pickled back), or its exception re-raised. Past `timeout` s, or past `memory_mb` MiB
+    more than it inherited, or dead by a signal, the child's process group is killed and
+    GradingTimeout (the agent's fault) raised. A value that does not pickle is a GradingError
+    naming `what`: the function's own bug."""
+    what = what or getattr(fn, "__qualname__", repr(fn))
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        os.close(r)
+        os.close(w)
+        raise GradingError(f"{what}: cannot fork a process to run it in ({e})") from None
+    if pid == 0:
+        os.close(r)
+        _child(fn, args, w, memory_mb)
+    os.close(w)
+    chunks, size, deadline, ended = [], 0, time.monotonic() + timeout, False
+    try:
+        while size <= MAX_MESSAGE_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                break
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                ended = True
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(r)
+        if not ended:
             try:
-                loop.call_soon_threadsafe(lambda: done.done() or (done.set_exception(error) if error is not None
-                                                                  else done.set_result(value)))
-            except RuntimeError:  # the loop closed while it ran (it had timed out): no one waits
+                os.killpg(pid, 9)
+            except ProcessLookupError:
                 pass
+            except PermissionError:  # before its setpgid: the child alone
+                os.kill(pid, 9)
+        _, status = os.waitpid(pid, 0)  # it wrote all and exits, or was just killed
+    try:
+        kind, value = pickle.loads(b"".join(chunks)) if ended and chunks else (None, None)
+    except Exception:  # noqa: BLE001 - cut short or garbled: it died while writing
+        kind, value = None, None
+    if kind == "value":
+        return value
+    if kind == "raised":
+        raise value
+    if kind == "error":
+        raise GradingError(f"{what} raised {value}")
+    if kind == "bad":
+        raise GradingError(f"{what} {value}")
+    if kind == "memory":
+        raise GradingTimeout(f"{what} ran out of its {memory_mb} MiB memory bound on this output")
+    if size > MAX_MESSAGE_BYTES:
+        raise GradingTimeout(f"{what} returned more than {MAX_MESSAGE_BYTES >> 20} MiB on this output (its process "
+                             "was killed)")
+    if not ended:
+        raise GradingTimeout(f"{what} ran past its {timeout:g} s limit on this output (its process was killed)")
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    raise GradingTimeout(f"{what} ended its worker process" + (f" (signal {sig})" if sig else "") + " on this output")
 
-        threading.Thread(target=run, name="custom-rm", daemon=True).start()
-        out = done
+
+async def call_reward_fn(rm: Callable, *args: Any, timeout: float) -> Any:
+    """``rm(*args)`` within `timeout` seconds, GradingTimeout past it (the agent's fault). A sync
+    rm runs in a forked child (`call_in_fork`) that is killed at the limit, waited on from a
+    thread so the loop goes on; an async one runs on the loop under an asyncio timeout."""
+    what = "the custom reward function"
+    if not inspect.iscoroutinefunction(rm):
+        return await asyncio.to_thread(call_in_fork, rm, *args, timeout=timeout, what=what)
     try:
         async with asyncio.timeout(timeout):
-            value = await out
-            return await value if inspect.isawaitable(value) else value
+            return await rm(*args)
     except TimeoutError:
-        raise GradingTimeout(f"the custom reward function ran past its {timeout:g} s limit") from None
+        raise GradingTimeout(f"{what} ran past its {timeout:g} s limit") from None
 
 
 # ---- the worker's side ------------------------------------------------------------------------------

@@ -77,6 +77,13 @@ def cap_stderr(argv: Sequence[str], limit: int = STDERR_CAP_BYTES) -> list[str]:
     return ["/bin/sh", "-c", _CAP_STDERR, "sh", str(int(limit)), *argv]
 
 
+def inodes_for(size_mb: int) -> int:
+    """A tmpfs's file count for its size: one per 4 KiB page (no more files than pages could hold
+    data). The default, half the host's RAM pages, lets empty files pin kernel memory (about 1 KiB
+    each, outside the size cap) by the gigabyte."""
+    return max(1024, (size_mb << 20) // 4096)
+
+
 MAX_STRAY_LINES = 64  # answers with a wrong id skipped per request before the channel counts as broken
 RUN_ID = os.environ.get("AGENTRL_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
 
@@ -94,8 +101,8 @@ class ImageNotFoundError(SandboxError):
 class SandboxLimits:
     """Resource limits of one sandbox. Every field is enforced by both backends, except
     where the local backend runs unprivileged (no cgroups, no tmpfs on the host): then memory
-    is a per-process address-space rlimit, pids an RLIMIT_NPROC shared by the uid, cpus
-    unenforced, and workdir_mb + tmp_mb only a per-file size rlimit (many files exceed it).
+    is a per-process address-space rlimit, pids an RLIMIT_NPROC counted in the spawn's own
+    user namespace, cpus unenforced, and workdir_mb + tmp_mb only a per-file size rlimit (many files exceed it).
     /dev/shm is min(tmp_mb, 64) MiB everywhere (local: bubblewrap >= 0.8)."""
     memory_mb: int = 1024        # RAM of all processes together (tmpfs pages included)
     cpus: float = 1.0            # CPU share (cores)

@@ -8,6 +8,13 @@ uid 1000 through the exec server, started with `docker exec -i` (the docker CLI)
 Host directories are mounted read-only with `mounts={host_dir: path_inside}`; that needs
 the engine on this machine (the usual case).
 
+What /proc/self/mountinfo shows of the host: docker bind-mounts /etc/hosts, /etc/hostname and
+/etc/resolv.conf from its data root (/var/lib/docker/containers/<id>/...), so the container
+gets its own from the staging tmpfs instead (`_etc_mounts`, as root: they show as "/<hash>/hosts"
+of a filesystem named "stage"), and a cgroup namespace of its own (no /docker/<id> paths).
+What still shows: docker-init's host path (/usr/bin/tini-static, from the docker package),
+the root filesystem's driver and the host's block device.
+
 Every container carries labels (`agentrl.sandbox`, `agentrl.run_id`, `agentrl.owner_pid`,
 `agentrl.owner_start`, `agentrl.owner_host`) so `reap()` can remove the containers of
 processes that are gone, even after SIGKILL.
@@ -24,7 +31,7 @@ from typing import Mapping, Sequence
 
 from .local_backend import claim_host_uid, release_host_uid, release_orphan_claims
 from .base import (OWNER_PID, OWNER_START, RUN_ID, WORKDIR, ImageNotFoundError,
-                   Sandbox, SandboxError, cap_stderr, kill_cgroup, log, owner_alive, proc_status_number, reap_once)
+                   Sandbox, SandboxError, cap_stderr, inodes_for, kill_cgroup, log, owner_alive, proc_status_number, reap_once)
 
 DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
 LABEL = "agentrl.sandbox"
@@ -98,6 +105,7 @@ class DockerSandbox(Sandbox):
                 f"Build the base image with `agentrl sandbox build` (or `bash scripts/build_sandbox_image.sh`), "
                 f"or build your own with `agentrl sandbox build --dockerfile PATH --tag {self.image}`.") from None
         lim = self.limits
+        shm_mb = min(lim.tmp_mb, 64)
         # the agent's uid: one of its own per container, claimed like a local sandbox's host uid. Without
         # a user namespace it is the host's uid, and the kernel counts per-user objects (inotify
         # instances and watches) per uid: with one uid for all, one container could take them all
@@ -121,14 +129,31 @@ class DockerSandbox(Sandbox):
                 nano_cpus=int(lim.cpus * 1e9), pids_limit=lim.pids,
                 ulimits=[Ulimit(name="nofile", soft=lim.nofile, hard=lim.nofile),
                          Ulimit(name="core", soft=0, hard=0)],
-                tmpfs={WORKDIR: f"size={lim.workdir_mb}m,uid={self.uid},gid={self.uid},mode=0755,exec",
-                       "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
-                shm_size=f"{min(lim.tmp_mb, 64)}m",
-                volumes={h: {"bind": s, "mode": "ro"} for h, s in self.mounts.items()},
+                # file counts capped with the sizes (inodes_for): empty files cost kernel memory too
+                tmpfs={WORKDIR: f"size={lim.workdir_mb}m,nr_inodes={inodes_for(lim.workdir_mb)},uid={self.uid},"
+                                f"gid={self.uid},mode=0755,exec",
+                       "/tmp": f"size={lim.tmp_mb}m,nr_inodes={inodes_for(lim.tmp_mb)},mode=1777,exec",
+                       "/dev/shm": f"size={shm_mb}m,nr_inodes={inodes_for(shm_mb)},mode=1777,nosuid,nodev,noexec"},
+                volumes={**{h: {"bind": s, "mode": "ro"} for h, s in self.mounts.items()}, **self._etc_mounts()},
+                cgroupns="private",
                 environment={**self.env, "AGENTRL_SANDBOX_UID": str(self.uid)}, working_dir=WORKDIR)
         except docker.errors.APIError as e:
             raise SandboxError(f"docker sandbox {self.id}: cannot start a container of "
                                f"{self.image!r}: {e.explanation or e}") from None
+
+    def _etc_mounts(self) -> dict[str, dict]:
+        """/etc/hosts, /etc/hostname (and, without a network, /etc/resolv.conf) from the staging
+        tmpfs in place of docker's own, whose source paths name its data root; {} where staging is
+        a plain folder (not root), whose path would show as well."""
+        from .local_backend import OWN_ETC
+        from .stage import stage_files, stage_root
+        if not os.path.ismount(stage_root()):
+            return {}
+        files = {"hosts": OWN_ETC["hosts"].encode(), "hostname": OWN_ETC["hostname"].encode()}
+        if not self.network:
+            files["resolv.conf"] = b"nameserver 127.0.0.1\n"
+        stage = stage_files(files)
+        return {str(stage / name): {"bind": f"/etc/{name}", "mode": "ro"} for name in files}
 
     def spawn_argv(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
                    cwd: str | None = None, server: bool = False) -> list[str]:

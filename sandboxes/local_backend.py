@@ -16,7 +16,8 @@ of the host shows: no /home, /root, /tmp, /var.
 
 Limits: run as root, the workdir and /tmp share a size-capped tmpfs and the sandbox gets
 memory / pids / cpu cgroups (v1 or v2). Unprivileged, the limits fall back to rlimits
-(address space, RLIMIT_NPROC of the uid, per-file size), which is weaker: prefer docker.
+(address space, RLIMIT_NPROC, per-file size), which is weaker: prefer docker. Each spawn then
+runs in a user namespace of its own that holds its per-user kernel objects (`QUOTA_SHARES`).
 When the owner process dies, bwrap dies with it (--die-with-parent) and the kernel kills
 the rest of the sandbox's pid namespace; `reap()` then removes the state dir, the tmpfs
 and the cgroups.
@@ -36,7 +37,7 @@ from typing import Mapping, Sequence
 
 from . import seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
-                   cap_stderr, kill_cgroup, log, owner_alive, reap_once)
+                   cap_stderr, inodes_for, kill_cgroup, log, owner_alive, reap_once)
 
 HOST_UID = 65534  # what sandboxed processes are on the host when we are not given one of their own
 # As root, each sandbox runs as a host uid of its own from this range (claimed in `$state_root/.uids`):
@@ -44,6 +45,17 @@ HOST_UID = 65534  # what sandboxed processes are on the host when we are not giv
 # sandbox exhausting its share leaves the others theirs. Far above any real user or subuid range.
 UID_BASE, UID_SLOTS = 1 << 30, 1 << 16
 CGROOT = Path("/sys/fs/cgroup")
+# Not as root, every sandbox runs as the user, and the kernel charges per-user objects (inotify
+# instances and watches, RLIMIT_NPROC, RLIMIT_MSGQUEUE) to it up the user-namespace hierarchy, so a
+# user namespace alone does not separate them. But each namespace level checks its own limit:
+# a spawn runs in a user namespace of its own (`unshare --user --map-root-user`) whose root sets
+# that namespace's inotify limits to a share of the user's (/proc/sys/user/max_inotify_*) and then
+# starts bubblewrap, whose nested namespace holds the agent without capabilities in the outer one
+# (so it cannot raise them); the rlimits are set inside, so they are counted per namespace too.
+MSGQUEUE_BYTES = 64 << 10  # POSIX message queues of a sandbox (RLIMIT_MSGQUEUE; the kernel's default per user: 800 KiB)
+QUOTA_SHARES = 8  # a sandbox's share of the user's inotify limits: 1/8
+_QUOTA = ('echo "$1" > /proc/sys/user/max_inotify_instances && echo "$2" > /proc/sys/user/max_inotify_watches '
+          '|| exit 125; shift 2; exec "$@"')
 
 
 def state_root() -> Path:
@@ -56,6 +68,36 @@ def local_available() -> tuple[bool, str]:
     if missing:
         return False, (f"{', '.join(missing)} not found: apt-get install bubblewrap util-linux python3")
     return True, "bubblewrap (cgroups)" if cgroup_mode() and os.geteuid() == 0 else "bubblewrap (rlimits)"
+
+
+def _host_limit(name: str, default: int) -> int:
+    try:
+        return int(Path(f"/proc/sys/fs/inotify/{name}").read_text())
+    except (OSError, ValueError):
+        return default
+
+
+def userns_quota_argv() -> list[str]:
+    """The prefix that runs a spawn in a user namespace of its own with a share of the user's
+    inotify limits (not as root); [] where the kernel refuses (said once, loudly)."""
+    argv = ["unshare", "--user", "--map-root-user", "/bin/sh", "-c", _QUOTA, "sh",
+            str(max(1, _host_limit("max_user_instances", 128) // QUOTA_SHARES)),
+            str(max(1, _host_limit("max_user_watches", 8192) // QUOTA_SHARES))]
+    return argv if _userns_quota_works(tuple(argv)) else []
+
+
+@functools.cache
+def _userns_quota_works(argv: tuple[str, ...]) -> bool:
+    try:
+        r = subprocess.run([*argv, "true"], capture_output=True, timeout=30)
+        ok, why = r.returncode == 0, r.stderr.decode(errors="replace").strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        ok, why = False, str(e)
+    if not ok:
+        log.warning("local sandbox, not root: no user namespace of its own per sandbox (%s): the sandboxes share "
+                    "the user's inotify instances, watches, processes and message queues, so one can exhaust "
+                    "them for the others. Run as root or use the docker backend (docs/security.md).", why)
+    return ok
 
 
 def cgroup_mode() -> str | None:
@@ -207,7 +249,8 @@ class LocalSandbox(Sandbox):
             # paths inside it ("/work", "/etc/passwd") in the sandbox's /proc/self/mountinfo
             size = (lim.workdir_mb + lim.tmp_mb) << 20
             subprocess.run(["mount", "-t", "tmpfs", "-o",
-                            f"size={size},mode=0700,uid={self.host_uid},gid={self.host_uid},nosuid,nodev",
+                            f"size={size},nr_inodes={inodes_for(lim.workdir_mb + lim.tmp_mb)},mode=0700,"
+                            f"uid={self.host_uid},gid={self.host_uid},nosuid,nodev",
                             "sandbox", str(self.fs)], check=True, capture_output=True, timeout=30)
             self.mounted = True
         etc = (self.fs if root else self.root) / "etc"
@@ -215,7 +258,7 @@ class LocalSandbox(Sandbox):
         for name, text in OWN_ETC.items():
             (etc / name).write_text(text)
             (etc / name).chmod(0o644)
-        for sub in ("work", "tmp"):
+        for sub in ("work", "tmp", "shm") if root else ("work", "tmp"):
             (self.fs / sub).mkdir(mode=0o700)
             if root:
                 os.chown(self.fs / sub, self.host_uid, self.host_uid)
@@ -227,8 +270,11 @@ class LocalSandbox(Sandbox):
                  "--bind", str(self.fs / "work"), WORKDIR, "--bind", str(self.fs / "tmp"), "/tmp"]
         if self.network:
             fixed += ["--share-net", "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
-        fixed += [*(["--size", str(min(lim.tmp_mb, 64) << 20)] if _bwrap_has_size() else []),
-                  "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+        if root:  # on the sandbox's tmpfs, whose size and file count are capped (bwrap cannot cap a count)
+            fixed += ["--bind", str(self.fs / "shm"), "/dev/shm", "--remount-ro", "/dev"]
+        else:
+            fixed += [*(["--size", str(min(lim.tmp_mb, 64) << 20)] if _bwrap_has_size() else []),
+                      "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         for host, inside in self.mounts.items():
             fixed += ["--ro-bind", host, inside]
         self.bwrap_args = self.root / "bwrap.args"
@@ -293,13 +339,15 @@ class LocalSandbox(Sandbox):
         bpf = self.seccomp_bpf
         join = ('for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f" || exit 125; shift; done; '
                 'exec "$@" 4<"$BWRAP_ARGS"' + (' 3<"$SECCOMP_BPF"' if bpf else ''))
-        rlimits = [f"--nofile={lim.nofile}", "--core=0",
+        rlimits = [f"--nofile={lim.nofile}", "--core=0", f"--msgqueue={MSGQUEUE_BYTES}",
                    f"--fsize={(lim.workdir_mb + lim.tmp_mb) << 20}"]
         if not self.cgroups:
             rlimits += [f"--as={max(lim.memory_mb, 256) << 20}", f"--nproc={lim.pids}"]
-        demote = []
+        demote, quota = [], []
         if os.geteuid() == 0:
             demote = ["setpriv", f"--reuid={self.host_uid}", f"--regid={self.host_uid}", "--clear-groups"]
+        else:
+            quota = userns_quota_argv()
         # fd 4 (`bwrap_args`): the root file system, /proc, /dev, /work and /tmp, a /dev/shm of its own
         # (size-capped where bwrap can) and /dev read-only (the agent's uid owns bwrap's /dev, where
         # files would outlive a reset), the network if asked, the read-only mounts
@@ -312,7 +360,7 @@ class LocalSandbox(Sandbox):
         bwrap += ["--chdir", cwd or WORKDIR, "--", *argv]
         return cap_stderr(["env", "-i", "PATH=/usr/bin:/bin:/usr/sbin:/sbin", f"BWRAP_ARGS={self.bwrap_args}",
                            *([f"SECCOMP_BPF={bpf}"] if bpf else []),
-                           "/bin/sh", "-c", join, "sh", *procs_files, "--", "prlimit", *rlimits, *demote, *bwrap])
+                           "/bin/sh", "-c", join, "sh", *procs_files, "--", *quota, "prlimit", *rlimits, *demote, *bwrap])
 
     async def _alive(self) -> bool:
         return self.fs.is_dir() and not self.closed

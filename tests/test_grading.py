@@ -1,6 +1,8 @@
 """agentrl.grading: graders bounded in wall time from any thread, off the event loop (issue 31)."""
 
 import asyncio
+import os
+import subprocess
 import threading
 import time
 
@@ -152,3 +154,118 @@ def test_a_reward_function_past_its_limit_scores_the_sample_zero_not_failed(toke
     [sample] = asyncio.run(runner.run_group({"prompt": "answer yes"}, 0))
     assert sample.status == SampleStatus.COMPLETED and sample.reward == 0.0
     assert sample.metadata["env_reward"] == 1.0 and "0.2 s limit" in sample.metadata["agent_fault"]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("attack", ["sleeps", "spins", "allocates", "forks_a_sleeper"])
+def test_a_sync_reward_function_is_killed_at_its_bound_and_the_loop_goes_on(tmp_path, attack):
+    """A user's sync reward function (a closure: it runs in a process forked for the call) that
+    sleeps, loops, allocates without end or leaves a child running is stopped within its bound:
+    GradingTimeout, its process (and its child) gone, while the event loop ticks and another
+    reward is computed meanwhile."""
+    pids = tmp_path / "pids"
+
+    def rm(args, sample):
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        if sample == "fine":
+            return {"score": 0.5}
+        if attack == "sleeps":
+            time.sleep(3600)
+        elif attack == "spins":
+            while True:
+                pass
+        elif attack == "allocates":
+            hoard = []
+            while True:
+                hoard.append(bytes(64 << 20))  # calloc'd: address space, not touched pages
+        else:
+            child = subprocess.Popen(["sleep", "3600"])
+            with open(pids, "a") as f:
+                f.write(f"{child.pid}\n")
+            time.sleep(3600)
+
+    async def go():
+        stalls, done = [], asyncio.Event()
+        tick = asyncio.create_task(record_stalls(stalls, done))
+        t0 = time.monotonic()
+        bad = asyncio.create_task(call_reward_fn(rm, None, "hostile", timeout=2.0))
+        assert await call_reward_fn(rm, None, "fine", timeout=30) == {"score": 0.5}  # meanwhile
+        with pytest.raises(GradingTimeout) as e:
+            await bad
+        elapsed = time.monotonic() - t0
+        done.set()
+        await tick
+        return e.value, elapsed, max(stalls)
+
+    error, elapsed, stall = asyncio.run(go())
+    assert elapsed < 6 and stall < 0.5, (elapsed, stall)
+    assert ("memory bound" if attack == "allocates" else "2 s limit") in str(error), error
+    started = [int(line) for line in pids.read_text().split()]
+    assert len(started) >= 2 and all(pid != os.getpid() for pid in started)
+    for _ in range(50):  # the child's sleeper is reparented on its group's kill: give init a moment
+        if all(_gone(pid) for pid in started):
+            break
+        time.sleep(0.1)
+    assert [pid for pid in started if not _gone(pid)] == []
+
+
+def test_a_forked_reward_function_keeps_exceptions_and_says_what_cannot_come_back():
+    async def go():
+        with pytest.raises(KeyError):
+            await call_reward_fn(lambda a, s: {}["x"], None, None, timeout=30)
+        with pytest.raises(GradingError, match="cannot come back from its process"):
+            await call_reward_fn(lambda a, s: (lambda: 0), None, None, timeout=30)
+        with pytest.raises(GradingError, match="async def"):
+            await call_reward_fn(lambda a, s: asyncio.sleep(0), None, None, timeout=30)
+        with pytest.raises(GradingTimeout, match="signal 9"):
+            await call_reward_fn(lambda a, s: os.kill(os.getpid(), 9), None, None, timeout=30)
+    asyncio.run(go())
+
+
+def test_a_hanging_sync_reward_scores_its_trajectory_zero_and_the_group_goes_on(tokenizer):
+    """Through the rollout's GroupRunner: of two trajectories, the one whose (sync, forked) reward
+    function hangs scores 0 with the reason; the other is scored as usual."""
+    from test_agent_loop import CountEnv, ScriptedClient
+
+    from agentrl.rollout.agent_loop import LoopSettings, Renderer
+    from agentrl.rollout.manager import GroupRunner
+    from agentrl.types import SampleStatus
+
+    calls = []
+
+    def rm(sample, n):
+        if n == 0:  # the first trajectory's reward hangs
+            time.sleep(3600)
+        return 0.75
+
+    async def reward_fn(sample):
+        calls.append(sample)
+        return await call_reward_fn(rm, sample, len(calls) - 1, timeout=5.0)
+
+    runner = GroupRunner(make_env=lambda name: (CountEnv(), "count"), n_samples=2, renderer=Renderer(tokenizer),
+                         client=ScriptedClient(tokenizer, ["yes"] * 6),
+                         settings_for=lambda env: LoopSettings(200, 3, {"temperature": 1.0}), run_seed=0,
+                         max_concurrency=2, reward_fn=reward_fn)
+    t0 = time.monotonic()
+    samples = asyncio.run(runner.run_group({"prompt": "answer yes"}, 0))
+    assert time.monotonic() - t0 < 30
+    assert all(s.status == SampleStatus.COMPLETED for s in samples)
+    rewards = sorted(s.reward for s in samples)
+    assert rewards == [0.0, 0.75], [s.metadata for s in samples]
+    [hung] = [s for s in samples if s.reward == 0.0]
+    assert "5 s limit" in hung.metadata["agent_fault"]
+
+
+def test_a_forked_value_past_the_message_bound_is_the_outputs_fault():
+    from agentrl.grading import MAX_MESSAGE_BYTES, call_in_fork
+    with pytest.raises(GradingTimeout, match="returned more than"):
+        call_in_fork(lambda: b"x" * (MAX_MESSAGE_BYTES + 1), timeout=60)
+    assert call_in_fork(lambda: b"x" * 1000, timeout=60) == b"x" * 1000

@@ -32,7 +32,7 @@ import gymnasium
 from agentrl.env import Env, Message
 from agentrl.errors import AgentFault
 from agentrl.tools.client import ToolResult, ToolServerError, ToolSet
-from agentrl.tools.parsers import get_parser, parse_tool_calls
+from agentrl.tools.parsers import aparse_tool_calls, get_parser
 from agentrl.tools.spec import MCPServerSpec, as_spec, builtin_spec, tool_sandbox_options
 
 __all__ = ["ToolEnv"]
@@ -216,7 +216,7 @@ class ToolEnv(Env):
     async def _astep(self, action: str):
         if self.toolset is None:
             raise RuntimeError(f"{type(self).__name__}.astep before areset: the tools are not started")
-        calls = parse_tool_calls(action, self.tool_parser, self.toolset.input_schemas)
+        calls = await aparse_tool_calls(action, self.tool_parser, self.toolset.input_schemas)
         if not calls:
             return await self.final_answer(action)
         extra = calls[self.max_tool_calls_per_turn:]

@@ -20,12 +20,17 @@ Built-in parsers:
     tool's JSON schema declares when `tools` (name -> input schema) is given.
 
 Register another with ``@register_parser("name")`` on a function
-``(text: str, tools: Mapping[str, dict] | None) -> list[ToolCall | ToolCallError]``.
+``(text: str, tools: Mapping[str, dict] | None) -> list[ToolCall | ToolCallError]``. A
+registered parser is code this module cannot vouch for on hostile text: it runs in a process
+forked for the call (`agentrl.grading.call_in_fork`; closures work, its value comes back
+pickled) that is killed past `timeout` seconds (default `PARSER_TIMEOUT_S`) or its memory
+bound, and the trajectory ends as the agent's fault (`GradingTimeout`, reward 0 with the reason).
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import difflib
 import json
 import re
@@ -33,10 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 __all__ = ["ToolCall", "ToolCallError", "ParsedCall", "register_parser", "get_parser", "list_parsers",
-           "parse_tool_calls", "valid_unicode"]
+           "parse_tool_calls", "aparse_tool_calls", "valid_unicode"]
 
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 MAX_NAME_CHARS = 200  # of a tool name quoted back to the model in an error
+PARSER_TIMEOUT_S = 10.0  # a registered parser's bound on one reply
 
 
 def valid_unicode(text: str) -> str:
@@ -70,11 +76,17 @@ class ToolCallError:
 ParsedCall = ToolCall | ToolCallError
 Parser = Callable[[str, "Mapping[str, dict] | None"], list[ParsedCall]]
 _PARSERS: dict[str, Parser] = {}
+_TIMEOUTS: dict[str, float | None] = {}  # None: a built-in, run in-process (linear time, never raises)
 
 
-def register_parser(name: str):
+def register_parser(name: str, *, timeout: float = PARSER_TIMEOUT_S):
+    """Decorator: register a parser under `name`, bounded by `timeout` seconds per reply."""
+    if not timeout > 0:
+        raise ValueError(f"register_parser({name!r}): timeout must be > 0 seconds, not {timeout!r}")
+
     def deco(fn: Parser) -> Parser:
         _PARSERS[name] = fn
+        _TIMEOUTS[name] = None if getattr(fn, "__module__", None) == __name__ else timeout
         return fn
     return deco
 
@@ -93,17 +105,32 @@ def list_parsers() -> list[str]:
 
 
 def parse_tool_calls(text: str, parser: str = "hermes", tools: Mapping[str, dict] | None = None) -> list[ParsedCall]:
-    """Tool calls in `text` by the named parser, with ids ``call_0, call_1, ...``. Never raises
-    on model output: a parser that fails on it gives one `ToolCallError` (the model's turn)."""
+    """Tool calls in `text` by the named parser, with ids ``call_0, call_1, ...``. A parser that
+    fails on the text gives one `ToolCallError` (the model's turn); a registered one past its
+    time or memory bound raises `GradingTimeout` (an AgentFault: the trajectory scores 0)."""
     fn = get_parser(parser)
+    limit = _TIMEOUTS.get(parser, PARSER_TIMEOUT_S)
     try:
-        items = fn(str(text), tools)
+        if limit is None:
+            items = fn(str(text), tools)
+        else:
+            from agentrl.grading import call_in_fork
+            items = call_in_fork(fn, str(text), tools, timeout=limit, what=f"the tool-call parser {parser!r}")
     except (RecursionError, MemoryError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
         items = [ToolCallError(f"the tool calls in this reply could not be read ({type(e).__name__}); "
                                "write them in the format shown in the instructions", str(text)[:1000])]
     for i, item in enumerate(items):
         item.id = item.id or f"call_{i}"
     return items
+
+
+async def aparse_tool_calls(text: str, parser: str = "hermes",
+                            tools: Mapping[str, dict] | None = None) -> list[ParsedCall]:
+    """`parse_tool_calls` from the event loop: a registered parser's process is waited on from a
+    thread, so the loop goes on while it runs."""
+    if _TIMEOUTS.get(parser, PARSER_TIMEOUT_S) is None:
+        return parse_tool_calls(text, parser, tools)
+    return await asyncio.to_thread(parse_tool_calls, text, parser, tools)
 
 
 def _blocks(text: str, open_tag: str, close_tag: str) -> list[tuple[str, bool]]:

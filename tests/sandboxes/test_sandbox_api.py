@@ -301,3 +301,20 @@ def test_pool_replaces_a_dead_warm_sandbox():
             async with pool.acquire() as sb:
                 assert sb is not idle and (await sb.exec("echo 1")).stdout == "1\n"
     run(go())
+
+
+def test_local_nonroot_says_loudly_when_no_user_namespace_of_its_own(caplog):
+    """Where the kernel refuses the per-spawn user namespace (or its /proc/sys/user is read-only),
+    the local backend, not as root, warns once that sandboxes share the user's kernel objects."""
+    import logging
+    from agentrl.sandboxes import local_backend
+    with caplog.at_level(logging.WARNING):
+        assert local_backend._userns_quota_works(("false",)) is False
+    assert "share the user's inotify instances" in caplog.text and "docs/security.md" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        argv = local_backend.userns_quota_argv()
+    if argv:  # the kernel allows it (test_local_nonroot then runs the attacks through it)
+        assert argv[:3] == ["unshare", "--user", "--map-root-user"] and int(argv[-2]) >= 1, argv
+    else:
+        assert "share the user's inotify instances" in caplog.text

@@ -59,3 +59,29 @@ def test_a_broken_tool_server_fails_the_trajectory(tokenizer, demo_command):
     assert s.status == SampleStatus.FAILED
     assert s.metadata["error"].startswith("ToolServerError: MCP server 'demo'") and "again after a restart" in s.metadata["error"]
     assert env.toolset is None  # aclose ran: servers stopped
+
+
+def test_a_registered_parser_that_hangs_scores_the_trajectory_zero(tokenizer):
+    """Through the agent loop: a user's parser that never returns on the model's reply is killed at
+    its bound (a forked process), and the trajectory is COMPLETED with reward 0 and the reason, not
+    FAILED (the policy cannot veto its group by making the parser hang)."""
+    import time
+
+    from agentrl.tools.parsers import _PARSERS, parse_hermes, register_parser
+
+    @register_parser("test-loop-hangs", timeout=1.0)
+    def hangs(text, tools):
+        while "forever" in text:
+            pass
+        return parse_hermes(text, tools)
+
+    try:
+        t0 = time.monotonic()
+        s = play(CalcEnv(tool_parser="test-loop-hangs"), tokenizer,
+                 ['<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>', "forever 42"])
+        elapsed = time.monotonic() - t0
+    finally:
+        _PARSERS.pop("test-loop-hangs")
+    assert s.status == SampleStatus.COMPLETED and s.reward == 0.0, s.metadata
+    assert "tool-call parser 'test-loop-hangs' ran past its 1 s limit" in s.metadata["agent_fault"]
+    assert s.metadata["tool_calls"] == 1 and elapsed < 30  # the first reply was parsed (in its own process)

@@ -163,3 +163,57 @@ def test_qwen3_coder_scan_matches_the_regexes_it_replaced():
         assert _qwen3_parameters(body) == [(p.group(1), p.group(2)) for p in _OLD_PARAM.finditer(body)]
 
     check()
+
+
+@pytest.mark.parametrize("attack", ["spins", "sleeps"])
+def test_a_registered_parser_that_hangs_is_killed_at_its_bound(tmp_path, attack):
+    """A registered parser (a closure: it runs in a process forked for the reply) that never returns
+    on some text: GradingTimeout (the agent's fault) within its bound, its process gone, the event
+    loop free meanwhile; the same parser on other text works."""
+    import asyncio
+    import os
+
+    from agentrl.grading import GradingTimeout
+    from agentrl.tools.parsers import _PARSERS, aparse_tool_calls, register_parser
+
+    pids = tmp_path / "pids"
+
+    @register_parser("test-hangs", timeout=1.5)
+    def hangs(text, tools):
+        pids.write_text(str(os.getpid()))
+        if "hang" in text:
+            while attack == "spins":
+                pass
+            time.sleep(3600)
+        return [ToolCall("f", {"text": text})]
+
+    async def go():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+        ticker = asyncio.create_task(tick())
+        t0 = time.monotonic()
+        with pytest.raises(GradingTimeout, match="tool-call parser 'test-hangs' ran past its 1.5 s limit"):
+            await aparse_tool_calls("please hang", "test-hangs")
+        elapsed = time.monotonic() - t0
+        ticker.cancel()
+        return elapsed, ticks
+
+    try:
+        elapsed, ticks = asyncio.run(go())
+        [call] = parse_tool_calls("fine", "test-hangs")
+    finally:
+        _PARSERS.pop("test-hangs")
+    assert elapsed < 5 and ticks >= 10, (elapsed, ticks)
+    assert call == ToolCall("f", {"text": "fine"}, "call_0")
+    pid = int(pids.read_text())
+    assert pid != os.getpid() and not os.path.exists(f"/proc/{pid}")
+
+
+def test_builtin_parsers_run_in_process():
+    from agentrl.tools.parsers import _TIMEOUTS
+    assert _TIMEOUTS["hermes"] is None and _TIMEOUTS["qwen3_coder"] is None

@@ -367,3 +367,119 @@ def test_exhausted_fds_and_a_full_disk_are_the_agents_problem(arun, backend):
         assert not env.sandbox_instance.tainted
     finally:
         arun(env.aclose())
+
+
+@pytest.mark.e2e  # about 60 s a backend: waits out stopped servers and their restarts
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stopping_the_tool_server_is_bounded_and_the_agents_fault(arun, backend):
+    """SIGSTOP to the tool server (its process and every process of the agent's uid): no answer
+    comes, and no exit either. Each call is bounded by tool_timeout plus a restart, and never
+    raises: a stopped server is restarted (the call reports it) or the episode ends as the agent's
+    fault (reward 0, reason recorded); docker: the server's uid is out of the agent's reach."""
+    _skip_unless(backend)
+
+    class Short(AttackEnv):
+        tool_timeout = 2.0
+
+    env = Short(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        for command in ("kill -STOP $PPID; echo after", "kill -STOP -1; echo after") * 2:
+            t0 = time.monotonic()
+            obs, reward, done, _, info = _bash(arun, env, command)
+            elapsed = time.monotonic() - t0
+            assert elapsed < 90, (elapsed, obs, info)
+            if done:
+                assert (obs, reward) == ([], 0.0) and info.get("agent_fault"), (obs, info)
+                assert backend == "local", info
+                return
+            if backend == "docker":
+                assert "Operation not permitted" in obs[0]["content"] or "after" in obs[0]["content"], obs
+                assert not env.sandbox_instance.tainted
+        assert backend == "docker"  # local: the second stopped server ends the episode
+        obs, *_ = _bash(arun, env, "echo alive")
+        assert obs[0]["content"].startswith("alive"), obs
+    finally:
+        arun(env.aclose())
+
+
+SOLUTION_TASK = {"prompt": "Write `double(x)`.", "label": ["assert double(2) == 4", "assert double(0) == 0"],
+                 "metadata": {"entry_point": "double"}}
+# What solution.py can be besides a file: each is read in the agent's sandbox by a short-lived
+# process with a timeout, and refused or cut, never read without end by the host
+SOLUTION_TRAPS = {
+    "a symlink to an endless device": "ln -s /dev/zero solution.py",
+    "a symlink to the reader's own memory": "ln -s /proc/self/mem solution.py",
+    "a symlink to a FIFO no one writes": "mkfifo /tmp/f; ln -s /tmp/f solution.py",
+    "a directory": "mkdir solution.py",
+    "a symlink loop": "ln -s solution.py solution.py",
+    # time of check to time of use: a process the agent left keeps rewriting it, past 1 MiB
+    "a file rewritten and grown while it is read":
+        "(while :; do head -c 3000000 /dev/zero | tr '\\0' 'x' > solution.py; "
+        "echo 'def double(x): return 2 * x' > solution.py; done) >/dev/null 2>&1 &",
+}
+
+
+@pytest.mark.e2e  # a code episode per trap on each backend
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_solution_file_that_is_not_a_plain_file(arun, backend):
+    """solution.py as a device, /proc/self/mem, a FIFO, a directory, a loop, or a file a leftover
+    process keeps rewriting: each episode ends within bound with reward 0 and the reason in
+    `solution_files_skipped` (or, for the rewritten one, a consistent read of one version), never
+    an exception out of the env."""
+    _skip_unless(backend)
+    from agentrl.envs.code_env import CodeEnv
+    for trap, command in SOLUTION_TRAPS.items():
+        env = CodeEnv(sandbox=backend, answer_in_message=False)
+        try:
+            arun(env.areset(seed=0, options=SOLUTION_TASK))
+            obs, *_ = _bash(arun, env, command + "; sleep 0.5; echo planted")
+            assert "planted" in obs[0]["content"], (trap, obs)
+            t0 = time.monotonic()
+            obs, reward, done, _, info = arun(env.astep("done"))
+            assert done and time.monotonic() - t0 < 120, (trap, info)
+            if trap.startswith("a file rewritten"):  # whichever version it read: judged as that
+                assert reward in (0.0, 1.0) and ("solution_files_skipped" in info or "passed" in info), info
+            else:
+                assert reward == 0.0 and info.get("solution_files_skipped"), (trap, info)
+        finally:
+            arun(env.aclose())
+
+
+INJECT_ENV = r"""
+import os
+os.makedirs("/work/bin", exist_ok=True)
+for name in ("ls", "python3", "bash", "sh"):
+    with open("/work/bin/" + name, "w") as f:
+        f.write("#!/bin/sh\necho HIJACKED-" + name + "\n")
+    os.chmod("/work/bin/" + name, 0o755)
+open("/work/env.sh", "w").write("echo BASH-ENV-RAN\n")
+os.environ.update(PATH="/work/bin:" + os.environ["PATH"], BASH_ENV="/work/env.sh", ENV="/work/env.sh",
+                  PYTHONSTARTUP="/work/env.sh", PYTHONPATH="/work", LD_PRELOAD="/work/nothing.so")
+os.putenv("PROMPT_COMMAND", "echo PROMPT-RAN")
+"injected"
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_environment_set_by_one_call_reaches_no_other_command(arun, backend):
+    """Variables the agent sets in the python tool's interpreter (PATH ahead to planted binaries,
+    BASH_ENV, ENV, PYTHONPATH, LD_PRELOAD...) stay in that interpreter: the bash tool's next
+    command, and the interpreter after a restart, run with the server's environment."""
+    _skip_unless(backend)
+    env = AttackEnv(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        obs, *_ = arun(env.astep(call("python", code=INJECT_ENV)))
+        assert obs[0]["content"] == "'injected'", obs
+        obs, *_ = _bash(arun, env, "ls -d /work; python3 -c 'print(1)'; echo \"[$LD_PRELOAD][$BASH_ENV][$PATH]\"")
+        out = obs[0]["content"]
+        assert "HIJACKED" not in out and "BASH-ENV-RAN" not in out and "PROMPT-RAN" not in out, out
+        assert "/work\n1\n[][][" in out and "/work/bin" not in out, out
+        obs, *_ = arun(env.astep(call("python", code="import os; os._exit(3)")))
+        obs, *_ = arun(env.astep(call("python", code="import os, subprocess\n"
+                                      "(os.environ.get('LD_PRELOAD'), '/work/bin' in os.environ['PATH'], "
+                                      "subprocess.run(['ls', '-d', '/work'], capture_output=True, text=True).stdout)")))
+        assert obs[0]["content"] == "(None, False, '/work\\n')", obs
+    finally:
+        arun(env.aclose())
