@@ -53,8 +53,8 @@ def test_moe_target_token_ep4(r3):
     first, last = mean(r["reward_mean"] for r in rows[:5]), mean(r["reward_mean"] for r in rows[-5:])
     above = [mean(r["env/above_chance_mean"] for r in part) for part in (rows[:5], rows[-5:])]
     early = diffs[:2]  # before the policy sharpens (a near-deterministic policy differs by ~0 either way)
-    figures = {"iterations": n, "logprob_abs_diff_early": mean(early), "reward_first5": first, "reward_last5": last, "above_chance_first5": above[0],
-               "above_chance_last5": above[1], "logprob_abs_diff": diffs,
+    figures = {"iterations": n, "logprob_abs_diff_early": mean(early), "reward_first5": first, "reward_last5": last,
+               "above_chance_first5": above[0], "above_chance_last5": above[1], "logprob_abs_diff": diffs,
                "logprob_abs_diff_mean": mean(diffs), "iteration_s": [r.get("iteration_s") for r in rows],
                "weight_sync_s": [r.get("weight_sync_s") for r in rows],
                "weight_check": [r.get("weight_check/mean_abs_diff") for r in rows],
