@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -421,8 +422,8 @@ class EngineServer:
     def kill(self) -> None:
         self.server.kill()
 
-    def stop(self) -> None:
-        self.server.stop()
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.stop(timeout_s)
 
 
 def normal_priority() -> None:
@@ -496,13 +497,35 @@ class ActorServer:
         self._call("kill")
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, `timeout_s` for the server to exit, then SIGKILL (its whole process group)."""
         import ray
 
-        try:
-            self._call("stop", timeout=timeout_s + TIMEOUT_S)
+        try:  # the server's stop waits twice at most (SIGTERM, then SIGKILL): bounded here too
+            self._call("stop", timeout_s, timeout=2 * timeout_s + 10)
         except Exception:
             pass
         ray.kill(self.actor)
+
+
+ENGINE_STOP_GRACE_S = 5.0  # at the run's end an engine's state is worth nothing: SIGKILL soon after
+
+
+def stop_engines(group, grace_s: float = ENGINE_STOP_GRACE_S) -> None:
+    """EngineGroup.stop at the run's end, every engine at once: the monitor, the router, then
+    each engine server (SIGTERM, `grace_s`, SIGKILL) in its own thread. One by one, each
+    engine's shutdown added its own wait (SGLang's can take seconds)."""
+    if group.monitor is not None:
+        group.monitor.stop()
+    if group.router is not None:
+        group.router.stop()
+    threads = []
+    for server in reversed(group.servers):
+        stop = functools.partial(server.stop, grace_s) if isinstance(server, ActorServer) else server.stop
+        threads.append(threading.Thread(target=stop, name="agentrl-engine-stop", daemon=True))
+        threads[-1].start()
+    deadline = time.monotonic() + 2 * grace_s + 30
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def actor_launcher(placement: Placement):
@@ -520,10 +543,12 @@ class TrainerWorker:
     trainer is built."""
 
     def __init__(self, cfg: Config, model_path: str, device: str, dist_env: dict[str, str] | None = None):
+        init_at = time.time()
         import torch
 
         from agentrl.build import build_trainer, seed_everything
 
+        imported_at = time.time()
         normal_priority()
         os.environ.update(dist_env or {})
         seed_everything(cfg.run.seed)
@@ -531,6 +556,10 @@ class TrainerWorker:
             raise ConfigError("the trainer actor got no usable GPU")
         self.cfg = cfg
         self.trainer = build_trainer(cfg, Path(model_path), device)
+        # epoch seconds of this rank's start-up: its process (Ray's worker), torch's import, the build
+        # (torch.distributed / Megatron init and the HF weights), for the run's start-up timeline
+        self.started = {"process": (_process_started_at(), init_at), "imports": (init_at, imported_at),
+                        "build": (imported_at, time.time())}
         self.offloaded = None  # the host copy while --colocate lends the GPU to the engines
         self.host_buffers: list = []
         self.pinned_ahead: list = []  # _pin_ahead's, taken by the first offload
@@ -547,6 +576,9 @@ class TrainerWorker:
 
     def engines_placed(self, urls: list[str], placement: "Placement") -> None:
         self.engine_index, self.placement = {u: i for i, u in enumerate(urls)}, placement
+
+    def startup_steps(self) -> dict[str, tuple[float, float]]:
+        return self.started
 
     def train_rollout(self, samples) -> dict[str, float]:
         import torch
@@ -852,6 +884,12 @@ class LeadingRank:
             ray.get(refs, timeout=TIMEOUT_S)
 
 
+def _process_started_at() -> float:
+    from agentrl.metrics import process_started_at
+
+    return process_started_at()
+
+
 def _rendezvous_address() -> tuple[str, int]:
     """Run in rank 0's bundle: its node's IP and a port free there (MASTER_ADDR, MASTER_PORT),
     outside the kernel's ephemeral range: a port picked inside it could be taken as some outgoing
@@ -976,3 +1014,16 @@ class RemoteTrainer:
     async def gpu_memory(self) -> dict[str, float]:
         """Rank 0's GPU as it is now (all processes on it)."""
         return await self.actors[0].gpu_memory.remote()
+
+    async def startup_steps(self) -> dict[str, tuple[float, float]]:
+        """Rank 0's start-up steps (TrainerWorker.startup_steps), named trainer/STEP; epoch seconds."""
+        return {f"trainer/{k}": v for k, v in (await self.actor.startup_steps.remote()).items()}
+
+    def stop(self) -> None:
+        """At the run's end (its checkpoint written): the rank actors killed at once, not left to
+        Ray's shutdown (a rank in a CUDA/NCCL teardown can hold it up)."""
+        import ray
+
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
