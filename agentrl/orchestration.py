@@ -946,14 +946,13 @@ class RemoteTrainer:
         if world > 1:
             self.actor.lead.remote(self.actors[1:])
         self.cfg, self.placement = cfg, placement
+        self.placed = None  # engines_placed's reply, awaited by the first weight sync
 
     def engines_placed(self, urls: list[str]) -> None:
         """The engines' URLs in placement order: rank 0 learns which trainer rank sits on each
         engine TP rank's GPU (the per-rank colocated sync, agentrl.weight_sync)."""
-        import ray
-
-        if len(self.actors) > 1:
-            ray.get(self.actor.engines_placed.remote(urls, self.placement), timeout=TIMEOUT_S)
+        if len(self.actors) > 1:  # not waited for: the rank is still building; its next call (a sync) comes after
+            self.placed = self.actor.engines_placed.remote(urls, self.placement)
 
     def _all(self, method: str, *args) -> list:
         """Every rank's reply; the first failure raises at once (the others may wait for it in a collective)."""
@@ -977,6 +976,9 @@ class RemoteTrainer:
 
     async def sync_weights(self, urls: list[str], version: int, fresh: bool = False) -> dict[str, float]:
         with self.rank_deaths_named():
+            if self.placed is not None:  # engines_placed's failure surfaces here
+                await self.placed
+                self.placed = None
             return await self.actor.sync_weights.remote(urls, version, fresh)
 
     @contextlib.contextmanager

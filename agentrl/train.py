@@ -277,6 +277,9 @@ async def _loop(run: Run) -> None:
             run.progress.iteration_done(metrics)
             if rollout_id == first_iteration and run.timeline is not None:
                 await startup_done(run, at_start, metrics)
+        closing = time.time()  # the rollout side closes: producer, clients, sandboxes, tool servers
+    if run.timeline is not None:
+        run.timeline.add("stop", "rollout_close", closing - run.timeline.started_at, run.timeline.now())
 
 
 def _step(run: Run, part: str, name: str):
