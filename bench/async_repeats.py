@@ -15,7 +15,9 @@ comes from, from the repeats' own figures:
   (sync_s) summed over the timed iterations;
 - inside a run: each timed iteration's seconds, and the slowest one's share of the run's
   (a single slow iteration, e.g. a train step meeting a new sequence-length shape, moves a
-  timed window of a few seconds a lot).
+  timed window of a few seconds a lot); each iteration's wait for its batch (rollout_s) and
+  how many waited over WAITED_S (async: the batch's long episode was still out when the
+  train step ended, so the loop waited for it).
 Writes bench/results/async_repeats.json (--gpu: async_repeats_gpu.json) after every repeat.
 """
 
@@ -34,6 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+WAITED_S = 0.1  # an iteration whose batch was not ready when training ended (async: a long episode still out)
 
 
 def cv(xs: list[float]) -> float | None:
@@ -54,12 +57,16 @@ def run_figures(result: dict, warmup: int) -> dict:
     out = {}
     for name, run in result.get("runs", {}).items():
         target = run.get("at_target") or {}
-        timed = [it["iteration_s"] for it in run.get("per_iteration", [])[warmup:target.get("iterations")]]
+        window = run.get("per_iteration", [])[warmup:target.get("iterations")]
+        timed = [it["iteration_s"] for it in window]
+        waits = [it.get("rollout_s", 0.0) for it in window]  # the loop waiting for its batch
         out[name] = {"seconds": target.get("seconds"), "rollout_s": target.get("rollout_s"),
                      "train_s": target.get("train_s"), "sync_s": target.get("sync_s"),
                      "timed_iteration_s": timed,
                      "slowest_share": round(max(timed) / sum(timed), 3) if timed else None,
                      "iteration_cv": round(cv(timed), 3) if cv(timed) is not None else None,
+                     "batch_waits_s": [round(w, 3) for w in waits],
+                     "iterations_waiting": sum(w > WAITED_S for w in waits),
                      "lag_hist": run.get("lag_hist"), "drops": run.get("metrics_drops"),
                      "outside_iterations_s": run.get("outside_iterations_s")}
     return out
@@ -138,7 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"train {v['train_s']}, weight sync {v['sync_s']}")
     for r in report["repeats"]:
         print(f"  repeat {r['repeat']}: " + "; ".join(
-            f"{n} {f['seconds']} s (slowest iteration {f['slowest_share']} of it, iteration cv {f['iteration_cv']})"
+            f"{n} {f['seconds']} s (slowest iteration {f['slowest_share']} of it, iteration cv {f['iteration_cv']}, "
+            f"{f['iterations_waiting']} of {len(f['timed_iteration_s'])} iterations waited for their batch)"
             for n, f in r["runs"].items()))
     print(f"wrote {out}")
     return report
