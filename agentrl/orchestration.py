@@ -453,7 +453,7 @@ class ActorServer:
                  env: dict | None, log_dir: Path):
         import ray
 
-        self.url, self.name, self.argv, self.restarts = url, name, list(argv), 0
+        self.name, self.argv, self.restarts = name, list(argv), 0
         gpus = placement.engine_gpus[index]
         if gpus:  # the server runs on its slots' physical GPUs
             env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ",".join(str(placement.slot_gpu_ids[g]) for g in gpus)}
@@ -461,7 +461,17 @@ class ActorServer:
         self.actor = actor_cls.options(scheduling_strategy=placement.strategy(placement.engine_bundles[index]),
                                        name=None).remote(self.argv, url=url, name=name, env=env, log_dir=str(log_dir),
                                                          driver_ip=node_ip())
-        self.url = self._call("url")  # the actor's: another node's address when it runs there
+        # the actor's URL (another node's address when it runs there), asked now and read when first
+        # needed: the next engine's actor is created meanwhile instead of after this one is up
+        self._url, self._url_ref = None, self.actor.url.remote()
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            import ray
+
+            self._url = ray.get(self._url_ref, timeout=TIMEOUT_S)
+        return self._url
 
     def _call(self, method: str, *args, timeout: float = TIMEOUT_S):
         import ray
