@@ -155,7 +155,8 @@ def rollout_stage_metrics(samples: list[Sample], start_at: float, end_at: float)
     """Where one rollout phase's time went (the gap to a bare client driving the same engine,
     stage by stage). `start_at`/`end_at`: the phase's start and end, epoch seconds. Keys:
     - stage/first_request_after_s: from the phase's start to its first /generate (the
-      --colocate switch and the ramp-up before any request is out);
+      --colocate switch and the ramp-up before any request is out; negative under --async,
+      whose batch was generated ahead, during the previous training step);
     - stage/after_last_reply_s: from the last reply to the batch handed over (scoring, the
       last env steps, the batch's assembly); stage/requests_span_s: between the two;
     - stage/<stage>_mean: seconds a trajectory spent in each stage (STAGE_KEYS: the queue for a

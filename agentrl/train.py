@@ -77,6 +77,8 @@ def train(cfg: Config) -> Path:
         ckpt = latest_checkpoint(Path(cfg.run.load))
         state = RunState.read(ckpt)
         model_path = ckpt / "model"
+        progress.note(f"resumed from {ckpt}: iteration {state.rollout_id}, data position {state.data}, "
+                      f"{len(state.pending_tasks)} launched tasks to re-run")
     save_dir = Path(cfg.run.save or out / "checkpoints")
     context.record(device=device, model_path=str(model_path), resumed_from=state.rollout_id if cfg.run.load else None)
     # The driver's own set-up (prompts, tokenizer, eval sets, the metrics writers) needs neither Ray
@@ -272,7 +274,7 @@ async def _loop(run: Run) -> None:
                 state.data = run.source.state_dict()
                 for key, value in batches.checkpoint().items():
                     setattr(state, key, value)
-                with _step(run, "stop" if last else "checkpoints", "final_checkpoint" if last else f"save_{rollout_id}"):
+                with _step(run, "stop", "final_checkpoint") if last else contextlib.nullcontext():
                     run.trainer.save(run.save_dir / f"iter_{rollout_id + 1:06d}", state.to_dict())
             run.progress.iteration_done(metrics)
             if rollout_id == first_iteration and run.timeline is not None:
