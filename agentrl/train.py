@@ -121,6 +121,7 @@ def train(cfg: Config) -> Path:
                               runlog=runlog, progress=progress, state=state, save_dir=save_dir, reward_fn=reward_fn,
                               replay=replay, eval_sets=eval_sets, context=context, timeline=timeline)))
         context.end("completed")
+        plotting = Background(runlog.plot)  # matplotlib's import and the plot, while the engines and Ray stop
     except BaseException as exc:
         context.end("interrupted" if isinstance(exc, KeyboardInterrupt) else f"failed: {type(exc).__name__}: {exc}")
         raise
@@ -147,7 +148,7 @@ def train(cfg: Config) -> Path:
             stop_ray()
         remove_own_containers()
     with stop("plot"):
-        plot = runlog.plot()
+        plot = plotting.result(timeout_s=120.0)
     timeline.report("stop")
     if summary := progress.summary():
         progress.note(summary)
