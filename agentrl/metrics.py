@@ -4,13 +4,17 @@ and run.json (RunContext: the facts config.yaml cannot hold)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import re
 import sys
+import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 from agentrl.types import Sample
 
@@ -25,16 +29,18 @@ class RunContext:
         from agentrl import __version__
 
         self.path = output_dir / "run.json"
+        self._lock = threading.Lock()  # the driver's set-up thread records too
         self.facts: dict = {"agentrl": __version__, "command": sys.argv, "host": platform.node(), "pid": os.getpid(),
                             "python": platform.python_version(), "started_at": _now()}
         self.record()
 
     def record(self, **facts) -> None:
         """Add facts and rewrite the file (atomically: a reader never sees half of it)."""
-        self.facts.update(facts)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.facts, indent=1, default=str) + "\n")
-        tmp.replace(self.path)
+        with self._lock:
+            self.facts.update(facts)
+            tmp = self.path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(self.facts, indent=1, default=str) + "\n")
+            tmp.replace(self.path)
 
     def end(self, outcome: str) -> None:
         self.record(ended_at=_now(), outcome=outcome)
@@ -42,6 +48,142 @@ class RunContext:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def process_started_at() -> float:
+    """When this process was created (epoch seconds): the command's start, before Python's imports."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # no psutil, or a platform it cannot read: from here on
+        return time.time()
+
+
+class Timeline:
+    """The run's start-up and stop, step by step: when each step began and ended, in seconds
+    since the command started (the process's creation, so Python's imports count), into
+    run.json ("startup", "stop") as [start, end] pairs, and a line on the console per part.
+    Steps may overlap (they run in parallel: engines, trainer, data set-up); `mark` records a
+    moment (the first rollout request). Thread-safe: the data set-up runs in a thread."""
+
+    def __init__(self, context: RunContext, note: Callable[[str], None] | None = None,
+                 started_at: float | None = None):
+        self.context, self.note = context, note
+        self.started_at = process_started_at() if started_at is None else started_at
+        self.parts: dict[str, dict] = {"startup": {}, "stop": {}}
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return time.time() - self.started_at
+
+    def add(self, part: str, name: str, start: float, end: float | None = None) -> None:
+        """A step of `part` from `start` to `end` (seconds since the command; None: a moment)."""
+        with self._lock:
+            self.parts.setdefault(part, {})[name] = round(start, 2) if end is None else [round(start, 2), round(end, 2)]
+            self.context.record(**{part: dict(self.parts[part])})
+
+    def mark(self, part: str, name: str, at: float | None = None) -> None:
+        """A moment of `part`: `at` in epoch seconds (None: now)."""
+        self.add(part, name, (time.time() if at is None else at) - self.started_at)
+
+    @contextlib.contextmanager
+    def step(self, part: str, name: str):
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.add(part, name, start, self.now())
+
+    def summary(self, part: str) -> str:
+        """'start-up: ray 2.1-5.0s, engines 5.0-41.2s, ...' in the order the steps began."""
+        items = sorted(self.parts.get(part, {}).items(), key=lambda kv: kv[1][0] if isinstance(kv[1], list) else kv[1])
+        words = [f"{k} {v[0]:.1f}-{v[1]:.1f}s" if isinstance(v, list) else f"{k} at {v:.1f}s" for k, v in items]
+        return f"{part}: " + ", ".join(words)
+
+    def report(self, part: str) -> None:
+        if self.note is not None:
+            self.note(self.summary(part) + " (seconds since the command started; run.json has them)")
+
+
+# SGLang's start-up log lines (`[YYYY-MM-DD HH:MM:SS TP0] message`) that begin and end its own
+# steps: step -> (first line's words, last line's words)
+SGLANG_STEPS = {"weights": ("Load weight begin", "Load weight end"),
+                "kv_cache": ("Load weight end", ("KV Cache is allocated", "Memory pool end")),
+                "cuda_graphs": ("Capture cuda graph begin", ("Capture cuda graph end", "CUDA graph end")),
+                "warmup": (("Capture cuda graph end", "CUDA graph end"), "The server is fired up")}
+_LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?: TP(\d+))?[^\]]*\]\s*(.*)")
+
+
+def engine_log_steps(log_dir: Path, since: float = 0.0) -> dict[str, tuple[float, float]]:
+    """Each SGLang engine's start-up steps from its log (logs/sglang-N.log): {"sglang-N/weights":
+    (start, end), ...} in epoch seconds (the log's local time, one-second resolution), first
+    matching lines of TP rank 0 stamped at or after `since` (epoch: an earlier run's lines in a
+    reused folder are older). Nothing for an engine whose log lacks them (the embedded one)."""
+    from datetime import datetime as dt
+
+    out = {}
+    for path in sorted(Path(log_dir).glob("sglang-*.log")):
+        seen: dict[str, float] = {}
+        for line in path.read_text(errors="replace").splitlines():
+            m = _LOG_TIME.match(line)
+            if m and m.group(2) in (None, "0"):
+                for words in {w for pair in SGLANG_STEPS.values() for end in pair
+                              for w in (end if isinstance(end, tuple) else (end,))}:
+                    if words in m.group(3) and words not in seen:
+                        stamp = dt.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+                        if stamp >= since - 1:  # one-second stamps
+                            seen[words] = stamp
+
+        def at(words):
+            return next((seen[w] for w in (words if isinstance(words, tuple) else (words,)) if w in seen), None)
+
+        for step, (begin, end) in SGLANG_STEPS.items():
+            if at(begin) is not None and at(end) is not None:
+                out[f"{path.stem}/{step}"] = (at(begin), at(end))
+    return out
+
+
+STAGE_KEYS = ("slot_wait_s", "build_env_s", "reset_s", "prompt_s", "gate_wait_s", "generate_s", "decode_s", "env_s",
+              "render_s", "close_s", "reward_s")
+# the stages that run on the event loop itself (synchronous Python): while one runs, no other
+# trajectory sends or reads anything
+LOOP_STAGES = ("build_env_s", "prompt_s", "decode_s", "render_s")
+
+
+def rollout_stage_metrics(samples: list[Sample], start_at: float, end_at: float) -> dict[str, float]:
+    """Where one rollout phase's time went (the gap to a bare client driving the same engine,
+    stage by stage). `start_at`/`end_at`: the phase's start and end, epoch seconds. Keys:
+    - stage/first_request_after_s: from the phase's start to its first /generate (the
+      --colocate switch and the ramp-up before any request is out; negative under --async,
+      whose batch was generated ahead, during the previous training step);
+    - stage/after_last_reply_s: from the last reply to the batch handed over (scoring, the
+      last env steps, the batch's assembly); stage/requests_span_s: between the two;
+    - stage/<stage>_mean: seconds a trajectory spent in each stage (STAGE_KEYS: the queue for a
+      --max-concurrency slot, env build/reset/step/close, prompt rendering, the weight-update
+      gate, /generate round trips (client + router + engine), decoding the reply, rendering and
+      tokenizing the next turn, the reward function);
+    - stage/loop_busy_frac: the event loop's share of requests_span_s spent in our own
+      synchronous work (LOOP_STAGES summed over trajectories): near 1, the loop is what paces
+      the requests;
+    - stage/critical_*: the trajectory that replied last, its round trips and the rest of its
+      time (what the phase's end waited for)."""
+    timed = [s.metadata["stages"] for s in samples if "first_request_at" in s.metadata.get("stages", {})]
+    if not timed:
+        return {}
+    first = min(t["first_request_at"] for t in timed)
+    last = max(t["last_reply_at"] for t in timed)
+    span = max(last - first, 1e-9)
+    out = {"stage/first_request_after_s": first - start_at, "stage/after_last_reply_s": end_at - last,
+           "stage/requests_span_s": last - first, "stage/requests": float(sum(t.get("requests", 0) for t in timed))}
+    for key in STAGE_KEYS:
+        out[f"stage/{key[:-2]}_s_mean"] = sum(t.get(key, 0.0) for t in timed) / len(timed)
+    out["stage/loop_busy_frac"] = sum(t.get(k, 0.0) for t in timed for k in LOOP_STAGES) / span
+    critical = max(timed, key=lambda t: t["last_reply_at"])
+    out["stage/critical_generate_s"] = critical.get("generate_s", 0.0)
+    out["stage/critical_other_s"] = critical["last_reply_at"] - critical["first_request_at"] - critical.get("generate_s", 0.0)
+    out["stage/critical_first_request_after_s"] = critical["first_request_at"] - start_at
+    return out
 
 
 class RunLog:

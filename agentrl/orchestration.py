@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -422,8 +423,8 @@ class EngineServer:
     def kill(self) -> None:
         self.server.kill()
 
-    def stop(self) -> None:
-        self.server.stop()
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.stop(timeout_s)
 
 
 def normal_priority() -> None:
@@ -453,7 +454,7 @@ class ActorServer:
                  env: dict | None, log_dir: Path):
         import ray
 
-        self.url, self.name, self.argv, self.restarts = url, name, list(argv), 0
+        self.name, self.argv, self.restarts = name, list(argv), 0
         gpus = placement.engine_gpus[index]
         if gpus:  # the server runs on its slots' physical GPUs
             env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ",".join(str(placement.slot_gpu_ids[g]) for g in gpus)}
@@ -461,7 +462,17 @@ class ActorServer:
         self.actor = actor_cls.options(scheduling_strategy=placement.strategy(placement.engine_bundles[index]),
                                        name=None).remote(self.argv, url=url, name=name, env=env, log_dir=str(log_dir),
                                                          driver_ip=node_ip())
-        self.url = self._call("url")  # the actor's: another node's address when it runs there
+        # the actor's URL (another node's address when it runs there), asked now and read when first
+        # needed: the next engine's actor is created meanwhile instead of after this one is up
+        self._url, self._url_ref = None, self.actor.url.remote()
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            import ray
+
+            self._url = ray.get(self._url_ref, timeout=TIMEOUT_S)
+        return self._url
 
     def _call(self, method: str, *args, timeout: float = TIMEOUT_S):
         import ray
@@ -497,13 +508,35 @@ class ActorServer:
         self._call("kill")
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, `timeout_s` for the server to exit, then SIGKILL (its whole process group)."""
         import ray
 
-        try:
-            self._call("stop", timeout=timeout_s + TIMEOUT_S)
+        try:  # the server's stop waits twice at most (SIGTERM, then SIGKILL): bounded here too
+            self._call("stop", timeout_s, timeout=2 * timeout_s + 10)
         except Exception:
             pass
         ray.kill(self.actor)
+
+
+ENGINE_STOP_GRACE_S = 5.0  # at the run's end an engine's state is worth nothing: SIGKILL soon after
+
+
+def stop_engines(group, grace_s: float = ENGINE_STOP_GRACE_S) -> None:
+    """EngineGroup.stop at the run's end, every engine at once: the monitor, the router, then
+    each engine server (SIGTERM, `grace_s`, SIGKILL) in its own thread. One by one, each
+    engine's shutdown added its own wait (SGLang's can take seconds)."""
+    if group.monitor is not None:
+        group.monitor.stop()
+    if group.router is not None:
+        group.router.stop()
+    threads = []
+    for server in reversed(group.servers):
+        stop = functools.partial(server.stop, grace_s) if isinstance(server, ActorServer) else server.stop
+        threads.append(threading.Thread(target=stop, name="agentrl-engine-stop", daemon=True))
+        threads[-1].start()
+    deadline = time.monotonic() + 2 * grace_s + 30
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def actor_launcher(placement: Placement):
@@ -521,10 +554,12 @@ class TrainerWorker:
     trainer is built."""
 
     def __init__(self, cfg: Config, model_path: str, device: str, dist_env: dict[str, str] | None = None):
+        init_at = time.time()
         import torch
 
         from agentrl.build import build_trainer, seed_everything
 
+        imported_at = time.time()
         normal_priority()
         os.environ.update(dist_env or {})
         seed_everything(cfg.run.seed)
@@ -532,6 +567,10 @@ class TrainerWorker:
             raise ConfigError("the trainer actor got no usable GPU")
         self.cfg = cfg
         self.trainer = build_trainer(cfg, Path(model_path), device)
+        # epoch seconds of this rank's start-up: its process (Ray's worker), torch's import, the build
+        # (torch.distributed / Megatron init and the HF weights), for the run's start-up timeline
+        self.started = {"process": (_process_started_at(), init_at), "imports": (init_at, imported_at),
+                        "build": (imported_at, time.time())}
         self.offloaded = None  # the host copy while --colocate lends the GPU to the engines
         self.host_buffers: list = []
         self.pinned_ahead: list = []  # _pin_ahead's, taken by the first offload
@@ -548,6 +587,9 @@ class TrainerWorker:
 
     def engines_placed(self, urls: list[str], placement: "Placement") -> None:
         self.engine_index, self.placement = {u: i for i, u in enumerate(urls)}, placement
+
+    def startup_steps(self) -> dict[str, tuple[float, float]]:
+        return self.started
 
     def train_rollout(self, samples) -> dict[str, float]:
         import torch
@@ -857,6 +899,12 @@ class LeadingRank:
             ray.get(refs, timeout=TIMEOUT_S)
 
 
+def _process_started_at() -> float:
+    from agentrl.metrics import process_started_at
+
+    return process_started_at()
+
+
 def _rendezvous_address() -> tuple[str, int]:
     """Run in rank 0's bundle: its node's IP and a port free there (MASTER_ADDR, MASTER_PORT),
     outside the kernel's ephemeral range: a port picked inside it could be taken as some outgoing
@@ -913,14 +961,13 @@ class RemoteTrainer:
         if world > 1:
             self.actor.lead.remote(self.actors[1:])
         self.cfg, self.placement = cfg, placement
+        self.placed = None  # engines_placed's reply, awaited by the first weight sync
 
     def engines_placed(self, urls: list[str]) -> None:
         """The engines' URLs in placement order: rank 0 learns which trainer rank sits on each
         engine TP rank's GPU (the per-rank colocated sync, agentrl.weight_sync)."""
-        import ray
-
-        if len(self.actors) > 1:
-            ray.get(self.actor.engines_placed.remote(urls, self.placement), timeout=TIMEOUT_S)
+        if len(self.actors) > 1:  # not waited for: the rank is still building; its next call (a sync) comes after
+            self.placed = self.actor.engines_placed.remote(urls, self.placement)
 
     def _all(self, method: str, *args) -> list:
         """Every rank's reply; the first failure raises at once (the others may wait for it in a collective)."""
@@ -944,6 +991,9 @@ class RemoteTrainer:
 
     async def sync_weights(self, urls: list[str], version: int, fresh: bool = False) -> dict[str, float]:
         with self.rank_deaths_named():
+            if self.placed is not None:  # engines_placed's failure surfaces here
+                await self.placed
+                self.placed = None
             return await self.actor.sync_weights.remote(urls, version, fresh)
 
     @contextlib.contextmanager
@@ -981,3 +1031,16 @@ class RemoteTrainer:
     async def gpu_memory(self) -> dict[str, float]:
         """Rank 0's GPU as it is now (all processes on it)."""
         return await self.actors[0].gpu_memory.remote()
+
+    async def startup_steps(self) -> dict[str, tuple[float, float]]:
+        """Rank 0's start-up steps (TrainerWorker.startup_steps), named trainer/STEP; epoch seconds."""
+        return {f"trainer/{k}": v for k, v in (await self.actor.startup_steps.remote()).items()}
+
+    def stop(self) -> None:
+        """At the run's end (its checkpoint written): the rank actors killed at once, not left to
+        Ray's shutdown (a rank in a CUDA/NCCL teardown can hold it up)."""
+        import ray
+
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)

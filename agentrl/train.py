@@ -16,6 +16,7 @@ import gc
 import json
 import logging
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -33,9 +34,9 @@ from agentrl.engines.group import EngineGroup, start_engines
 from agentrl.evaluation import evaluate
 from agentrl.fp8 import engine_model_path
 from agentrl.judge import close_judges
-from agentrl.metrics import RunContext, RunLog, start_wandb
+from agentrl.metrics import RunContext, RunLog, Timeline, engine_log_steps, rollout_stage_metrics, start_wandb
 from agentrl.models import load_tokenizer
-from agentrl.orchestration import NodeWatch, RemoteTrainer, reserve_placement, start_ray, stop_ray
+from agentrl.orchestration import NodeWatch, RemoteTrainer, reserve_placement, start_ray, stop_engines, stop_ray
 from agentrl.progress import Progress
 from agentrl.rollout.client import EngineClient
 from agentrl.rollout.control import RolloutControl
@@ -59,82 +60,156 @@ def train(cfg: Config) -> Path:
     cfg.dump(out / "config.yaml")  # as given; what it met here goes to run.json
     context = RunContext(out)
     progress = Progress(enabled=cfg.run.progress)
+    timeline = Timeline(context, progress.note)  # start-up and stop steps: run.json and the console
+    timeline.add("startup", "python", 0.0, timeline.now())  # the interpreter, imports, the config
     seed_everything(cfg.run.seed)
 
-    env_cls = build_env_lookup(cfg)
-    source = build_prompt_source(cfg, env_cls)
-    if warning := turn_budget_warning(cfg, env_cls):
-        progress.note(f"warning: {warning}")
-    if (chance := getattr(env_cls, "chance_reward", None)) and (chance := chance(**cfg.run.env_kwargs)) is not None:
-        progress.chance_reward = chance
-        context.record(chance_reward=chance)
-    reward_fn = build_reward_fn(cfg)
-    check_hooks(cfg)  # slime's generate / rollout functions: loadable, with slime's arguments
-    replay = load_debug_rollouts(cfg.run.load_debug_rollout_data) if cfg.run.debug_train_only else None
-    eval_sets = load_eval_sets(cfg)
-    model_path = resolve_model(cfg, progress)
-    device = resolve_device(cfg)
-
+    with timeline.step("startup", "checks"):  # what fails fast on a bad flag: before anything starts
+        env_cls = build_env_lookup(cfg)
+        if warning := turn_budget_warning(cfg, env_cls):
+            progress.note(f"warning: {warning}")
+        if (chance := getattr(env_cls, "chance_reward", None)) and (chance := chance(**cfg.run.env_kwargs)) is not None:
+            progress.chance_reward = chance
+            context.record(chance_reward=chance)
+        reward_fn = build_reward_fn(cfg)
+        check_hooks(cfg)  # slime's generate / rollout functions: loadable, with slime's arguments
+        model_path = resolve_model(cfg, progress)
+        device = resolve_device(cfg)
     state = RunState()
     if cfg.run.load:
         ckpt = latest_checkpoint(Path(cfg.run.load))
         state = RunState.read(ckpt)
-        source.load_state_dict(state.data)
         model_path = ckpt / "model"
         progress.note(f"resumed from {ckpt}: iteration {state.rollout_id}, data position {state.data}, "
                       f"{len(state.pending_tasks)} launched tasks to re-run")
-    tokenizer = load_tokenizer(model_path)
     save_dir = Path(cfg.run.save or out / "checkpoints")
     context.record(device=device, model_path=str(model_path), resumed_from=state.rollout_id if cfg.run.load else None)
+    # The driver's own set-up (prompts, tokenizer, eval sets, the metrics writers) needs neither Ray
+    # nor the actors: it runs in a thread while Ray starts and the trainer and engines launch.
+    setup = Background(lambda: _driver_setup(cfg, env_cls, model_path, state, out, timeline))
 
-    start_ray(cfg)
-    engines, runlog, placement, watch, served = None, None, None, None, None
+    with timeline.step("startup", "ray"):
+        start_ray(cfg)
+    engines, runlog, placement, watch, trainer, served = None, None, None, None, None, None
+    debug_train_only = bool(cfg.run.debug_train_only)  # replays saved rollouts: no engines
     try:
         # one placement group: trainer rank(s) and engines, each a Ray actor in its bundle
-        placement = reserve_placement(cfg, device, trainer=not cfg.run.debug_rollout_only, engines=replay is None)
+        with timeline.step("startup", "placement"):
+            placement = reserve_placement(cfg, device, trainer=not cfg.run.debug_rollout_only,
+                                          engines=not debug_train_only)
+        # the trainer's actors build it (Megatron / torch init, the HF weights) while the engines start
         trainer = None if cfg.run.debug_rollout_only else RemoteTrainer(cfg, model_path, device, placement)
-        if trainer is not None and cfg.run.load:
-            trainer.load(latest_checkpoint(Path(cfg.run.load)))
+        setup.raise_if_failed()  # a bad data file stops the run before the engines' long start
         served = start_served_models(cfg, device=device, log_dir=out / "logs")  # --judge-load, a served OPD teacher
-        if replay is None:
-            engine_model = engine_model_path(cfg, model_path, out)  # --sglang-quantization fp8: a block-fp8 copy
-            engines = start_engines(cfg.rollout, model_path=str(engine_model), device=device, seed=cfg.run.seed,
-                                    log_dir=out / "logs", sglang_args=engine_sglang_args(cfg), router_args=cfg.router_args,
-                                    dtype=cfg.model.dtype, placement=placement, **lora_engine_args(cfg))
+        if not debug_train_only:
+            with timeline.step("startup", "engines"):
+                engine_model = engine_model_path(cfg, model_path, out)  # --sglang-quantization fp8: a block-fp8 copy
+                engines = start_engines(cfg.rollout, model_path=str(engine_model), device=device, seed=cfg.run.seed,
+                                        log_dir=out / "logs", sglang_args=engine_sglang_args(cfg),
+                                        router_args=cfg.router_args, dtype=cfg.model.dtype, placement=placement,
+                                        **lora_engine_args(cfg))
+            # SGLang's own steps, from its log: weights, KV pool, CUDA graphs, warm-up
+            for name, (begin, end) in engine_log_steps(out / "logs", since=timeline.started_at).items():
+                timeline.add("startup", name, begin - timeline.started_at, end - timeline.started_at)
             if trainer is not None:  # which trainer rank sits on each engine TP rank's GPU (weight sync)
                 trainer.engines_placed(engines.engine_urls)
             context.record(engines={"kind": engines.kind, "urls": engines.engine_urls, "generate_url": engines.url,
                                     "router": engines.router is not None})
+        if trainer is not None and cfg.run.load:  # queued behind the trainer's build, waited for here
+            with timeline.step("startup", "trainer_load"):
+                trainer.load(latest_checkpoint(Path(cfg.run.load)))
         context.record(placement=placement.describe(), trainer_ranks=len(placement.trainer_bundles))
         watch = NodeWatch(placement).start()  # a lost Ray node ends the run, naming the node
-        runlog = RunLog(out, tokenizer=tokenizer, wandb_run=start_wandb(cfg.run, cfg.model_dump(mode="json"), out))
+        with timeline.step("startup", "wait_setup"):
+            source, tokenizer, replay, eval_sets, runlog = setup.result()
         tune_gc_for_rollouts()  # what start-up built lives for the run: no collection walks it again
         asyncio.run(_loop(Run(cfg=cfg, trainer=trainer, engines=engines, tokenizer=tokenizer, source=source,
                               runlog=runlog, progress=progress, state=state, save_dir=save_dir, reward_fn=reward_fn,
-                              replay=replay, eval_sets=eval_sets, context=context)))
+                              replay=replay, eval_sets=eval_sets, context=context, timeline=timeline)))
         context.end("completed")
+        plotting = Background(runlog.plot)  # matplotlib's import and the plot, while the engines and Ray stop
     except BaseException as exc:
         context.end("interrupted" if isinstance(exc, KeyboardInterrupt) else f"failed: {type(exc).__name__}: {exc}")
         raise
     finally:
+        stop = functools.partial(timeline.step, "stop")
+        if runlog is None:  # failed before the set-up was taken: its writers still need closing
+            runlog = setup.result_or_none()[-1]
         if watch is not None:
-            watch.stop()
+            with stop("node_watch"):
+                watch.stop()
         if engines is not None:
-            engines.stop()
+            with stop("engines"):
+                stop_engines(engines)
         if served is not None:
-            served.stop()
+            with stop("served_models"):
+                served.stop()
+        if trainer is not None:
+            with stop("trainer"):
+                trainer.stop()
         if runlog is not None:
-            runlog.close()
+            with stop("metrics_close"):
+                runlog.close()
         progress.close()
-        if placement is not None:
-            placement.release()
-        stop_ray()
+        with stop("ray"):
+            if placement is not None:
+                placement.release()
+            stop_ray()
         remove_own_containers()
-    plot = runlog.plot()
+    with stop("plot"):
+        plot = plotting.result(timeout_s=120.0)
+    timeline.report("stop")
     if summary := progress.summary():
         progress.note(summary)
     progress.note(f"run folder: {out} (metrics.jsonl, tensorboard/, trajectories/, {plot.name}); checkpoints: {save_dir}")
     return out
+
+
+def _driver_setup(cfg: Config, env_cls, model_path: Path, state: "RunState", out: Path, timeline: Timeline):
+    """(prompt source, tokenizer, saved rollouts or None, eval sets, RunLog): the driver's part
+    of the start-up, which no actor waits for (run in a thread beside them)."""
+    with timeline.step("startup", "data_env"):
+        source = build_prompt_source(cfg, env_cls)
+        if cfg.run.load:
+            source.load_state_dict(state.data)
+        replay = load_debug_rollouts(cfg.run.load_debug_rollout_data) if cfg.run.debug_train_only else None
+        eval_sets = load_eval_sets(cfg)
+        tokenizer = load_tokenizer(model_path)
+        runlog = RunLog(out, tokenizer=tokenizer, wandb_run=start_wandb(cfg.run, cfg.model_dump(mode="json"), out))
+    return source, tokenizer, replay, eval_sets, runlog
+
+
+class Background:
+    """fn() in a daemon thread (Ctrl-C never waits for it); its result or its exception, once."""
+
+    def __init__(self, fn: Callable):
+        self._result, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="agentrl-setup", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._result = fn()
+        except BaseException as exc:  # re-raised in the caller's thread
+            self._error = exc
+
+    def raise_if_failed(self) -> None:
+        """Raise its exception now if it already failed; never waits."""
+        if not self._thread.is_alive() and self._error is not None:
+            raise self._error
+
+    def result(self, timeout_s: float = 3600.0):
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the driver's set-up (data, tokenizer, eval sets) took over {timeout_s:.0f} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def result_or_none(self, timeout_s: float = 10.0) -> tuple:
+        """For cleanup: the result if it came (5 Nones otherwise), never raising."""
+        self._thread.join(timeout_s)
+        return self._result if self._result is not None else (None,) * 5
 
 
 @dataclass
@@ -155,6 +230,7 @@ class Run:
     eval_sets: list[tuple[str, list[dict]]]
     context: RunContext  # run.json
     control: RolloutControl = field(default_factory=RolloutControl)  # the weight-update gate of the agent loops
+    timeline: Timeline | None = None  # start-up and stop steps (run.json); None: not recorded
 
 
 async def _loop(run: Run) -> None:
@@ -177,11 +253,13 @@ async def _loop(run: Run) -> None:
             run.progress.note("evaluating the starting model (--skip-eval-before-train skips it)")
             before_train = await evaluate_now(-1, prefix="eval_before_train")
         run.progress.start(total=r.num_rollout, completed=state.rollout_id)
+        first_iteration = state.rollout_id
         for rollout_id in range(state.rollout_id, r.num_rollout):
-            t_start = time.perf_counter()
+            t_start, at_start = time.perf_counter(), time.time()
             run.progress.phase("rollout")
             samples = await batches.next_batch(rollout_id, state.policy_version)
             t_rollout = time.perf_counter() - t_start
+            stages = rollout_stage_metrics(samples, at_start, time.time())  # the rollout phase, stage by stage
 
             fresh, stale = split_stale(samples, state.policy_version, r.max_staleness)
             masked = 0
@@ -189,7 +267,7 @@ async def _loop(run: Run) -> None:
                 masked = sum(s.mask_older_than(max(s.policy_versions, default=0)) for s in fresh)
             trained = await train_step(run, fresh, weights_lock) if run.trainer is not None else {"train_s": 0.0}
 
-            metrics = (rollout_metrics(rollout_id, samples, t_rollout) | before_train | trained
+            metrics = (rollout_metrics(rollout_id, samples, t_rollout) | stages | before_train | trained
                        | {"iteration_s": time.perf_counter() - t_start, "policy_version": state.policy_version,
                           "stale_dropped": len(stale), "trained_samples": len(fresh) if run.trainer is not None else 0,
                           "offpolicy_tokens_masked": masked} | batches.metrics() | run.source.metrics())
@@ -207,8 +285,34 @@ async def _loop(run: Run) -> None:
                 state.data = run.source.state_dict()
                 for key, value in batches.checkpoint().items():
                     setattr(state, key, value)
-                run.trainer.save(run.save_dir / f"iter_{rollout_id + 1:06d}", state.to_dict())
+                with _step(run, "stop", "final_checkpoint") if last else contextlib.nullcontext():
+                    run.trainer.save(run.save_dir / f"iter_{rollout_id + 1:06d}", state.to_dict())
             run.progress.iteration_done(metrics)
+            if rollout_id == first_iteration and run.timeline is not None:
+                await startup_done(run, at_start, metrics)
+        closing = time.time()  # the rollout side closes: producer, clients, sandboxes, tool servers
+    if run.timeline is not None:
+        run.timeline.add("stop", "rollout_close", closing - run.timeline.started_at, run.timeline.now())
+
+
+def _step(run: Run, part: str, name: str):
+    return run.timeline.step(part, name) if run.timeline is not None else contextlib.nullcontext()
+
+
+async def startup_done(run: Run, rollout_at: float, metrics: dict) -> None:
+    """After the run's first iteration: its start-up steps completed from what only now is known
+    (the trainer actors' own build, the first request, train step and weight sync), then printed."""
+    t = run.timeline
+    for key, name in (("train_s", "first_train_step_s"), ("weight_sync_s", "first_weight_sync_s")):
+        if key in metrics:  # durations, inside the first iteration (not moments: no pair)
+            t.context.record(**{name: round(metrics[key], 2)})
+    if "stage/first_request_after_s" in metrics:
+        t.mark("startup", "first_rollout_request", rollout_at + metrics["stage/first_request_after_s"])
+    t.mark("startup", "first_iteration_done")
+    if run.trainer is not None:
+        for name, span in (await run.trainer.startup_steps()).items():
+            t.add("startup", name, span[0] - t.started_at, span[1] - t.started_at)
+    t.report("startup")
 
 
 def eval_fn(run: Run, client: EngineClient, pool, handover, stack: contextlib.AsyncExitStack):

@@ -285,11 +285,18 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
     messages: list[dict] = []
     total_reward = 0.0
     reward_parts: dict[str, float] | None = None
+    # where this trajectory's time went, stage by stage (rollout_stage_metrics sums them per batch)
+    stages = sample.metadata.setdefault("stages", {})
+    clock = time.perf_counter
     try:
+        t0 = clock()
         obs, info = await env.areset(seed=seed, options=task or None)  # {}: a seed-only task
+        stages["reset_s"] = clock() - t0
         messages = as_messages(obs)
         tools = info.get("tools")
+        t0 = clock()
         seen, sample.prompt_tokens = renderer.prompt(messages, tools)  # the text of every token so far
+        stages["prompt_s"] = clock() - t0
         stops = set(settings.sampling_params.get("stop_token_ids") or []) | {renderer.tokenizer.eos_token_id}
         turn_limit = settings.max_turns or SAFETY_MAX_TURNS
         limit_reason = TRUNCATED_MAX_TURNS if settings.max_turns else TRUNCATED_SAFETY
@@ -308,13 +315,20 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
             before = seen
             while True:
                 if control is not None:
+                    t0 = clock()
                     await control.wait()  # closed while the weights change
-                t0 = time.perf_counter()
+                    _add(stages, "gate_wait_s", clock() - t0)
+                t0 = clock()
+                stages.setdefault("first_request_at", time.time())
                 result = await client.generate(sample.tokens, {**settings.sampling_params,
                                                                "max_new_tokens": budget - len(out)},
                                                session_id=trajectory_id, rid=f"{trajectory_id}-t{turn}-{len(out)}",
                                                lora_path=control.lora_adapter if control is not None else None)
-                timing.generate_s += time.perf_counter() - t0
+                timing.generate_s += clock() - t0
+                stages["last_reply_at"] = time.time()
+                _add(stages, "generate_s", clock() - t0)
+                _add(stages, "requests", 1)
+                t0 = clock()
                 sample.append_generated(result.output_ids, result.logprobs, _version(result.weight_version))
                 if getattr(result, "routed_experts", None) is not None:  # R3: the latest covers every token
                     sample.routed_experts = result.routed_experts
@@ -324,6 +338,7 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 seen = before + renderer.decode(out)
                 sample.metadata.setdefault("cached_tokens", []).append(result.cached_tokens)
                 sample.metadata.setdefault("turn_prompt_tokens", []).append(result.prompt_tokens)
+                _add(stages, "decode_s", clock() - t0)
                 resumable = control is not None and control.partial_rollout and len(out) < budget
                 if result.finish_reason == "abort" and resumable:
                     sample.metadata["resumed"] = sample.metadata.get("resumed", 0) + 1
@@ -332,8 +347,10 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
             if result.finish_reason == "abort":
                 status = SampleStatus.ABORTED
                 break
+            t0 = clock()
             content_ids = out[:-1] if result.finish_reason == "stop" and out and out[-1] in stops else out
             action = Action.build(renderer.decode(content_ids), content_ids, renderer.decode)
+            _add(stages, "decode_s", clock() - t0)
             messages.append({"role": "assistant", "content": str(action)})
 
             t0 = time.perf_counter()
@@ -342,6 +359,7 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
             except AgentFault as exc:  # any env: what the agent's output broke ends it scored 0, not FAILED
                 obs, reward, terminated, truncated, info = [], 0.0, True, False, {"agent_fault": f"{type(exc).__name__}: {exc}"}
             timing.env_s = time.perf_counter() - t0
+            _add(stages, "env_s", timing.env_s)
             if isinstance(info, dict) and isinstance(info.get("metrics"), dict):
                 # the env's own per-episode counts (searches, answered, ...): metrics env/NAME_mean
                 counts = sample.metadata.setdefault("env_metrics", {})
@@ -372,7 +390,9 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                     raise TemplateDriftError(f"turn {turn}: the text does not end with the stop token {stop_text!r}")
                 sample.retract_generated(len(stopped))
                 seen = seen[:len(seen) - len(stop_text)]
+            t0 = clock()
             extra, rendered = renderer.extension(sample, seen, messages, tools, turn + 1)
+            _add(stages, "render_s", clock() - t0)  # the chat template and the new suffix's tokens
             if sample.response_length + len(extra) >= settings.max_response_len:
                 truncation = TRUNCATED_NO_ROOM  # the env's message fills the response budget
                 break
@@ -390,14 +410,20 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
         sample.metadata["error"] = f"{type(exc).__name__}: {exc}"
         sample.metadata["traceback"] = traceback.format_exc()
     finally:
+        t0 = clock()
         try:
             await env.aclose()
         except Exception as exc:
             sample.metadata["close_error"] = repr(exc)
+        stages["close_s"] = clock() - t0
     sample.messages = messages
     if sample.prompt_tokens:
         sample.validate()
     return sample
+
+
+def _add(stages: dict, key: str, value: float) -> None:
+    stages[key] = stages.get(key, 0) + value
 
 
 def _valid_message(message: dict) -> dict:

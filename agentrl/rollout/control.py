@@ -23,4 +23,6 @@ class RolloutControl:
         self._open.set()
 
     async def wait(self) -> None:
+        if self._open.is_set():  # open (nearly always): no task, no trip through the event loop per request
+            return
         await asyncio.wait_for(self._open.wait(), self.wait_timeout_s)

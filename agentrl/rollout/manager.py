@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import time
 import traceback
 from typing import Any, Awaitable, Callable
 
@@ -93,7 +94,10 @@ class GroupRunner:
         return f"g{group_id}-s{k}" + (f"-a{attempt}" if attempt else "")
 
     async def _one(self, task: dict, group_id: int, k: int, attempt: int) -> list[Sample]:
+        queued = time.perf_counter()
         async with self.slots:
+            # the time queued for a --max-concurrency slot, and the env's construction (stage metrics)
+            started = time.perf_counter()
             traj_id = self._trajectory_id(group_id, k, attempt)
             seed = group_seed(self.run_seed, group_id)
             try:
@@ -108,10 +112,14 @@ class GroupRunner:
                     samples = await self.generate_fn(env, task, trajectory_id=traj_id, group_id=group_id, index=k,
                                                      seed=seed, env_name=env_name)
                 else:
+                    built = time.perf_counter()
                     sample = await run_trajectory(env, task, renderer=self.renderer, client=self.client,
                                                   settings=self.settings_for(env), trajectory_id=traj_id,
                                                   group_id=group_id, seed=seed, env_name=env_name,
                                                   control=self.control)
+                    stages = sample.metadata.setdefault("stages", {})
+                    stages |= {"slot_wait_s": started - queued, "build_env_s": built - started}
+                    rewarded = time.perf_counter()
                     if self.reward_fn is not None and sample.status != SampleStatus.FAILED:
                         try:
                             sample.metadata["env_reward"] = sample.reward
@@ -124,6 +132,7 @@ class GroupRunner:
                             sample.metadata["error"] = f"custom reward function: {exc!r}"
                             sample.metadata["traceback"] = traceback.format_exc()
                             sample.metadata["failure_kind"] = f"custom reward function (--custom-rm-path): {type(exc).__name__}"
+                    stages["reward_s"] = time.perf_counter() - rewarded
                     samples = [sample]
             if self.on_done is not None:
                 for sample in samples:

@@ -11,6 +11,12 @@
 #                                           (scenarios run side by side on different GPUs install once)
 #   bash scripts/gpu/run.sh weight_sync_1p5b  one GPU, ~3 min: the 1.5B shape's colocated weight sync by
 #                                           payload layout and bucket size (bench/weight_sync_bench.py)
+# Performance scenarios (issue 34, tests/gpu/test_perf_gpu.py), each under 8 minutes:
+#   bash scripts/gpu/run.sh startup_1p5b        a 2-iteration 1.5B colocated run: start-up and stop step by step
+#   bash scripts/gpu/run.sh rollout_phase_vs_bare; AGENTRL_NO_INSTALL=1 bash scripts/gpu/run.sh rollout_breakdown
+#                                               (same machine) the rollout phase's gap to a bare client, part by part
+#   bash scripts/gpu/run.sh async_repeats       (2 GPUs) sync vs async repeated, median and spread;
+#                                               AGENTRL_ASYNC_APPEND=1 on later calls adds repeats to one report
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 kit=${AGENTRL_KIT:-/root/agentrl-kit}; site=$kit/site
