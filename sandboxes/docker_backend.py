@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from . import bridge
 from .local_backend import claim_host_uid, release_host_uid, release_orphan_claims
 from .base import (OWNER_PID, OWNER_START, RUN_ID, WORKDIR, ImageNotFoundError,
                    Sandbox, SandboxError, cap_stderr, kill_cgroup, log, owner_alive, proc_status_number, reap_once)
@@ -80,6 +81,7 @@ class DockerSandbox(Sandbox):
         self.image = image
         self.container = None
         self._main_pid: int | None = None  # host pid of the container's `sleep infinity`
+        self.bridge_dir: Path | None = None  # mounted at bridge.INSIDE (see bridge.py)
         if shutil.which("docker") is None:
             raise SandboxError("the docker backend needs the docker CLI (apt-get install docker.io)")
 
@@ -106,6 +108,7 @@ class DockerSandbox(Sandbox):
                   "agentrl.owner_start": str(OWNER_START), "agentrl.owner_host": HOST,
                   "agentrl.sandbox_id": self.id}
         from docker.types import Ulimit
+        self.bridge_dir = bridge.make_dir(bridge.docker_root() / self.id, self.uid)
         try:
             self.container = client.containers.run(
                 self.image, ["sleep", "infinity"], name=f"agentrl-{self.id}", detach=True,
@@ -124,7 +127,8 @@ class DockerSandbox(Sandbox):
                 tmpfs={WORKDIR: f"size={lim.workdir_mb}m,uid={self.uid},gid={self.uid},mode=0755,exec",
                        "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec"},
                 shm_size=f"{min(lim.tmp_mb, 64)}m",
-                volumes={h: {"bind": s, "mode": "ro"} for h, s in self.mounts.items()},
+                volumes={**{h: {"bind": s, "mode": "ro"} for h, s in self.mounts.items()},
+                         str(self.bridge_dir): {"bind": bridge.INSIDE, "mode": "ro"}},
                 environment={**self.env, "AGENTRL_SANDBOX_UID": str(self.uid)}, working_dir=WORKDIR)
         except docker.errors.APIError as e:
             raise SandboxError(f"docker sandbox {self.id}: cannot start a container of "
@@ -177,6 +181,7 @@ class DockerSandbox(Sandbox):
         await asyncio.to_thread(self._destroy_sync)
 
     def _destroy_sync(self) -> None:
+        bridge.remove_dir(self.bridge_dir)
         if self.container is None:
             release_host_uid(self.uid)
             return
@@ -243,6 +248,10 @@ def reap(everything: bool = False) -> list[str]:
         except Exception as e:
             log.warning("reap: cannot remove %s: %s", c.name, e)
     release_orphan_claims()
+    try:
+        bridge.reap_docker_dirs({c.labels.get("agentrl.sandbox_id", "") for c in list_containers()})
+    except OSError as e:
+        log.warning("reap: cannot remove stale bridge dirs: %s", e)
     if removed:
         log.info("reaped %d docker sandbox(es) of dead runs: %s", len(removed), ", ".join(removed))
     return removed

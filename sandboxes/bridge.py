@@ -1,0 +1,160 @@
+"""The bridge: how a process in a sandbox with no network reaches one host service (the
+gateway of its trajectory), and nothing else.
+
+Every sandbox gets a host directory of its own (`Sandbox.bridge_dir`), mounted read-only at
+`INSIDE` (/run/agentrl) when the sandbox is made: root-owned, mode 0711 (the sandbox's uid
+can pass through it, not list it), so only that sandbox sees what the host puts there. The
+host serves a session on a unix socket in it (`socket_path`: a fresh name per session, owned
+by the sandbox's uid, mode 0600: another uid cannot connect, and another sandbox does not
+even see the path). The socket, not a key, tells the server whose session a request is.
+
+Inside, `FORWARDER` (python3, standard library only) listens on 127.0.0.1 (every sandbox has
+its own loopback: docker's `--network none` and bubblewrap's `--unshare-net` both keep `lo`),
+starts the command with OPENAI_BASE_URL=http://127.0.0.1:PORT/v1, and copies each TCP
+connection to the unix socket, so any client (the `openai` package, curl, any language)
+works unchanged. It also bounds the command's output (stdout and stderr together): past
+the bound it kills the command's process group and exits FLOOD_EXIT, so a flood ends at
+once instead of at the time bound; the exec server's own per-stream bound holds anyway.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+INSIDE = "/run/agentrl"  # where a sandbox sees its bridge dir
+FLOOD_EXIT = 121  # the forwarder stopped a command that printed past its bound
+NO_LOOPBACK_EXIT = 120  # the sandbox had no loopback to listen on (infrastructure, not the agent)
+FLOOD_NOTE = "agentrl-bridge: output past"
+MARGIN = 4096  # room in the exec server's per-stream bound for the forwarder's own note
+
+FORWARDER = r'''
+import asyncio, os, signal, sys
+SOCK, CAP, CMD = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+state = {"out": 0, "flood": False}
+
+async def copy(reader, writer):
+    try:
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                break
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (OSError, RuntimeError):
+        pass
+
+async def relay(cr, cw):
+    try:
+        ur, uw = await asyncio.open_unix_connection(SOCK)
+    except OSError as e:
+        sys.stderr.write("agentrl-bridge: cannot reach the gateway at %s: %s\n" % (SOCK, e))
+        cw.close()
+        return
+    await asyncio.gather(copy(cr, uw), copy(ur, cw))
+    for w in (uw, cw):
+        w.close()
+
+async def pump(stream, out, child):
+    while True:
+        data = await stream.read(65536)
+        if not data:
+            return
+        room = CAP - state["out"]
+        state["out"] += len(data)
+        out.write(data[:max(room, 0)])
+        out.flush()
+        if len(data) > room and not state["flood"]:
+            state["flood"] = True
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            sys.stderr.write("\nagentrl-bridge: output past %d bytes: the command was stopped\n" % CAP)
+            sys.stderr.flush()
+            return
+
+async def main():
+    try:
+        server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    except OSError as e:
+        sys.stderr.write("agentrl-bridge: no loopback in the sandbox: %s\n" % e)
+        return 120
+    port = server.sockets[0].getsockname()[1]
+    env = dict(os.environ, OPENAI_BASE_URL="http://127.0.0.1:%d/v1" % port,
+               OPENAI_API_BASE="http://127.0.0.1:%d/v1" % port)
+    child = await asyncio.create_subprocess_exec(
+        "/bin/sh", "-c", CMD, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, start_new_session=True)
+    pumps = asyncio.gather(pump(child.stdout, sys.stdout.buffer, child), pump(child.stderr, sys.stderr.buffer, child))
+    code = await child.wait()
+    try:  # what it printed last; a process it left holding the pipes is not waited for
+        await asyncio.wait_for(pumps, 1.0)
+    except asyncio.TimeoutError:
+        pass
+    server.close()
+    if state["flood"]:
+        return 121
+    return code if code >= 0 else 128 - code
+
+sys.exit(asyncio.run(main()))
+'''
+
+
+def forwarder_argv(socket_inside: str, command: str, output_bytes: int) -> list[str]:
+    """The argv, run in the sandbox, that starts `command` behind the forwarder."""
+    return ["python3", "-I", "-c", FORWARDER, socket_inside, str(int(output_bytes)), command]
+
+
+def make_dir(path: Path, uid: int) -> Path:
+    """Create a sandbox's bridge dir: root's, 0711 when we are root (the sandbox's uid only passes
+    through); else ours, 0700 (unprivileged sandboxes run as us). `uid` is the sandbox's host uid."""
+    path.mkdir(parents=True, mode=0o711 if os.geteuid() == 0 else 0o700)
+    path.chmod(0o711 if os.geteuid() == 0 else 0o700)
+    return path
+
+
+def docker_root() -> Path:
+    """Where docker sandboxes' bridge dirs live on the host (one per container id)."""
+    from .local_backend import state_root
+
+    root = state_root() / ".bridge"
+    root.mkdir(parents=True, exist_ok=True, mode=0o711)
+    return root
+
+
+def remove_dir(path: Path | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def reap_docker_dirs(live_ids: set[str]) -> None:
+    """Remove the bridge dirs of docker sandboxes that no longer exist (and are a minute old: another
+    process's container may be starting with its dir)."""
+    import time
+
+    for d in docker_root().iterdir():
+        try:
+            old = time.time() - d.stat().st_mtime > 60
+        except OSError:
+            continue
+        if d.name not in live_ids and old:
+            remove_dir(d)
+
+
+def socket_path(sandbox) -> tuple[Path, str]:
+    """A fresh socket name in `sandbox`'s bridge dir: (host path, path inside)."""
+    if getattr(sandbox, "bridge_dir", None) is None:
+        raise RuntimeError(f"sandbox {sandbox.id} ({sandbox.backend}) has no bridge dir")
+    name = f"s-{secrets.token_hex(8)}.sock"
+    return sandbox.bridge_dir / name, f"{INSIDE}/{name}"
+
+
+def secure_socket(path: Path, uid: int | None) -> None:
+    """Make a just-bound socket the sandbox uid's alone (mode 0600)."""
+    os.chmod(path, 0o600)
+    if os.geteuid() == 0 and uid is not None:
+        os.chown(path, uid, uid)
