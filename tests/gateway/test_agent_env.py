@@ -71,7 +71,7 @@ async def returns_text(task, client):
     return "not a number"
 
 
-agent_env("test-gw-command", grader="math", timeout_s=60, command=(
+agent_env("test-gw-command", grader="math", timeout_s=60, sandbox=False, command=(
     f"{sys.executable} -c \"import json, os, openai; task = json.loads(os.environ['AGENTRL_TASK']); "
     "c = openai.OpenAI(max_retries=0); "
     "r = c.chat.completions.create(model='x', messages=[{'role': 'user', 'content': task['prompt']}]); "
