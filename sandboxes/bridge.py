@@ -1,9 +1,10 @@
 """The bridge: how a process in a sandbox with no network reaches one host service (the
 gateway of its trajectory), and nothing else.
 
-Every sandbox gets a host directory of its own (`Sandbox.bridge_dir`), mounted read-only at
-`INSIDE` (/run/agentrl) when the sandbox is made: root-owned, mode 0711 (the sandbox's uid
-can pass through it, not list it), so only that sandbox sees what the host puts there. The
+Every sandbox gets a host directory of its own (`Sandbox.bridge_dir`; in a tmpfs as root, so
+no host path shows inside), mounted read-only at `INSIDE` (/agentrl) when it is made:
+root-owned, mode 0711 (the sandbox's uid can pass through it, not list it), so only that
+sandbox sees what the host puts there. The
 host serves a session on a unix socket in it (`socket_path`: a fresh name per session, owned
 by the sandbox's uid, mode 0600: another uid cannot connect, and another sandbox does not
 even see the path). The socket, not a key, tells the server whose session a request is.
@@ -18,12 +19,13 @@ once instead of at the time bound; the exec server's own per-stream bound holds 
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import shutil
 from pathlib import Path
 
-INSIDE = "/run/agentrl"  # where a sandbox sees its bridge dir
+INSIDE = "/agentrl"  # where a sandbox sees its bridge dir (a top-level dir of its own: no host /run shows)
 FLOOD_EXIT = 121  # the forwarder stopped a command that printed past its bound
 NO_LOOPBACK_EXIT = 120  # the sandbox had no loopback to listen on (infrastructure, not the agent)
 FLOOD_NOTE = "agentrl-bridge: output past"
@@ -118,12 +120,18 @@ def make_dir(path: Path, uid: int) -> Path:
 
 
 def docker_root() -> Path:
-    """Where docker sandboxes' bridge dirs live on the host (one per container id)."""
-    from .local_backend import state_root
+    """Where docker sandboxes' bridge dirs live on the host: in the staging tmpfs (as root), so a
+    container's mountinfo shows "/bridges/<hash>", no host path (see stage.stage_root)."""
+    from .stage import stage_root
 
-    root = state_root() / ".bridge"
+    root = stage_root() / "bridges"
     root.mkdir(parents=True, exist_ok=True, mode=0o711)
     return root
+
+
+def docker_dir(sandbox_id: str) -> Path:
+    """A docker sandbox's bridge dir (named by a hash: "sbx-" names nothing inside)."""
+    return docker_root() / hashlib.sha256(sandbox_id.encode()).hexdigest()[:16]
 
 
 def remove_dir(path: Path | None) -> None:
@@ -136,12 +144,13 @@ def reap_docker_dirs(live_ids: set[str]) -> None:
     process's container may be starting with its dir)."""
     import time
 
+    live = {docker_dir(i).name for i in live_ids}
     for d in docker_root().iterdir():
         try:
             old = time.time() - d.stat().st_mtime > 60
         except OSError:
             continue
-        if d.name not in live_ids and old:
+        if d.name not in live and old:
             remove_dir(d)
 
 

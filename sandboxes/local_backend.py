@@ -232,7 +232,8 @@ class LocalSandbox(Sandbox):
                   "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         for host, inside in self.mounts.items():
             fixed += ["--ro-bind", host, inside]
-        self.bridge_dir = bridge.make_dir(self.root / "bridge", self.host_uid)
+        # in the tmpfs (as root), like /etc's files: its mount shows as "/bridge", not a host path
+        self.bridge_dir = bridge.make_dir((self.fs if root else self.root) / "bridge", self.host_uid)
         fixed += ["--ro-bind", str(self.bridge_dir), bridge.INSIDE]
         self.bwrap_args = self.root / "bwrap.args"
         self.bwrap_args.write_bytes(b"".join(a.encode() + b"\0" for a in fixed))

@@ -147,7 +147,7 @@ try:
 except OSError as e:
     out["a_socket"] = type(e).__name__
 try:
-    out["listing"] = os.listdir("/run/agentrl")
+    out["listing"] = os.listdir("/agentrl")
 except OSError as e:
     out["listing"] = type(e).__name__
 host, port = tcp.rsplit(":", 1)
