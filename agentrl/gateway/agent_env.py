@@ -89,6 +89,8 @@ class AgentEnv(Env):
         given = grader_kwargs.pop("sandbox", None)  # the run's pool (build.tool_kwargs), or --env-kwargs'
         if given is not None and self.command is not None and self.sandbox:
             self.sandbox = given
+        elif given is None and self.command is not None and hasattr(self.sandbox, "get"):
+            given = self.sandbox  # the decorator's own pool (an image of the user's): the grader's too
         if given is not None and self.grader is not None and _takes_sandbox(self.grader):
             grader_kwargs["sandbox"] = given  # one pool for the grader's sandbox and the command's
         self.grader_kwargs = grader_kwargs  # --env-kwargs, for the grader env
