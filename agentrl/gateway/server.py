@@ -16,6 +16,7 @@ disconnects mid-stream loses nothing already recorded.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -28,6 +29,27 @@ from agentrl.gateway.protocol import RequestError, completion, parse_request, st
 from agentrl.gateway.session import Session
 
 SESSION_PREFIX = "/s/{key}/v1"
+MAX_SOCKET_CONNECTIONS = 16  # open connections per bound unix socket: a sandbox cannot take the host's fds
+
+
+class _Refuse(asyncio.Protocol):
+    def connection_made(self, transport):
+        transport.close()
+
+
+class _BoundedUnixSite(web.UnixSite):
+    """A UnixSite that holds at most MAX_SOCKET_CONNECTIONS connections open; more are closed at once."""
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server, path = self._runner.server, str(self._path)
+
+        def protocol():
+            live = sum(1 for h in server.connections
+                       if h.transport is not None and h.transport.get_extra_info("sockname") == path)
+            return server() if live < MAX_SOCKET_CONNECTIONS else _Refuse()
+
+        self._server = await asyncio.get_running_loop().create_unix_server(protocol, path, backlog=self._backlog)
 
 
 def _error(exc: RequestError) -> web.Response:
@@ -97,7 +119,7 @@ class Gateway:
         if self._runner is None or key not in self.sessions:
             raise RuntimeError("Gateway.bind: start() the gateway and open() the session first")
         path = str(path)
-        site = web.UnixSite(self._runner, path)
+        site = _BoundedUnixSite(self._runner, path)
         await site.start()
         self._sites[path] = site
         os.chmod(path, 0o600)
