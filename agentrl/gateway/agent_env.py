@@ -123,7 +123,8 @@ def agent_env(name: str, *, command: str | None = None, reward: Callable | None 
     """Register an agent env: decorate `async def agent(task, client)`, or call with `command=`
     (and no function: ``agent_env("name", command="...")(None)``). `sandbox` and
     `sandbox_limits` are a command's (see the module docstring); `sandbox=False`: on the host."""
-    if sandbox is True or (sandbox and not isinstance(sandbox, str) and not hasattr(sandbox, "get")):
+    if sandbox is True or (isinstance(sandbox, str) and sandbox not in ("auto", "local", "docker")) or \
+            (sandbox and not isinstance(sandbox, str) and not hasattr(sandbox, "get")):
         raise TypeError(f"@agent_env({name!r}): sandbox must be 'auto', 'local', 'docker', a SandboxPool or False, "
                         f"got {sandbox!r}")
 
@@ -285,6 +286,7 @@ class AgentRunner:
             sample.metadata["tool_calls"] = sum(m.get("role") == "tool" for m in sample.messages)
             if place.sandbox is not None:
                 sample.metadata["sandbox"] = place.sandbox.backend
+                sample.metadata["agent_command_s"] = place.command_s
             if fault is not None:
                 sample.metadata["agent_fault"] = fault
                 if fault.startswith("the agent raised") and tb:
@@ -327,7 +329,7 @@ class AgentRunner:
     async def _play(self, env: AgentEnv, task: dict, base_url: str, key: str, place: "_Place",
                     socket_inside: str | None):
         if env.command is not None and place.sandbox is not None:
-            return await _run_in_sandbox(env, place.sandbox, socket_inside, task, key, place.messages)
+            return await _run_in_sandbox(env, place, socket_inside, task, key)
         if env.command is not None:
             return await _run_command(env.command, task, base_url, key, env.timeout_s)
         import openai
@@ -378,19 +380,23 @@ class _Place:
     grader: Env | None = None
     sandbox: Any = None
     messages: list | None = None  # the grader env's first messages (AGENTRL_MESSAGES)
+    command_s: float | None = None  # how long the command ran
 
 
-async def _run_in_sandbox(env: AgentEnv, sb, socket_inside: str, task: dict, key: str, messages) -> str:
-    """Run the command in `sb` behind the bridge's forwarder; its output's last line, or CommandFault."""
+async def _run_in_sandbox(env: AgentEnv, place: _Place, socket_inside: str, task: dict, key: str) -> str:
+    """Run the command in the place's sandbox behind the bridge's forwarder; its output's last line,
+    or CommandFault."""
     from agentrl.sandboxes import bridge
 
+    sb = place.sandbox
     cap = sb.limits.output_bytes
     variables = {"OPENAI_API_KEY": key,
                  "AGENTRL_TASK": json.dumps({k: v for k, v in task.items() if k != "label"}, default=str)}
-    if messages:
-        variables["AGENTRL_MESSAGES"] = json.dumps(messages, default=str)
+    if place.messages:
+        variables["AGENTRL_MESSAGES"] = json.dumps(place.messages, default=str)
     r = await sb.exec(bridge.forwarder_argv(socket_inside, env.command, cap), timeout=env.timeout_s,
                       env=variables, output_limit=cap + bridge.MARGIN)
+    place.command_s = r.duration_s
     tail = r.stderr[-COMMAND_OUTPUT_TAIL:]
     if r.timed_out:
         raise CommandFault(f"timeout: the agent ran past {env.timeout_s:g} s")

@@ -209,4 +209,5 @@ def test_a_command_that_hangs_or_floods_ends_within_its_bound(tokenizer, backend
     sample = samples[0]
     assert sample.metadata["agent_fault"] == reason and sample.reward == 0.0  # the reward function never ran
     assert sample.status == SampleStatus.COMPLETED and sample.num_trained_tokens > 0  # scored 0, trained on
-    assert took < bound_s + 30, took  # the sandbox's start and stop included
+    assert sample.metadata["agent_command_s"] < bound_s + 5, sample.metadata  # the command itself
+    assert took < bound_s + 120, took  # with the sandbox's start and stop, on a loaded machine

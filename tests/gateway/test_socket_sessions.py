@@ -80,3 +80,13 @@ def test_a_socket_holds_a_bounded_number_of_connections(tokenizer, tmp_path):
 
     refused, status = asyncio.run(go())
     assert refused == 4 and status == 200
+
+
+def test_a_wrong_sandbox_is_named_at_the_decorator():
+    import pytest
+
+    from agentrl.gateway import agent_env
+
+    for wrong in ("dockr", True, 3):
+        with pytest.raises(TypeError, match="test-gw-wrong-sandbox.*sandbox must be"):
+            agent_env("test-gw-wrong-sandbox", command="true", sandbox=wrong)
