@@ -53,6 +53,11 @@ agent_env("test-gw-sbx-flood", timeout_s=60, reward=lambda task, result: 1.0, sa
                   "\"$OPENAI_BASE_URL/chat/completions\"; yes flood")(None)
 
 
+agent_env("test-gw-sbx-math", grader="math", timeout_s=60, command=(
+    "curl -s -H 'Content-Type: application/json' -d '{\"model\": \"m\", \"messages\": [{\"role\": \"user\", "
+    "\"content\": \"1+2?\"}]}' \"$OPENAI_BASE_URL/chat/completions\" | jq -r '.choices[0].message.content'"))(None)
+
+
 def _skip_unless(backend: str) -> None:
     from agentrl.sandboxes import resolve_backend
 
@@ -211,3 +216,22 @@ def test_a_command_that_hangs_or_floods_ends_within_its_bound(tokenizer, backend
     assert sample.status == SampleStatus.COMPLETED and sample.num_trained_tokens > 0  # scored 0, trained on
     assert sample.metadata["agent_command_s"] < bound_s + 5, sample.metadata  # the command itself
     assert took < bound_s + 120, took  # with the sandbox's start and stop, on a loaded machine
+
+
+def test_a_command_with_a_grader_without_sandbox_gets_one_from_the_pool(tokenizer):
+    """The math grader has no sandbox: the command gets one of the run's pool (curl and jq, no Python)."""
+    _skip_unless("local")
+    engine = ScriptedEngine(tokenizer, ["so \\boxed{3}"])
+
+    async def go():
+        pool = await _pool("local")
+        try:
+            samples = await _play(tokenizer, engine, "test-gw-sbx-math", sandbox=pool)
+            return samples, pool.metrics()
+        finally:
+            await pool.close()
+
+    samples, metrics = asyncio.run(go())
+    assert len(samples) == 1 and "agent_fault" not in samples[0].metadata, samples[0].metadata
+    assert samples[0].metadata["agent_output"] == "so \\boxed{3}" and samples[0].reward == 1.0
+    assert samples[0].metadata["sandbox"] == "local" and metrics["acquired"] == 1
