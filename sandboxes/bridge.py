@@ -4,10 +4,10 @@ gateway of its trajectory), and nothing else.
 Every sandbox gets a host directory of its own (`Sandbox.bridge_dir`; in a tmpfs as root, so
 no host path shows inside), mounted read-only at `INSIDE` (/agentrl) when it is made:
 root-owned, mode 0711 (the sandbox's uid can pass through it, not list it), so only that
-sandbox sees what the host puts there. The
-host serves a session on a unix socket in it (`socket_path`: a fresh name per session, owned
-by the sandbox's uid, mode 0600: another uid cannot connect, and another sandbox does not
-even see the path). The socket, not a key, tells the server whose session a request is.
+sandbox sees what the host puts there. The host serves a session on a unix socket in it
+(`socket_path`: a fresh name per session; agentrl.gateway's `Gateway.bind` makes it the
+sandbox uid's, mode 0600: another uid cannot connect, and another sandbox does not even see
+the path). The socket, not a key, tells the server whose session a request is.
 
 Inside, `FORWARDER` (python3, standard library only) listens on 127.0.0.1 (every sandbox has
 its own loopback: docker's `--network none` and bubblewrap's `--unshare-net` both keep `lo`),
@@ -26,7 +26,8 @@ import shutil
 from pathlib import Path
 
 INSIDE = "/agentrl"  # where a sandbox sees its bridge dir (a top-level dir of its own: no host /run shows)
-FLOOD_EXIT = 121  # the forwarder stopped a command that printed past its bound
+# the forwarder's exit codes (written as numbers in its source)
+FLOOD_EXIT = 121  # it stopped a command that printed past its bound
 NO_LOOPBACK_EXIT = 120  # the sandbox had no loopback to listen on (infrastructure, not the agent)
 FLOOD_NOTE = "agentrl-bridge: output past"
 MARGIN = 4096  # room in the exec server's per-stream bound for the forwarder's own note
@@ -111,9 +112,9 @@ def forwarder_argv(socket_inside: str, command: str, output_bytes: int) -> list[
     return ["python3", "-I", "-c", FORWARDER, socket_inside, str(int(output_bytes)), command]
 
 
-def make_dir(path: Path, uid: int) -> Path:
+def make_dir(path: Path) -> Path:
     """Create a sandbox's bridge dir: root's, 0711 when we are root (the sandbox's uid only passes
-    through); else ours, 0700 (unprivileged sandboxes run as us). `uid` is the sandbox's host uid."""
+    through); else ours, 0700 (unprivileged sandboxes run as us)."""
     path.mkdir(parents=True, mode=0o711 if os.geteuid() == 0 else 0o700)
     path.chmod(0o711 if os.geteuid() == 0 else 0o700)
     return path
@@ -160,10 +161,3 @@ def socket_path(sandbox) -> tuple[Path, str]:
         raise RuntimeError(f"sandbox {sandbox.id} ({sandbox.backend}) has no bridge dir")
     name = f"s-{secrets.token_hex(8)}.sock"
     return sandbox.bridge_dir / name, f"{INSIDE}/{name}"
-
-
-def secure_socket(path: Path, uid: int | None) -> None:
-    """Make a just-bound socket the sandbox uid's alone (mode 0600)."""
-    os.chmod(path, 0o600)
-    if os.geteuid() == 0 and uid is not None:
-        os.chown(path, uid, uid)

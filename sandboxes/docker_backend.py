@@ -108,7 +108,7 @@ class DockerSandbox(Sandbox):
                   "agentrl.owner_start": str(OWNER_START), "agentrl.owner_host": HOST,
                   "agentrl.sandbox_id": self.id}
         from docker.types import Ulimit
-        self.bridge_dir = bridge.make_dir(bridge.docker_dir(self.id), self.uid)
+        self.bridge_dir = bridge.make_dir(bridge.docker_dir(self.id))
         try:
             self.container = client.containers.run(
                 self.image, ["sleep", "infinity"], name=f"agentrl-{self.id}", detach=True,

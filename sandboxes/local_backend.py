@@ -233,7 +233,7 @@ class LocalSandbox(Sandbox):
         for host, inside in self.mounts.items():
             fixed += ["--ro-bind", host, inside]
         # in the tmpfs (as root), like /etc's files: its mount shows as "/bridge", not a host path
-        self.bridge_dir = bridge.make_dir((self.fs if root else self.root) / "bridge", self.host_uid)
+        self.bridge_dir = bridge.make_dir((self.fs if root else self.root) / "bridge")
         fixed += ["--ro-bind", str(self.bridge_dir), bridge.INSIDE]
         self.bwrap_args = self.root / "bwrap.args"
         self.bwrap_args.write_bytes(b"".join(a.encode() + b"\0" for a in fixed))
