@@ -142,3 +142,24 @@ def test_agent_env_lends_the_graders_tasks_and_label_requirement():
     assert cls.needs_label and next(iter(cls.dataset(seed=0)))["label"] is not None
     with pytest.raises(TypeError, match="async def"):
         agent_env("test-gw-sync")(lambda task, client: None)
+
+
+def test_a_command_agents_sandbox_is_shared_with_its_grader():
+    """The run's pool (or the decorator's own, say of a custom image) serves the command and the
+    grader env alike, so the grading sees the command's files; a grader without a sandbox gets none."""
+    from agentrl.sandboxes import SandboxPool, resolve_backend
+
+    try:
+        resolve_backend("local")
+    except Exception as e:
+        pytest.skip(f"local sandbox unavailable: {e}")
+    pool, run_pool = SandboxPool("local", warm=0, max_active=2), SandboxPool("local", warm=0, max_active=2)
+    agent_env("test-gw-own-pool", grader="code", sandbox=pool, command="true")(None)
+    env = make("test-gw-own-pool")
+    assert env.sandbox is pool and env.grader_kwargs["sandbox"] is pool
+    env = make("test-gw-own-pool", sandbox=run_pool)  # what `agentrl train` passes (build.tool_kwargs)
+    assert env.sandbox is run_pool and env.grader_kwargs["sandbox"] is run_pool
+    agent_env("test-gw-math-pool", grader="math", command="true")(None)
+    env = make("test-gw-math-pool", sandbox=run_pool)
+    assert env.sandbox is run_pool and "sandbox" not in env.grader_kwargs  # math takes none
+    assert make("test-gw-command").sandbox is None  # sandbox=False: a host subprocess
