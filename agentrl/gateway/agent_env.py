@@ -253,7 +253,8 @@ class AgentRunner:
             elif isinstance(playing.exception(), CommandFault):
                 fault = str(playing.exception())
             elif _is_sandbox_error(playing.exception()):  # the sandbox broke, not the agent: masked
-                failure, tb = f"sandbox: {playing.exception()}", "".join(traceback.format_exception(playing.exception()))
+                exc = playing.exception()
+                failure, tb = f"sandbox: {exc}", "".join(traceback.format_exception(exc))
             elif playing.exception() is not None:
                 exc = playing.exception()
                 fault = f"the agent raised {type(exc).__name__}: {exc}"
