@@ -163,3 +163,63 @@ def test_a_command_agents_sandbox_is_shared_with_its_grader():
     env = make("test-gw-math-pool", sandbox=run_pool)
     assert env.sandbox is run_pool and "sandbox" not in env.grader_kwargs  # math takes none
     assert make("test-gw-command").sandbox is None  # sandbox=False: a host subprocess
+
+
+def test_a_sandbox_that_cannot_be_had_fails_the_trajectory_not_the_agent(tokenizer):
+    """Infrastructure, not the agent's doing: the sample is FAILED (masked), never scored 0."""
+    from agentrl.sandboxes import SandboxError
+
+    class NoSandboxes:
+        async def get(self):
+            raise SandboxError("no sandbox today")
+
+        async def release(self, sb):
+            pass
+
+    agent_env("test-gw-no-sandbox", command="true")(None)
+    engine = ScriptedEngine(tokenizer, [])
+
+    async def go():
+        runner = AgentRunner(renderer=Renderer(tokenizer, True), client=engine, settings_for=lambda env: settings())
+        try:
+            return await runner(make("test-gw-no-sandbox", sandbox=NoSandboxes()), {"prompt": "hi"},
+                                trajectory_id="g0-s0", group_id=0, index=0, seed=0, env_name="test-gw-no-sandbox")
+        finally:
+            await runner.aclose()
+
+    samples = asyncio.run(go())
+    assert len(samples) == 1 and samples[0].status == SampleStatus.FAILED and not engine.calls
+    assert samples[0].metadata["error"] == "setting up the agent's sandbox: SandboxError: no sandbox today"
+
+
+def test_a_sandbox_that_dies_under_the_command_fails_the_trajectory(tokenizer, tmp_path):
+    from agentrl.sandboxes import SandboxError, SandboxLimits
+
+    class DyingBox:
+        id, backend, uid, limits, bridge_dir = "fake", "fake", None, SandboxLimits(), tmp_path
+
+        async def exec(self, *args, **kw):
+            raise SandboxError("the container died")
+
+    class Pool:
+        async def get(self):
+            return DyingBox()
+
+        async def release(self, sb):
+            pass
+
+    agent_env("test-gw-dying-sandbox", command="true")(None)
+
+    async def go():
+        runner = AgentRunner(renderer=Renderer(tokenizer, True), client=ScriptedEngine(tokenizer, []),
+                             settings_for=lambda env: settings())
+        try:
+            return await runner(make("test-gw-dying-sandbox", sandbox=Pool()), {"prompt": "hi"},
+                                trajectory_id="g0-s0", group_id=0, index=0, seed=0, env_name="test-gw-dying-sandbox")
+        finally:
+            await runner.aclose()
+
+    samples = asyncio.run(go())
+    assert len(samples) == 1 and samples[0].status == SampleStatus.FAILED
+    assert samples[0].metadata["error"] == "sandbox: the container died" and "agent_fault" not in samples[0].metadata
+    assert list(tmp_path.iterdir()) == []  # the session's socket is gone with it
