@@ -32,10 +32,12 @@ NO_LOOPBACK_EXIT = 120  # the sandbox had no loopback to listen on (infrastructu
 FLOOD_NOTE = "agentrl-bridge: output past"
 MARGIN = 4096  # room in the exec server's per-stream bound for the forwarder's own note
 
+# The relay runs on an asyncio loop in a thread; the command is a plain Popen the main thread
+# waits on (an asyncio subprocess's wait() was seen to hang in the docker image's python 3.11
+# after the command was killed).
 FORWARDER = r'''
-import asyncio, os, signal, sys
+import asyncio, os, selectors, signal, socket, subprocess, sys, threading, time
 SOCK, CAP, CMD = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-state = {"out": 0, "flood": False}
 
 async def copy(reader, writer):
     try:
@@ -61,49 +63,52 @@ async def relay(cr, cw):
     for w in (uw, cw):
         w.close()
 
-async def pump(stream, out, child):
-    while True:
-        data = await stream.read(65536)
+async def serve(listener):
+    server = await asyncio.start_server(relay, sock=listener)
+    await server.serve_forever()
+
+try:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+except OSError as e:
+    sys.stderr.write("agentrl-bridge: no loopback in the sandbox: %s\n" % e)
+    sys.exit(120)
+port = listener.getsockname()[1]
+threading.Thread(target=asyncio.run, args=(serve(listener),), daemon=True).start()
+env = dict(os.environ, OPENAI_BASE_URL="http://127.0.0.1:%d/v1" % port, OPENAI_API_BASE="http://127.0.0.1:%d/v1" % port)
+child = subprocess.Popen(["/bin/sh", "-c", CMD], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, start_new_session=True)
+outs = {child.stdout.fileno(): sys.stdout.buffer, child.stderr.fileno(): sys.stderr.buffer}
+sel = selectors.DefaultSelector()
+for fd in outs:
+    sel.register(fd, selectors.EVENT_READ)
+total, flood, exited = 0, False, None
+while sel.get_map() and not flood:
+    for key, _ in sel.select(0.1):
+        data = os.read(key.fd, 65536)
         if not data:
-            return
-        room = CAP - state["out"]
-        state["out"] += len(data)
-        out.write(data[:max(room, 0)])
-        out.flush()
-        if len(data) > room and not state["flood"]:
-            state["flood"] = True
+            sel.unregister(key.fd)
+            continue
+        room = CAP - total
+        total += len(data)
+        outs[key.fd].write(data[:max(room, 0)])
+        outs[key.fd].flush()
+        if len(data) > room:
+            flood = True
             try:
                 os.killpg(child.pid, signal.SIGKILL)
             except OSError:
                 pass
             sys.stderr.write("\nagentrl-bridge: output past %d bytes: the command was stopped\n" % CAP)
             sys.stderr.flush()
-            return
-
-async def main():
-    try:
-        server = await asyncio.start_server(relay, "127.0.0.1", 0)
-    except OSError as e:
-        sys.stderr.write("agentrl-bridge: no loopback in the sandbox: %s\n" % e)
-        return 120
-    port = server.sockets[0].getsockname()[1]
-    env = dict(os.environ, OPENAI_BASE_URL="http://127.0.0.1:%d/v1" % port,
-               OPENAI_API_BASE="http://127.0.0.1:%d/v1" % port)
-    child = await asyncio.create_subprocess_exec(
-        "/bin/sh", "-c", CMD, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, start_new_session=True)
-    pumps = asyncio.gather(pump(child.stdout, sys.stdout.buffer, child), pump(child.stderr, sys.stderr.buffer, child))
-    code = await child.wait()
-    try:  # what it printed last; a process it left holding the pipes is not waited for
-        await asyncio.wait_for(pumps, 1.0)
-    except asyncio.TimeoutError:
-        pass
-    server.close()
-    if state["flood"]:
-        return 121
-    return code if code >= 0 else 128 - code
-
-sys.exit(asyncio.run(main()))
+            break
+    if exited is None and child.poll() is not None:
+        exited = time.monotonic()
+    if exited is not None and time.monotonic() - exited > 1.0:
+        break  # what it printed last is in; a process it left holding the pipes is not waited for
+code = child.wait()
+os._exit(121 if flood else code if code >= 0 else 128 - code)
 '''
 
 
