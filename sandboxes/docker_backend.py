@@ -29,6 +29,7 @@ import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from . import bridge
 from .local_backend import claim_host_uid, release_host_uid, release_orphan_claims
 from .base import (OWNER_PID, OWNER_START, RUN_ID, WORKDIR, ImageNotFoundError,
                    Sandbox, SandboxError, cap_stderr, inodes_for, kill_cgroup, log, owner_alive, proc_status_number, reap_once)
@@ -87,6 +88,7 @@ class DockerSandbox(Sandbox):
         self.image = image
         self.container = None
         self._main_pid: int | None = None  # host pid of the container's `sleep infinity`
+        self.bridge_dir: Path | None = None  # mounted at bridge.INSIDE (see bridge.py)
         if shutil.which("docker") is None:
             raise SandboxError("the docker backend needs the docker CLI (apt-get install docker.io)")
 
@@ -114,6 +116,7 @@ class DockerSandbox(Sandbox):
                   "agentrl.owner_start": str(OWNER_START), "agentrl.owner_host": HOST,
                   "agentrl.sandbox_id": self.id}
         from docker.types import Ulimit
+        self.bridge_dir = bridge.make_dir(bridge.docker_dir(self.id))
         try:
             self.container = client.containers.run(
                 self.image, ["sleep", "infinity"], name=f"agentrl-{self.id}", detach=True,
@@ -134,7 +137,8 @@ class DockerSandbox(Sandbox):
                                 f"gid={self.uid},mode=0755,exec",
                        "/tmp": f"size={lim.tmp_mb}m,nr_inodes={inodes_for(lim.tmp_mb)},mode=1777,exec",
                        "/dev/shm": f"size={shm_mb}m,nr_inodes={inodes_for(shm_mb)},mode=1777,nosuid,nodev,noexec"},
-                volumes={**{h: {"bind": s, "mode": "ro"} for h, s in self.mounts.items()}, **self._etc_mounts()},
+                volumes={**{h: {"bind": s, "mode": "ro"} for h, s in self.mounts.items()}, **self._etc_mounts(),
+                         str(self.bridge_dir): {"bind": bridge.INSIDE, "mode": "ro"}},
                 cgroupns="private",
                 environment={**self.env, "AGENTRL_SANDBOX_UID": str(self.uid)}, working_dir=WORKDIR)
         except docker.errors.APIError as e:
@@ -202,6 +206,7 @@ class DockerSandbox(Sandbox):
         await asyncio.to_thread(self._destroy_sync)
 
     def _destroy_sync(self) -> None:
+        bridge.remove_dir(self.bridge_dir)
         if self.container is None:
             release_host_uid(self.uid)
             return
@@ -268,6 +273,10 @@ def reap(everything: bool = False) -> list[str]:
         except Exception as e:
             log.warning("reap: cannot remove %s: %s", c.name, e)
     release_orphan_claims()
+    try:
+        bridge.reap_docker_dirs({c.labels.get("agentrl.sandbox_id", "") for c in list_containers()})
+    except OSError as e:
+        log.warning("reap: cannot remove stale bridge dirs: %s", e)
     if removed:
         log.info("reaped %d docker sandbox(es) of dead runs: %s", len(removed), ", ".join(removed))
     return removed

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from . import seccomp
+from . import bridge, seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
                    cap_stderr, inodes_for, kill_cgroup, log, owner_alive, reap_once)
 
@@ -225,6 +225,7 @@ class LocalSandbox(Sandbox):
         self.bwrap_args: Path | None = None  # bubblewrap's fixed arguments (NUL-separated), written at setup
         self.host_uid = HOST_UID
         self.mounted = False
+        self.bridge_dir: Path | None = None  # mounted at bridge.INSIDE (see bridge.py)
 
     async def _boot(self) -> None:
         reap_once("local", reap)
@@ -277,6 +278,9 @@ class LocalSandbox(Sandbox):
                       "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         for host, inside in self.mounts.items():
             fixed += ["--ro-bind", host, inside]
+        # in the tmpfs (as root), like /etc's files: its mount shows as "/bridge", not a host path
+        self.bridge_dir = bridge.make_dir((self.fs if root else self.root) / "bridge")
+        fixed += ["--ro-bind", str(self.bridge_dir), bridge.INSIDE]
         self.bwrap_args = self.root / "bwrap.args"
         self.bwrap_args.write_bytes(b"".join(a.encode() + b"\0" for a in fixed))
         self.cgroups = _cgroup_dirs(self.id)

@@ -5,8 +5,9 @@
 
 A session's `base` is ``http://HOST:PORT/s/KEY/v1`` and its api key is KEY, so a framework
 that takes only a base URL, or only an api key (with the server's plain ``/v1``), reaches
-the same session. An unknown key is refused with OpenAI's 401. Every error has OpenAI's
-shape ``{"error": {"message", "type", "param", "code"}}``.
+the same session. An unknown key is refused with OpenAI's 401. A session may also be served
+on unix sockets (`bind`: a sandbox's bridge): there the socket, not a key, names the
+session. Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 A streamed reply is sent once the engine has produced the turn (the engine gives a turn
 whole): the tokens are recorded before the first byte goes out, so a client that
@@ -15,7 +16,9 @@ disconnects mid-stream loses nothing already recorded.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import secrets
 import traceback
 
@@ -26,6 +29,27 @@ from agentrl.gateway.protocol import RequestError, completion, parse_request, st
 from agentrl.gateway.session import Session
 
 SESSION_PREFIX = "/s/{key}/v1"
+MAX_SOCKET_CONNECTIONS = 16  # open connections per bound unix socket: a sandbox cannot take the host's fds
+
+
+class _Refuse(asyncio.Protocol):
+    def connection_made(self, transport):
+        transport.close()
+
+
+class _BoundedUnixSite(web.UnixSite):
+    """A UnixSite that holds at most MAX_SOCKET_CONNECTIONS connections open; more are closed at once."""
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server, path = self._runner.server, str(self._path)
+
+        def protocol():
+            live = sum(1 for h in server.connections
+                       if h.transport is not None and h.transport.get_extra_info("sockname") == path)
+            return server() if live < MAX_SOCKET_CONNECTIONS else _Refuse()
+
+        self._server = await asyncio.get_running_loop().create_unix_server(protocol, path, backlog=self._backlog)
 
 
 def _error(exc: RequestError) -> web.Response:
@@ -42,6 +66,8 @@ class Gateway:
         self.sessions: dict[str, Session] = {}
         self.url: str | None = None  # http://host:port once started
         self._runner: web.AppRunner | None = None
+        self._by_socket: dict[str, str] = {}  # unix socket path -> the key of the session it serves
+        self._sites: dict[str, web.UnixSite] = {}
 
     # -- lifetime ------------------------------------------------------------------------------
     async def start(self) -> "Gateway":
@@ -62,6 +88,8 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        for path in list(self._sites):
+            await self.unbind(path)
 
     async def __aenter__(self) -> "Gateway":
         return await self.start()
@@ -79,10 +107,46 @@ class Gateway:
         return f"{self.url}{SESSION_PREFIX.format(key=key)}", key
 
     def close(self, key: str):
-        """End the session: its samples; later requests with its key get 401."""
+        """End the session: its samples; later requests with its key, or on its sockets, get 401."""
+        for path in [p for p, k in self._by_socket.items() if k == key]:
+            del self._by_socket[path]
         return self.sessions.pop(key).close()
 
+    async def bind(self, key: str, path: str | os.PathLike, uid: int | None = None) -> None:
+        """Serve session `key` on a unix socket at `path` too (a sandbox's bridge, see
+        agentrl.sandboxes.bridge): a request that comes in on it is that session's, whatever key
+        or path it names. The socket is made `uid`'s alone (mode 0600; chown when we are root)."""
+        if self._runner is None or key not in self.sessions:
+            raise RuntimeError("Gateway.bind: start() the gateway and open() the session first")
+        path = str(path)
+        site = _BoundedUnixSite(self._runner, path)
+        await site.start()
+        self._sites[path] = site
+        os.chmod(path, 0o600)
+        if uid is not None and os.geteuid() == 0:
+            os.chown(path, uid, uid)
+        self._by_socket[path] = key
+
+    async def unbind(self, path: str | os.PathLike) -> None:
+        """Stop listening on a socket of `bind` and remove it."""
+        path = str(path)
+        self._by_socket.pop(path, None)
+        site = self._sites.pop(path, None)
+        if site is not None and self._runner is not None:
+            await site.stop()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
     def _session(self, request: web.Request) -> Session:
+        sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+        if isinstance(sockname, str) and sockname:  # a unix socket: it names the session (bind)
+            session = self.sessions.get(self._by_socket.get(sockname, ""))
+            if session is None:
+                raise RequestError("this socket's session has ended", code="invalid_api_key", status=401,
+                                   type="authentication_error")
+            return session
         key = request.match_info.get("key")
         if key is None:
             auth = request.headers.get("Authorization", "")

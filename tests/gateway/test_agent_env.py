@@ -71,7 +71,7 @@ async def returns_text(task, client):
     return "not a number"
 
 
-agent_env("test-gw-command", grader="math", timeout_s=60, command=(
+agent_env("test-gw-command", grader="math", timeout_s=60, sandbox=False, command=(
     f"{sys.executable} -c \"import json, os, openai; task = json.loads(os.environ['AGENTRL_TASK']); "
     "c = openai.OpenAI(max_retries=0); "
     "r = c.chat.completions.create(model='x', messages=[{'role': 'user', 'content': task['prompt']}]); "
@@ -142,3 +142,84 @@ def test_agent_env_lends_the_graders_tasks_and_label_requirement():
     assert cls.needs_label and next(iter(cls.dataset(seed=0)))["label"] is not None
     with pytest.raises(TypeError, match="async def"):
         agent_env("test-gw-sync")(lambda task, client: None)
+
+
+def test_a_command_agents_sandbox_is_shared_with_its_grader():
+    """The run's pool (or the decorator's own, say of a custom image) serves the command and the
+    grader env alike, so the grading sees the command's files; a grader without a sandbox gets none."""
+    from agentrl.sandboxes import SandboxPool, resolve_backend
+
+    try:
+        resolve_backend("local")
+    except Exception as e:
+        pytest.skip(f"local sandbox unavailable: {e}")
+    pool, run_pool = SandboxPool("local", warm=0, max_active=2), SandboxPool("local", warm=0, max_active=2)
+    agent_env("test-gw-own-pool", grader="code", sandbox=pool, command="true")(None)
+    env = make("test-gw-own-pool")
+    assert env.sandbox is pool and env.grader_kwargs["sandbox"] is pool
+    env = make("test-gw-own-pool", sandbox=run_pool)  # what `agentrl train` passes (build.tool_kwargs)
+    assert env.sandbox is run_pool and env.grader_kwargs["sandbox"] is run_pool
+    agent_env("test-gw-math-pool", grader="math", command="true")(None)
+    env = make("test-gw-math-pool", sandbox=run_pool)
+    assert env.sandbox is run_pool and "sandbox" not in env.grader_kwargs  # math takes none
+    assert make("test-gw-command").sandbox is None  # sandbox=False: a host subprocess
+
+
+def test_a_sandbox_that_cannot_be_had_fails_the_trajectory_not_the_agent(tokenizer):
+    """Infrastructure, not the agent's doing: the sample is FAILED (masked), never scored 0."""
+    from agentrl.sandboxes import SandboxError
+
+    class NoSandboxes:
+        async def get(self):
+            raise SandboxError("no sandbox today")
+
+        async def release(self, sb):
+            pass
+
+    agent_env("test-gw-no-sandbox", command="true")(None)
+    engine = ScriptedEngine(tokenizer, [])
+
+    async def go():
+        runner = AgentRunner(renderer=Renderer(tokenizer, True), client=engine, settings_for=lambda env: settings())
+        try:
+            return await runner(make("test-gw-no-sandbox", sandbox=NoSandboxes()), {"prompt": "hi"},
+                                trajectory_id="g0-s0", group_id=0, index=0, seed=0, env_name="test-gw-no-sandbox")
+        finally:
+            await runner.aclose()
+
+    samples = asyncio.run(go())
+    assert len(samples) == 1 and samples[0].status == SampleStatus.FAILED and not engine.calls
+    assert samples[0].metadata["error"] == "setting up the agent's sandbox: SandboxError: no sandbox today"
+
+
+def test_a_sandbox_that_dies_under_the_command_fails_the_trajectory(tokenizer, tmp_path):
+    from agentrl.sandboxes import SandboxError, SandboxLimits
+
+    class DyingBox:
+        id, backend, uid, limits, bridge_dir = "fake", "fake", None, SandboxLimits(), tmp_path
+
+        async def exec(self, *args, **kw):
+            raise SandboxError("the container died")
+
+    class Pool:
+        async def get(self):
+            return DyingBox()
+
+        async def release(self, sb):
+            pass
+
+    agent_env("test-gw-dying-sandbox", command="true")(None)
+
+    async def go():
+        runner = AgentRunner(renderer=Renderer(tokenizer, True), client=ScriptedEngine(tokenizer, []),
+                             settings_for=lambda env: settings())
+        try:
+            return await runner(make("test-gw-dying-sandbox", sandbox=Pool()), {"prompt": "hi"},
+                                trajectory_id="g0-s0", group_id=0, index=0, seed=0, env_name="test-gw-dying-sandbox")
+        finally:
+            await runner.aclose()
+
+    samples = asyncio.run(go())
+    assert len(samples) == 1 and samples[0].status == SampleStatus.FAILED
+    assert samples[0].metadata["error"] == "sandbox: the container died" and "agent_fault" not in samples[0].metadata
+    assert list(tmp_path.iterdir()) == []  # the session's socket is gone with it

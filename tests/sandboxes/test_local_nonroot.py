@@ -464,7 +464,8 @@ def check_no_host_etc() -> None:
     run(go())
 
 
-TOP_MOUNTS = {"", "usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev", "work", "tmp"}
+TOP_MOUNTS = {"", "usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev", "work", "tmp",
+              "agentrl"}  # the bridge dir (sandboxes/bridge.py)
 
 
 def check_only_host_usr_shows() -> None:
