@@ -285,8 +285,9 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
                                  f"no checkpoint (--hf-checkpoint {given} is not used)")
         model["model"] = ref
     elif ref and not _is_hf(ref):
-        flags.notices.append(f"--ref-load {ref}: a Megatron checkpoint: the KL reference is read from it (Megatron "
-                             f"trainer); training starts from --hf-checkpoint's weights, the same ones converted")
+        flags.notices.append(f"--ref-load {ref}: not an HF folder, so a Megatron checkpoint: the Megatron trainer "
+                             f"reads the KL reference from it when a KL term needs one; training starts from "
+                             f"--hf-checkpoint's weights, the same ones converted")
     if load and not _has_checkpoint(Path(load)):
         run["load"] = None
         if _is_hf(load):  # slime: an HF folder in --load is the starting model (its finetune mode)

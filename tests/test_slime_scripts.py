@@ -87,7 +87,7 @@ def test_a_slime_script_runs_what_slime_would(name, tmp_path, hooks_importable):
     assert cfg.train.max_tokens_per_gpu == int(text.split("--max-tokens-per-gpu ")[1].split()[0])
     assert cfg.train.balance_data and not any(n.startswith("--balance-data") for n in ns.slime_notices)
     # the KL reference is the script's torch_dist (read by the Megatron trainer); the start, --hf-checkpoint
-    assert cfg.run.ref_load.rstrip("/").endswith("_torch_dist") and any("a Megatron checkpoint: the KL reference is read from it"
+    assert cfg.run.ref_load.rstrip("/").endswith("_torch_dist") and any("so a Megatron checkpoint: the Megatron trainer reads the KL reference"
                                                             in n for n in ns.slime_notices)
     if "--rm-type" in text:  # the reward slime's rm_hub would give, here agentrl's rm_hub
         assert cfg.algo.rm_type == "deepscaler" and cfg.algo.custom_rm_path == "agentrl.rm_hub.async_rm"

@@ -1,7 +1,7 @@
 """One CPU rank of the checkpoint-layout test (test_megatron_checkpoint_layouts.py): builds the
 trainer in the given Megatron layout; with --save, takes one step, saves, then takes the next
 step; with --load, resumes from the saved folder and takes that next step. Rank 0 writes the
-next step's loss and grad norm, and the logprobs before it, as JSON."""
+next step's loss and grad norm, and the logprobs before and after it, as JSON."""
 
 import argparse
 import json
@@ -41,8 +41,10 @@ def main() -> None:
         trainer.load(Path(args.ckpt))
     before = trainer.compute_logprobs(samples)
     metrics = trainer.train_rollout(samples)
+    after = trainer.compute_logprobs(samples)  # the update read Adam's moments: a lost optimizer state shows here
     if trainer.rank == 0:
-        Path(args.out).write_text(json.dumps({"version": trainer.version, "before": before, "metrics": metrics}))
+        Path(args.out).write_text(json.dumps({"version": trainer.version, "before": before, "metrics": metrics,
+                                              "after": after}))
 
 
 if __name__ == "__main__":  # dist_checkpointing's writers are spawned processes, which import this file

@@ -604,19 +604,23 @@ class MegatronTrainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _sharded_state(self, is_loading: bool = False) -> dict:
+        # The distributed optimizer's state in megatron-core's fully reshardable format: its
+        # default (fully_sharded_model_space) builds flattened ShardedTensors, which this
+        # megatron-core refuses at save; this one loads into any TP/PP/EP/DP layout.
+        opt = dict(is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
         if isinstance(self.model, torch.nn.ModuleList):  # virtual stages: megatron.training's model0, model1, ...
             # the chunks' local names repeat (each numbers its layers from 0): the optimizer maps its
             # parameters to sharded tensors over the nested dict, as megatron.training passes it
             state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.model)}
-            state["optimizer"] = self.optimizer.sharded_state_dict(dict(state), is_loading=is_loading)
+            state["optimizer"] = self.optimizer.sharded_state_dict(dict(state), **opt)
             return state
         state = {"model": self.model.sharded_state_dict()}
         if self.lora:  # the base is frozen and saved once as model/: the adapters alone (and their optimizer state)
             state["model"] = {k: v for k, v in state["model"].items() if ".lora." in k}
-        state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading=is_loading)
+        state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], **opt)
         if self.critic is not None:
             state["critic"] = self.critic.sharded_state_dict(prefix="critic.")
-            state["critic_optimizer"] = self.critic_optimizer.sharded_state_dict(state["critic"], is_loading=is_loading)
+            state["critic_optimizer"] = self.critic_optimizer.sharded_state_dict(state["critic"], **opt)
         return state
 
     def save(self, folder: Path, extra_state: dict) -> None:
