@@ -669,6 +669,8 @@ class MegatronTrainer:
         dist_dir = folder / "megatron"
         if self.lora and not (folder / "adapter").is_dir():
             raise FileNotFoundError(f"{folder}: no adapter/ (a checkpoint without --lora-rank cannot resume a LoRA run)")
+        for optimizer in (self.optimizer, self.critic_optimizer):
+            _prepare_load(optimizer)
         loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(dist_dir))
         if self.lora:
             missing, unexpected = self.model.load_state_dict(loaded["model"], strict=False)
@@ -708,3 +710,38 @@ class MegatronTrainer:
             self.ref_path = ref
         dist.barrier()
         return state
+
+
+def _prepare_load(optimizer) -> None:
+    """Two megatron-core 0.16 gaps in loading a distributed optimizer's fully_reshardable state
+    into torch's Adam (no Apex/TE), worked around on this optimizer alone:
+    - before its first step it has no Adam state, and the state dict to load into is built from
+      the current one, which reads each parameter's `step`: one step at lr 0 with zero grads
+      creates the state (no weight moves; the checkpoint replaces it);
+    - the load copies every state key of a parameter from the checkpoint, torch's `step` too,
+      which the checkpoint keeps in its param groups instead (restored from there): copy the
+      keys the checkpoint has, and fail if one other than `step` is missing."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
+        if not isinstance(opt, DistributedOptimizer) or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue
+        if not opt.optimizer.state:
+            groups = opt.optimizer.param_groups
+            kept = [(g["lr"], g["weight_decay"]) for g in groups]
+            for g in groups:
+                g["lr"] = g["weight_decay"] = 0.0
+            opt._init_optimizer_states_with_dummy_values()
+            for g, (lr, wd) in zip(groups, kept):
+                g["lr"], g["weight_decay"] = lr, wd
+
+        def set_states(model_param, tensors, opt=opt):
+            group, order = opt.model_param_group_index_map[model_param]
+            main = opt.optimizer.param_groups[group]["params"][order]
+            dst = {"param": main, **opt.optimizer.state[main]}
+            if missing := set(dst) - set(tensors) - {"step"}:
+                raise ValueError(f"the checkpoint's optimizer state lacks {sorted(missing)}")
+            for key, value in tensors.items():
+                dst[key].copy_(value)
+
+        opt._set_main_param_and_optimizer_states = set_states
