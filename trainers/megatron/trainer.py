@@ -686,6 +686,8 @@ class MegatronTrainer:
         if self.critic is not None:
             self.critic.load_state_dict({k.removeprefix("critic."): v for k, v in loaded["critic"].items()})
             self.critic_optimizer.load_state_dict(loaded["critic_optimizer"])
+        for optimizer in (self.optimizer, self.critic_optimizer):
+            _own_steps(optimizer)
         rng_file = dist_dir / f"rng_rank{self.rank:05d}.pt"
         if rng_file.exists():
             rng = torch.load(rng_file, weights_only=False)
@@ -745,3 +747,16 @@ def _prepare_load(optimizer) -> None:
                 dst[key].copy_(value)
 
         opt._set_main_param_and_optimizer_states = set_states
+
+
+def _own_steps(optimizer) -> None:
+    """megatron-core 0.16's distributed optimizer, loading into torch's Adam, gives every parameter
+    the same `step` tensor, which Adam then advances once per parameter at each step (16
+    parameters: step 1 -> 17, and a wrong bias correction): each gets a copy of its own."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
+        if isinstance(opt, DistributedOptimizer):
+            for state in opt.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
