@@ -21,7 +21,7 @@ import pytest
 from megatron_helpers import run_ranks, tiny_family_model
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.e2e  # ten two-rank Megatron runs
+pytestmark = pytest.mark.e2e  # eleven two-rank Megatron runs
 
 LAYOUTS = {
     "PP=2 x 2 virtual stages": {"pipeline_model_parallel_size": "2", "num_layers_per_virtual_pipeline_stage": "1"},
@@ -63,10 +63,13 @@ def test_a_checkpoint_resumes_in_its_layout(moe_model, tmp_path, layout):
 
 
 def test_a_checkpoint_resumes_in_another_layout(moe_model, tmp_path):
-    """The optimizer kind stays (megatron-core keeps Adam's state in one format per kind)."""
+    """The optimizer kind stays (megatron-core keeps Adam's state in one format per kind): a
+    checkpoint of the other kind is refused, naming it."""
     for saved_in, loaded_in in (("TP=2 + SP", "PP=2 x 2 virtual stages"),
                                 ("TP=2 + SP + distributed optimizer", "DP=2 + distributed optimizer")):
         ckpt = tmp_path / saved_in.replace(" ", "")
         saved = run(moe_model, saved_in, "save", ckpt, tmp_path / "saved.json")
         resumed = run(moe_model, loaded_in, "load", ckpt, tmp_path / "resumed.json")
         same_next_step(saved, resumed, f"{saved_in} -> {loaded_in}", tol=1e-4)
+    with pytest.raises(AssertionError, match="saved with --use-distributed-optimizer; resume it with it too"):
+        run(moe_model, "TP=2 + SP", "load", ckpt, tmp_path / "refused.json")

@@ -656,9 +656,12 @@ class MegatronTrainer:
                      if s is not None}
             torch.save(sched, dist_dir / "schedulers.pt")
             (folder / "trainer_state.json").write_text(json.dumps(
-                {"version": self.version, "ref_model_path": str(Path(self.ref_path).resolve()), **extra_state},
-                indent=1))
+                {"version": self.version, "ref_model_path": str(Path(self.ref_path).resolve()),
+                 "distributed_optimizer": self._distributed_optimizer(), **extra_state}, indent=1))
         dist.barrier()
+
+    def _distributed_optimizer(self) -> bool:
+        return bool(self.margs.ddp.get("use_distributed_optimizer"))
 
     def load(self, folder: Path) -> dict:
         import torch.distributed as dist
@@ -669,6 +672,11 @@ class MegatronTrainer:
         dist_dir = folder / "megatron"
         if self.lora and not (folder / "adapter").is_dir():
             raise FileNotFoundError(f"{folder}: no adapter/ (a checkpoint without --lora-rank cannot resume a LoRA run)")
+        saved_kind = json.loads((folder / "trainer_state.json").read_text()).get("distributed_optimizer")
+        if saved_kind is not None and saved_kind != self._distributed_optimizer():
+            # megatron-core keeps Adam's state in another format for each kind: any layout, not another kind
+            raise ConfigError(f"--load {folder}: saved {'with' if saved_kind else 'without'} "
+                              f"--use-distributed-optimizer; resume it {'with' if saved_kind else 'without'} it too")
         for optimizer in (self.optimizer, self.critic_optimizer):
             _prepare_load(optimizer)
         loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(dist_dir))
