@@ -75,7 +75,7 @@ def test_fully_async_script_runs_unchanged(tmp_path):
                               timeout_s=400)
     cfg = (run / "config.yaml").read_text()
     for line in ("trainer: megatron", "rollout_engine: sglang", "dtype: bfloat16", "rm_type: deepscaler",
-                 "env: slime", "balance_data: true"):
+                 "env: slime", "balance_data: true", "async_rollout: true"):
         assert line in cfg, line
     assert len(rows) == 3 and all(r["trained_samples"] == 32 for r in rows), rows
     rewards = {t["reward"] for i in range(3) for t in trajectories(run, i)}
