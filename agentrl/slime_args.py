@@ -147,6 +147,7 @@ class SlimeFlags:
     eval_top_p: float | None = None
     eval_top_k: int | None = None
     lr_warmup_fraction: float | None = None
+    ref_ckpt_step: int | None = None  # --ref-ckpt-step: the iteration of --ref-load's Megatron checkpoint
     dynamic_batch_size: bool = False
     present: bool = False  # a slime run: model-shape flags or --ref-load
 
@@ -222,6 +223,8 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
             flags.eval_top_k = int(_number(value or "", flag))
         elif name == "lr_warmup_fraction":
             flags.lr_warmup_fraction = _number(value or "", flag)
+        elif name == "ref_ckpt_step":
+            flags.ref_ckpt_step = int(_number(value or "", flag))
         elif name == "moe_layer_freq":
             flags.megatron[name] = _layer_freq(value or "")
         elif name in ("wandb_key", "wandb_team", "wandb_host"):
@@ -238,7 +241,7 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
 
 
 MAPPED = {"update_weight_buffer_size", "eval_top_p", "eval_top_k", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
-          "wandb_host"}  # translate() turns these into agentrl's settings
+          "wandb_host", "ref_ckpt_step"}  # translate() turns these into agentrl's settings
 
 
 def flag_status(flag: str, parser_flags: set[str]) -> str:
@@ -277,6 +280,10 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
     reads them, the slime env's module, --lr-warmup-fraction, --rm-type's reward."""
     run, model, algo = layers.setdefault("run", {}), layers.setdefault("model", {}), layers.setdefault("algo", {})
     ref, load = run.get("ref_load"), run.get("load")
+    if flags.ref_ckpt_step is not None:  # slime: that iteration of --ref-load's Megatron checkpoint, not its latest
+        if not ref:
+            raise ConfigError("--ref-ckpt-step: names an iteration of --ref-load's checkpoint; give --ref-load")
+        ref = run["ref_load"] = str(Path(ref) / f"iter_{flags.ref_ckpt_step:07d}")
     start = load and (_has_checkpoint(Path(load)) or _is_hf(load))  # slime: else the actor starts from --ref-load
     if ref and _is_hf(ref) and not start:
         given = model.get("model")

@@ -183,6 +183,14 @@ def test_ref_load_is_checked_where_a_kl_term_reads_it(tmp_path):
     (dist / "latest_checkpointed_iteration.txt").write_text("7\n")
     assert megatron_checkpoint_dir(dist) == dist / "iter_0000007"
     dry_run_checks(cfg)
+    # slime's --ref-ckpt-step: that iteration, not the latest
+    (dist / "iter_0000003").mkdir()
+    (dist / "iter_0000003" / "metadata.json").write_text("{}")
+    cfg, _ = parse_config(base + ["--kl-loss-coef", "0.01", "--ref-ckpt-step", "3"])
+    assert megatron_checkpoint_dir(cfg.run.ref_load) == dist / "iter_0000003"
+    dry_run_checks(cfg)
+    with pytest.raises(ConfigError, match=f"--ref-load {dist / 'iter_0000004'}: neither"):
+        dry_run_checks(parse_config(base + ["--kl-loss-coef", "0.01", "--ref-ckpt-step", "4"])[0])
     with pytest.raises(ConfigError, match="read by the Megatron trainer only"):
         dry_run_checks(parse_config(base + ["--kl-loss-coef", "0.01", "--trainer", "torch"])[0])
 
