@@ -1,7 +1,8 @@
 """docs/slime.md against what `agentrl train` accepts: a flag the page calls "not yet" must be
 refused (else the page is stale, as it was for flags that worked), one it calls "same" accepted,
-one it calls "no effect" accepted with the notice (not one agentrl now honours), one it calls "refused" refused with a reason, and every slime flag agentrl/slime_args.py handles specially must be
-on the page. Every flag of the five launch scripts is accepted."""
+one it calls "no effect" accepted with the notice (not one agentrl now honours), one it calls
+"refused" refused with a reason, and every slime flag agentrl/slime_args.py handles specially
+must be on the page. Every flag of the five launch scripts is accepted."""
 
 import re
 from pathlib import Path

@@ -87,8 +87,8 @@ def test_a_slime_script_runs_what_slime_would(name, tmp_path, hooks_importable):
     assert cfg.train.max_tokens_per_gpu == int(text.split("--max-tokens-per-gpu ")[1].split()[0])
     assert cfg.train.balance_data and not any(n.startswith("--balance-data") for n in ns.slime_notices)
     # the KL reference is the script's torch_dist (read by the Megatron trainer); the start, --hf-checkpoint
-    assert cfg.run.ref_load.rstrip("/").endswith("_torch_dist") and any("so a Megatron checkpoint: the Megatron trainer reads the KL reference"
-                                                            in n for n in ns.slime_notices)
+    assert cfg.run.ref_load.rstrip("/").endswith("_torch_dist")
+    assert any("so a Megatron checkpoint: the Megatron trainer reads the KL reference" in n for n in ns.slime_notices)
     if "--rm-type" in text:  # the reward slime's rm_hub would give, here agentrl's rm_hub
         assert cfg.algo.rm_type == "deepscaler" and cfg.algo.custom_rm_path == "agentrl.rm_hub.async_rm"
         assert cfg.run.env == "slime" and "agentrl.rm_hub.env" in cfg.run.env_module
@@ -157,11 +157,12 @@ def test_load_as_slime_reads_it(tmp_path):
     # slime: with no checkpoint in --load the actor starts from --ref-load (--hf-checkpoint gives the tokenizer)
     cfg, ns = parse_config(["--ref-load", str(model), "--hf-checkpoint", str(other), "--rm-type", "math"])
     assert cfg.model.model == str(model) and "training starts from it" in ns.slime_notices[0]
-    # an HF --load is the start, --ref-load stays the KL reference (the trainers read it: tests/trainers/test_ref_load.py)
+    # an HF --load is the start, --ref-load stays the KL reference (read by the trainers: trainers/test_ref_load.py)
     cfg, ns = parse_config(["--ref-load", str(model), "--load", str(other), "--rm-type", "math"])
     assert (cfg.model.model, cfg.run.ref_load, cfg.run.load) == (str(other), str(model), None)
     # a resumed run keeps --ref-load as its reference
-    cfg, _ = parse_config(["--ref-load", str(model), "--hf-checkpoint", str(other), "--load", str(run), "--rm-type", "math"])
+    cfg, _ = parse_config(["--ref-load", str(model), "--hf-checkpoint", str(other), "--load", str(run),
+                           "--rm-type", "math"])
     assert (cfg.model.model, cfg.run.ref_load, cfg.run.load) == (str(other), str(model), str(run))
 
 
