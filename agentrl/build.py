@@ -57,11 +57,12 @@ def build_trainer(cfg: Config, model_path: Path, device: str, *, sft: bool = Fal
         from agentrl.trainers.megatron import MegatronTrainer
 
         return MegatronTrainer(str(model_path), train=cfg.train, algo=algo, temperature=temperature, device=device,
-                               dtype=cfg.model.dtype, megatron_args=cfg.megatron_args, seed=cfg.run.seed)
+                               dtype=cfg.model.dtype, megatron_args=cfg.megatron_args, seed=cfg.run.seed,
+                               ref_load=None if sft else cfg.run.ref_load)
     from agentrl.trainers.torch_trainer import TorchTrainer
 
     return TorchTrainer(str(model_path), train=cfg.train, algo=algo, temperature=temperature, device=device,
-                        dtype=cfg.model.dtype)
+                        dtype=cfg.model.dtype, ref_load=None if sft else cfg.run.ref_load)
 
 
 def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, reward_fn, control: RolloutControl,

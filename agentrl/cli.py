@@ -224,11 +224,14 @@ def _prints_only(args: list[str]) -> bool:
 def dry_run_checks(cfg) -> None:
     """What --dry-run checks beyond the config: every hook imported with slime's arguments (a typo
     in a path fails here), the Megatron flags typed by megatron-core's own config fields, the
-    model family known."""
+    model family known, --ref-load readable when a KL term reads it."""
     from agentrl.rollout.slime import check_hooks
-    from agentrl.slime_args import check_family, read_hf_config
+    from agentrl.algorithms import needs_reference
+    from agentrl.slime_args import check_family, check_reference, read_hf_config
 
     check_hooks(cfg)
+    if cfg.run.ref_load and needs_reference(cfg.algo):  # read only for a KL term, as in slime
+        check_reference(cfg.run.ref_load, cfg.train.trainer)
     if cfg.train.trainer == "megatron":
         from agentrl.trainers.megatron.args import parse_megatron_args
 

@@ -282,6 +282,10 @@ class TrainConfig(Section):
     max_tokens_per_gpu: int | None = Field(None, ge=1)
     """Form micro-batches by a token budget instead of --micro-batch-size: Megatron packs sequences
     up to it; the PyTorch trainer takes as many samples as fit it padded (count x longest)."""
+    balance_data: bool = False
+    """slime's --balance-data: split each global batch across data-parallel ranks by the
+    Karmarkar-Karp partition of token counts (agentrl/balance.py) rather than the default greedy
+    longest-first split; the loss is the same either way. One data-parallel rank: no effect."""
     save_hf: str | None = None
     """Megatron: also write an HF checkpoint here at every save ({rollout_id} is filled in)."""
     lora_rank: int = Field(0, ge=0)
@@ -327,8 +331,9 @@ class RunConfig(Section):
     """Resume from this checkpoint folder (latest iteration inside it); as in slime, a folder with no
     checkpoint yet starts from the reference, and an HF checkpoint folder is the model to start from."""
     ref_load: str | None = None
-    """slime's reference checkpoint: an HF folder is the model to start from and the KL reference; slime's
-    Megatron torch_dist folder is not read (the reference comes from --hf-checkpoint's weights)."""
+    """slime's reference checkpoint, the KL reference (--use-kl-loss, --kl-coef): an HF folder (either trainer)
+    or a Megatron distributed checkpoint (slime's torch_dist, an agentrl checkpoint; Megatron trainer). As in
+    slime, an HF folder is also the model to start from when --load holds no checkpoint."""
     ray_address: str | None = None
     """Join a Ray cluster (HOST:PORT, started with `ray start --head`); None: start Ray locally."""
     ray_trainer_resource: str | None = None

@@ -89,8 +89,6 @@ SHAPE_FROM_CONFIG = {"apply_layernorm_1p", "use_gated_attention", "mscale", "msc
 
 # accepted, with the reason it changes nothing here
 NO_EFFECT: dict[str, str] = {
-    "balance_data": "batches are split across data-parallel ranks in order (no token balancing); "
-                    "no effect with one data-parallel rank",
     "use_tensorboard": "tensorboard/ is always written in the run folder",
     "save_debug_rollout_data": "every sample is always saved under <output_dir>/trajectories/",
     "log_probs_chunk_size": "the log-prob kernels chunk the vocabulary themselves",
@@ -149,6 +147,7 @@ class SlimeFlags:
     eval_top_p: float | None = None
     eval_top_k: int | None = None
     lr_warmup_fraction: float | None = None
+    ref_ckpt_step: int | None = None  # --ref-ckpt-step: the iteration of --ref-load's Megatron checkpoint
     dynamic_batch_size: bool = False
     present: bool = False  # a slime run: model-shape flags or --ref-load
 
@@ -224,6 +223,8 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
             flags.eval_top_k = int(_number(value or "", flag))
         elif name == "lr_warmup_fraction":
             flags.lr_warmup_fraction = _number(value or "", flag)
+        elif name == "ref_ckpt_step":
+            flags.ref_ckpt_step = int(_number(value or "", flag))
         elif name == "moe_layer_freq":
             flags.megatron[name] = _layer_freq(value or "")
         elif name in ("wandb_key", "wandb_team", "wandb_host"):
@@ -240,7 +241,7 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
 
 
 MAPPED = {"update_weight_buffer_size", "eval_top_p", "eval_top_k", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
-          "wandb_host"}  # translate() turns these into agentrl's settings
+          "wandb_host", "ref_ckpt_step"}  # translate() turns these into agentrl's settings
 
 
 def flag_status(flag: str, parser_flags: set[str]) -> str:
@@ -278,18 +279,22 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
     """Before resolve (layers: section -> fields, edited in place): --ref-load and --load as slime
     reads them, the slime env's module, --lr-warmup-fraction, --rm-type's reward."""
     run, model, algo = layers.setdefault("run", {}), layers.setdefault("model", {}), layers.setdefault("algo", {})
-    ref = run.get("ref_load")
-    if ref:
-        if _is_hf(ref):
-            if not model.get("model"):
-                model["model"] = ref
-            elif Path(model["model"]).resolve() != Path(ref).resolve():
-                raise ConfigError(f"--ref-load {ref} and --hf-checkpoint {model['model']} are different HF models: "
-                                  "agentrl starts from and references one checkpoint (drop one of them)")
-        else:
-            flags.notices.append(f"--ref-load {ref}: the KL reference and starting weights are read from "
-                                 f"--hf-checkpoint's HF weights (slime's torch_dist copy of them is not needed)")
-    load = run.get("load")
+    ref, load = run.get("ref_load"), run.get("load")
+    if flags.ref_ckpt_step is not None:  # slime: that iteration of --ref-load's Megatron checkpoint, not its latest
+        if not ref:
+            raise ConfigError("--ref-ckpt-step: names an iteration of --ref-load's checkpoint; give --ref-load")
+        ref = run["ref_load"] = str(Path(ref) / f"iter_{flags.ref_ckpt_step:07d}")
+    start = load and (_has_checkpoint(Path(load)) or _is_hf(load))  # slime: else the actor starts from --ref-load
+    if ref and _is_hf(ref) and not start:
+        given = model.get("model")
+        if given and Path(given).resolve() != Path(ref).resolve():
+            flags.notices.append(f"--ref-load {ref}: training starts from it, as slime's actor does when --load holds "
+                                 f"no checkpoint (--hf-checkpoint {given} is not used)")
+        model["model"] = ref
+    elif ref and not _is_hf(ref):
+        flags.notices.append(f"--ref-load {ref}: not an HF folder, so a Megatron checkpoint: the Megatron trainer "
+                             f"reads the KL reference from it when a KL term needs one; training starts from "
+                             f"--hf-checkpoint's weights, the same ones converted")
     if load and not _has_checkpoint(Path(load)):
         run["load"] = None
         if _is_hf(load):  # slime: an HF folder in --load is the starting model (its finetune mode)
@@ -396,6 +401,35 @@ def check_family(hf: dict, model: str) -> None:
 
 def _is_hf(folder: str) -> bool:
     return (Path(folder) / "config.json").is_file()
+
+
+def check_reference(ref: str, trainer: str) -> None:
+    """--ref-load is a checkpoint `trainer` reads: an HF folder (either trainer), or a Megatron
+    distributed checkpoint (the Megatron trainer), else an error naming it (slime's too)."""
+    if _is_hf(ref):
+        return
+    if megatron_checkpoint_dir(ref) is None:
+        raise ConfigError(f"--ref-load {ref}: neither an HF folder (config.json) nor a Megatron checkpoint "
+                          "(latest_checkpointed_iteration.txt, or dist_checkpointing's metadata.json)")
+    if trainer != "megatron":
+        raise ConfigError(f"--ref-load {ref}: a Megatron checkpoint is read by the Megatron trainer only "
+                          "(use --trainer megatron, or give the reference as an HF folder)")
+
+
+def megatron_checkpoint_dir(folder: str | Path) -> Path | None:
+    """The Megatron distributed checkpoint (dist_checkpointing's metadata.json) that `folder`
+    names, or None: megatron.training's save folder (latest_checkpointed_iteration.txt ->
+    iter_NNNNNNN or release, slime's --ref-load / --opd-teacher-load torch_dist), one of its
+    iterations, or an agentrl checkpoint (its megatron/)."""
+    folder = Path(folder)
+    latest = folder / "latest_checkpointed_iteration.txt"
+    if latest.is_file():
+        it = latest.read_text().strip()
+        folder = folder / ("release" if it == "release" else f"iter_{int(it):07d}")
+    for candidate in (folder, folder / "megatron"):
+        if (candidate / "metadata.json").is_file():
+            return candidate
+    return None
 
 
 def _has_checkpoint(folder: Path) -> bool:

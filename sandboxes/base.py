@@ -632,3 +632,9 @@ def _close_all_at_exit() -> None:
         except Exception as e:
             log.warning("sandbox %s: cleanup at exit failed: %s", sb.id, e)
     _live.clear()
+
+
+def state_root() -> Path:
+    """Where sandboxes keep their host-side state (local sandboxes' roots, uid claims; the
+    staging and bridge folders sit next to it)."""
+    return Path(os.environ.get("AGENTRL_SANDBOX_DIR", "/tmp/agentrl-sandboxes"))

@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 
 from . import bridge, seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
-                   cap_stderr, inodes_for, kill_cgroup, log, owner_alive, reap_once)
+                   cap_stderr, inodes_for, kill_cgroup, log, owner_alive, reap_once, state_root)
 
 HOST_UID = 65534  # what sandboxed processes are on the host when we are not given one of their own
 # As root, each sandbox runs as a host uid of its own from this range (claimed in `$state_root/.uids`):
@@ -56,10 +56,6 @@ MSGQUEUE_BYTES = 64 << 10  # POSIX message queues of a sandbox (RLIMIT_MSGQUEUE;
 QUOTA_SHARES = 8  # a sandbox's share of the user's inotify limits: 1/8
 _QUOTA = ('echo "$1" > /proc/sys/user/max_inotify_instances && echo "$2" > /proc/sys/user/max_inotify_watches '
           '|| exit 125; shift 2; exec "$@"')
-
-
-def state_root() -> Path:
-    return Path(os.environ.get("AGENTRL_SANDBOX_DIR", "/tmp/agentrl-sandboxes"))
 
 
 def local_available() -> tuple[bool, str]:

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping
 
-from .base import SandboxError, log
+from .base import SandboxError, log, state_root
 
 
 def stage_files(files: Mapping[str, Path | bytes]) -> Path:
@@ -66,7 +66,6 @@ def stage_root() -> Path:
     sandbox's /proc/self/mountinfo as "/<hash>" of a filesystem named "stage", not as a host
     path; unprivileged, a plain folder (its path shows there)."""
     import fcntl
-    from .local_backend import state_root
     root = state_root().parent / "agentrl-stages"
     root.mkdir(parents=True, exist_ok=True, mode=0o755)
     if os.geteuid() != 0 or os.path.ismount(root):

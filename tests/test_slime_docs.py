@@ -1,7 +1,8 @@
 """docs/slime.md against what `agentrl train` accepts: a flag the page calls "not yet" must be
-refused (else the page is stale, as it was for flags that worked), one it calls "same" or "no
-effect" accepted, one it calls "refused" refused with a reason, and every slime flag agentrl/slime_args.py handles specially must be
-on the page. Every flag of the five launch scripts is accepted."""
+refused (else the page is stale, as it was for flags that worked), one it calls "same" accepted,
+one it calls "no effect" accepted with the notice (not one agentrl now honours), one it calls
+"refused" refused with a reason, and every slime flag agentrl/slime_args.py handles specially
+must be on the page. Every flag of the five launch scripts is accepted."""
 
 import re
 from pathlib import Path
@@ -40,6 +41,8 @@ def test_not_yet_means_refused_and_the_rest_is_accepted():
                 missing.append(flag)  # (a row naming another agentrl flag maps onto that one)
             elif agentrl_cell.startswith("refused") and status != "refused":
                 stale.append(f"{flag} ({status}, documented as refused)")
+            elif agentrl_cell.startswith("no effect") and status != "no-effect":
+                stale.append(f"{flag} ({status}, documented as having no effect)")
     assert not stale, f"docs/slime.md says 'not yet' but agentrl train accepts: {stale}"
     assert not missing, f"docs/slime.md lists as working but agentrl train refuses: {missing}"
 

@@ -58,6 +58,10 @@ def localize(args: list[str], root: Path, name: str) -> list[str]:
     model = Path(args[args.index("--hf-checkpoint") + 1])
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps(HF_CONFIGS[name]))
+    ref = Path(args[args.index("--ref-load") + 1])  # the torch_dist the user converted: what the dry run looks for
+    (ref / "iter_0000000").mkdir(parents=True, exist_ok=True)
+    (ref / "iter_0000000" / "metadata.json").write_text("{}")
+    (ref / "latest_checkpointed_iteration.txt").write_text("0")
     return args
 
 
@@ -81,7 +85,10 @@ def test_a_slime_script_runs_what_slime_would(name, tmp_path, hooks_importable):
     assert "accumulate_allreduce_grads_in_fp32" in cfg.megatron_args
     assert cfg.algo.use_kl_loss and cfg.algo.kl_loss_type == "low_var_kl" and cfg.algo.eps_clip_high == 0.28
     assert cfg.train.max_tokens_per_gpu == int(text.split("--max-tokens-per-gpu ")[1].split()[0])
-    assert any(n.startswith("--balance-data: accepted, no effect here") for n in ns.slime_notices)
+    assert cfg.train.balance_data and not any(n.startswith("--balance-data") for n in ns.slime_notices)
+    # the KL reference is the script's torch_dist (read by the Megatron trainer); the start, --hf-checkpoint
+    assert cfg.run.ref_load.rstrip("/").endswith("_torch_dist")
+    assert any("so a Megatron checkpoint: the Megatron trainer reads the KL reference" in n for n in ns.slime_notices)
     if "--rm-type" in text:  # the reward slime's rm_hub would give, here agentrl's rm_hub
         assert cfg.algo.rm_type == "deepscaler" and cfg.algo.custom_rm_path == "agentrl.rm_hub.async_rm"
         assert cfg.run.env == "slime" and "agentrl.rm_hub.env" in cfg.run.env_module
@@ -143,12 +150,50 @@ def test_load_as_slime_reads_it(tmp_path):
     cfg, _ = parse_config(["--load", str(model)])  # an HF folder: slime's finetune start
     assert cfg.run.load is None and cfg.model.model == str(model)
     cfg, _ = parse_config(["--ref-load", str(model), "--rm-type", "math"])  # an HF reference: the start and the KL reference
-    assert cfg.model.model == str(model) and cfg.train.trainer == "megatron"
+    assert cfg.model.model == str(model) and cfg.run.ref_load == str(model) and cfg.train.trainer == "megatron"
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text("{}")
-    with pytest.raises(ConfigError, match="are different HF models"):
-        parse_config(["--ref-load", str(model), "--hf-checkpoint", str(other), "--rm-type", "math"])
+    # slime: with no checkpoint in --load the actor starts from --ref-load (--hf-checkpoint gives the tokenizer)
+    cfg, ns = parse_config(["--ref-load", str(model), "--hf-checkpoint", str(other), "--rm-type", "math"])
+    assert cfg.model.model == str(model) and "training starts from it" in ns.slime_notices[0]
+    # an HF --load is the start, --ref-load stays the KL reference (read by the trainers: trainers/test_ref_load.py)
+    cfg, ns = parse_config(["--ref-load", str(model), "--load", str(other), "--rm-type", "math"])
+    assert (cfg.model.model, cfg.run.ref_load, cfg.run.load) == (str(other), str(model), None)
+    # a resumed run keeps --ref-load as its reference
+    cfg, _ = parse_config(["--ref-load", str(model), "--hf-checkpoint", str(other), "--load", str(run),
+                           "--rm-type", "math"])
+    assert (cfg.model.model, cfg.run.ref_load, cfg.run.load) == (str(other), str(model), str(run))
+
+
+def test_ref_load_is_checked_where_a_kl_term_reads_it(tmp_path):
+    from agentrl.slime_args import megatron_checkpoint_dir
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(HF_CONFIGS["qwen3-4B"]))
+    dist = tmp_path / "torch_dist"
+    base = ["--hf-checkpoint", str(model), "--ref-load", str(dist), "--rm-type", "math", "--use-kl-loss"]
+    cfg, _ = parse_config(base + ["--kl-loss-coef", "0"])  # slime too reads it only for a KL term
+    dry_run_checks(cfg)
+    cfg, _ = parse_config(base + ["--kl-loss-coef", "0.01"])
+    with pytest.raises(ConfigError, match=f"--ref-load {dist}: neither an HF folder"):
+        dry_run_checks(cfg)
+    (dist / "iter_0000007").mkdir(parents=True)
+    (dist / "iter_0000007" / "metadata.json").write_text("{}")
+    (dist / "latest_checkpointed_iteration.txt").write_text("7\n")
+    assert megatron_checkpoint_dir(dist) == dist / "iter_0000007"
+    dry_run_checks(cfg)
+    # slime's --ref-ckpt-step: that iteration, not the latest
+    (dist / "iter_0000003").mkdir()
+    (dist / "iter_0000003" / "metadata.json").write_text("{}")
+    cfg, _ = parse_config(base + ["--kl-loss-coef", "0.01", "--ref-ckpt-step", "3"])
+    assert megatron_checkpoint_dir(cfg.run.ref_load) == dist / "iter_0000003"
+    dry_run_checks(cfg)
+    with pytest.raises(ConfigError, match=f"--ref-load {dist / 'iter_0000004'}: neither"):
+        dry_run_checks(parse_config(base + ["--kl-loss-coef", "0.01", "--ref-ckpt-step", "4"])[0])
+    with pytest.raises(ConfigError, match="read by the Megatron trainer only"):
+        dry_run_checks(parse_config(base + ["--kl-loss-coef", "0.01", "--trainer", "torch"])[0])
 
 
 def test_slime_flags_without_an_effect_say_so_and_refused_ones_say_why(tmp_path, monkeypatch):

@@ -40,7 +40,7 @@ def pad_batch(samples: list[Sample], device: str, pad_id: int = 0):
 
 class TorchTrainer:
     def __init__(self, model_path: str, *, train: TrainConfig, algo: AlgoConfig, temperature: float,
-                 device: str = "cpu", dtype: str = "float32"):
+                 device: str = "cpu", dtype: str = "float32", ref_load: str | None = None):
         self.train_cfg, self.algo, self.device = train, algo, device
         self.temperature = temperature if temperature > 0 else 1.0
         self.model = load_model(model_path, device=device, dtype=dtype)
@@ -50,9 +50,13 @@ class TorchTrainer:
         self.tokenizer = load_tokenizer(model_path)
         self.pad_id = self.tokenizer.pad_token_id or 0
         check_algo(algo)
-        self.ref_model, self.ref_path = None, str(model_path)
-        if needs_reference(algo):  # --use-kl-loss or --kl-coef: KL against the initial model
-            self.ref_model = load_model(model_path, device=device, dtype=dtype).eval().requires_grad_(False)
+        # --use-kl-loss or --kl-coef: KL against the initial model, or slime's --ref-load (an HF folder here)
+        self.ref_model, self.ref_path, self.ref_given = None, str(ref_load or model_path), bool(ref_load)
+        if needs_reference(algo):
+            if ref_load:
+                from agentrl.slime_args import check_reference
+                check_reference(ref_load, "torch")
+            self.ref_model = load_model(self.ref_path, device=device, dtype=dtype).eval().requires_grad_(False)
         self.teacher_model = None  # --use-opd: the teacher whose logprobs the advantages are pulled toward
         if teacher_in_trainer(algo):
             self.teacher_model = load_model(algo.opd_teacher_load, device=device, dtype=dtype).eval().requires_grad_(False)
@@ -305,7 +309,8 @@ class TorchTrainer:
         state = json.loads((folder / "trainer_state.json").read_text())
         self.version = state["version"]
         ref = state.get("ref_model_path")
-        if self.ref_model is not None and ref and Path(ref).exists() and Path(ref).resolve() != Path(self.ref_path).resolve():
+        if (self.ref_model is not None and not self.ref_given and ref and Path(ref).exists()
+                and Path(ref).resolve() != Path(self.ref_path).resolve()):
             # resumed from the checkpoint's copy: the KL reference stays the run's initial model
             self.ref_model.load_state_dict(load_model(ref, device=self.device).state_dict())
             self.ref_path = ref

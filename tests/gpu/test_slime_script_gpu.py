@@ -4,13 +4,16 @@ holds it (its scripts/models/qwen2.5-0.5B.sh sourced), on a random-init model of
 Qwen2.5-0.5B's shape (so every model-shape flag checks equal) with the tiny tokenizer.
 
 Changed, and only these: the script's /root and /tmp paths point at this test's model and
-data, `--rollout-num-gpus 1` (the script gives 7 of 8 GPUs) is appended, and SGLang's kernel
-backends of the kit (gpu_helpers.SGLANG). slime's rollout function
+data; `--async` is appended, since the script runs slime's train_async.py, whose agentrl
+equivalent it is (docs/slime.md); `--rollout-num-gpus 1` (the script gives 7 of 8 GPUs) is
+appended; and SGLang's kernel backends of the kit (gpu_helpers.SGLANG). Its `--ref-load`
+torch_dist is not read (`--kl-loss-coef 0.00`: no KL term, as in slime). slime's rollout function
 (`slime.rollout.fully_async_rollout`) runs when AGENTRL_SLIME_SRC names a slime checkout
 (on PYTHONPATH for the run); without one the script's hook is dropped and agentrl's own
 rollout plays its part (said in the output). Checks: what ran is what slime runs (Megatron,
 SGLang, bf16, the deepscaler reward), every iteration trained, engine and trainer logprobs
-agree."""
+agree. Bounded at 400 s (it takes about half that: two processes' start, 3 iterations of
+32 x 1024 tokens on a 0.5B shape)."""
 
 from __future__ import annotations
 
@@ -68,10 +71,11 @@ def test_fully_async_script_runs_unchanged(tmp_path):
         i = args.index("--rollout-function-path")
         print(f"no AGENTRL_SLIME_SRC: dropping the script's {args[i]} {args[i + 1]} (agentrl's rollout instead)")
         del args[i:i + 2]
-    run, rows = agentrl_train("slime_fully_async", *args, "--rollout-num-gpus", "1", *SGLANG, timeout_s=560)
+    run, rows = agentrl_train("slime_fully_async", *args, "--async", "--rollout-num-gpus", "1", *SGLANG,
+                              timeout_s=400)
     cfg = (run / "config.yaml").read_text()
     for line in ("trainer: megatron", "rollout_engine: sglang", "dtype: bfloat16", "rm_type: deepscaler",
-                 "env: slime"):
+                 "env: slime", "balance_data: true", "async_rollout: true"):
         assert line in cfg, line
     assert len(rows) == 3 and all(r["trained_samples"] == 32 for r in rows), rows
     rewards = {t["reward"] for i in range(3) for t in trajectories(run, i)}

@@ -27,12 +27,13 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--megatron", default="{}", help="megatron_args as JSON")
 parser.add_argument("--algo", default="{}", help="AlgoConfig fields as JSON")
 parser.add_argument("--max-tokens", type=int, default=None)
+parser.add_argument("--train", default="{}", help="more TrainConfig fields as JSON")
 parser.add_argument("--model", default=None, help="an HF checkpoint folder (default: the tiny Qwen2)")
 args = parser.parse_args()
 
 path = args.model or build_tiny_model()
 trainer = MegatronTrainer(str(path), train=TrainConfig(lr=1e-3, global_batch_size=6, micro_batch_size=2,
-                                                       max_tokens_per_gpu=args.max_tokens),
+                                                       max_tokens_per_gpu=args.max_tokens, **json.loads(args.train)),
                           algo=AlgoConfig(**json.loads(args.algo)), temperature=0.8, device="cpu", dtype="float32",
                           megatron_args=json.loads(args.megatron))
 ckpt = HFCheckpoint(path)

@@ -26,8 +26,10 @@ import torch
 
 from agentrl.algorithms import (check_algo, needs_reference, policy_objective, sft_loss, teacher_in_trainer,
                                 train_iteration, value_loss)
+from agentrl.balance import karmarkar_karp
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.errors import ConfigError
+from agentrl.slime_args import check_reference, megatron_checkpoint_dir
 from agentrl.trainers import rng_state, set_rng_state
 from agentrl.trainers.megatron import no_apex
 from agentrl.trainers.megatron.args import parse_megatron_args
@@ -49,7 +51,8 @@ megatron_patched_for_cpu = False
 
 class MegatronTrainer:
     def __init__(self, model_path: str, *, train: TrainConfig, algo: AlgoConfig, temperature: float,
-                 device: str = "cuda", dtype: str = "bfloat16", megatron_args: dict | None = None, seed: int = 1234):
+                 device: str = "cuda", dtype: str = "bfloat16", megatron_args: dict | None = None, seed: int = 1234,
+                 ref_load: str | None = None):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
@@ -97,12 +100,16 @@ class MegatronTrainer:
         self.lora_targets: list[str] = []
 
         self.model, self.ddp, self.optimizer, self.scheduler, self.config = self._build(ckpt, lr=train.lr)
-        self.ref_model, self.ref_path = None, self.model_path
-        if needs_reference(algo):  # frozen initial policy for --use-kl-loss / --kl-coef
-            self.ref_model = self._frozen_model(ckpt, dtype, device)
+        # --use-kl-loss / --kl-coef: KL against the frozen initial policy, or slime's --ref-load (an HF
+        # folder or a Megatron distributed checkpoint)
+        self.ref_model, self.ref_path, self.ref_given = None, str(ref_load or self.model_path), bool(ref_load)
+        if needs_reference(algo):
+            if ref_load:
+                check_reference(ref_load, "megatron")
+            self.ref_model = self._frozen_model(self.ref_path, dtype, device)
         self.teacher_model = None  # --use-opd: the teacher whose logprobs the advantages are pulled toward
         if teacher_in_trainer(algo):
-            self.teacher_model = self._frozen_model(HFCheckpoint(algo.opd_teacher_load), dtype, device)
+            self.teacher_model = self._frozen_model(algo.opd_teacher_load, dtype, device)
         self.critic = self.critic_ddp = self.critic_optimizer = self.critic_scheduler = None
         if algo.advantage_estimator == "ppo":
             (self.critic, self.critic_ddp, self.critic_optimizer, self.critic_scheduler,
@@ -186,7 +193,11 @@ class MegatronTrainer:
 
     # -- forward pieces ------------------------------------------------------------------------
     def _batches(self, samples: list[Sample], indices: list[int]) -> list[PackedBatch]:
-        batches = micro_batches(samples, indices, dp_rank=self.dp_rank, dp_size=self.dp_size,
+        mine, dp_rank, dp_size = indices, self.dp_rank, self.dp_size
+        if self.train_cfg.balance_data and dp_size > 1:  # this rank's share by Karmarkar-Karp on token counts
+            share = karmarkar_karp([len(samples[i].tokens) for i in indices], dp_size)[dp_rank]
+            mine, dp_rank, dp_size = [indices[j] for j in share], 0, 1
+        batches = micro_batches(samples, mine, dp_rank=dp_rank, dp_size=dp_size,
                                 max_tokens=self.max_tokens, micro_batch_size=self.train_cfg.micro_batch_size,
                                 pad_to=self.pad_to, pad_id=self.pad_id, seq_pad=self.seq_pad)
         want = self._micro_batch_count(len(batches))
@@ -329,14 +340,36 @@ class MegatronTrainer:
 
     # -- log-probabilities and values ----------------------------------------------------------
     @torch.no_grad()
-    def _frozen_model(self, ckpt, dtype: str, device: str):
-        """A model of the policy's shape and layout (its virtual stages too) with `ckpt`'s weights,
-        for logprobs only (reference, teacher)."""
+    def _frozen_model(self, source: str, dtype: str, device: str):
+        """A model of the policy's shape and layout (its virtual stages too) with the weights of
+        `source`, for logprobs only (reference, teacher): an HF folder, or a Megatron distributed
+        checkpoint (slime's torch_dist, an agentrl checkpoint) read into this layout."""
         cfg = transformer_config(self.hf_config, self.family, self.margs, dtype=dtype, device=device.split(":")[0],
                                  te=self.te)
-        chunks = self._model_chunks(cfg, ckpt)
+        dist_dir = megatron_checkpoint_dir(source)
+        chunks = self._model_chunks(cfg, HFCheckpoint(self.model_path if dist_dir else source))
         model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+        if dist_dir:
+            self._read_weights(model, source)
         return model.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def _read_weights(self, model, source: str) -> None:
+        """`source`'s weights into `model` (this rank's chunks): an HF folder, or the model part of a
+        Megatron distributed checkpoint (matched by sharded key, so any layout it was saved in
+        that dist_checkpointing reshards; its optimizer state is not read)."""
+        from megatron.core import dist_checkpointing
+
+        dist_dir = megatron_checkpoint_dir(source)
+        chunks = model_chunks(model)
+        if dist_dir is None:
+            for chunk in chunks:
+                load_hf_weights(chunk, HFCheckpoint(source), self.family, self.layout, self.tp_rank)
+            return
+        state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        loaded = dist_checkpointing.load(state, str(dist_dir))
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded[f"model{i}"])
 
     def compute_logprobs(self, samples: list[Sample], model=None) -> list[list[float]]:
         """Per-sample response logprobs under the policy (or `model`, e.g. the reference)."""
@@ -580,18 +613,23 @@ class MegatronTrainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _sharded_state(self, is_loading: bool = False) -> dict:
+        # The distributed optimizer's state in megatron-core's fully reshardable format: its
+        # default (fully_sharded_model_space) builds flattened ShardedTensors, which this
+        # megatron-core refuses at save; this one loads into any TP/PP/EP/DP layout.
+        opt = dict(is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
         if isinstance(self.model, torch.nn.ModuleList):  # virtual stages: megatron.training's model0, model1, ...
+            # the chunks' local names repeat (each numbers its layers from 0): the optimizer maps its
+            # parameters to sharded tensors over the nested dict, as megatron.training passes it
             state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.model)}
-            state["optimizer"] = self.optimizer.sharded_state_dict(
-                {k: v for i in range(len(self.model)) for k, v in state[f"model{i}"].items()}, is_loading=is_loading)
+            state["optimizer"] = self.optimizer.sharded_state_dict(dict(state), **opt)
             return state
         state = {"model": self.model.sharded_state_dict()}
         if self.lora:  # the base is frozen and saved once as model/: the adapters alone (and their optimizer state)
             state["model"] = {k: v for k, v in state["model"].items() if ".lora." in k}
-        state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading=is_loading)
+        state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], **opt)
         if self.critic is not None:
             state["critic"] = self.critic.sharded_state_dict(prefix="critic.")
-            state["critic_optimizer"] = self.critic_optimizer.sharded_state_dict(state["critic"], is_loading=is_loading)
+            state["critic_optimizer"] = self.critic_optimizer.sharded_state_dict(state["critic"], **opt)
         return state
 
     def save(self, folder: Path, extra_state: dict) -> None:
@@ -627,9 +665,12 @@ class MegatronTrainer:
                      if s is not None}
             torch.save(sched, dist_dir / "schedulers.pt")
             (folder / "trainer_state.json").write_text(json.dumps(
-                {"version": self.version, "ref_model_path": str(Path(self.ref_path).resolve()), **extra_state},
-                indent=1))
+                {"version": self.version, "ref_model_path": str(Path(self.ref_path).resolve()),
+                 "distributed_optimizer": self._distributed_optimizer(), **extra_state}, indent=1))
         dist.barrier()
+
+    def _distributed_optimizer(self) -> bool:
+        return bool(self.margs.ddp.get("use_distributed_optimizer"))
 
     def load(self, folder: Path) -> dict:
         import torch.distributed as dist
@@ -640,6 +681,13 @@ class MegatronTrainer:
         dist_dir = folder / "megatron"
         if self.lora and not (folder / "adapter").is_dir():
             raise FileNotFoundError(f"{folder}: no adapter/ (a checkpoint without --lora-rank cannot resume a LoRA run)")
+        saved_kind = json.loads((folder / "trainer_state.json").read_text()).get("distributed_optimizer")
+        if saved_kind is not None and saved_kind != self._distributed_optimizer():
+            # megatron-core keeps Adam's state in another format for each kind: any layout, not another kind
+            raise ConfigError(f"--load {folder}: saved {'with' if saved_kind else 'without'} "
+                              f"--use-distributed-optimizer; resume it {'with' if saved_kind else 'without'} it too")
+        for optimizer in (self.optimizer, self.critic_optimizer):
+            _prepare_load(optimizer)
         loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(dist_dir))
         if self.lora:
             missing, unexpected = self.model.load_state_dict(loaded["model"], strict=False)
@@ -655,6 +703,8 @@ class MegatronTrainer:
         if self.critic is not None:
             self.critic.load_state_dict({k.removeprefix("critic."): v for k, v in loaded["critic"].items()})
             self.critic_optimizer.load_state_dict(loaded["critic_optimizer"])
+        for optimizer in (self.optimizer, self.critic_optimizer):
+            _own_steps(optimizer)
         rng_file = dist_dir / f"rng_rank{self.rank:05d}.pt"
         if rng_file.exists():
             rng = torch.load(rng_file, weights_only=False)
@@ -670,12 +720,60 @@ class MegatronTrainer:
         state = json.loads((folder / "trainer_state.json").read_text())
         self.version = state["version"]
         ref = state.get("ref_model_path")
-        if self.ref_model is not None and ref and Path(ref).resolve() != Path(self.ref_path).resolve():
+        if (self.ref_model is not None and not self.ref_given and ref
+                and Path(ref).resolve() != Path(self.ref_path).resolve()):
             # resumed from the checkpoint's HF copy: the reference is still the run's initial model
             if not Path(ref).exists():
                 raise ConfigError(f"--load {folder}: the reference model {ref} (the run's initial weights) is gone")
-            for chunk in model_chunks(self.ref_model):
-                load_hf_weights(chunk, HFCheckpoint(ref), self.family, self.layout, self.tp_rank)
+            self._read_weights(self.ref_model, ref)
             self.ref_path = ref
         dist.barrier()
         return state
+
+
+def _prepare_load(optimizer) -> None:
+    """Two megatron-core 0.16 gaps in loading a distributed optimizer's fully_reshardable state
+    into torch's Adam (no Apex/TE), worked around on this optimizer alone:
+    - before its first step it has no Adam state, and the state dict to load into is built from
+      the current one, which reads each parameter's `step`: one step at lr 0 with zero grads
+      creates the state (no weight moves; the checkpoint replaces it);
+    - the load copies every state key of a parameter from the checkpoint, torch's `step` too,
+      which the checkpoint keeps in its param groups instead (restored from there): copy the
+      keys the checkpoint has, and fail if one other than `step` is missing."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
+        if not isinstance(opt, DistributedOptimizer) or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue
+        if not opt.optimizer.state:
+            groups = opt.optimizer.param_groups
+            kept = [(g["lr"], g["weight_decay"]) for g in groups]
+            for g in groups:
+                g["lr"] = g["weight_decay"] = 0.0
+            opt._init_optimizer_states_with_dummy_values()
+            for g, (lr, wd) in zip(groups, kept):
+                g["lr"], g["weight_decay"] = lr, wd
+
+        def set_states(model_param, tensors, opt=opt):
+            group, order = opt.model_param_group_index_map[model_param]
+            main = opt.optimizer.param_groups[group]["params"][order]
+            dst = {"param": main, **opt.optimizer.state[main]}
+            if missing := set(dst) - set(tensors) - {"step"}:
+                raise ValueError(f"the checkpoint's optimizer state lacks {sorted(missing)}")
+            for key, value in tensors.items():
+                dst[key].copy_(value)
+
+        opt._set_main_param_and_optimizer_states = set_states
+
+
+def _own_steps(optimizer) -> None:
+    """megatron-core 0.16's distributed optimizer, loading into torch's Adam, gives every parameter
+    the same `step` tensor, which Adam then advances once per parameter at each step (16
+    parameters: step 1 -> 17, and a wrong bias correction): each gets a copy of its own."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
+        if isinstance(opt, DistributedOptimizer):
+            for state in opt.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()

@@ -1,0 +1,93 @@
+"""slime's --ref-load: the KL reference is read from that checkpoint, not the start model, in
+both trainers. At step 0 the policy is the start model, so the reported kl_loss is the KL of
+the start model to the reference: zero when they are the same weights, and, for another
+reference, exactly the k3 estimate computed directly from the two models' logprobs. The
+Megatron trainer reads the reference from an HF folder or from a Megatron distributed
+checkpoint (an agentrl checkpoint's megatron/, or slime's torch_dist layout with
+latest_checkpointed_iteration.txt), with the same result."""
+
+import shutil
+
+import pytest
+import torch
+
+from agentrl.algorithms import kl_penalty
+from agentrl.config import AlgoConfig, TrainConfig
+from agentrl.errors import ConfigError
+from agentrl.trainers.torch_trainer import TorchTrainer
+from megatron_helpers import make_samples
+
+ALGO = AlgoConfig(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="low_var_kl")
+TRAIN = TrainConfig(lr=1e-3, global_batch_size=6, micro_batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def other_ref(tiny_model, tmp_path_factory):
+    """The tiny model with every weight nudged: another model of the same shape and tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("ref")
+    shutil.copytree(tiny_model, out, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return out
+
+
+def direct_kl(start, ref, samples) -> float:
+    """k3 (low_var_kl) of the start model's logprobs against the reference's, mean over trained tokens."""
+    policy = TorchTrainer(str(start), train=TRAIN, algo=AlgoConfig(), temperature=0.8).compute_logprobs(samples)
+    reference = TorchTrainer(str(ref), train=TRAIN, algo=AlgoConfig(), temperature=0.8).compute_logprobs(samples)
+    lp = torch.tensor([x for s, row in zip(samples, policy) for x, m in zip(row, s.loss_mask) if m])
+    lr = torch.tensor([x for s, row in zip(samples, reference) for x, m in zip(row, s.loss_mask) if m])
+    return float(kl_penalty(lp, lr, "low_var_kl").mean())
+
+
+def test_torch_trainer_reads_the_kl_reference_from_ref_load(tiny_model, other_ref):
+    samples = make_samples()
+    expected = direct_kl(tiny_model, other_ref, samples)
+    assert expected > 1e-4  # the two models differ
+
+    trainer = TorchTrainer(str(tiny_model), train=TRAIN, algo=ALGO, temperature=0.8, ref_load=str(other_ref))
+    assert trainer.train_rollout(samples)["kl_loss"] == pytest.approx(expected, rel=1e-4)
+    for ref in (str(tiny_model), None):  # the start model itself (given, or by default): no KL at step 0
+        same = TorchTrainer(str(tiny_model), train=TRAIN, algo=ALGO, temperature=0.8, ref_load=ref)
+        assert abs(same.train_rollout(make_samples())["kl_loss"]) < 1e-7
+
+
+def test_a_reference_the_trainer_cannot_read_is_named(tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match=f"--ref-load {tmp_path}: neither an HF folder"):
+        TorchTrainer(str(tiny_model), train=TRAIN, algo=ALGO, temperature=0.8, ref_load=str(tmp_path))
+    (tmp_path / "metadata.json").write_text("{}")  # a Megatron distributed checkpoint
+    with pytest.raises(ConfigError, match="read by the Megatron trainer only"):
+        TorchTrainer(str(tiny_model), train=TRAIN, algo=ALGO, temperature=0.8, ref_load=str(tmp_path))
+
+
+def test_megatron_trainer_reads_the_kl_reference_from_hf_or_a_megatron_checkpoint(tiny_model, other_ref, tmp_path):
+    megatron_trainer = pytest.importorskip("agentrl.trainers.megatron.trainer")
+    import megatron_cpu_shim
+
+    megatron_cpu_shim.apply()
+
+    def kl(ref) -> float:
+        trainer = megatron_trainer.MegatronTrainer(str(tiny_model), train=TRAIN, algo=ALGO, temperature=0.8,
+                                                   device="cpu", dtype="float32", ref_load=ref)
+        return trainer.train_rollout(make_samples())["kl_loss"]
+
+    expected = direct_kl(tiny_model, other_ref, make_samples())
+    assert kl(str(other_ref)) == pytest.approx(expected, rel=1e-4)
+    assert abs(kl(str(tiny_model))) < 1e-7
+
+    # the reference as a Megatron distributed checkpoint: an agentrl checkpoint of the other model ...
+    saver = megatron_trainer.MegatronTrainer(str(other_ref), train=TRAIN, algo=AlgoConfig(), temperature=0.8,
+                                             device="cpu", dtype="float32")
+    saver.save(tmp_path / "agentrl_ckpt", {"rollout_id": 0})
+    assert kl(str(tmp_path / "agentrl_ckpt")) == pytest.approx(expected, rel=1e-4)
+    # ... and slime's torch_dist layout (megatron.training's tracker file and iteration folder)
+    slime = tmp_path / "torch_dist"
+    shutil.copytree(tmp_path / "agentrl_ckpt" / "megatron", slime / "iter_0000003")
+    (slime / "latest_checkpointed_iteration.txt").write_text("3")
+    assert kl(str(slime)) == pytest.approx(expected, rel=1e-4)
