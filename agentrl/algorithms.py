@@ -526,6 +526,7 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
                     for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask) if m]
         out["train_rollout_logprob_abs_diff"] = sum(mismatch) / len(mismatch) if mismatch else 0.0
     out.setdefault("train_rollout_logprob_abs_diff", 0.0)
+    out["old_logprob_pass"] = 0.0 if reuse else 1.0  # 1: the separate forward ran (several steps, --kl-coef, ...)
     if teacher is not None:  # the mean per-token reverse KL to the teacher, over trained tokens
         kl = [o - t for s, lo, lt in zip(samples, old, teacher) if s.trainable
               for o, t, m in zip(lo, lt, s.loss_mask) if m]

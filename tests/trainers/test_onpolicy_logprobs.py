@@ -79,6 +79,7 @@ def test_one_step_without_the_pass_equals_the_step_with_it(tiny_model, kind, nam
     a, b = fast.train_rollout(samples), full.train_rollout(samples)
     assert sum(seen_fast) == len(samples) and sum(seen_full) == 2 * len(samples), (seen_fast, seen_full)
     assert set(a) == set(b), set(a) ^ set(b)
+    assert (a["old_logprob_pass"], b["old_logprob_pass"]) == (0.0, 1.0)
     for key in KEYS:
         if key in b:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
@@ -96,5 +97,5 @@ def test_one_step_without_the_pass_equals_the_step_with_it(tiny_model, kind, nam
 def test_two_steps_per_rollout_keep_the_pass(tiny_model, kind):
     t = build(kind, tiny_model, 3)  # 6 samples: two optimizer steps, the second on a moved policy
     seen = count_policy_forwards(t)
-    t.train_rollout(make_samples())
+    assert t.train_rollout(make_samples())["old_logprob_pass"] == 1.0
     assert sum(seen) == 2 * 6, seen
