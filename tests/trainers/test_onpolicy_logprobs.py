@@ -99,3 +99,15 @@ def test_two_steps_per_rollout_keep_the_pass(tiny_model, kind):
     seen = count_policy_forwards(t)
     assert t.train_rollout(make_samples())["old_logprob_pass"] == 1.0
     assert sum(seen) == 2 * 6, seen
+
+
+@pytest.mark.parametrize("kind", ["torch", "megatron"])
+def test_lora_dropout_keeps_the_pass(tiny_model, kind):
+    tc = TrainConfig(lr=1e-3, global_batch_size=6, micro_batch_size=2, lora_rank=4, lora_dropout=0.1)
+    if kind == "torch":
+        t = TorchTrainer(str(tiny_model), train=tc, algo=AlgoConfig(), temperature=0.8)
+    else:
+        t = MegatronTrainer(str(tiny_model), train=tc, algo=AlgoConfig(), temperature=0.8, device="cpu",
+                            dtype="float32")
+    assert t.train_forward_has_dropout  # training-mode dropout: the step's logprobs are not the eval pass's
+    assert t.train_rollout(make_samples())["old_logprob_pass"] == 1.0
