@@ -420,9 +420,11 @@ class MegatronTrainer:
 
     @property
     def train_forward_has_dropout(self) -> bool:
-        """Training-mode dropout (--lora-dropout, the HF config's attention_dropout): then the training
-        forward is not compute_logprobs' and the old logprobs cannot come from it (reuses_training_logprobs)."""
-        return has_dropout([self.model], float(getattr(self.hf_config, "attention_dropout", 0.0) or 0.0))
+        """Training-mode dropout (--lora-dropout, the HF config's attention_dropout), or sinkhorn MoE routing
+        (it routes differently in training): then the training forward is not compute_logprobs' and the old
+        logprobs cannot come from it (reuses_training_logprobs)."""
+        return (has_dropout([self.model], float(getattr(self.hf_config, "attention_dropout", 0.0) or 0.0))
+                or getattr(self.config, "moe_router_load_balancing_type", None) == "sinkhorn")
 
     def policy_step(self, idx, samples, advantages, old, ref) -> dict[str, float]:
         """One optimizer step; old None: the old logprobs are the training forward's (policy_objective)."""
