@@ -423,16 +423,25 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                      mask: torch.Tensor, denom: float, ref_logprobs: torch.Tensor | None = None,
                      rollout_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
                      seq_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The whole policy loss of one micro-batch, as configured: clipped surrogate (token or
     sequence ratio, dual clip), TIS/MIS weights (token, sequence or geometric level), KL loss,
     entropy bonus. Every stat is a token sum / denom, so the global batch's stats are the sums
-    over its micro-batches."""
+    over its micro-batches.
+
+    old_logprobs None: the rollout is trained in one optimizer step and nothing needed the old
+    policy before it (`reuses_training_logprobs`), so the old policy is this forward's own
+    logprobs, detached: the ratio is 1 with the same gradient, and the engine-vs-trainer gap
+    (`train_rollout_logprob_abs_diff`) is measured here instead of in a separate pass."""
     weights = None
     stats: dict[str, torch.Tensor] = {}
+    if old_logprobs is None:
+        old_logprobs = logprobs.detach()
+        if rollout_logprobs is not None:
+            stats["train_rollout_logprob_abs_diff"] = masked_mean((old_logprobs - rollout_logprobs).abs(), mask, denom)
     if algo.use_tis:
         if rollout_logprobs is None:
             raise ValueError("--use-tis needs the rollout logprobs")
@@ -463,13 +472,39 @@ def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor
     return loss, stats
 
 
+def reuses_training_logprobs(trainer, samples, algo, global_batch_size: int) -> bool:
+    """Whether the old-policy logprob pass before the step can be skipped with identical
+    advantages, loss and gradient (slime's can_reuse_log_probs_in_loss, verl's on-policy
+    shortcut): the rollout is one optimizer step (a second step would train a policy that has
+    moved), nothing reads the old logprobs before the step (--kl-coef's penalty in the reward,
+    --use-opd's reverse KL in the advantages; ppo kept with its critic, as slime does), and the
+    training forward computes what the eval-mode pass would (no dropout). The trainer says
+    the last (`train_forward_has_dropout`); a trainer that does not say keeps the pass."""
+    return (getattr(trainer, "train_forward_has_dropout", True) is False
+            and not getattr(algo, "recompute_old_logprobs", False)
+            and len(samples) <= global_batch_size
+            and algo.kl_coef == 0 and not getattr(algo, "use_opd", False)
+            and trainer.critic is None)
+
+
+def has_dropout(modules, attention_dropout: float = 0.0) -> bool:
+    """Whether a training-mode forward of `modules` drops anything (then it differs from the
+    eval-mode logprob pass): a Dropout module with p > 0, or attention dropout inside kernels."""
+    return attention_dropout > 0 or any(isinstance(m, torch.nn.Dropout) and m.p > 0
+                                        for module in modules for m in module.modules())
+
+
 def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str, float]:
     """One RL iteration, the same for every trainer: logprobs (policy and reference) and values
     over the whole rollout, advantages, then one optimizer step per global batch (the critic's
     too, for ppo). The trainer supplies compute_logprobs / compute_values / policy_step /
     critic_step and its ref_model and critic (None when unused). Metrics are batch means plus
-    the mean |trainer - rollout| logprob over trained tokens (0 when exactly on-policy)."""
-    old = trainer.compute_logprobs(samples)
+    the mean |trainer - rollout| logprob over the trainable samples' trained tokens (0 when
+    exactly on-policy). When `reuses_training_logprobs`, the policy's own pass is skipped:
+    policy_step gets old=None and its loss takes the old logprobs (and that metric) from the
+    training forward."""
+    reuse = reuses_training_logprobs(trainer, samples, algo, global_batch_size)
+    old = None if reuse else trainer.compute_logprobs(samples)
     ref = trainer.compute_logprobs(samples, trainer.ref_model) if trainer.ref_model is not None else None
     values = trainer.compute_values(samples) if trainer.critic is not None else None
     teacher_model = getattr(trainer, "teacher_model", None)
@@ -485,9 +520,13 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
             step |= trainer.critic_step(idx, samples, values, adv.returns)
         for k, v in step.items():
             metrics.setdefault(k, []).append(v)
-    mismatch = [abs(a - b) for s, o in zip(samples, old) for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask) if m]
     out = {k: sum(v) / len(v) for k, v in metrics.items()}
-    out["train_rollout_logprob_abs_diff"] = sum(mismatch) / len(mismatch) if mismatch else 0.0
+    if old is not None:  # else the one step's loss measured it (a token mean over the same tokens)
+        mismatch = [abs(a - b) for s, o in zip(samples, old) if s.trainable
+                    for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask) if m]
+        out["train_rollout_logprob_abs_diff"] = sum(mismatch) / len(mismatch) if mismatch else 0.0
+    out.setdefault("train_rollout_logprob_abs_diff", 0.0)
+    out["old_logprob_pass"] = 0.0 if reuse else 1.0  # 1: the separate forward ran (several steps, --kl-coef, ...)
     if teacher is not None:  # the mean per-token reverse KL to the teacher, over trained tokens
         kl = [o - t for s, lo, lt in zip(samples, old, teacher) if s.trainable
               for o, t, m in zip(lo, lt, s.loss_mask) if m]

@@ -182,6 +182,11 @@ class AlgoConfig(Section):
     """Upper bound of the --use-tis importance weights."""
     tis_clip_low: float = Field(0.0, ge=0)
     """Lower bound of the --use-tis importance weights."""
+    recompute_old_logprobs: bool = False
+    """Always run the separate old-policy logprob pass before the optimizer steps. Without it the pass
+    is skipped when the rollout is one optimizer step (--global-batch-size >= its samples) and nothing
+    needs the old logprobs before it (no --kl-coef, --use-opd, critic or dropout): the training forward's
+    own logprobs, detached, are the old policy's (ratio 1, the same gradient), as slime and verl do."""
     use_opd: bool = False
     """On-policy distillation: each trained token's advantage loses --opd-kl-coef x (student logprob -
     teacher logprob), the per-token reverse KL to the teacher (--opd-teacher-load), on top of any

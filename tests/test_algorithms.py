@@ -336,3 +336,46 @@ def test_overlong_flags_resolve_against_the_response_budget():
     assert parse_config([])[0].algo.overlong_buffer_len is None
     with pytest.raises(ConfigError, match="--overlong-buffer-len .*shorter"):
         parse_config(["--overlong-buffer-len", "16"])  # the default budget is 16 tokens
+
+
+def test_the_old_logprob_pass_is_skipped_only_when_one_step_needs_nothing_before_it():
+    from types import SimpleNamespace
+
+    from agentrl.algorithms import reuses_training_logprobs
+
+    samples = [object()] * 4
+    plain = SimpleNamespace(critic=None, train_forward_has_dropout=False)
+    assert reuses_training_logprobs(plain, samples, AlgoConfig(), 4)
+    assert reuses_training_logprobs(plain, samples, AlgoConfig(use_tis=True, use_kl_loss=True, kl_loss_coef=0.1), 8)
+    assert reuses_training_logprobs(plain, samples, AlgoConfig(advantage_estimator="gspo", dual_clip_c=3.0), 4)
+    assert not reuses_training_logprobs(plain, samples, AlgoConfig(), 3)  # two steps: the second on a moved policy
+    assert not reuses_training_logprobs(plain, samples, AlgoConfig(recompute_old_logprobs=True), 4)
+    kl_reward = AlgoConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.1)  # old vs ref in the reward
+    assert not reuses_training_logprobs(plain, samples, kl_reward, 4)
+    assert not reuses_training_logprobs(plain, samples, AlgoConfig(use_opd=True), 4)  # old vs teacher in advantages
+    assert not reuses_training_logprobs(SimpleNamespace(critic=object(), train_forward_has_dropout=False), samples,
+                                        AlgoConfig(advantage_estimator="ppo"), 4)
+    assert not reuses_training_logprobs(SimpleNamespace(critic=None, train_forward_has_dropout=True), samples,
+                                        AlgoConfig(), 4)  # dropout: the training forward is not the eval pass
+    assert not reuses_training_logprobs(SimpleNamespace(critic=None), samples, AlgoConfig(), 4)  # trainer unsure
+
+
+def test_policy_objective_without_old_logprobs_is_the_step_with_them():
+    algo = AlgoConfig(use_tis=True, tis_clip_low=0.9, tis_clip=1.1, use_kl_loss=True, kl_loss_coef=0.2)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 0.0]])
+    base = torch.tensor([[-1.0, -2.0, -0.5, -0.3], [-0.7, -1.2, -2.5, -0.1]])
+    rollout = base + torch.tensor([[0.3, -0.05, 0.0, 0.02], [-0.2, 0.0, 0.04, 0.0]])
+    kw = dict(advantages=torch.tensor([[1.0] * 4, [-0.5] * 4]), mask=mask, denom=5.0,
+              ref_logprobs=base - 0.1, rollout_logprobs=rollout)
+    lp1, lp2 = base.clone().requires_grad_(), base.clone().requires_grad_()
+    loss1, s1 = policy_objective(algo, logprobs=lp1, old_logprobs=None, **kw)
+    loss2, s2 = policy_objective(algo, logprobs=lp2, old_logprobs=base.clone(), **kw)
+    loss1.backward()
+    loss2.backward()
+    assert torch.equal(lp1.grad, lp2.grad) and loss1.item() == loss2.item()
+    assert set(s1) - set(s2) == {"train_rollout_logprob_abs_diff"}
+    assert all(s1[k].item() == s2[k].item() for k in s2)
+    assert 0 < s1["tis_clipfrac"].item() < 1
+    gap = sum(abs(a - b) for a, b, m in zip(base.flatten().tolist(), rollout.flatten().tolist(),
+                                            mask.flatten().tolist()) if m) / 5
+    assert s1["train_rollout_logprob_abs_diff"].item() == pytest.approx(gap)

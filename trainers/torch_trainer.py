@@ -14,8 +14,8 @@ from typing import Iterator
 
 import torch
 
-from agentrl.algorithms import (check_algo, entropy_from_logits, needs_reference, policy_objective, sft_loss,
-                                teacher_in_trainer, train_iteration, value_loss)
+from agentrl.algorithms import (check_algo, entropy_from_logits, has_dropout, needs_reference, policy_objective,
+                                sft_loss, teacher_in_trainer, train_iteration, value_loss)
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.models import load_model, load_tokenizer
 from agentrl.trainers import rng_state, set_rng_state
@@ -149,11 +149,18 @@ class TorchTrainer:
         """Advantages, then the rollout split into global batches (one optimizer step each)."""
         return train_iteration(self, samples, self.algo, self.train_cfg.global_batch_size)
 
+    @property
+    def train_forward_has_dropout(self) -> bool:
+        """Training-mode dropout (--lora-dropout, the model's own): then the training forward is not
+        the eval-mode logprob pass and the old logprobs cannot come from it (`reuses_training_logprobs`)."""
+        return has_dropout([self.model], float(getattr(self.model.config, "attention_dropout", 0.0) or 0.0))
+
     def policy_step(self, idx, samples, advantages, old, ref) -> dict[str, float]:
+        """One optimizer step; old None: the old logprobs are the training forward's (policy_objective)."""
         def make_loss(chunk, logp, mask, entropy, denom):
             return policy_objective(
                 self.algo, logprobs=logp, mask=mask, denom=denom,
-                old_logprobs=_padded([old[i] for i in chunk], logp.shape, self.device),
+                old_logprobs=_padded([old[i] for i in chunk], logp.shape, self.device) if old is not None else None,
                 advantages=_padded([advantages[i] for i in chunk], logp.shape, self.device),
                 ref_logprobs=_padded([ref[i] for i in chunk], logp.shape, self.device) if ref is not None else None,
                 rollout_logprobs=_padded([samples[i].rollout_logprobs for i in chunk], logp.shape, self.device),

@@ -24,8 +24,8 @@ from typing import Iterator
 
 import torch
 
-from agentrl.algorithms import (check_algo, needs_reference, policy_objective, sft_loss, teacher_in_trainer,
-                                train_iteration, value_loss)
+from agentrl.algorithms import (check_algo, has_dropout, needs_reference, policy_objective, sft_loss,
+                                teacher_in_trainer, train_iteration, value_loss)
 from agentrl.balance import karmarkar_karp
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.errors import ConfigError
@@ -459,7 +459,16 @@ class MegatronTrainer:
         stats["update_skipped"] = 0.0 if ok else 1.0
         return stats
 
+    @property
+    def train_forward_has_dropout(self) -> bool:
+        """Training-mode dropout (--lora-dropout, the HF config's attention_dropout), or sinkhorn MoE routing
+        (it routes differently in training): then the training forward is not compute_logprobs' and the old
+        logprobs cannot come from it (reuses_training_logprobs)."""
+        return (has_dropout([self.model], float(getattr(self.hf_config, "attention_dropout", 0.0) or 0.0))
+                or getattr(self.config, "moe_router_load_balancing_type", None) == "sinkhorn")
+
     def policy_step(self, idx, samples, advantages, old, ref) -> dict[str, float]:
+        """One optimizer step; old None: the old logprobs are the training forward's (policy_objective)."""
         with_entropy = self.algo.entropy_coef > 0
 
         def make_loss(mb: PackedBatch, logits, denom):
@@ -467,7 +476,8 @@ class MegatronTrainer:
             dev = logp.device
             return policy_objective(
                 self.algo, logprobs=logp, mask=mb.flat([s.loss_mask for s in samples], dev),
-                denom=denom, old_logprobs=mb.flat(old, dev), advantages=mb.flat(advantages, dev),
+                denom=denom, old_logprobs=mb.flat(old, dev) if old is not None else None,
+                advantages=mb.flat(advantages, dev),
                 ref_logprobs=mb.flat(ref, dev) if ref is not None else None,
                 rollout_logprobs=mb.flat([s.rollout_logprobs for s in samples], dev), entropy=entropy,
                 seq_ids=mb.seq_ids)
