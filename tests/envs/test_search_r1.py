@@ -22,6 +22,14 @@ from agentrl.tools.retrieval import BM25Retriever, Passage, RemoteRetriever, Ret
 
 from envtest_helpers import assert_iteration_ok, ROOT, train_one_iteration
 
+# Search-R1's instruction as its own code writes it (its typo included), before "Question: ...\n"
+SEARCH_R1_INSTRUCTION = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
+    "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
+    "by <search> query </search> and it will return the top searched results between <information> and "
+    "</information>. You can search as many times as your want. If you find no further external knowledge "
+    "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
+    "illustrations. For example, <answer> Beijing </answer>. ")
 TASK = {"prompt": "Who founded Vrokath Works?", "label": ["Lomaerk Deloth", "Deloth"], "metadata": {}}
 
 
@@ -48,13 +56,7 @@ def test_rendering_is_search_r1s_byte_for_byte():
     joins lines without a newline; "as many times as your want" is Search-R1's own typo) and
     :61-63 (question stripped, '?' appended); search_r1/llm_agent/generation.py:460-469
     (_passages2string: title = first line of contents, as stored, quotes included)."""
-    expected_prompt = (
-        "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
-        "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
-        "by <search> query </search> and it will return the top searched results between <information> and "
-        "</information>. You can search as many times as your want. If you find no further external knowledge "
-        "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
-        "illustrations. For example, <answer> Beijing </answer>. Question: who founded vrokath works?\n")
+    expected_prompt = SEARCH_R1_INSTRUCTION + "Question: who founded vrokath works?\n"
     obs, _ = SearchR1Env().reset(options={"prompt": "  who founded vrokath works ", "label": ["x"]})
     assert obs == expected_prompt
     passages = [Passage("0", '"Quenmoor"\nQuenmoor is a city.', 1.0), Passage("1", "Plain\nline one\nline two")]
@@ -366,13 +368,7 @@ def test_append_trajectory_is_search_r1s_text(run_async, tokenizer, chat_templat
     unanswered = dataclasses.replace(sample, metadata={"env_metrics": {"searches": 3.0}})
     m = rollout_metrics(0, [sample, unanswered], 1.0)
     assert (m["env/searches_mean"], m["env/answered_mean"], m["env/invalid_actions_mean"]) == (2.0, 0.5, 0.5)
-    prefix = (
-        "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
-        "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
-        "by <search> query </search> and it will return the top searched results between <information> and "
-        "</information>. You can search as many times as your want. If you find no further external knowledge "
-        "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
-        "illustrations. For example, <answer> Beijing </answer>. Question: Who founded Vrokath Works?\n")
+    prefix = SEARCH_R1_INSTRUCTION + "Question: Who founded Vrokath Works?\n"
     prompt = f"<|im_start|>user\n{prefix}<|im_end|>\n<|im_start|>assistant\n" if chat_template else prefix
     information = ('\n\n<information>Doc 1(Title: "Title 0") About gamma: passage 0.\n'
                    'Doc 2(Title: "Title 1") About gamma: passage 1.</information>\n\n')
