@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 
 OUT = Path(os.environ.get("AGENTRL_GPU_OUT", "/tmp/agentrl-gpu-out"))
@@ -28,6 +29,16 @@ SHAPES = {
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2),
 }
+def needs_gpus(n: int = 1, reason: str = "the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine"):
+    """The mark (a module's pytestmark) that skips a scenario on a machine with fewer than `n` GPUs."""
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=reason)
+
+
+def iters(default: int) -> int:
+    """A scenario's number of iterations: AGENTRL_GPU_ITERS where set, else `default`."""
+    return int(os.environ.get("AGENTRL_GPU_ITERS", default))
+
+
 SGLANG = ["--rollout-engine", "sglang", "--sglang-attention-backend", "triton", "--sglang-sampling-backend", "pytorch",
           "--sglang-grammar-backend", "none"]
 COLOCATE = ["--colocate", "--sglang-enable-memory-saver", "--sglang-mem-fraction-static", "0.5"]

@@ -16,22 +16,15 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
-import torch
+from gpu_helpers import (KIT, OUT, SGLANG, agentrl_train, iters, mean, needs_gpus, random_model, random_qwen2,
+                         tiny_qwen2_config)
 
-from gpu_helpers import KIT, OUT, SGLANG, agentrl_train, mean, random_model, random_qwen2, tiny_qwen2_config
-
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 4,
-                                reason="the scale scenarios need 4 GPUs (the device tool's nvidia-h100-x4)")
+pytestmark = needs_gpus(4, "the scale scenarios need 4 GPUs (the device tool's nvidia-h100-x4)")
 
 # Qwen2.5-7B's shape (the tiny tokenizer's 512-token vocabulary: nothing to download)
 SHAPE_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4)
 H100_BF16_FLOPS = 989e12  # dense bf16 peak of one H100 SXM
-
-
-def iters(default: int) -> int:
-    return int(os.environ.get("AGENTRL_GPU_ITERS", default))
 
 
 def random_qwen2_7b() -> Path:

@@ -19,16 +19,12 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
-from gpu_helpers import KIT, OUT, SGLANG, agentrl_train, random_model, tiny_qwen2_config, trajectories
+from gpu_helpers import KIT, OUT, SGLANG, agentrl_train, needs_gpus, random_model, tiny_qwen2_config, trajectories
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the checked-in script arguments
 from slime_scripts import HF_CONFIGS, checked_in  # noqa: E402
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                reason="the slime script scenario needs 2 GPUs (trainer and engine apart)")
+pytestmark = needs_gpus(2, "the slime script scenario needs 2 GPUs (trainer and engine apart)")
 
 
 def qwen25_05b_shape() -> Path:
