@@ -17,11 +17,18 @@ always gets the same tests), and its hash fixes the split: about one statement i
     generate(seed=1, split="test", n=200)     # 200 distinct held-out tasks
     task_from_id("gen/rotate/123")            # the instance behind a row's task_id (the expert's reference)
 
+A family is one function, decorated with ``@family(category)``: it draws its parameters from
+the RNG it is given and returns ``_fn(name, args, statement, solution, wrong, edge inputs,
+drawer, **placeholders)`` (``_count_char`` is the simplest). Its draws fix its instances: changing
+what an existing family draws, or in which order, changes the tasks of every seed (the digests
+pinned in tests/envs/test_code_tasks.py say so); a new family changes the streams too.
+
 Reference solutions run in this process: they are this file's own code, never a model's.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import random
@@ -634,15 +641,9 @@ def _function(source: str, entry: str) -> Callable:
 
 def _outcome(fn: Callable, args: tuple) -> tuple[bool, Any]:
     try:
-        return True, fn(*[_copy(a) for a in args])
+        return True, fn(*[copy.deepcopy(a) for a in args])  # a solution may change its arguments
     except Exception as e:  # a wrong solution may raise
         return False, type(e).__name__
-
-
-def _copy(value: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(value)
 
 
 def _says_little(value: Any) -> bool:
