@@ -41,6 +41,19 @@ def iter_jsonl(path: str | Path, error: type[Exception] = DatasetError) -> Itera
             yield lineno, row
 
 
+def json_list_label(label: Any) -> Any:
+    """A label stored as a JSON list in a string (a Parquet or CSV column cannot hold a list)
+    as that list; any other label as it is."""
+    if isinstance(label, str):
+        try:
+            parsed = json.loads(label)
+        except ValueError:
+            return label
+        if isinstance(parsed, list):
+            return parsed
+    return label
+
+
 def numbered_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
     """(where, row) for each row of a JSONL or parquet file; `where` names file and line (or row)."""
     p = Path(path)

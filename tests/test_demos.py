@@ -2,6 +2,7 @@
 env's grading path runs), written as `agentrl sft` reads it. The SFT check uses the real
 SmolLM2 tokenizer and ChatML template: each trained span is exactly one assistant turn."""
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -46,14 +47,8 @@ def test_demonstrations_score_one_and_sft_reads_them(env, smollm2, tmp_path):
     samples = load_sft_samples(DataConfig(prompt_data=str(path), input_key="messages"), tok)
     assert len(samples) == len(rows)
     for sample, row in zip(samples, rows):
-        spans, span = [], []
-        for t, m in zip(sample.response_tokens, sample.loss_mask):
-            if m:
-                span.append(t)
-            elif span:
-                spans.append(span)
-                span = []
-        spans += [span] if span else []
+        pairs = zip(sample.response_tokens, sample.loss_mask)  # the trained runs of tokens
+        spans = [[t for t, _ in run] for trained, run in itertools.groupby(pairs, key=lambda p: p[1]) if trained]
         assert [tok.decode(s) for s in spans] == \
             [m["content"] + "<|im_end|>" for m in row["messages"] if m["role"] == "assistant"]
 

@@ -7,6 +7,7 @@ Tolerance of the real model's parity checks: 1e-4 per token in fp32 (30 layers o
 rounding; the tiny models' 1e-5 is measured at 1.6e-5 here between Megatron and HF)."""
 
 import asyncio
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -124,14 +125,8 @@ def test_sft_masks_and_append_only_template(smollm2):
     sample = conversation_sample(Renderer(tok, True), messages, TOOLS)
     text = tok.decode(sample.tokens, skip_special_tokens=False)
     assert text == tok.apply_chat_template(messages, tools=TOOLS, tokenize=False).rstrip("\n")
-    trained, runs, run = [], [], []
-    for t, m in zip(sample.response_tokens, sample.loss_mask):
-        if m:
-            run.append(t)
-        elif run:
-            runs.append(run)
-            run = []
-    runs += [run] if run else []
+    pairs = zip(sample.response_tokens, sample.loss_mask)  # the trained runs of tokens
+    runs = [[t for t, _ in run] for trained, run in itertools.groupby(pairs, key=lambda p: p[1]) if trained]
     assert [tok.decode(r, skip_special_tokens=False) for r in runs] == \
         [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
     context = tok.decode([t for t, m in zip(sample.response_tokens, sample.loss_mask) if not m])

@@ -17,11 +17,18 @@ always gets the same tests), and its hash fixes the split: about one statement i
     generate(seed=1, split="test", n=200)     # 200 distinct held-out tasks
     task_from_id("gen/rotate/123")            # the instance behind a row's task_id (the expert's reference)
 
+A family is one function, decorated with ``@family(category)``: it draws its parameters from
+the RNG it is given and returns ``_fn(name, args, statement, solution, wrong, edge inputs,
+drawer, **placeholders)`` (``_count_char`` is the simplest). Its draws fix its instances: changing
+what an existing family draws, or in which order, changes the tasks of every seed (the digests
+pinned in tests/envs/test_code_tasks.py say so); a new family changes the streams too.
+
 Reference solutions run in this process: they are this file's own code, never a model's.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import random
@@ -121,25 +128,34 @@ def family(category: str):
     return register
 
 
+def _fn(name: str, args: str, does: str, sol: str, wrong: str, edges: tuple[tuple, ...],
+        draw: Callable[[random.Random], tuple], **params) -> Spec:
+    """The shape of (almost) every family: a function `name(args)` whose statement is "Write a
+    function `name(args)` that <does>", and whose reference and wrong solutions are that function
+    with the body `sol` / `wrong` ($placeholders filled from `params`)."""
+    space = "" if does.startswith(",") else " "  # "that, for a sorted list xs, ..."
+    return Spec(name, f"Write a function `{name}({args})` that{space}{does}",
+                _src(f"def $n({args}):\n    {sol}", n=name, **params),
+                _src(f"def $n({args}):\n    {wrong}", n=name, **params), edges, draw)
+
+
 # -- string ---------------------------------------------------------------------------------------
 @family("string")
 def _count_char(r):
     c, name = r.choice("abcdehlmnorst"), r.choice(("count_char", "char_count", "occurrences"))
-    return Spec(name, f"Write a function `{name}(s)` that returns how many times the lowercase letter '{c}' "
-                      f"occurs in the string s (case-sensitive: '{c.upper()}' does not count).",
-                _src("def $n(s):\n    return s.count('$c')", n=name, c=c),
-                _src("def $n(s):\n    return s.lower().count('$c')", n=name, c=c),
-                (("",), (f"{c}{c.upper()}x{c}",)), lambda rr: (word(rr, c + c.upper() + "xyz"),))
+    return _fn(name, "s", f"returns how many times the lowercase letter '{c}' occurs in the string s "
+                          f"(case-sensitive: '{c.upper()}' does not count).",
+               "return s.count('$c')", "return s.lower().count('$c')",
+               (("",), (f"{c}{c.upper()}x{c}",)), lambda rr: (word(rr, c + c.upper() + "xyz"),), c=c)
 
 
 @family("string")
 def _replace_char(r):
     a, b = r.sample("abcdeilnorstu", 2)
     name = r.choice(("replace_char", "swap_letter", "substitute"))
-    return Spec(name, f"Write a function `{name}(s)` that returns s with every '{a}' replaced by '{b}'.",
-                _src("def $n(s):\n    return s.replace('$a', '$b')", n=name, a=a, b=b),
-                _src("def $n(s):\n    return s.replace('$a', '$b', 1)", n=name, a=a, b=b),
-                (("",), (f"{a}x{a}{a}",)), lambda rr: (word(rr, a + b + "xyz"),))
+    return _fn(name, "s", f"returns s with every '{a}' replaced by '{b}'.",
+               "return s.replace('$a', '$b')", "return s.replace('$a', '$b', 1)",
+               (("",), (f"{a}x{a}{a}",)), lambda rr: (word(rr, a + b + "xyz"),), a=a, b=b)
 
 
 @family("string")
@@ -156,53 +172,47 @@ def _letter_set(r):
         text = f"returns s without the letters {shown} (in either case), other characters kept in order"
         sol = f"return ''.join(ch for ch in s if ch.lower() not in {letters!r})"
         wrong = f"return ''.join(ch for ch in s if ch not in {letters!r})"
-    return Spec(name, f"Write a function `{name}(s)` that {text}.", _src(f"def $n(s):\n    {sol}", n=name),
-                _src(f"def $n(s):\n    {wrong}", n=name), (("",), (letters.upper() + "xy" + letters,)),
-                lambda rr: (word(rr, letters + letters.upper() + "xyz "),))
+    return _fn(name, "s", f"{text}.", sol, wrong, (("",), (letters.upper() + "xy" + letters,)),
+               lambda rr: (word(rr, letters + letters.upper() + "xyz "),))
 
 
 @family("string")
 def _reverse_words(r):
     sep, name = r.choice(("-", ", ", " ", "|", "_", "/")), r.choice(("reverse_words", "words_backwards"))
-    return Spec(name, f"Write a function `{name}(s)` that splits s on whitespace and returns its words in "
-                      f"reverse order, joined by {sep!r}.",
-                _src("def $n(s):\n    return $sep.join(reversed(s.split()))", n=name, sep=repr(sep)),
-                _src("def $n(s):\n    return $sep.join(s.split())", n=name, sep=repr(sep)),
-                (("",), ("one two  three",)), lambda rr: (sentence(rr),))
+    return _fn(name, "s", f"splits s on whitespace and returns its words in reverse order, joined by {sep!r}.",
+               "return $sep.join(reversed(s.split()))", "return $sep.join(s.split())",
+               (("",), ("one two  three",)), lambda rr: (sentence(rr),), sep=repr(sep))
 
 
 @family("string")
 def _repeat_chars(r):
     k, sep = r.randint(2, 4), r.choice(("", "-", " ", "."))
     name = r.choice(("stretch", "repeat_chars", "stutter"))
-    return Spec(name, f"Write a function `{name}(s)` that repeats every character of s {k} times in place and "
-                      f"joins these groups with {sep!r} ('ab' -> {sep.join(['a' * k, 'b' * k])!r}).",
-                _src("def $n(s):\n    return $sep.join(ch * $k for ch in s)", n=name, k=k, sep=repr(sep)),
-                _src("def $n(s):\n    return $sep.join(s * $k)", n=name, k=k, sep=repr(sep)),
-                (("",), ("xy",)), lambda rr: (word(rr, n=(1, 6)),))
+    return _fn(name, "s", f"repeats every character of s {k} times in place and joins these groups with "
+                          f"{sep!r} ('ab' -> {sep.join(['a' * k, 'b' * k])!r}).",
+               "return $sep.join(ch * $k for ch in s)", "return $sep.join(s * $k)",
+               (("",), ("xy",)), lambda rr: (word(rr, n=(1, 6)),), k=k, sep=repr(sep))
 
 
 @family("string")
 def _words_starting(r):
     p, name = r.choice("abcdefghlmoprst"), r.choice(("words_starting", "filter_words", "pick_words"))
-    return Spec(name, f"Write a function `{name}(s)` that returns the list of the words of s (split on "
-                      f"whitespace) that start with the letter '{p}', in order.",
-                _src("def $n(s):\n    return [w for w in s.split() if w.startswith('$p')]", n=name, p=p),
-                _src("def $n(s):\n    return [w for w in s.split() if '$p' in w]", n=name, p=p),
-                (("",), (f"{p}x y{p}z {p}",)),
-                lambda rr: (" ".join(rr.choice((p, "x", "y" + p)) + word(rr, n=(1, 4)) for _ in range(rr.randint(2, 6))),))
+    return _fn(name, "s", f"returns the list of the words of s (split on whitespace) that start with the "
+                          f"letter '{p}', in order.",
+               "return [w for w in s.split() if w.startswith('$p')]", "return [w for w in s.split() if '$p' in w]",
+               (("",), (f"{p}x y{p}z {p}",)),
+               lambda rr: (" ".join(rr.choice((p, "x", "y" + p)) + word(rr, n=(1, 4)) for _ in range(rr.randint(2, 6))),),
+               p=p)
 
 
 @family("string")
 def _caesar(r):
     k, name = r.randint(1, 25), r.choice(("shift_letters", "caesar", "rotate_letters"))
-    return Spec(name, f"Write a function `{name}(s)` that shifts every lowercase letter of s by {k} places "
-                      f"forward in the alphabet, wrapping around from 'z' to 'a'; other characters are unchanged.",
-                _src("def $n(s):\n    return ''.join(chr((ord(c) - 97 + $k) % 26 + 97) if 'a' <= c <= 'z' else c "
-                     "for c in s)", n=name, k=k),
-                _src("def $n(s):\n    return ''.join(chr(ord(c) + $k) if 'a' <= c <= 'z' else c for c in s)",
-                     n=name, k=k),
-                (("",), ("xyz, abc!",)), lambda rr: (word(rr, "abcmnxyz .!", n=(2, 10)),))
+    return _fn(name, "s", f"shifts every lowercase letter of s by {k} places forward in the alphabet, wrapping "
+                          f"around from 'z' to 'a'; other characters are unchanged.",
+               "return ''.join(chr((ord(c) - 97 + $k) % 26 + 97) if 'a' <= c <= 'z' else c for c in s)",
+               "return ''.join(chr(ord(c) + $k) if 'a' <= c <= 'z' else c for c in s)",
+               (("",), ("xyz, abc!",)), lambda rr: (word(rr, "abcmnxyz .!", n=(2, 10)),), k=k)
 
 
 @family("string")
@@ -210,14 +220,12 @@ def _acronym(r):
     sep, k = r.choice(("", ".", "-", " ")), r.randint(1, 4)
     name = r.choice(("acronym", "initials", "abbreviate"))
     which = "each word" if k == 1 else f"each word of at least {k} letters"
-    return Spec(name, f"Write a function `{name}(s)` that returns the first letter of {which} of s (split on "
-                      f"whitespace), uppercased, joined by {sep!r}.",
-                _src("def $n(s):\n    return $sep.join(w[0].upper() for w in s.split()$cond)", n=name,
-                     sep=repr(sep), cond=f" if len(w) >= {k}" if k > 1 else ""),
-                _src("def $n(s):\n    return $sep.join(w[0] for w in s.split()$cond)", n=name,
-                     sep=repr(sep), cond=f" if len(w) >= {k}" if k > 1 else ""),
-                (("",), ("portable network graphics",)),
-                lambda rr: (" ".join(word(rr, n=(1, 6)) for _ in range(rr.randint(2, 6))),))
+    return _fn(name, "s", f"returns the first letter of {which} of s (split on whitespace), uppercased, "
+                          f"joined by {sep!r}.",
+               "return $sep.join(w[0].upper() for w in s.split()$cond)", "return $sep.join(w[0] for w in s.split()$cond)",
+               (("",), ("portable network graphics",)),
+               lambda rr: (" ".join(word(rr, n=(1, 6)) for _ in range(rr.randint(2, 6))),),
+               sep=repr(sep), cond=f" if len(w) >= {k}" if k > 1 else "")
 
 
 # -- list -----------------------------------------------------------------------------------------
@@ -227,11 +235,9 @@ def _filter_multiples(r):
     name = r.choice(("keep_multiples", "multiples_of")) if keep else r.choice(("drop_multiples", "without_multiples"))
     cond, other = ("x % $k == 0", "x % $k != 0") if keep else ("x % $k != 0", "x % $k == 0")
     what = "are" if keep else "are not"
-    return Spec(name, f"Write a function `{name}(xs)` that returns, in order, the elements of the list of "
-                      f"integers xs that {what} divisible by {k}.",
-                _src(f"def $n(xs):\n    return [x for x in xs if {cond}]", n=name, k=k),
-                _src(f"def $n(xs):\n    return [x for x in xs if {other}]", n=name, k=k),
-                (([],), ([k, k + 1, 2 * k],)), lambda rr: (ints(rr),))
+    return _fn(name, "xs", f"returns, in order, the elements of the list of integers xs that {what} divisible by {k}.",
+               f"return [x for x in xs if {cond}]", f"return [x for x in xs if {other}]",
+               (([],), ([k, k + 1, 2 * k],)), lambda rr: (ints(rr),), k=k)
 
 
 @family("list")
@@ -239,33 +245,28 @@ def _sum_above(r):
     t, strict = r.choice([v for v in range(-5, 21) if v]), r.random() < 0.5  # x == 0 adds nothing to a sum
     name = r.choice(("sum_above", "sum_over", "big_sum"))
     op, wrong_op, words = (">", ">=", "greater than") if strict else (">=", ">", "greater than or equal to")
-    return Spec(name, f"Write a function `{name}(xs)` that returns the sum of the elements of xs that are "
-                      f"{words} {t} (0 if there are none).",
-                _src(f"def $n(xs):\n    return sum(x for x in xs if x {op} $t)", n=name, t=t),
-                _src(f"def $n(xs):\n    return sum(x for x in xs if x {wrong_op} $t)", n=name, t=t),
-                (([],), ([t, t + 1, t - 1],)), lambda rr: (ints(rr) + [t],))
+    return _fn(name, "xs", f"returns the sum of the elements of xs that are {words} {t} (0 if there are none).",
+               f"return sum(x for x in xs if x {op} $t)", f"return sum(x for x in xs if x {wrong_op} $t)",
+               (([],), ([t, t + 1, t - 1],)), lambda rr: (ints(rr) + [t],), t=t)
 
 
 @family("list")
 def _scale_offset(r):
     a, b = r.choice((2, 3, -1, 4, 5, 10)), r.choice([v for v in range(-9, 10) if v])
     name = r.choice(("transform", "scale_shift", "affine"))
-    return Spec(name, f"Write a function `{name}(xs)` that returns a new list with every element x of xs "
-                      f"replaced by x * {a} + {b}.",
-                _src("def $n(xs):\n    return [x * $a + $b for x in xs]", n=name, a=a, b=b),
-                _src("def $n(xs):\n    return [(x + $b) * $a for x in xs]", n=name, a=a, b=b),
-                (([],), ([0, 1],)), lambda rr: (ints(rr),))
+    return _fn(name, "xs", f"returns a new list with every element x of xs replaced by x * {a} + {b}.",
+               "return [x * $a + $b for x in xs]", "return [(x + $b) * $a for x in xs]",
+               (([],), ([0, 1],)), lambda rr: (ints(rr),), a=a, b=b)
 
 
 @family("list")
 def _chunk_sums(r):
     k, name = r.randint(2, 4), r.choice(("chunk_sums", "block_sums", "group_totals"))
-    return Spec(name, f"Write a function `{name}(xs)` that splits xs into consecutive chunks of {k} elements "
-                      f"(the last chunk may be shorter) and returns the list of the chunks' sums.",
-                _src("def $n(xs):\n    return [sum(xs[i:i + $k]) for i in range(0, len(xs), $k)]", n=name, k=k),
-                _src("def $n(xs):\n    return [sum(xs[i:i + $k]) for i in range(0, len(xs) - $k + 1, $k)]",
-                     n=name, k=k),
-                (([],), (list(range(1, k + 2)),)), lambda rr: (ints(rr, n=(1, 11)),))
+    return _fn(name, "xs", f"splits xs into consecutive chunks of {k} elements (the last chunk may be shorter) "
+                           f"and returns the list of the chunks' sums.",
+               "return [sum(xs[i:i + $k]) for i in range(0, len(xs), $k)]",
+               "return [sum(xs[i:i + $k]) for i in range(0, len(xs) - $k + 1, $k)]",
+               (([],), (list(range(1, k + 2)),)), lambda rr: (ints(rr, n=(1, 11)),), k=k)
 
 
 @family("list")
@@ -275,11 +276,10 @@ def _rotate(r):
     side = "left" if left else "right"
     body = "k = $k % len(xs)\n    return xs[k:] + xs[:k]" if left else "k = $k % len(xs)\n    return xs[-k:] + xs[:-k] if k else list(xs)"
     wrong = "return xs[$k:] + xs[:$k]" if left else "return xs[-$k:] + xs[:-$k]"
-    return Spec(name, f"Write a function `{name}(xs)` that returns the list xs rotated by {k} positions to the "
-                      f"{side} (for any length, including lists shorter than {k}; [] stays []).",
-                _src(f"def $n(xs):\n    if not xs:\n        return []\n    {body}", n=name, k=k),
-                _src(f"def $n(xs):\n    {wrong}", n=name, k=k),
-                (([],), (list(range(1, k)),), (list(range(1, k + 3)),)), lambda rr: (ints(rr, n=(1, 8)),))
+    return _fn(name, "xs", f"returns the list xs rotated by {k} positions to the {side} (for any length, "
+                           f"including lists shorter than {k}; [] stays []).",
+               f"if not xs:\n        return []\n    {body}", wrong,
+               (([],), (list(range(1, k)),), (list(range(1, k + 3)),)), lambda rr: (ints(rr, n=(1, 8)),), k=k)
 
 
 @family("list")
@@ -290,13 +290,10 @@ def _running(r):
             "min": "acc = x if i == 0 else min(acc, x)", "product": "acc = x if i == 0 else acc * x"}[op]
     of, get = ("the absolute values of ", "abs(x)") if absolute else ("", "x")
     take = "\n        x = abs(x)" if absolute else ""
-    return Spec(name, f"Write a function `{name}(xs)` that returns a list whose i-th element is the {op} of "
-                      f"{of}xs[0], ..., xs[i] (the running {op}).",
-                _src(f"def $n(xs):\n    out = []\n    for i, x in enumerate(xs):{take}\n        {step}\n"
-                     f"        out.append(acc)\n    return out", n=name),
-                _src(f"def $n(xs):\n    out = []\n    for i, x in enumerate(xs):\n        out.append({get})\n"
-                     f"    return out", n=name),
-                (([],), ([3, -1, 4, 2],)), lambda rr: (ints(rr, -5, 9),))
+    return _fn(name, "xs", f"returns a list whose i-th element is the {op} of {of}xs[0], ..., xs[i] (the running {op}).",
+               f"out = []\n    for i, x in enumerate(xs):{take}\n        {step}\n        out.append(acc)\n    return out",
+               f"out = []\n    for i, x in enumerate(xs):\n        out.append({get})\n    return out",
+               (([],), ([3, -1, 4, 2],)), lambda rr: (ints(rr, -5, 9),))
 
 
 @family("list")
@@ -304,49 +301,42 @@ def _count_in_range(r):
     lo = r.randint(-10, 10)
     hi = lo + r.randint(1, 15)
     name = r.choice(("count_between", "count_in_range", "how_many_between"))
-    return Spec(name, f"Write a function `{name}(xs)` that returns how many elements x of xs satisfy "
-                      f"{lo} <= x <= {hi}.",
-                _src("def $n(xs):\n    return sum($lo <= x <= $hi for x in xs)", n=name, lo=lo, hi=hi),
-                _src("def $n(xs):\n    return sum($lo <= x < $hi for x in xs)", n=name, lo=lo, hi=hi),
-                (([],), ([lo, hi, hi + 1, lo - 1],)), lambda rr: (ints(rr, lo - 5, hi + 5),))
+    return _fn(name, "xs", f"returns how many elements x of xs satisfy {lo} <= x <= {hi}.",
+               "return sum($lo <= x <= $hi for x in xs)", "return sum($lo <= x < $hi for x in xs)",
+               (([],), ([lo, hi, hi + 1, lo - 1],)), lambda rr: (ints(rr, lo - 5, hi + 5),), lo=lo, hi=hi)
 
 
 @family("list")
 def _kth_largest(r):
     k, name = r.randint(2, 4), r.choice(("kth_largest", "nth_biggest", "rank_value"))
-    return Spec(name, f"Write a function `{name}(xs)` that returns the {['', '', 'second', 'third', 'fourth'][k] + ' largest'} "
-                      f"distinct value of xs (duplicates count once), or None if xs has fewer than {k} distinct values.",
-                _src("def $n(xs):\n    s = sorted(set(xs), reverse=True)\n    return s[$i] if len(s) >= $k else None",
-                     n=name, k=k, i=k - 1),
-                _src("def $n(xs):\n    s = sorted(xs, reverse=True)\n    return s[$i] if len(s) >= $k else None",
-                     n=name, k=k, i=k - 1),
-                (([],), ([5, 5, 5, 4, 3, 3, 1],)), lambda rr: (ints(rr, 0, 8),))
+    return _fn(name, "xs", f"returns the {['', '', 'second', 'third', 'fourth'][k]} largest distinct value of xs "
+                           f"(duplicates count once), or None if xs has fewer than {k} distinct values.",
+               "s = sorted(set(xs), reverse=True)\n    return s[$i] if len(s) >= $k else None",
+               "s = sorted(xs, reverse=True)\n    return s[$i] if len(s) >= $k else None",
+               (([],), ([5, 5, 5, 4, 3, 3, 1],)), lambda rr: (ints(rr, 0, 8),), k=k, i=k - 1)
 
 
 # -- dict -----------------------------------------------------------------------------------------
 @family("dict")
 def _letter_counts(r):
     k, name = r.randint(1, 3), r.choice(("letter_counts", "frequent_letters", "count_letters"))
-    return Spec(name, f"Write a function `{name}(s)` that returns a dict mapping each letter occurring at least "
-                      f"{k} times in s to its number of occurrences (other characters are ignored).",
-                _src("def $n(s):\n    out = {}\n    for c in s:\n        if c.isalpha():\n"
-                     "            out[c] = out.get(c, 0) + 1\n    return {c: v for c, v in out.items() if v >= $k}",
-                     n=name, k=k),
-                _src("def $n(s):\n    out = {}\n    for c in s:\n        out[c] = out.get(c, 0) + 1\n"
-                     "    return {c: v for c, v in out.items() if v > $k}", n=name, k=k),
-                (("",), ("a" * k + " b" + "c" * (k + 1),)), lambda rr: (word(rr, "aabbc 1", n=(2, 12)),))
+    return _fn(name, "s", f"returns a dict mapping each letter occurring at least {k} times in s to its number "
+                          f"of occurrences (other characters are ignored).",
+               "out = {}\n    for c in s:\n        if c.isalpha():\n            out[c] = out.get(c, 0) + 1\n"
+               "    return {c: v for c, v in out.items() if v >= $k}",
+               "out = {}\n    for c in s:\n        out[c] = out.get(c, 0) + 1\n"
+               "    return {c: v for c, v in out.items() if v > $k}",
+               (("",), ("a" * k + " b" + "c" * (k + 1),)), lambda rr: (word(rr, "aabbc 1", n=(2, 12)),), k=k)
 
 
 @family("dict")
 def _group_by_mod(r):
     k, name = r.randint(2, 5), r.choice(("group_by_remainder", "bucket_by_mod", "mod_groups"))
-    return Spec(name, f"Write a function `{name}(xs)` that returns a dict mapping each remainder x % {k} that "
-                      f"occurs among the integers xs to the list of those elements with that remainder, in input order.",
-                _src("def $n(xs):\n    out = {}\n    for x in xs:\n        out.setdefault(x % $k, []).append(x)\n"
-                     "    return out", n=name, k=k),
-                _src("def $n(xs):\n    out = {}\n    for x in sorted(xs):\n        out.setdefault(x % $k, []).append(x)\n"
-                     "    return out", n=name, k=k),
-                (([],), ([2 * k + 1, 1],)), lambda rr: (ints(rr, 0, 30),))
+    return _fn(name, "xs", f"returns a dict mapping each remainder x % {k} that occurs among the integers xs to "
+                           f"the list of those elements with that remainder, in input order.",
+               "out = {}\n    for x in xs:\n        out.setdefault(x % $k, []).append(x)\n    return out",
+               "out = {}\n    for x in sorted(xs):\n        out.setdefault(x % $k, []).append(x)\n    return out",
+               (([],), ([2 * k + 1, 1],)), lambda rr: (ints(rr, 0, 30),), k=k)
 
 
 @family("dict")
@@ -356,92 +346,80 @@ def _merge_counts(r):
     drop = r.choice((None, 0, 1))
     tail = "" if drop is None else f"; keys whose merged value is {drop} are left out"
     keep = "out" if drop is None else f"{{k: v for k, v in out.items() if v != {drop}}}"
-    return Spec(name, f"Write a function `{name}(a, b)` that merges two dicts of integers: a key in only one "
-                      f"of them keeps its value, a key in both gets the {op} of its two values{tail}.",
-                _src(f"def $n(a, b):\n    out = dict(a)\n    for k, v in b.items():\n"
-                     f"        out[k] = {expr} if k in out else v\n    return {keep}", n=name),
-                _src("def $n(a, b):\n    return {**a, **b}", n=name),
-                (({}, {}), ({"x": 3}, {"x": 5, "y": 1}), ({"x": 7}, {"x": 2})),
-                lambda rr: (small_dict(rr), small_dict(rr)))
+    return _fn(name, "a, b", f"merges two dicts of integers: a key in only one of them keeps its value, a key in "
+                             f"both gets the {op} of its two values{tail}.",
+               f"out = dict(a)\n    for k, v in b.items():\n        out[k] = {expr} if k in out else v\n    return {keep}",
+               "return {**a, **b}", (({}, {}), ({"x": 3}, {"x": 5, "y": 1}), ({"x": 7}, {"x": 2})),
+               lambda rr: (small_dict(rr), small_dict(rr)))
 
 
 @family("dict")
 def _keys_above(r):
     t, name = r.randint(-3, 12), r.choice(("keys_above", "big_keys", "keys_over"))
-    return Spec(name, f"Write a function `{name}(d)` that returns the sorted list of the keys of the dict d "
-                      f"whose value is greater than {t}.",
-                _src("def $n(d):\n    return sorted(k for k, v in d.items() if v > $t)", n=name, t=t),
-                _src("def $n(d):\n    return [k for k, v in d.items() if v >= $t]", n=name, t=t),
-                (({},), ({"b": t + 1, "a": t + 2, "c": t},)), lambda rr: (small_dict(rr, lo=t - 4, hi=t + 4),))
+    return _fn(name, "d", f"returns the sorted list of the keys of the dict d whose value is greater than {t}.",
+               "return sorted(k for k, v in d.items() if v > $t)", "return [k for k, v in d.items() if v >= $t]",
+               (({},), ({"b": t + 1, "a": t + 2, "c": t},)), lambda rr: (small_dict(rr, lo=t - 4, hi=t + 4),), t=t)
 
 
 @family("dict")
 def _invert(r):
     name = r.choice(("invert", "invert_dict", "keys_by_value", "reverse_map"))
     order, rev = r.choice((("sorted", ""), ("reverse-sorted", ", reverse=True")))
-    return Spec(name, f"Write a function `{name}(d)` that inverts the dict d: it returns a dict mapping each "
-                      f"value of d to the {order} list of the keys that have that value.",
-                _src(f"def $n(d):\n    out = {{}}\n    for k, v in d.items():\n        out.setdefault(v, []).append(k)\n"
-                     f"    return {{v: sorted(ks{rev}) for v, ks in out.items()}}", n=name),
-                _src("def $n(d):\n    return {v: [k] for k, v in d.items()}", n=name),
-                (({},), ({"b": 1, "a": 1, "c": 2},), ({"a": 1, "b": 1},)), lambda rr: (small_dict(rr, lo=0, hi=3),))
+    return _fn(name, "d", f"inverts the dict d: it returns a dict mapping each value of d to the {order} list of "
+                          f"the keys that have that value.",
+               f"out = {{}}\n    for k, v in d.items():\n        out.setdefault(v, []).append(k)\n"
+               f"    return {{v: sorted(ks{rev}) for v, ks in out.items()}}",
+               "return {v: [k] for k, v in d.items()}",
+               (({},), ({"b": 1, "a": 1, "c": 2},), ({"a": 1, "b": 1},)), lambda rr: (small_dict(rr, lo=0, hi=3),))
 
 
 @family("dict")
 def _word_lengths(r):
     k, name = r.randint(1, 5), r.choice(("word_lengths", "long_words", "length_map"))
-    return Spec(name, f"Write a function `{name}(s)` that returns a dict mapping each word of s (split on "
-                      f"whitespace) with at least {k} letters to its length.",
-                _src("def $n(s):\n    return {w: len(w) for w in s.split() if len(w) >= $k}", n=name, k=k),
-                _src("def $n(s):\n    return {w: len(w) for w in s.split() if len(w) > $k}", n=name, k=k),
-                (("",), (f"{'a' * k} {'b' * (k + 1)}",)),
-                lambda rr: (" ".join(word(rr, n=(max(1, k - 2), k + 2)) for _ in range(rr.randint(1, 5))),))
+    return _fn(name, "s", f"returns a dict mapping each word of s (split on whitespace) with at least {k} letters "
+                          f"to its length.",
+               "return {w: len(w) for w in s.split() if len(w) >= $k}", "return {w: len(w) for w in s.split() if len(w) > $k}",
+               (("",), (f"{'a' * k} {'b' * (k + 1)}",)),
+               lambda rr: (" ".join(word(rr, n=(max(1, k - 2), k + 2)) for _ in range(rr.randint(1, 5))),), k=k)
 
 
 # -- arithmetic -----------------------------------------------------------------------------------
 @family("arithmetic")
 def _digit_power_sum(r):
     p, name = r.randint(2, 4), r.choice(("digit_power_sum", "digit_powers", "sum_digit_powers"))
-    return Spec(name, f"Write a function `{name}(n)` that returns the sum of d ** {p} over the decimal digits d "
-                      f"of the integer n (its sign is ignored).",
-                _src("def $n(n):\n    return sum(int(c) ** $p for c in str(abs(n)))", n=name, p=p),
-                _src("def $n(n):\n    return sum(int(c) for c in str(abs(n))) ** $p", n=name, p=p),
-                ((0,), (-12,), (907,)), lambda rr: (rr.randint(-10**6, 10**6),))
+    return _fn(name, "n", f"returns the sum of d ** {p} over the decimal digits d of the integer n (its sign is ignored).",
+               "return sum(int(c) ** $p for c in str(abs(n)))", "return sum(int(c) for c in str(abs(n))) ** $p",
+               ((0,), (-12,), (907,)), lambda rr: (rr.randint(-10**6, 10**6),), p=p)
 
 
 @family("arithmetic")
 def _series_sum(r):
     a, d = r.randint(-5, 10), r.randint(1, 7)
     name = r.choice(("series_sum", "sum_of_terms", "progression_sum"))
-    return Spec(name, f"Write a function `{name}(n)` that returns the sum of the first n terms of the "
-                      f"arithmetic sequence {a}, {a + d}, {a + 2 * d}, ... (0 for n == 0).",
-                _src("def $n(n):\n    return sum($a + i * $d for i in range(n))", n=name, a=a, d=d),
-                _src("def $n(n):\n    return sum($a + i * $d for i in range(n + 1))", n=name, a=a, d=d),
-                ((0,), (1,), (3,)), lambda rr: (rr.randint(0, 40),))
+    return _fn(name, "n", f"returns the sum of the first n terms of the arithmetic sequence {a}, {a + d}, "
+                          f"{a + 2 * d}, ... (0 for n == 0).",
+               "return sum($a + i * $d for i in range(n))", "return sum($a + i * $d for i in range(n + 1))",
+               ((0,), (1,), (3,)), lambda rr: (rr.randint(0, 40),), a=a, d=d)
 
 
 @family("arithmetic")
 def _count_divisible(r):
     a, b = r.sample(range(2, 10), 2)
     name = r.choice(("count_divisible", "count_multiples", "either_multiple"))
-    return Spec(name, f"Write a function `{name}(n)` that returns how many integers in 1..n (inclusive) are "
-                      f"divisible by {a} or by {b} (or both).",
-                _src("def $n(n):\n    return sum(1 for i in range(1, n + 1) if i % $a == 0 or i % $b == 0)",
-                     n=name, a=a, b=b),
-                _src("def $n(n):\n    return n // $a + n // $b", n=name, a=a, b=b),
-                ((0,), (a * b,)), lambda rr: (rr.randint(1, 200),))
+    return _fn(name, "n", f"returns how many integers in 1..n (inclusive) are divisible by {a} or by {b} (or both).",
+               "return sum(1 for i in range(1, n + 1) if i % $a == 0 or i % $b == 0)", "return n // $a + n // $b",
+               ((0,), (a * b,)), lambda rr: (rr.randint(1, 200),), a=a, b=b)
 
 
 @family("arithmetic")
 def _to_base(r):
     b, name = r.randint(2, 9), r.choice(("to_base", "in_base", "convert_base"))
-    return Spec(name, f"Write a function `{name}(n)` that returns the base-{b} representation of the "
-                      f"non-negative integer n as a string of digits ('0' for 0).",
-                _src("def $n(n):\n    if n == 0:\n        return '0'\n    out = ''\n    while n:\n"
-                     "        out = str(n % $b) + out\n        n //= $b\n    return out", n=name, b=b),
-                _src("def $n(n):\n    out = ''\n    while n:\n        out += str(n % $b)\n        n //= $b\n"
-                     "    return out", n=name, b=b),
-                ((0,), (b + 1,), (b * b + 2,)), lambda rr: (rr.randint(0, 5000),))
+    return _fn(name, "n", f"returns the base-{b} representation of the non-negative integer n as a string of "
+                          f"digits ('0' for 0).",
+               "if n == 0:\n        return '0'\n    out = ''\n    while n:\n        out = str(n % $b) + out\n"
+               "        n //= $b\n    return out",
+               "out = ''\n    while n:\n        out += str(n % $b)\n        n //= $b\n    return out",
+               ((0,), (b + 1,), (b * b + 2,)), lambda rr: (rr.randint(0, 5000),), b=b)
 
 
 @family("arithmetic")
@@ -450,31 +428,30 @@ def _divisors(r):
     name = r.choice((f"{op}_{parity.strip() or 'all'}_divisors", f"divisor_{op}", f"{op}_divisors"))
     what = {"count": "the number", "sum": "the sum"}[op]
     cond = "n % d == 0" + {"": "", "odd ": " and d % 2 == 1", "even ": " and d % 2 == 0"}[parity]
-    agg = f"sum(1 for d in range(1, $top) if {cond})" if op == "count" else f"sum(d for d in range(1, $top) if {cond})"
+    term = "1" if op == "count" else "d"
     which = "that are smaller than n" if proper else "(n itself included)"
-    return Spec(name, f"Write a function `{name}(n)` that returns {what} of the {parity}positive divisors of the "
-                      f"positive integer n {which}.",
-                _src(f"def $n(n):\n    return {agg}", n=name, top="n" if proper else "n + 1"),
-                _src(f"def $n(n):\n    return {agg}", n=name, top="n + 1" if proper else "n"),
-                ((1,), (12,), (9,), (16,)), lambda rr: (rr.randint(1, 300),))
+    top, wrong_top = ("n", "n + 1") if proper else ("n + 1", "n")  # the typical mistake: the range off by one
+    return _fn(name, "n", f"returns {what} of the {parity}positive divisors of the positive integer n {which}.",
+               f"return sum({term} for d in range(1, {top}) if {cond})",
+               f"return sum({term} for d in range(1, {wrong_top}) if {cond})",
+               ((1,), (12,), (9,), (16,)), lambda rr: (rr.randint(1, 300),))
 
 
 @family("arithmetic")
 def _fizzbuzz(r):
     (a, b), (wa, wb) = r.sample(range(2, 8), 2), r.sample(("Fizz", "Buzz", "Zap", "Bop", "Ping", "Pong"), 2)
     name = r.choice(("fizzbuzz", "say_numbers", "game_words"))
-    return Spec(name, f"Write a function `{name}(n)` that returns a list of strings for 1..n: '{wa}{wb}' for "
-                      f"multiples of both {a} and {b}, '{wa}' for multiples of {a}, '{wb}' for multiples of {b}, "
-                      f"otherwise the number itself as a string.",
-                _src("def $n(n):\n    out = []\n    for i in range(1, n + 1):\n"
-                     "        if i % $a == 0 and i % $b == 0:\n            out.append('$wa$wb')\n"
-                     "        elif i % $a == 0:\n            out.append('$wa')\n        elif i % $b == 0:\n"
-                     "            out.append('$wb')\n        else:\n            out.append(str(i))\n    return out",
-                     n=name, a=a, b=b, wa=wa, wb=wb),
-                _src("def $n(n):\n    out = []\n    for i in range(1, n + 1):\n        if i % $a == 0:\n"
-                     "            out.append('$wa')\n        elif i % $b == 0:\n            out.append('$wb')\n"
-                     "        else:\n            out.append(str(i))\n    return out", n=name, a=a, b=b, wa=wa, wb=wb),
-                ((0,), (a * b,)), lambda rr: (rr.randint(1, 2 * a * b),))
+    return _fn(name, "n", f"returns a list of strings for 1..n: '{wa}{wb}' for multiples of both {a} and {b}, "
+                          f"'{wa}' for multiples of {a}, '{wb}' for multiples of {b}, otherwise the number itself "
+                          f"as a string.",
+               "out = []\n    for i in range(1, n + 1):\n        if i % $a == 0 and i % $b == 0:\n"
+               "            out.append('$wa$wb')\n        elif i % $a == 0:\n            out.append('$wa')\n"
+               "        elif i % $b == 0:\n            out.append('$wb')\n        else:\n"
+               "            out.append(str(i))\n    return out",
+               "out = []\n    for i in range(1, n + 1):\n        if i % $a == 0:\n            out.append('$wa')\n"
+               "        elif i % $b == 0:\n            out.append('$wb')\n        else:\n"
+               "            out.append(str(i))\n    return out",
+               ((0,), (a * b,)), lambda rr: (rr.randint(1, 2 * a * b),), a=a, b=b, wa=wa, wb=wb)
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -483,17 +460,13 @@ def _parse_pairs(r):
     sep, kv = r.choice((";", ",", "&", "|")), r.choice(("=", ":"))
     name = r.choice(("parse_pairs", "parse_settings", "read_pairs"))
     ex = f"a{kv}1{sep}bc{kv}22"
-    return Spec(name, f"Write a function `{name}(s)` that parses a string like {ex!r} (pairs separated by "
-                      f"{sep!r}, key and integer value separated by {kv!r}) into a dict of str to int; "
-                      f"'' gives {{}}.",
-                _src("def $n(s):\n    out = {}\n    for part in s.split($sep):\n        if part:\n"
-                     "            k, v = part.split($kv, 1)\n            out[k] = int(v)\n    return out",
-                     n=name, sep=repr(sep), kv=repr(kv)),
-                _src("def $n(s):\n    out = {}\n    for part in s.split($sep):\n        if part:\n"
-                     "            k, v = part.split($kv, 1)\n            out[k] = v\n    return out",
-                     n=name, sep=repr(sep), kv=repr(kv)),
-                (("",), (ex,)),
-                lambda rr: (sep.join(f"{word(rr, n=(1, 4))}{kv}{rr.randint(-50, 500)}" for _ in range(rr.randint(1, 4))),))
+    loop = "out = {}\n    for part in s.split($sep):\n        if part:\n            k, v = part.split($kv, 1)\n"
+    return _fn(name, "s", f"parses a string like {ex!r} (pairs separated by {sep!r}, key and integer value "
+                          f"separated by {kv!r}) into a dict of str to int; '' gives {{}}.",
+               loop + "            out[k] = int(v)\n    return out", loop + "            out[k] = v\n    return out",
+               (("",), (ex,)),
+               lambda rr: (sep.join(f"{word(rr, n=(1, 4))}{kv}{rr.randint(-50, 500)}" for _ in range(rr.randint(1, 4))),),
+               sep=repr(sep), kv=repr(kv))
 
 
 @family("parsing")
@@ -529,10 +502,8 @@ def _clock(r):
         wrong = "h, m = t.split($sep)\n    return int(h) * 100 + int(m)"
         draw = lambda rr: (f"{rr.randint(0, 23)}{sep}{rr.randint(0, 59):02d}",)  # noqa: E731
         edge = ((f"0{sep}00",), (f"2{sep}05",))
-    return Spec(name, f"Write a function `{name}(t)` that converts a time written as '{fmt}' (hours without "
-                      f"leading zeros) into the total number of {unit} since 0{sep}00.",
-                _src(f"def $n(t):\n    {sol}", n=name, sep=repr(sep)), _src(f"def $n(t):\n    {wrong}", n=name, sep=repr(sep)),
-                edge, draw)
+    return _fn(name, "t", f"converts a time written as '{fmt}' (hours without leading zeros) into the total "
+                          f"number of {unit} since 0{sep}00.", sol, wrong, edge, draw, sep=repr(sep))
 
 
 @family("parsing")
@@ -555,15 +526,13 @@ def _plus_minus(r):
 def _csv_field(r):
     d, i = r.choice((",", ";", "|", "\t")), r.randint(0, 3)
     name = r.choice(("field", "get_field", "column"))
-    return Spec(name, f"Write a function `{name}(line)` that splits line on {d!r} and returns field number {i} "
-                      f"(counting from 0) with surrounding whitespace removed, or '' if the line has fewer fields.",
-                _src("def $n(line):\n    parts = line.split($d)\n    return parts[$i].strip() if len(parts) > $i else ''",
-                     n=name, d=repr(d), i=i),
-                _src("def $n(line):\n    parts = line.split($d)\n    return parts[$i] if len(parts) > $i else ''",
-                     n=name, d=repr(d), i=i),
-                (("",), (d.join(f" w{j} " for j in range(i + 2)),)),
-                lambda rr: (d.join(rr.choice(("", " ")) + word(rr, n=(1, 5)) + rr.choice(("", " "))
-                                   for _ in range(rr.randint(1, 6))),))
+    return _fn(name, "line", f"splits line on {d!r} and returns field number {i} (counting from 0) with surrounding "
+                             f"whitespace removed, or '' if the line has fewer fields.",
+               "parts = line.split($d)\n    return parts[$i].strip() if len(parts) > $i else ''",
+               "parts = line.split($d)\n    return parts[$i] if len(parts) > $i else ''",
+               (("",), (d.join(f" w{j} " for j in range(i + 2)),)),
+               lambda rr: (d.join(rr.choice(("", " ")) + word(rr, n=(1, 5)) + rr.choice(("", " "))
+                                  for _ in range(rr.randint(1, 6))),), d=repr(d), i=i)
 
 
 # -- simple algorithms ----------------------------------------------------------------------------
@@ -574,13 +543,11 @@ def _search_sorted(r):
     op, wrong_op = (">", ">=") if strict else (">=", ">")
     words = "greater than" if strict else "greater than or equal to"
     none = r.choice(("len(xs)", "-1", "None"))
-    return Spec(name, f"Write a function `{name}(xs, x)` that, for a sorted list xs, returns the index of the "
-                      f"first element {words} x, or {none} if there is none (binary search is welcome).",
-                _src(f"def $n(xs, x):\n    for i, v in enumerate(xs):\n        if v {op} x:\n            return i\n"
-                     f"    return {none}", n=name),
-                _src(f"def $n(xs, x):\n    for i, v in enumerate(xs):\n        if v {wrong_op} x:\n            return i\n"
-                     f"    return {none}", n=name),
-                (([], 3), ([1, 3, 3, 5], 3)), lambda rr: (sorted(ints(rr, 0, 12)), rr.randint(0, 12)))
+    return _fn(name, "xs, x", f", for a sorted list xs, returns the index of the first element {words} x, or "
+                              f"{none} if there is none (binary search is welcome).",
+               f"for i, v in enumerate(xs):\n        if v {op} x:\n            return i\n    return {none}",
+               f"for i, v in enumerate(xs):\n        if v {wrong_op} x:\n            return i\n    return {none}",
+               (([], 3), ([1, 3, 3, 5], 3)), lambda rr: (sorted(ints(rr, 0, 12)), rr.randint(0, 12)))
 
 
 @family("algorithms")
@@ -593,26 +560,20 @@ def _longest_run(r):
             "non-decreasing": "of consecutive elements, each at least the one before",
             "decreasing": "of consecutive elements, each smaller than the one before",
             "non-increasing": "of consecutive elements, each at most the one before"}[kind]
-    return Spec(name, f"Write a function `{name}(xs)` that returns the length of the longest run {what} "
-                      f"in xs (0 for an empty list).",
-                _src(f"def $n(xs):\n    best = cur = 0\n    for i in range(len(xs)):\n"
-                     f"        cur = cur + 1 if i and {cond} else 1\n        best = max(best, cur)\n    return best",
-                     n=name),
-                _src(f"def $n(xs):\n    runs = 0\n    for i in range(len(xs)):\n        if not (i and {cond}):\n"
-                     f"            runs += 1\n    return runs", n=name),
-                (([],), ([1, 1, 2, 3, 3, 3, 0],)), lambda rr: (ints(rr, 0, 4, n=(1, 10)),))
+    return _fn(name, "xs", f"returns the length of the longest run {what} in xs (0 for an empty list).",
+               f"best = cur = 0\n    for i in range(len(xs)):\n        cur = cur + 1 if i and {cond} else 1\n"
+               f"        best = max(best, cur)\n    return best",
+               f"runs = 0\n    for i in range(len(xs)):\n        if not (i and {cond}):\n            runs += 1\n    return runs",
+               (([],), ([1, 1, 2, 3, 3, 3, 0],)), lambda rr: (ints(rr, 0, 4, n=(1, 10)),))
 
 
 @family("algorithms")
 def _pairs_with_diff(r):
     k, name = r.randint(1, 5), r.choice(("pairs_with_difference", "count_pairs", "diff_pairs"))
-    return Spec(name, f"Write a function `{name}(xs)` that returns the number of index pairs i < j with "
-                      f"abs(xs[i] - xs[j]) == {k}.",
-                _src("def $n(xs):\n    return sum(1 for i in range(len(xs)) for j in range(i + 1, len(xs)) "
-                     "if abs(xs[i] - xs[j]) == $k)", n=name, k=k),
-                _src("def $n(xs):\n    return sum(1 for i in range(len(xs)) for j in range(len(xs)) "
-                     "if xs[i] - xs[j] == $k) * 2", n=name, k=k),
-                (([],), ([0, k, 2 * k, k],)), lambda rr: (ints(rr, 0, 10),))
+    return _fn(name, "xs", f"returns the number of index pairs i < j with abs(xs[i] - xs[j]) == {k}.",
+               "return sum(1 for i in range(len(xs)) for j in range(i + 1, len(xs)) if abs(xs[i] - xs[j]) == $k)",
+               "return sum(1 for i in range(len(xs)) for j in range(len(xs)) if xs[i] - xs[j] == $k) * 2",
+               (([],), ([0, k, 2 * k, k],)), lambda rr: (ints(rr, 0, 10),), k=k)
 
 
 @family("algorithms")
@@ -626,9 +587,8 @@ def _dedupe(r):
         text = "keeping only the first occurrence of each value, in order"
         sol = "seen, out = set(), []\n    for x in xs:\n        if x not in seen:\n            seen.add(x)\n" \
               "            out.append(x)\n    return out"
-    return Spec(name, f"Write a function `{name}(xs)` that returns xs without duplicates, {text}.",
-                _src(f"def $n(xs):\n    {sol}", n=name), _src("def $n(xs):\n    return sorted(set(xs))", n=name),
-                (([],), ([3, 1, 3, 2, 1],)), lambda rr: (ints(rr, 0, 6),))
+    return _fn(name, "xs", f"returns xs without duplicates, {text}.", sol, "return sorted(set(xs))",
+               (([],), ([3, 1, 3, 2, 1],)), lambda rr: (ints(rr, 0, 6),))
 
 
 @family("algorithms")
@@ -636,17 +596,16 @@ def _balanced(r):
     pairs = "".join(r.sample(("()", "[]", "{}", "<>"), r.randint(1, 3)))
     name = r.choice(("balanced", "brackets_ok", "is_balanced"))
     shown = " ".join(pairs[i:i + 2] for i in range(0, len(pairs), 2))
-    return Spec(name, f"Write a function `{name}(s)` that returns True if the brackets {shown} in s are "
-                      f"balanced and properly nested, else False (all other characters are ignored).",
-                _src("def $n(s):\n    closing = {$close}\n    stack = []\n    for c in s:\n"
-                     "        if c in $opens:\n            stack.append(c)\n        elif c in closing:\n"
-                     "            if not stack or stack.pop() != closing[c]:\n                return False\n"
-                     "    return not stack", n=name, opens=repr(pairs[::2]),
-                     close=", ".join(f"{pairs[i + 1]!r}: {pairs[i]!r}" for i in range(0, len(pairs), 2))),
-                _src("def $n(s):\n    return all(s.count(o) == s.count(c) for o, c in zip($opens, $closes))", n=name,
-                     opens=repr(pairs[::2]), closes=repr(pairs[1::2])),
-                (("",), (pairs[1] + pairs[0],), (pairs[0] + "x" + pairs[1],)),
-                lambda rr: ("".join(rr.choice(pairs + "ab") for _ in range(rr.randint(1, 8))),))
+    return _fn(name, "s", f"returns True if the brackets {shown} in s are balanced and properly nested, else "
+                          f"False (all other characters are ignored).",
+               "closing = {$close}\n    stack = []\n    for c in s:\n        if c in $opens:\n"
+               "            stack.append(c)\n        elif c in closing:\n"
+               "            if not stack or stack.pop() != closing[c]:\n                return False\n    return not stack",
+               "return all(s.count(o) == s.count(c) for o, c in zip($opens, $closes))",
+               (("",), (pairs[1] + pairs[0],), (pairs[0] + "x" + pairs[1],)),
+               lambda rr: ("".join(rr.choice(pairs + "ab") for _ in range(rr.randint(1, 8))),),
+               opens=repr(pairs[::2]), closes=repr(pairs[1::2]),
+               close=", ".join(f"{pairs[i + 1]!r}: {pairs[i]!r}" for i in range(0, len(pairs), 2)))
 
 
 @family("algorithms")
@@ -668,11 +627,9 @@ def _matrix(r):
                           "the list of the smallest element of each column ([] for [])"),
         "flip": ("return [row[::-1] for row in m]", "return m[::-1]", "the matrix with each row reversed"),
     }[what]
-    return Spec(name, f"Write a function `{name}(m)` that, for a rectangular matrix m given as a list of rows "
-                      f"(lists of integers), returns {text}.",
-                _src(f"def $n(m):\n    {sol}", n=name), _src(f"def $n(m):\n    {wrong}", n=name),
-                (([],), ([[1, 2, 3], [4, 5, 6]],)),
-                lambda rr: ((lambda w: [ints(rr, -9, 9, n=(w, w)) for _ in range(rr.randint(1, 4))])(rr.randint(1, 4)),))
+    return _fn(name, "m", f", for a rectangular matrix m given as a list of rows (lists of integers), returns {text}.",
+               sol, wrong, (([],), ([[1, 2, 3], [4, 5, 6]],)),
+               lambda rr: ((lambda w: [ints(rr, -9, 9, n=(w, w)) for _ in range(rr.randint(1, 4))])(rr.randint(1, 4)),))
 
 
 # -- instances ------------------------------------------------------------------------------------
@@ -684,15 +641,9 @@ def _function(source: str, entry: str) -> Callable:
 
 def _outcome(fn: Callable, args: tuple) -> tuple[bool, Any]:
     try:
-        return True, fn(*[_copy(a) for a in args])
+        return True, fn(*[copy.deepcopy(a) for a in args])  # a solution may change its arguments
     except Exception as e:  # a wrong solution may raise
         return False, type(e).__name__
-
-
-def _copy(value: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(value)
 
 
 def _says_little(value: Any) -> bool:

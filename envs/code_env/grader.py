@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from agentrl.data import json_list_label
 from agentrl.envs.code_env.judge import SolutionBroke, SolutionError, free_names, judge  # noqa: F401 (API)
 
 CHILD_FILE = str(Path(__file__).with_name("child.py"))
@@ -125,13 +126,7 @@ def hidden_tests(label: Any, metadata: dict | None = None, prompt: Any = None) -
     if isinstance(label, dict):
         metadata = {**label, **metadata}
         label = label.get("test_list", label.get("tests", label.get("test")))
-    if isinstance(label, str):
-        try:
-            parsed = json.loads(label)
-            if isinstance(parsed, list):
-                label = parsed
-        except ValueError:
-            pass
+    label = json_list_label(label)
     setup_parts = [metadata.get("test_imports"), metadata.get("test_setup_code"), metadata.get("setup")]
     setup = "\n".join(s if isinstance(s, str) else "\n".join(s) for s in setup_parts if s)
     entry = metadata.get("entry_point") or (entry_point_from_prompt(prompt) if isinstance(prompt, str) else None)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from agentrl.env import Env
-from agentrl.data import shuffled_epochs
+from agentrl.data import json_list_label, shuffled_epochs
 from agentrl.registry import register_env
 from agentrl.tools.parsers import valid_unicode
 
@@ -70,13 +70,7 @@ def gold_answers(label: Any) -> list[str]:
     """The gold answers of a label: a string, a list, or Search-R1's ``{"target": [...]}``."""
     if isinstance(label, dict):
         label = label.get("target", label.get("golden_answers", label.get("answer", [])))
-    if isinstance(label, str):
-        try:
-            parsed = json.loads(label)
-            if isinstance(parsed, list):
-                label = parsed
-        except ValueError:
-            pass
+    label = json_list_label(label)
     if isinstance(label, (str, int, float)):
         return [str(label)]
     return [str(x) for x in (label or [])]

@@ -33,6 +33,22 @@ def trajectories(out: Path) -> list[dict]:
     return rows
 
 
+def tool_call(name: str, **arguments) -> str:
+    """A model's turn that calls tool `name` (the <tool_call> JSON the built-in envs parse)."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+async def episode(env, actions, task) -> list[tuple]:
+    """`env` reset on `task`, then stepped with each action in turn: [(obs, info), step results...];
+    the env is closed whatever happens."""
+    try:
+        steps = [await env.areset(seed=0, options=task)]
+        for action in actions:
+            steps.append(await env.astep(action))
+        return steps
+    finally:
+        await env.aclose()
+
 
 def sandbox_backend_or_skip(backend: str = "auto") -> str:
     """The sandbox backend `backend` resolves to here, or skip the test saying why."""

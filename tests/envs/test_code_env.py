@@ -13,7 +13,8 @@ import agentrl.registry
 from agentrl.envs.code_env import CodeEnv, normalize_task, read_tasks
 from agentrl.envs.code_env.grader import grade_on_host, hidden_tests
 
-from envtest_helpers import assert_iteration_ok, sandbox_backend_or_skip, train_one_iteration
+from envtest_helpers import assert_iteration_ok, episode, sandbox_backend_or_skip, train_one_iteration
+from envtest_helpers import tool_call as call
 
 TASK = {"prompt": "Write `running_max(xs)`: the i-th element is max(xs[:i+1]).",
         "label": ["assert running_max([1, 3, 2, 5, 4]) == [1, 3, 3, 5, 5]", "assert running_max([]) == []",
@@ -24,19 +25,8 @@ GOOD = ("def running_max(xs):\n    out, best = [], None\n    for x in xs:\n"
 HALF = "def running_max(xs):\n    return list(xs)\n"  # right for [] and [7] only
 
 
-def call(name: str, **arguments) -> str:
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-
-
-async def _episode(env, actions, task=TASK):
-    try:
-        obs, info = await env.areset(seed=0, options=task)
-        steps = [(obs, info)]
-        for action in actions:
-            steps.append(await env.astep(action))
-        return steps
-    finally:
-        await env.aclose()
+def _episode(env, actions, task=TASK):
+    return episode(env, actions, task)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from agentrl.envs.code_env import CodeEnv
 from agentrl.envs.code_env.child import Opaque, decode, encode
 from agentrl.envs.code_env.grader import grade, grade_on_host, hidden_tests
 
-from envtest_helpers import sandbox_backend_or_skip
+from envtest_helpers import episode, sandbox_backend_or_skip, tool_call
 
 LABEL = ["assert running_max([1, 3, 2, 5, 4]) == [1, 3, 3, 5, 5]", "assert running_max([]) == []",
          "assert running_max([-2, -5, -1]) == [-2, -2, -1]", "assert running_max([7]) == [7]"]
@@ -258,22 +258,6 @@ def test_sandboxed_attacks(run_async, kind):
     assert elapsed < 40, elapsed  # every grading is bounded by total_timeout (+ the sandbox's start)
 
 
-def _episode(env, actions, task):
-    async def run():
-        try:
-            steps = [await env.areset(seed=0, options=task)]
-            for action in actions:
-                steps.append(await env.astep(action))
-            return steps
-        finally:
-            await env.aclose()
-    return run()
-
-
-def _call(name: str, **arguments) -> str:
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-
-
 TASK = {"prompt": "Write `running_max(xs)`.", "label": LABEL, "metadata": {"entry_point": "running_max"}}
 
 
@@ -289,9 +273,9 @@ def test_code_env_grades_with_the_runs_pool(run_async, kind):
     async def run():
         mounts, env_vars = await asyncio.to_thread(tool_sandbox_options)
         async with SandboxPool(kind, warm=1, max_active=1, mounts=mounts, env=env_vars, acquire_timeout_s=60) as pool:
-            good = await _episode(CodeEnv(sandbox=pool), [_call("write_file", path="solution.py", content=GOOD),
+            good = await episode(CodeEnv(sandbox=pool), [tool_call("write_file", path="solution.py", content=GOOD),
                                                           "done"], TASK)
-            fifo = await _episode(CodeEnv(sandbox=pool), [_call("bash", command="mkfifo solution.py"),
+            fifo = await episode(CodeEnv(sandbox=pool), [tool_call("bash", command="mkfifo solution.py"),
                                                           "done"], TASK)
             return good, fifo, pool.metrics()
 

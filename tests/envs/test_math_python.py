@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 import agentrl
 from agentrl.envs.math_python import MathPythonEnv
 
-from envtest_helpers import assert_iteration_ok, sandbox_backend_or_skip, train_one_iteration
+from envtest_helpers import assert_iteration_ok, episode, sandbox_backend_or_skip, tool_call, train_one_iteration
 
 TASK = {"prompt": "Ravi has 17 boxes with 23 coins in each. How many coins?", "label": "391", "metadata": {}}
 
 
 def call(code: str) -> str:
-    return "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
+    return tool_call("python", code=code)
 
 
-async def _episode(env, actions):
-    try:
-        obs, info = await env.areset(seed=0, options=TASK)
-        steps = [(obs, info)]
-        for action in actions:
-            steps.append(await env.astep(action))
-        return steps
-    finally:
-        await env.aclose()
+def _episode(env, actions):
+    return episode(env, actions, TASK)
 
 
 def test_tool_call_then_correct_answer(run_async):

@@ -21,7 +21,16 @@ from agentrl.envs.search_r1.make_data import build
 from agentrl.tools.retrieval import BM25Retriever, Passage, RemoteRetriever, RetrievalError, format_passages
 
 from envtest_helpers import assert_iteration_ok, ROOT, train_one_iteration
+from waiting import wait_until
 
+# Search-R1's instruction as its own code writes it (its typo included), before "Question: ...\n"
+SEARCH_R1_INSTRUCTION = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
+    "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
+    "by <search> query </search> and it will return the top searched results between <information> and "
+    "</information>. You can search as many times as your want. If you find no further external knowledge "
+    "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
+    "illustrations. For example, <answer> Beijing </answer>. ")
 TASK = {"prompt": "Who founded Vrokath Works?", "label": ["Lomaerk Deloth", "Deloth"], "metadata": {}}
 
 
@@ -48,13 +57,7 @@ def test_rendering_is_search_r1s_byte_for_byte():
     joins lines without a newline; "as many times as your want" is Search-R1's own typo) and
     :61-63 (question stripped, '?' appended); search_r1/llm_agent/generation.py:460-469
     (_passages2string: title = first line of contents, as stored, quotes included)."""
-    expected_prompt = (
-        "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
-        "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
-        "by <search> query </search> and it will return the top searched results between <information> and "
-        "</information>. You can search as many times as your want. If you find no further external knowledge "
-        "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
-        "illustrations. For example, <answer> Beijing </answer>. Question: who founded vrokath works?\n")
+    expected_prompt = SEARCH_R1_INSTRUCTION + "Question: who founded vrokath works?\n"
     obs, _ = SearchR1Env().reset(options={"prompt": "  who founded vrokath works ", "label": ["x"]})
     assert obs == expected_prompt
     passages = [Passage("0", '"Quenmoor"\nQuenmoor is a city.', 1.0), Passage("1", "Plain\nline one\nline two")]
@@ -263,6 +266,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_search_server_stdio_and_http(run_async):
     async def episode(server: str):
         env = SearchR1Env(search_server=server, topk=2)
@@ -282,15 +293,11 @@ def test_search_server_stdio_and_http(run_async):
                              str(DATA_DIR / "corpus.jsonl"), "--transport", "streamable-http", "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-                assert time.time() < deadline, "the search server did not start"
-                time.sleep(0.2)
+        def stderr() -> str:  # read once it ended: a live server's pipe would block
+            return proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "(still running)"
+
+        wait_until(lambda: _accepts(port), timeout_s=60, while_=lambda: proc.poll() is None,
+                   what=lambda: f"the search server listening; its stderr: {stderr()}")
         over_http, _ = run_async(episode(f"http://127.0.0.1:{port}/mcp"))
         assert over_http == first
     finally:
@@ -366,13 +373,7 @@ def test_append_trajectory_is_search_r1s_text(run_async, tokenizer, chat_templat
     unanswered = dataclasses.replace(sample, metadata={"env_metrics": {"searches": 3.0}})
     m = rollout_metrics(0, [sample, unanswered], 1.0)
     assert (m["env/searches_mean"], m["env/answered_mean"], m["env/invalid_actions_mean"]) == (2.0, 0.5, 0.5)
-    prefix = (
-        "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
-        "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
-        "by <search> query </search> and it will return the top searched results between <information> and "
-        "</information>. You can search as many times as your want. If you find no further external knowledge "
-        "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
-        "illustrations. For example, <answer> Beijing </answer>. Question: Who founded Vrokath Works?\n")
+    prefix = SEARCH_R1_INSTRUCTION + "Question: Who founded Vrokath Works?\n"
     prompt = f"<|im_start|>user\n{prefix}<|im_end|>\n<|im_start|>assistant\n" if chat_template else prefix
     information = ('\n\n<information>Doc 1(Title: "Title 0") About gamma: passage 0.\n'
                    'Doc 2(Title: "Title 1") About gamma: passage 1.</information>\n\n')

@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
+import pytest
 import torch
 
 OUT = Path(os.environ.get("AGENTRL_GPU_OUT", "/tmp/agentrl-gpu-out"))
@@ -27,28 +29,59 @@ SHAPES = {
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2),
 }
+def needs_gpus(n: int = 1, reason: str = "the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine"):
+    """The mark (a module's pytestmark) that skips a scenario on a machine with fewer than `n` GPUs."""
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=reason)
+
+
+def iters(default: int) -> int:
+    """A scenario's number of iterations: AGENTRL_GPU_ITERS where set, else `default`."""
+    return int(os.environ.get("AGENTRL_GPU_ITERS", default))
+
+
 SGLANG = ["--rollout-engine", "sglang", "--sglang-attention-backend", "triton", "--sglang-sampling-backend", "pytorch",
           "--sglang-grammar-backend", "none"]
 COLOCATE = ["--colocate", "--sglang-enable-memory-saver", "--sglang-mem-fraction-static", "0.5"]
 
 
 def random_qwen2(shape: str) -> Path:
-    """A random-init Qwen2 of a named shape with the tiny tokenizer, bf16, seed 0 (cached)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A random-init Qwen2 of a named shape (SHAPES) with the tiny tokenizer, bf16, seed 0 (cached)."""
+    return random_model(KIT / "models" / f"qwen2-{shape}-tinytok", lambda: tiny_qwen2_config(SHAPES[shape]))
+
+
+def tiny_qwen2_config(shape: dict, max_positions: int | None = 8192):
+    """The built-in tiny model's Qwen2 config with `shape`'s fields, full attention on every layer."""
+    from transformers import AutoConfig
 
     from agentrl.models import build_tiny_model
 
-    out = KIT / "models" / f"qwen2-{shape}-tinytok"
-    if (out / "config.json").exists():
-        return out
-    tiny = build_tiny_model()
-    config = AutoConfig.from_pretrained(tiny)
-    for k, v in SHAPES[shape].items():
+    config = AutoConfig.from_pretrained(build_tiny_model())
+    for k, v in shape.items():
         setattr(config, k, v)
     config.layer_types = ["full_attention"] * config.num_hidden_layers
-    config.max_position_embeddings = 8192
+    if max_positions is not None:
+        config.max_position_embeddings = max_positions
+    return config
+
+
+def random_model(out: Path, config: Callable[[], Any], build: Callable[[Any], Any] | None = None,
+                 device: str = "cpu") -> Path:
+    """A random-init model (seed 0, bf16) saved at `out` with the tiny tokenizer; `out` is the cache:
+    an existing one is returned as it is. `config()` makes its config (only when it is built);
+    `build(config)` the model (default: AutoModelForCausalLM.from_config in bf16), on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    config = config()
     torch.manual_seed(0)
-    return save_with_tiny_tokenizer(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), out)
+    with torch.device(device):
+        model = build(config) if build else AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    save_with_tiny_tokenizer(model, out)
+    if device != "cpu":  # a large model built on the GPU: give its memory back before the run
+        del model
+        torch.cuda.empty_cache()
+    return out
 
 
 def save_with_tiny_tokenizer(model, out: Path) -> Path:

@@ -28,19 +28,19 @@ def random_qwen3_moe(folder: Path, shape: str, max_positions: int) -> Path:
     """A random-init Qwen3-MoE of a named shape with the tiny tokenizer, bf16, seed 0 (cached)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from gpu_helpers import save_with_tiny_tokenizer
+    from gpu_helpers import random_model
 
-    if (folder / "config.json").exists():
-        return folder
-    config = Qwen3MoeConfig(vocab_size=512, norm_topk_prob=True, max_position_embeddings=max_positions,
-                            tie_word_embeddings=False, rms_norm_eps=1e-6, **SHAPES[shape])
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():  # routers with clear preferences (HF may start them at zero)
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.02)
-    return save_with_tiny_tokenizer(model, folder)
+    def build(config):
+        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+        with torch.no_grad():  # routers with clear preferences (HF may start them at zero)
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, 0.02)
+        return model
+
+    return random_model(folder, lambda: Qwen3MoeConfig(vocab_size=512, norm_topk_prob=True,
+                                                       max_position_embeddings=max_positions, tie_word_embeddings=False,
+                                                       rms_norm_eps=1e-6, **SHAPES[shape]), build)
 
 
 def samples(n: int, length: int, seed: int):

@@ -12,19 +12,17 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
-from gpu_helpers import COLOCATE, SGLANG, agentrl_train, random_qwen2, trajectories
+from gpu_helpers import COLOCATE, SGLANG, agentrl_train, iters, needs_gpus, random_qwen2, trajectories
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
+pytestmark = needs_gpus()
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_agent"
 
 
 def test_openai_agent_example_trains_with_sglang():
     pytest.importorskip("agents", reason="the OpenAI Agents SDK is not installed: rebuild kit b (build_kit.sh b)")
-    n = int(os.environ.get("AGENTRL_GPU_ITERS", 4))
+    n = iters(4)
     os.environ.pop("OPENAI_API_KEY", None)
     run, rows = agentrl_train(
         "openai_agent", "--config", str(EXAMPLE / "config.yaml"), "--env-module", str(EXAMPLE / "agent.py"),

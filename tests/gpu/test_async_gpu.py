@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import OUT, SGLANG, random_qwen2, stream
+from gpu_helpers import OUT, SGLANG, needs_gpus, random_qwen2, stream
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
+pytestmark = needs_gpus()
 
 REPO = Path(__file__).resolve().parents[2]
 # The bench's --deadline-s: a device call holds about 9 minutes for the scenario, of which pytest's

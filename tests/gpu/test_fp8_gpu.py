@@ -10,15 +10,12 @@ at least as many tokens under fp8. Run: bash scripts/gpu/run.sh fp8_rollout"""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import torch
 
-from gpu_helpers import COLOCATE, OUT, SGLANG, agentrl_train, mean, random_qwen2
+from gpu_helpers import COLOCATE, OUT, SGLANG, agentrl_train, iters, mean, needs_gpus, random_qwen2
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
+pytestmark = needs_gpus()
 
 ARGS = ["--env", "target-token", "--device", "cuda", "--dtype", "bfloat16", "--trainer", "megatron", "--lr", "1e-5",
         "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size", "128",
@@ -29,7 +26,7 @@ ARGS = ["--env", "target-token", "--device", "cuda", "--dtype", "bfloat16", "--t
 
 @pytest.mark.parametrize("mode", ["mis_token", "tis_geometric"])
 def test_fp8_rollout(mode):
-    n = int(os.environ.get("AGENTRL_GPU_ITERS", 6))
+    n = iters(6)
     model = str(random_qwen2("1.5b"))
     correction = (["--use-tis", "--tis-mode", "mask", "--tis-level", "token", "--tis-clip-low", "0.5",
                    "--tis-clip", "2"] if mode == "mis_token" else

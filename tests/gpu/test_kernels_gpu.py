@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from gpu_helpers import needs_gpus
+
+pytestmark = needs_gpus(1, "needs CUDA")
 
 
 def _fwd_bwd(lp, logits, rows, targets, w1, w2, vocab):

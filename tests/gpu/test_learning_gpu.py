@@ -11,18 +11,12 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
-from gpu_helpers import COLOCATE, KIT, OUT, SGLANG, agentrl_train, mean, trajectories
+from gpu_helpers import COLOCATE, KIT, OUT, SGLANG, agentrl_train, iters, mean, needs_gpus, trajectories
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
+pytestmark = needs_gpus()
 
 TRAINER = os.environ.get("AGENTRL_GPU_TRAINER", "megatron")
-
-
-def iters(default: int) -> int:
-    return int(os.environ.get("AGENTRL_GPU_ITERS", default))
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from gpu_helpers import COLOCATE, OUT, SGLANG, agentrl_train, random_qwen2
-from test_train_gpu import TARGET, check_learns_on_policy, handover_figures, iters
+from gpu_helpers import COLOCATE, OUT, SGLANG, agentrl_train, iters, needs_gpus, random_qwen2
+from test_train_gpu import TARGET, check_learns_on_policy, handover_figures
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
+pytestmark = needs_gpus()
 
 REPO = Path(__file__).resolve().parents[2]
 # LoRA's learning rate: 10x full fine-tuning's (the later --lr overrides TARGET's 1e-4)

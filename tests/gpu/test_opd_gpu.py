@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
+from gpu_helpers import OUT, SGLANG, agentrl_train, iters, mean, needs_gpus
+from test_learning_gpu import TRAINER, sft_model, smollm2  # noqa: F401 (smollm2: the fixture)
 
-from gpu_helpers import OUT, SGLANG, agentrl_train, mean
-from test_learning_gpu import TRAINER, iters, sft_model, smollm2  # noqa: F401 (smollm2: the fixture)
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
+pytestmark = needs_gpus()
 
 
 def test_opd_served_teacher_kl_falls(smollm2):  # noqa: F811

@@ -17,13 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
-import torch
+from gpu_helpers import COLOCATE, OUT, SGLANG, agentrl_train, iters, needs_gpus, random_qwen2, stream
 
-from gpu_helpers import COLOCATE, OUT, SGLANG, agentrl_train, random_qwen2, stream
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
+pytestmark = needs_gpus()
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "rollout_vs_bare.py"
 BUDGET_S = 520  # one device call is 600 s, run.sh unpacks and installs before pytest starts
@@ -61,7 +57,7 @@ def wait_gpu_free(timeout_s: float = 60.0, below_mib: int = 2048) -> None:
 
 def test_rollout_phase_vs_bare_client():
     t0 = time.time()
-    n = int(os.environ.get("AGENTRL_GPU_ITERS", 3))
+    n = iters(3)
     assert n >= 2, "the ratio is taken over iterations >= 1: AGENTRL_GPU_ITERS must be 2 or more"
     earlier = OUT / "megatron_1_5b"  # test_megatron_1_5b_memory_flat's run, the same arguments, if this
     if (earlier / "metrics.jsonl").exists():  # machine made it: one device call cannot hold both runs

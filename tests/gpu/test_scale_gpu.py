@@ -16,13 +16,10 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
-import torch
+from gpu_helpers import (KIT, OUT, SGLANG, agentrl_train, iters, mean, needs_gpus, random_model, random_qwen2,
+                         tiny_qwen2_config)
 
-from gpu_helpers import KIT, OUT, SGLANG, agentrl_train, mean, random_qwen2, save_with_tiny_tokenizer
-
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 4,
-                                reason="the scale scenarios need 4 GPUs (the device tool's nvidia-h100-x4)")
+pytestmark = needs_gpus(4, "the scale scenarios need 4 GPUs (the device tool's nvidia-h100-x4)")
 
 # Qwen2.5-7B's shape (the tiny tokenizer's 512-token vocabulary: nothing to download)
 SHAPE_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -30,32 +27,9 @@ SHAPE_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
 H100_BF16_FLOPS = 989e12  # dense bf16 peak of one H100 SXM
 
 
-def iters(default: int) -> int:
-    return int(os.environ.get("AGENTRL_GPU_ITERS", default))
-
-
 def random_qwen2_7b() -> Path:
     """The 7B shape, random init (seed 0), bf16, built on the GPU (minutes on the CPU), cached in the kit."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from agentrl.models import build_tiny_model
-
-    out = KIT / "models" / "qwen2-7b-tinytok"
-    if (out / "config.json").exists():
-        return out
-    tiny = build_tiny_model()
-    config = AutoConfig.from_pretrained(tiny)
-    for k, v in SHAPE_7B.items():
-        setattr(config, k, v)
-    config.layer_types = ["full_attention"] * config.num_hidden_layers
-    config.max_position_embeddings = 8192
-    torch.manual_seed(0)
-    with torch.device("cuda:0"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    save_with_tiny_tokenizer(model, out)
-    del model
-    torch.cuda.empty_cache()
-    return out
+    return random_model(KIT / "models" / "qwen2-7b-tinytok", lambda: tiny_qwen2_config(SHAPE_7B), device="cuda:0")
 
 
 class GpuMemory:

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import KIT, OUT, stream
+from gpu_helpers import KIT, OUT, needs_gpus, stream
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 4,
-                                reason="needs 4 GPUs: run with scripts/gpu/run.sh on nvidia-h100-x4 / nvidia-h200-x4")
+pytestmark = needs_gpus(4, "needs 4 GPUs: run with scripts/gpu/run.sh on nvidia-h100-x4 / nvidia-h200-x4")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 

@@ -14,17 +14,14 @@ Figures: $OUT/scale_moe_train_*.json and the console (bench/results/scale.md).""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from gpu_helpers import COLOCATE, KIT, OUT, SGLANG, agentrl_train, mean, trajectories
+from gpu_helpers import COLOCATE, KIT, OUT, SGLANG, agentrl_train, iters, mean, needs_gpus, trajectories
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 4,
-                                reason="needs 4 GPUs: run with scripts/gpu/run.sh on nvidia-h100-x4 / nvidia-h200-x4")
+pytestmark = needs_gpus(4, "needs 4 GPUs: run with scripts/gpu/run.sh on nvidia-h100-x4 / nvidia-h200-x4")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scale_moe_worker import random_qwen3_moe  # noqa: E402
@@ -43,7 +40,7 @@ def result_path(r3: bool) -> Path:
 
 @pytest.mark.parametrize("r3", [False, True], ids=["plain", "r3"])
 def test_moe_target_token_ep4(r3):
-    n = int(os.environ.get("AGENTRL_GPU_ITERS", 20))
+    n = iters(20)
     model = random_qwen3_moe(KIT / "models" / "qwen3moe-a3b-cut-tinytok", "a3b-cut", 40960)
     args = [*ARGS, "--model", str(model), "--num-rollout", str(n)] + (["--use-rollout-routing-replay"] if r3 else [])
     run, rows = agentrl_train(f"moe_ep4_{'r3' if r3 else 'plain'}", *args, timeout_s=285)

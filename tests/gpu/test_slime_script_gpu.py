@@ -22,35 +22,18 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
-from gpu_helpers import KIT, OUT, SGLANG, agentrl_train, save_with_tiny_tokenizer, trajectories
+from gpu_helpers import KIT, OUT, SGLANG, agentrl_train, needs_gpus, random_model, tiny_qwen2_config, trajectories
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the checked-in script arguments
 from slime_scripts import HF_CONFIGS, checked_in  # noqa: E402
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                reason="the slime script scenario needs 2 GPUs (trainer and engine apart)")
+pytestmark = needs_gpus(2, "the slime script scenario needs 2 GPUs (trainer and engine apart)")
 
 
 def qwen25_05b_shape() -> Path:
     """Random-init Qwen2.5-0.5B (its config.json's shape, vocab 151936) with the tiny tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from agentrl.models import build_tiny_model
-
-    out = KIT / "models" / "qwen2.5-0.5b-shape-tinytok"
-    if (out / "config.json").exists():
-        return out
-    tiny = build_tiny_model()
-    config = AutoConfig.from_pretrained(tiny)
-    for k, v in HF_CONFIGS["fully-async"].items():
-        if k != "model_type":
-            setattr(config, k, v)
-    config.layer_types = ["full_attention"] * config.num_hidden_layers
-    torch.manual_seed(0)
-    return save_with_tiny_tokenizer(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), out)
+    shape = {k: v for k, v in HF_CONFIGS["fully-async"].items() if k != "model_type"}
+    return random_model(KIT / "models" / "qwen2.5-0.5b-shape-tinytok", lambda: tiny_qwen2_config(shape, max_positions=None))
 
 
 def test_fully_async_script_runs_unchanged(tmp_path):

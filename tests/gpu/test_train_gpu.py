@@ -4,20 +4,13 @@ the full one: the checks stay as they are). Figures: bench/results/gpu_e2e.md.""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from gpu_helpers import COLOCATE, SGLANG, agentrl_train, mean, random_qwen2, trajectories
+from gpu_helpers import COLOCATE, SGLANG, agentrl_train, iters, mean, needs_gpus, random_qwen2, trajectories
 
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
-
-
-def iters(default: int) -> int:
-    return int(os.environ.get("AGENTRL_GPU_ITERS", default))
+pytestmark = needs_gpus()
 
 
 def check_learns_on_policy(run, rows, n):

@@ -11,13 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+from gpu_helpers import OUT, needs_gpus
 
-from gpu_helpers import OUT
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="the GPU suite needs CUDA: run it with scripts/gpu/run.sh on a GPU machine")
+pytestmark = needs_gpus()
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "weight_sync_bench.py"
 
