@@ -50,8 +50,10 @@ def test_sync_is_on_policy_and_async_is_one_version_behind_with_staleness_bound(
                  "--output-dir", str(asyn), *SMALL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(asyn)
-    # Batch 1 was generated while batch 0 trained: by policy version 0, one behind the trainer.
-    assert any(0 in policy_versions(t) for t in trajectories(asyn, 1))
+    # A batch was generated while the one before it trained: by the policy one behind the trainer.
+    # (Batch 1 or 2: under a loaded CI machine the engine may not have decoded one token of batch 1
+    # before batch 0's short step ended; it failed so once in 950 tests, 2026-11-26.)
+    assert any(i - 1 in policy_versions(t) for i in (1, 2) for t in trajectories(asyn, i))
     assert rows[0]["stale_dropped"] == 0 and rows[1]["stale_dropped"] > 0
     assert all(r["trained_samples"] == r["num_samples"] - r["stale_dropped"] for r in rows)
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
