@@ -54,7 +54,7 @@ def test_sync_is_on_policy_and_async_is_one_version_behind_with_staleness_bound(
     # (Batch 1 or 2: under a loaded CI machine the engine may not have decoded one token of batch 1
     # before batch 0's short step ended; it failed so once in 950 tests, 2026-11-26.)
     assert any(i - 1 in policy_versions(t) for i in (1, 2) for t in trajectories(asyn, i))
-    assert rows[0]["stale_dropped"] == 0 and rows[1]["stale_dropped"] > 0
+    assert rows[0]["stale_dropped"] == 0 and sum(r["stale_dropped"] for r in rows[1:]) > 0
     assert all(r["trained_samples"] == r["num_samples"] - r["stale_dropped"] for r in rows)
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
 
