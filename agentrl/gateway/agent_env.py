@@ -267,6 +267,7 @@ class AgentRunner:
                 await asyncio.wait({playing}, timeout=CANCEL_GRACE_S)
             last_text = session.last_assistant_text()
             samples = self.gateway.close(key)
+        fault = fault or session.fault
         if not samples:
             fault = fault or (None if failure else "the agent never called the endpoint")
             samples = [Sample(prompt_tokens=[], trajectory_id=trajectory_id, group_id=group_id, env_name=env_name,

@@ -193,16 +193,17 @@ def template_message(m: dict) -> dict:
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
 
 
-def assistant_message(text: str, parser: str | None, tools: list[dict] | None, call_prefix: str) -> dict:
+async def assistant_message(text: str, parser: str | None, tools: list[dict] | None, call_prefix: str) -> dict:
     """The reply as OpenAI gives it: tool calls the model family's parser reads from `text`
     (when tools were offered), and the text outside them as content. A call the model wrote
-    wrongly stays in the content as written, for the agent to see."""
-    from agentrl.tools.parsers import ToolCall, parse_tool_calls
+    wrongly stays in the content as written, for the agent to see. A user-registered parser runs
+    in a process of its own (off the event loop); one past its bound raises its AgentFault."""
+    from agentrl.tools.parsers import ToolCall, aparse_tool_calls
 
     calls = []
     if tools and parser:
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
-        parsed = parse_tool_calls(text, parser, schemas)
+        parsed = await aparse_tool_calls(text, parser, schemas)
         if parsed and all(isinstance(c, ToolCall) for c in parsed):
             calls = [{"id": f"{call_prefix}_{i}", "type": "function",
                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for i, c in enumerate(parsed)]

@@ -29,7 +29,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from agentrl.errors import TemplateDriftError
+from agentrl.errors import AgentFault, TemplateDriftError
 from agentrl.gateway.protocol import ChatRequest, RequestError, assistant_message, message_key, template_message
 from agentrl.rollout.agent_loop import LoopSettings, Renderer, _version
 from agentrl.rollout.client import GenerateClient
@@ -77,6 +77,7 @@ class Session:
         self.template_drift = 0
         self.truncated = False  # a request found the token budget used up
         self.aborted = False  # the engine aborted a generation (a weight update, without partial rollout)
+        self.fault: str | None = None  # what the model wrote made a bounded step fail: reward 0 (AgentFault)
         self.closed = False
         self.disconnects = 0  # streamed replies whose client went away before the end
         self._lock = asyncio.Lock()
@@ -220,8 +221,12 @@ class Session:
             if text.endswith(stop):
                 text = text[:-len(stop)]
                 break
-        message = assistant_message(text, self.tool_parser, request.tools,
-                                    call_prefix=f"call_{self.trajectory_id}_{self.requests}")
+        try:
+            message = await assistant_message(text, self.tool_parser, request.tools,
+                                              call_prefix=f"call_{self.trajectory_id}_{self.requests}")
+        except AgentFault as exc:  # a registered parser past its bound on this text: the trajectory scores 0
+            self.fault = self.fault or f"tool-call parser: {exc}"
+            message = {"role": "assistant", "content": text}
         # the template renders the reply as sampled (tool-call markup included): the tokens the model saw
         segment.rendered.append({"role": "assistant", "content": raw})
         segment.history.append(message_key(message))

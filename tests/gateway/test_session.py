@@ -325,12 +325,62 @@ def test_an_engine_error_is_a_502_and_the_retry_continues_the_sample(tokenizer):
 def test_replies_parsed_by_the_model_familys_parser():
     from agentrl.gateway.protocol import assistant_message
 
-    ok = assistant_message(f"Let me add. {CALL}", "hermes", TOOLS, "c")
+    def message(*args):
+        return asyncio.run(assistant_message(*args))
+
+    ok = message(f"Let me add. {CALL}", "hermes", TOOLS, "c")
     assert ok["content"] == "Let me add." and ok["tool_calls"] == [
         {"id": "c_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
     bad = '<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call>'  # the model's broken JSON
-    assert assistant_message(bad, "hermes", TOOLS, "c") == {"role": "assistant", "content": bad}
-    assert assistant_message(CALL, "hermes", None, "c") == {"role": "assistant", "content": CALL}  # no tools offered
+    assert message(bad, "hermes", TOOLS, "c") == {"role": "assistant", "content": bad}
+    assert message(CALL, "hermes", None, "c") == {"role": "assistant", "content": CALL}  # no tools offered
     xml = "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>"
-    coder = assistant_message(xml, "qwen3_coder", TOOLS, "c")
+    coder = message(xml, "qwen3_coder", TOOLS, "c")
     assert coder["content"] is None and json.loads(coder["tool_calls"][0]["function"]["arguments"]) == {"a": 1, "b": 2}
+
+
+def test_a_registered_parser_past_its_bound_is_the_agents_fault_not_a_stalled_gateway(tokenizer):
+    """A user-registered tool-call parser runs in a process of its own: one that hangs on the
+    model's text is killed at its bound, the reply goes back as written (no tool calls), the
+    session records the fault (the trajectory scores 0), and the event loop kept running."""
+    import time
+
+    from agentrl.errors import AgentFault
+    from agentrl.gateway.protocol import assistant_message
+    from agentrl.tools import parsers
+
+    @parsers.register_parser("test_hangs_on_add", timeout=1.0)
+    def hangs(text, tools):
+        while "add" in text:
+            time.sleep(0.05)
+        return []
+
+    async def go():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(AgentFault):
+                await assistant_message(CALL, "test_hangs_on_add", TOOLS, "c")
+        finally:
+            ticker.cancel()
+        return time.monotonic() - t0, ticks
+
+    try:
+        took, ticks = asyncio.run(go())
+        # through the gateway: the agent gets the reply as written, the session holds the fault
+        engine = ScriptedEngine(tokenizer, [CALL])
+        session, samples, replies = run(_conversation(tokenizer, engine, 1, tool_parser="test_hangs_on_add"))
+        assert "tool_calls" not in replies[0] and "add" in replies[0]["content"]
+        assert session.fault and "test_hangs_on_add" in session.fault and len(samples) == 1
+    finally:
+        parsers._PARSERS.pop("test_hangs_on_add", None)
+        parsers._TIMEOUTS.pop("test_hangs_on_add", None)
+    assert took < 10 and ticks >= 5, (took, ticks)  # bounded, and the loop was not blocked meanwhile
