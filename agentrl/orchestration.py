@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -312,6 +313,18 @@ def bundle_nodes(pg) -> list[tuple[str, str]]:
     hosts = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes()}
     where = placement_group_table(pg).get("bundles_to_node_id", {})
     return [(str(where.get(i, "?")), hosts.get(where.get(i), "?")) for i in range(len(where))]
+
+
+def init_failure(who: str, ray_message: str) -> AgentRLError:
+    """The exception an actor's constructor raised, from Ray's message (its last "Type: text"
+    line): a ConfigError stays one (a usage error, said plainly), anything else is named."""
+    lines = [line.strip() for line in ray_message.splitlines() if line.strip()]
+    last = next((line for line in reversed(lines) if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", line)),
+                lines[-1] if lines else "")
+    kind, _, text = last.partition(": ")
+    if kind.split(".")[-1] == "ConfigError":
+        return ConfigError(text.removesuffix(", has creation_task_exception_pb_bytes=1").strip())
+    return AgentRLError(f"{who} failed to start: {last}")
 
 
 class NodeLost(AgentRLError):
@@ -1006,6 +1019,8 @@ class RemoteTrainer:
         except ray.exceptions.RayActorError as exc:
             dead = [rank for rank, a in enumerate(self.actors) if exc.actor_id == a._actor_id.hex()] or [0]
             bundle = self.placement.trainer_bundles[dead[0]]
+            if exc.actor_init_failed:  # its build raised: say what it raised, not that it "died"
+                raise init_failure(f"trainer rank {dead[0]}", str(exc)) from exc
             raise NodeLost(f"trainer rank {dead[0]} on {self.placement.node_of(bundle)} died "
                            f"({str(exc).splitlines()[0]}); resume with --load from the last checkpoint") from exc
 

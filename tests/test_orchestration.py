@@ -143,3 +143,20 @@ def test_actors_of_a_joined_cluster_return_to_nice_0():
                           timeout=120, env=run_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "0"
+
+
+def test_a_trainer_that_fails_to_build_says_what_it_raised():
+    """Ray reports an actor whose constructor raised as "died (The actor died because of an error
+    raised in its creation task ...)"; the user is told the constructor's own error instead: a
+    ConfigError as itself, anything else named with its type."""
+    from agentrl.errors import AgentRLError, ConfigError
+    from agentrl.orchestration import init_failure
+
+    ray_text = ("The actor died because of an error raised in its creation task, ray::TrainerWorker.__init__() "
+                "(pid=1, ip=10.0.0.1)\n  File \"trainer.py\", line 70, in __init__\n    raise ConfigError(...)\n"
+                "agentrl.errors.ConfigError: the Megatron trainer needs CUDA GPUs (on CPU use --trainer torch), "
+                "has creation_task_exception_pb_bytes=1")
+    err = init_failure("trainer rank 0", ray_text)
+    assert type(err) is ConfigError and str(err) == "the Megatron trainer needs CUDA GPUs (on CPU use --trainer torch)"
+    other = init_failure("trainer rank 1", ray_text.replace("agentrl.errors.ConfigError", "torch.OutOfMemoryError"))
+    assert type(other) is AgentRLError and str(other).startswith("trainer rank 1 failed to start: torch.OutOfMemoryError")
