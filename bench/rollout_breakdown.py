@@ -51,31 +51,7 @@ HERE = Path(__file__).resolve().parent
 SWITCH_IN = ("colocate/offload_s", "colocate/resume_s")
 SWITCH_OUT = ("colocate/release_s", "colocate/onload_s")
 
-# --cpu: episodes of 1 to 3 turns (the label says how many), user turns between them
-TALK_ENV = '''
-import agentrl
-from agentrl.env import Env
-
-
-@agentrl.register_env("breakdown-talk")
-class Talk(Env):
-    max_turns = 3
-
-    @classmethod
-    def dataset(cls, seed=0, **kw):
-        i = 0
-        while True:
-            yield {"prompt": f"Count with me, part {i}.", "label": str(1 + i % 3)}
-            i += 1
-
-    def reset(self, *, seed=None, options=None):
-        self.t, self.turns = 0, int((options or {}).get("label") or 3)
-        return (options or {}).get("prompt", "Count."), {}
-
-    def step(self, action):
-        self.t += 1
-        return [{"role": "user", "content": f"Go on ({self.t})."}], 0.0, self.t >= self.turns, False, {}
-'''
+TALK_ENV = HERE / "talk_env.py"  # --cpu: episodes of 1 to 3 turns (registers "count-talk")
 
 
 class BreakdownError(Exception):
@@ -152,10 +128,8 @@ def breakdown(run: Path, bare: Path) -> dict:
 
 def cpu_run(folder: Path, iterations: int) -> Path:
     """A short multi-turn `agentrl train` on the CPU (the embedded engine) in `folder`."""
-    env_file = folder / "talk_env.py"
-    env_file.write_text(TALK_ENV)
     run = folder / "run"
-    cmd = [sys.executable, "-m", "agentrl.cli", "train", "--env-module", str(env_file), "--env", "breakdown-talk",
+    cmd = [sys.executable, "-m", "agentrl.cli", "train", "--env-module", str(TALK_ENV), "--env", "count-talk",
            "--num-rollout", str(iterations), "--rollout-batch-size", "16", "--n-samples-per-prompt", "4",
            "--global-batch-size", "64", "--rollout-max-response-len", "96", "--rollout-max-tokens-per-turn", "16",
            "--rollout-ignore-eos", "--no-progress", "--output-dir", str(run)]

@@ -16,30 +16,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "rollout_vs_bare.py"
 
 # Episodes of 1, 2 or 3 turns (the task says how many); with 8 tokens a turn, the 24-token user
 # turns between them and a 70-token budget, a third turn gets only the 6 tokens left.
-TALK_ENV = '''
-import agentrl
-from agentrl.env import Env
-
-
-@agentrl.register_env("replay-talk")
-class Talk(Env):
-    max_turns = 3
-
-    @classmethod
-    def dataset(cls, seed=0, **kw):
-        i = 0
-        while True:
-            yield {"prompt": f"Count with me, part {i}.", "label": str(1 + i % 3)}
-            i += 1
-
-    def reset(self, *, seed=None, options=None):
-        self.t, self.turns = 0, int((options or {}).get("label") or 3)
-        return (options or {}).get("prompt", "Count."), {}
-
-    def step(self, action):
-        self.t += 1
-        return [{"role": "user", "content": f"Go on ({self.t})."}], 0.0, self.t >= self.turns, False, {}
-'''
+TALK_ENV = BENCH.parent / "talk_env.py"  # registers "count-talk"
 
 
 def load_bench():
@@ -68,10 +45,9 @@ def policy_runs(row: dict) -> list[tuple[int, int]]:
 
 @pytest.mark.e2e
 def test_bench_replays_a_multi_turn_run(tmp_path):
-    (tmp_path / "talk_env.py").write_text(TALK_ENV)
     run = tmp_path / "run"
-    proc = subprocess.run([agentrl_cli(), "train", "--env-module", str(tmp_path / "talk_env.py"), "--env",
-                           "replay-talk", "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+    proc = subprocess.run([agentrl_cli(), "train", "--env-module", str(TALK_ENV), "--env",
+                           "count-talk", "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
                            "--global-batch-size", "8", "--rollout-max-response-len", "70",
                            "--rollout-max-tokens-per-turn", "8", "--no-progress", "--output-dir", str(run)],
                           capture_output=True, text=True, timeout=300, env=run_env())
