@@ -122,3 +122,21 @@ class RecordingClient(EngineClient):
 
             raise EngineError(f"POST {path}: HTTP {status}: {text[:300]}")
         return body, resp_headers
+
+
+def serve(engine, go):
+    """Run `await go(client)` against `engine` (an EmbeddedEngine) served in-process over HTTP."""
+    import asyncio
+
+    from aiohttp.test_utils import TestServer
+
+    async def main():
+        server = TestServer(engine.app())
+        await server.start_server()
+        try:
+            async with EngineClient(str(server.make_url("")).rstrip("/"), request_timeout_s=60) as client:
+                return await go(client)
+        finally:
+            await server.close()
+
+    return asyncio.run(main())

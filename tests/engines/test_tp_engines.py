@@ -7,31 +7,17 @@ import asyncio
 
 import pytest
 import torch
-from aiohttp.test_utils import TestServer
 
 from agentrl.config import parse_config
 from agentrl.engines.embedded import EmbeddedEngine, encode_named_tensors
 from agentrl.engines.group import Engine, EngineGroup
 from agentrl.errors import EngineError
 from agentrl.http import NO_RETRY
-from agentrl.rollout.client import EngineClient
 from agentrl.weight_sync import sync_weights_from_tensor
 from agentrl.weight_update import check_probe, probe_engines, weight_check_due
+from contract_helpers import serve
 
 pytestmark = pytest.mark.e2e  # starts engines, Ray or agentrl train
-
-
-def _serve(engine: EmbeddedEngine, go):
-    async def main():
-        server = TestServer(engine.app())
-        await server.start_server()
-        try:
-            async with EngineClient(str(server.make_url("")).rstrip("/"), request_timeout_s=60) as client:
-                return await go(client)
-        finally:
-            await server.close()
-
-    return asyncio.run(main())
 
 
 @pytest.fixture
@@ -63,7 +49,7 @@ def test_emulated_tp_engine_takes_exactly_one_identical_payload_per_rank(engine2
         out = await sync_weights_from_tensor([client], named, version=7, bucket_bytes=1 << 20)
         return replies, out
 
-    replies, out = _serve(engine2, go)
+    replies, out = serve(engine2, go)
     assert "holds 1 payloads for 2 TP ranks" in replies["one"]
     assert "TP rank 1 got other weights than TP rank 0" in replies["different"]
     assert out["weight_sync_buckets"] == 1
@@ -78,7 +64,7 @@ def test_emulated_tp_engine_refuses_a_distributed_group(engine2):
                               retry=NO_RETRY)
         return str(err.value)
 
-    assert "emulates --tp-size 2 for tensor updates only" in _serve(engine2, go)
+    assert "emulates --tp-size 2 for tensor updates only" in serve(engine2, go)
 
 
 class ProbeTrainer:
@@ -137,7 +123,7 @@ def test_weight_check_passes_on_the_same_weights_and_fails_loudly_on_others(tiny
             await check_probe(cfg, same, group, version=2)
         return results
 
-    results = _serve(engine, go)
+    results = serve(engine, go)
     assert results["same"]["weight_check/mean_abs_diff"] < 1e-4, results
     assert results["same"]["weight_check/tokens"] == 16
     assert isinstance(results["other"], str) and "engine http://" in results["other"], results

@@ -17,9 +17,8 @@ from aiohttp.test_utils import TestServer
 from agentrl.engines.embedded import (EmbeddedEngine, decode_flattened_bucket, decode_named_tensors,
                                       encode_flattened_bucket, encode_named_tensors)
 from agentrl.errors import EngineError
-from agentrl.rollout.client import EngineClient
 from agentrl.weight_sync import ALIGN, buckets, encode_bucket, flatten_bucket, sync_weights_from_tensor
-from contract_helpers import RecordingClient, check_request
+from contract_helpers import RecordingClient, check_request, serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainers"))
 
@@ -122,19 +121,6 @@ def test_the_embedded_engine_refuses_what_sglang_cannot_load(tiny_model):
     assert "holds 1 payloads for 2 TP ranks" in errors["one payload for two TP ranks"]
     assert reply["success"] and engine.weight_version == "3"
     assert torch.equal(engine.model.state_dict()[name], good[0][1])
-
-
-def serve(engine: EmbeddedEngine, go):
-    async def main():
-        server = TestServer(engine.app())
-        await server.start_server()
-        try:
-            async with EngineClient(str(server.make_url("")).rstrip("/"), request_timeout_s=60) as client:
-                return await go(client)
-        finally:
-            await server.close()
-
-    return asyncio.run(main())
 
 
 def test_moe_weights_land_the_same_flattened_or_per_tensor(tmp_path, tiny_model):
