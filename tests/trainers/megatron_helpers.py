@@ -107,3 +107,19 @@ def tiny_family_model(folder: Path, family: str, tokenizer_from: Path | None = N
             if (tokenizer_from / f).exists():
                 shutil.copy(tokenizer_from / f, folder / f)
     return folder
+
+
+def one_process_reference(model, algo: dict) -> dict:
+    """The one-process Megatron trainer on make_samples(): logprobs before and after one step,
+    the step's metrics and the exported tensor names (what the multi-rank layouts are held to).
+    The caller has applied megatron_cpu_shim."""
+    from agentrl.config import AlgoConfig, TrainConfig
+    from agentrl.trainers.megatron.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(str(model), train=TrainConfig(lr=1e-3, global_batch_size=6, micro_batch_size=2),
+                              algo=AlgoConfig(**algo), temperature=0.8, device="cpu", dtype="float32")
+    samples = make_samples()
+    before = trainer.compute_logprobs(samples)
+    metrics = trainer.train_rollout(samples)
+    return {"before": before, "metrics": metrics, "after": trainer.compute_logprobs(samples),
+            "names": sorted(n for n, _ in trainer.named_tensors())}

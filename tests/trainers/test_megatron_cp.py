@@ -10,16 +10,15 @@ import json
 import pytest
 import torch
 
-megatron_trainer = pytest.importorskip("agentrl.trainers.megatron.trainer")
+pytest.importorskip("agentrl.trainers.megatron.trainer")
 
 import megatron_cpu_shim  # noqa: E402
 
 megatron_cpu_shim.apply()
 
-from agentrl.config import AlgoConfig, TrainConfig  # noqa: E402
 from agentrl.trainers.megatron import context_parallel  # noqa: E402
 from agentrl.trainers.megatron.packing import pack  # noqa: E402
-from megatron_helpers import make_samples, run_ranks  # noqa: E402
+from megatron_helpers import make_samples, one_process_reference, run_ranks  # noqa: E402
 from test_megatron_parallel import ALGO, compare  # noqa: E402
 
 
@@ -87,14 +86,7 @@ def test_prefix_attention_matches_whole_sequence_attention():
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    trainer = megatron_trainer.MegatronTrainer(
-        str(tiny_model), train=TrainConfig(lr=1e-3, global_batch_size=6, micro_batch_size=2),
-        algo=AlgoConfig(**ALGO), temperature=0.8, device="cpu", dtype="float32")
-    samples = make_samples()
-    before = trainer.compute_logprobs(samples)
-    metrics = trainer.train_rollout(samples)
-    return {"before": before, "metrics": metrics, "after": trainer.compute_logprobs(samples),
-            "names": sorted(n for n, _ in trainer.named_tensors())}
+    return one_process_reference(tiny_model, ALGO)
 
 
 def test_context_parallel_2_equals_cp1(reference, tmp_path):

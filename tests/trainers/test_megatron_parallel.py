@@ -7,28 +7,20 @@ import json
 
 import pytest
 
-megatron_trainer = pytest.importorskip("agentrl.trainers.megatron.trainer")
+pytest.importorskip("agentrl.trainers.megatron.trainer")
 
 import megatron_cpu_shim  # noqa: E402
 
 megatron_cpu_shim.apply()
 
-from agentrl.config import AlgoConfig, TrainConfig  # noqa: E402
-from megatron_helpers import make_samples, run_ranks  # noqa: E402
+from megatron_helpers import one_process_reference, run_ranks  # noqa: E402
 
 ALGO = {"entropy_coef": 0.01, "use_tis": True, "tis_clip": 1.5}  # a loss that is not ~0 on-policy
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    trainer = megatron_trainer.MegatronTrainer(
-        str(tiny_model), train=TrainConfig(lr=1e-3, global_batch_size=6, micro_batch_size=2),
-        algo=AlgoConfig(**ALGO), temperature=0.8, device="cpu", dtype="float32")
-    samples = make_samples()
-    before = trainer.compute_logprobs(samples)
-    metrics = trainer.train_rollout(samples)
-    return {"before": before, "metrics": metrics, "after": trainer.compute_logprobs(samples),
-            "names": sorted(n for n, _ in trainer.named_tensors())}
+    return one_process_reference(tiny_model, ALGO)
 
 
 def compare(result, reference, label):
