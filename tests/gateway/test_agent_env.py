@@ -223,3 +223,30 @@ def test_a_sandbox_that_dies_under_the_command_fails_the_trajectory(tokenizer, t
     assert len(samples) == 1 and samples[0].status == SampleStatus.FAILED
     assert samples[0].metadata["error"] == "sandbox: the container died" and "agent_fault" not in samples[0].metadata
     assert list(tmp_path.iterdir()) == []  # the session's socket is gone with it
+
+
+def test_a_parser_past_its_bound_scores_the_trajectory_0_with_the_reason(tokenizer):
+    """A user-registered tool-call parser that hangs on what the model wrote: the agent still gets
+    its reply, and the trajectory scores 0 with the parser's fault, whatever the agent returns."""
+    from agentrl.tools import parsers
+
+    @parsers.register_parser("test-gw-hanging-parser", timeout=1.0)
+    def hanging(text, tools):
+        while True:
+            time.sleep(0.05)
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+    @agent_env("test-gw-parser-fault", tool_parser="test-gw-hanging-parser")
+    async def with_tools(task, client):
+        reply = await client.chat.completions.create(model="policy", tools=tools,
+                                                     messages=[{"role": "user", "content": task["prompt"]}])
+        return float(reply.choices[0].message.content == "yes")
+
+    try:
+        samples, _ = play(tokenizer, "test-gw-parser-fault", ["yes"])
+    finally:
+        parsers._PARSERS.pop("test-gw-hanging-parser", None)
+        parsers._TIMEOUTS.pop("test-gw-hanging-parser", None)
+    assert samples[0].reward == 0.0 and samples[0].status != SampleStatus.FAILED
+    assert samples[0].metadata["agent_fault"].startswith("tool-call parser:"), samples[0].metadata
