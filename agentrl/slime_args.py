@@ -119,7 +119,8 @@ REFUSED: dict[str, str] = {
     "eval_config": "give eval sets with --eval-prompt-data NAME PATH",
     "train_backend": "pick the trainer with --trainer torch|megatron",
     "enable_mtp_training": "multi-token-prediction layers are not built (the model comes from the HF config.json)",
-    "use_rollout_logprobs": "the trainer recomputes the old logprobs; --use-tis corrects the rollout/trainer mismatch",
+    "use_rollout_logprobs": ("the old logprobs are the trainer's (its step's own forward when one step trains "
+                             "the rollout, else a separate pass); --use-tis corrects the rollout/trainer mismatch"),
     "rollout_stop_token_ids": "a turn ends at EOS, the env's stop strings or its token budget",
     "rollout_max_context_len": "--rollout-max-response-len bounds the whole trajectory",
     "multimodal_keys": "agentrl trains on text only",
