@@ -205,7 +205,7 @@ def test_save_and_load_resume_exactly(tiny_model, tmp_path):
 
     state = json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())
     assert state == {"version": 1, "rollout_id": 1, "data": {"epoch": 0, "offset": 6},
-                     "ref_model_path": str(tiny_model.resolve())}
+                     "ref_model_path": str(tiny_model.resolve()), "distributed_optimizer": False}
     # the HF copy (what the engines reload on resume) holds the trained weights
     hf = TorchTrainer(str(tmp_path / "ckpt" / "model"), train=tc, algo=AlgoConfig(), temperature=0.8)
     assert max_diff(hf.compute_logprobs(samples), after_save) < LOGPROB_TOL
