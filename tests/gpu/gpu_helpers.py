@@ -149,3 +149,26 @@ def trajectories(run: Path, rollout_id: int) -> list[dict]:
 def mean(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs)
+
+
+def run_scale_worker(label: str, gpus: int, model: Path, megatron: dict, *, master_port: int, **opts) -> dict:
+    """tests/gpu/scale_moe_worker.py (any HF checkpoint: steps, peak memory, probe logprobs) under
+    `torch.distributed.run` on `gpus` GPUs, `opts` as its flags; -> its result, kept at
+    $OUT/LABEL.json with the log at $OUT/LABEL.log."""
+    out = OUT / f"{label}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}", f"--master-port={master_port}",
+           str(Path(__file__).resolve().parent / "scale_moe_worker.py"), "--out", str(out), "--model", str(model),
+           "--megatron", json.dumps(megatron)]
+    for k, v in opts.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    print("$", " ".join(cmd), flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    rc = stream(cmd, OUT / f"{label}.log", 540, what=label)
+    assert rc == 0, f"{label}: exited {rc} (log: {OUT / f'{label}.log'})"
+    result = json.loads(out.read_text())
+    steps = result["step_s"][1:] or result["step_s"]  # the first step compiles and warms up
+    print(f"{label}: {gpus} GPU(s), step {min(steps):.2f}-{max(steps):.2f} s for {result['tokens_per_step']} tokens "
+          f"({result['tokens_per_step'] / min(steps) / gpus:.0f} tok/s/GPU), peak {result['peak_gib_max_rank']:.1f} GiB "
+          f"(max over ranks), grad norms {result['grad_norms']}", flush=True)
+    return result

@@ -12,56 +12,26 @@ $AGENTRL_GPU_OUT/scale_cp_*.json. Needs 2 GPUs (nvidia-h100-x2):
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from gpu_helpers import KIT, OUT, SHAPES, save_with_tiny_tokenizer, stream
+from gpu_helpers import KIT, OUT, SHAPES, random_model, run_scale_worker, tiny_qwen2_config
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                 reason="needs 2 GPUs: run with scripts/gpu/run.sh cp2_32k on nvidia-h100-x2")
-HERE = Path(__file__).resolve().parent
 LENGTH = 32768
 
 
 def random_qwen2_long(shape: str, max_positions: int) -> Path:
     """gpu_helpers' random-init Qwen2 shape with room for long sequences (cached)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from agentrl.models import build_tiny_model
-
-    out = KIT / "models" / f"qwen2-{shape}-{max_positions // 1024}k-tinytok"
-    if (out / "config.json").exists():
-        return out
-    config = AutoConfig.from_pretrained(build_tiny_model())
-    for k, v in SHAPES[shape].items():
-        setattr(config, k, v)
-    config.layer_types = ["full_attention"] * config.num_hidden_layers
-    config.max_position_embeddings = max_positions
-    torch.manual_seed(0)
-    return save_with_tiny_tokenizer(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), out)
+    return random_model(KIT / "models" / f"qwen2-{shape}-{max_positions // 1024}k-tinytok",
+                        lambda: tiny_qwen2_config(SHAPES[shape], max_positions))
 
 
 def run_layout(name: str, gpus: int, model: Path, megatron: dict, **opts) -> dict:
-    out = OUT / f"scale_cp_{name}.json"
-    out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}", "--master-port=29556",
-           str(HERE / "scale_moe_worker.py"), "--out", str(out), "--model", str(model),
-           "--megatron", json.dumps(megatron)]
-    for k, v in opts.items():
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
-    print("$", " ".join(cmd), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    rc = stream(cmd, OUT / f"scale_cp_{name}.log", 540, what=name)
-    assert rc == 0, f"{name}: exited {rc} (log: {OUT / f'scale_cp_{name}.log'})"
-    result = json.loads(out.read_text())
-    steps = result["step_s"][1:] or result["step_s"]  # the first step warms up
-    print(f"{name}: {gpus} GPU(s), step {min(steps):.2f}-{max(steps):.2f} s for {result['tokens_per_step']} tokens "
-          f"({result['tokens_per_step'] / min(steps) / gpus:.0f} tok/s/GPU), peak {result['peak_gib_max_rank']:.1f} GiB "
-          f"(max over ranks), grad norms {result['grad_norms']}", flush=True)
-    return result
+    return run_scale_worker(f"scale_cp_{name}", gpus, model, megatron, master_port=29556, **opts)
 
 
 def test_cp2_32k_trains_and_matches_cp1_logprobs():

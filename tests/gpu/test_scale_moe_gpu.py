@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import KIT, OUT, needs_gpus, stream
+from gpu_helpers import KIT, OUT, needs_gpus, run_scale_worker
 
 pytestmark = needs_gpus(4, "needs 4 GPUs: run with scripts/gpu/run.sh on nvidia-h100-x4 / nvidia-h200-x4")
 HERE = Path(__file__).resolve().parent
@@ -26,22 +26,7 @@ from scale_moe_worker import random_qwen3_moe  # noqa: E402
 
 
 def run_layout(name: str, gpus: int, model: Path, megatron: dict, **opts) -> dict:
-    out = OUT / f"scale_moe_{name}.json"
-    out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}", "--master-port=29555",
-           str(HERE / "scale_moe_worker.py"), "--out", str(out), "--model", str(model),
-           "--megatron", json.dumps(megatron)]
-    for k, v in opts.items():
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
-    print("$", " ".join(cmd), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    rc = stream(cmd, OUT / f"scale_moe_{name}.log", 540, what=name)
-    assert rc == 0, f"{name}: exited {rc} (log: {OUT / f'scale_moe_{name}.log'})"
-    result = json.loads(out.read_text())
-    steps = result["step_s"][1:] or result["step_s"]  # the first step compiles and warms up
-    print(f"{name}: {gpus} GPUs, step {min(steps):.2f}-{max(steps):.2f} s for {result['tokens_per_step']} tokens, "
-          f"peak {result['peak_gib_max_rank']:.1f} GiB (max over ranks), grad norms {result['grad_norms']}", flush=True)
-    return result
+    return run_scale_worker(f"scale_moe_{name}", gpus, model, megatron, master_port=29555, **opts)
 
 
 def compare_logprobs(a: dict, b: dict, label: str) -> dict:
