@@ -9,7 +9,9 @@ import json
 import os
 import shlex
 import stat
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import ScriptedEngine, settings
@@ -19,6 +21,9 @@ from agentrl.registry import make
 from agentrl.rollout.agent_loop import Renderer
 from agentrl.rollout.client import EngineClient
 from agentrl.types import SampleStatus
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "envs"))
+from envtest_helpers import sandbox_backend_or_skip  # noqa: E402
 
 pytestmark = pytest.mark.e2e  # sandboxes and the embedded engine
 
@@ -58,21 +63,6 @@ agent_env("test-gw-sbx-math", grader="math", timeout_s=60, command=(
     "\"content\": \"1+2?\"}]}' \"$OPENAI_BASE_URL/chat/completions\" | jq -r '.choices[0].message.content'"))(None)
 
 
-def _skip_unless(backend: str) -> None:
-    from agentrl.sandboxes import resolve_backend
-
-    try:
-        resolve_backend(backend)
-    except Exception as e:
-        pytest.skip(f"{backend} sandbox unavailable: {e}")
-    if backend == "docker":
-        from agentrl.sandboxes import DEFAULT_IMAGE
-        from agentrl.sandboxes.image import image_recipe
-
-        if image_recipe(DEFAULT_IMAGE) is None:
-            pytest.skip(f"docker image {DEFAULT_IMAGE} is not built (agentrl sandbox build)")
-
-
 class Recording:
     """The engine client, recording every generation's ids and logprobs."""
 
@@ -105,7 +95,7 @@ async def _play(tokenizer, client, name, *, sandbox, max_len=256):
 
 @pytest.mark.parametrize("backend", ["local", "docker"])
 def test_command_in_the_sandbox_records_exact_tokens_and_is_graded_on_its_files(tokenizer, engine, backend):
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
 
     async def go():
         pool = await _pool(backend)
@@ -140,7 +130,7 @@ def test_another_sandbox_cannot_reach_a_session(tokenizer, backend):
     """Sandbox B's process: A's socket is not in its view, the bridge dir does not list, the
     gateway's TCP port is unreachable (no network), and A's key sent over B's socket lands in B's
     own session: the socket names the session."""
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
     from agentrl.sandboxes import bridge, create
 
     probe = r'''
@@ -205,7 +195,7 @@ print(json.dumps(out))
     ("test-gw-sbx-hang", "timeout: the agent ran past 3 s", 3),
     ("test-gw-sbx-flood", "output flood: the command printed past 65536 bytes and was stopped", 0)])
 def test_a_command_that_hangs_or_floods_ends_within_its_bound(tokenizer, backend, name, reason, bound_s):
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
     engine = ScriptedEngine(tokenizer, ["hello"])
     t0 = time.monotonic()
     samples = asyncio.run(_play(tokenizer, engine, name, sandbox=backend))
@@ -220,7 +210,7 @@ def test_a_command_that_hangs_or_floods_ends_within_its_bound(tokenizer, backend
 
 def test_a_command_with_a_grader_without_sandbox_gets_one_from_the_pool(tokenizer):
     """The math grader has no sandbox: the command gets one of the run's pool (curl and jq, no Python)."""
-    _skip_unless("local")
+    sandbox_backend_or_skip("local")
     engine = ScriptedEngine(tokenizer, ["so \\boxed{3}"])
 
     async def go():

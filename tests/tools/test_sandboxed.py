@@ -2,27 +2,16 @@
 (local) or `docker exec -i` (docker), with the agentrl sources and the host's site-packages
 mounted read-only. Skipped, with the reason, where a backend cannot run here."""
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from agentrl.tools import ToolEnv
 from tools_fixtures import arun  # noqa: F401 (fixtures)
 
-
-def _skip_unless(backend: str) -> None:
-    try:
-        from agentrl.sandboxes import resolve_backend
-    except ImportError as e:
-        pytest.skip(f"agentrl.sandboxes is not importable: {e}")
-    try:
-        resolve_backend(backend)
-    except Exception as e:
-        pytest.skip(f"{backend} sandbox unavailable: {e}")
-    if backend == "docker":
-        from agentrl.sandboxes import DEFAULT_IMAGE
-        from agentrl.sandboxes.image import image_recipe
-        if image_recipe(DEFAULT_IMAGE) is None:
-            pytest.skip(f"docker image {DEFAULT_IMAGE} is not built (agentrl sandbox build)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "envs"))
+from envtest_helpers import sandbox_backend_or_skip  # noqa: E402
 
 
 class SandboxedEnv(ToolEnv):
@@ -45,7 +34,7 @@ def call(name, **arguments) -> str:
 
 @pytest.mark.parametrize("backend", ["local", "docker"])
 def test_builtin_servers_in_sandbox(arun, backend):
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
     env = SandboxedEnv(sandbox=backend)
     try:
         _, info = arun(env.areset(options={"prompt": "hi"}))
@@ -81,7 +70,7 @@ def test_builtin_servers_in_sandbox(arun, backend):
 
 
 def test_env_takes_sandboxes_from_a_pool(arun):
-    _skip_unless("local")
+    sandbox_backend_or_skip("local")
     from agentrl.sandboxes import SandboxPool
     from agentrl.tools.spec import tool_sandbox_options
 
