@@ -78,13 +78,13 @@ agent_env("test-gw-command", grader="math", timeout_s=60, sandbox=False, command
     "print('log line'); print(r.choices[0].message.content)\""))(None)
 
 
-def play(tokenizer, name, replies, task=None):
+def play(tokenizer, name, replies, task=None, **env_kwargs):
     engine = ScriptedEngine(tokenizer, replies)
 
     async def go():
         runner = AgentRunner(renderer=Renderer(tokenizer, True), client=engine, settings_for=lambda env: settings())
         try:
-            return await runner(make(name), task or {"prompt": "say yes", "label": "3"}, trajectory_id="g0-s0",
+            return await runner(make(name, **env_kwargs), task or {"prompt": "say yes", "label": "3"}, trajectory_id="g0-s0",
                                 group_id=0, index=0, seed=1, env_name=name)
         finally:
             await runner.aclose()
@@ -177,17 +177,7 @@ def test_a_sandbox_that_cannot_be_had_fails_the_trajectory_not_the_agent(tokeniz
             pass
 
     agent_env("test-gw-no-sandbox", command="true")(None)
-    engine = ScriptedEngine(tokenizer, [])
-
-    async def go():
-        runner = AgentRunner(renderer=Renderer(tokenizer, True), client=engine, settings_for=lambda env: settings())
-        try:
-            return await runner(make("test-gw-no-sandbox", sandbox=NoSandboxes()), {"prompt": "hi"},
-                                trajectory_id="g0-s0", group_id=0, index=0, seed=0, env_name="test-gw-no-sandbox")
-        finally:
-            await runner.aclose()
-
-    samples = asyncio.run(go())
+    samples, engine = play(tokenizer, "test-gw-no-sandbox", [], {"prompt": "hi"}, sandbox=NoSandboxes())
     assert len(samples) == 1 and samples[0].status == SampleStatus.FAILED and not engine.calls
     assert samples[0].metadata["error"] == "setting up the agent's sandbox: SandboxError: no sandbox today"
 
@@ -209,17 +199,7 @@ def test_a_sandbox_that_dies_under_the_command_fails_the_trajectory(tokenizer, t
             pass
 
     agent_env("test-gw-dying-sandbox", command="true")(None)
-
-    async def go():
-        runner = AgentRunner(renderer=Renderer(tokenizer, True), client=ScriptedEngine(tokenizer, []),
-                             settings_for=lambda env: settings())
-        try:
-            return await runner(make("test-gw-dying-sandbox", sandbox=Pool()), {"prompt": "hi"},
-                                trajectory_id="g0-s0", group_id=0, index=0, seed=0, env_name="test-gw-dying-sandbox")
-        finally:
-            await runner.aclose()
-
-    samples = asyncio.run(go())
+    samples, _ = play(tokenizer, "test-gw-dying-sandbox", [], {"prompt": "hi"}, sandbox=Pool())
     assert len(samples) == 1 and samples[0].status == SampleStatus.FAILED
     assert samples[0].metadata["error"] == "sandbox: the container died" and "agent_fault" not in samples[0].metadata
     assert list(tmp_path.iterdir()) == []  # the session's socket is gone with it
