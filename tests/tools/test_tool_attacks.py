@@ -9,7 +9,7 @@ import pytest
 
 from agentrl.tools import ToolEnv, ToolSet
 from agentrl.tools.client import ToolServerError
-from test_sandboxed import _skip_unless, call
+from test_sandboxed import call, sandbox_backend_or_skip
 from tools_fixtures import arun  # noqa: F401 (fixtures)
 
 BACKENDS = ["local", "docker"]
@@ -42,7 +42,7 @@ print("fds", sorted(os.listdir("/proc/self/fd")))
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tool_server_cannot_be_forged_or_hijacked(arun, backend):
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
     env = AttackEnv(sandbox=backend)
     try:
         arun(env.areset(options={"prompt": "hi"}))
@@ -71,7 +71,7 @@ def test_tool_server_cannot_be_forged_or_hijacked(arun, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_killing_the_tool_server_is_the_agents_fault(arun, backend):
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
     env = AttackEnv(sandbox=backend)
     try:
         arun(env.areset(options={"prompt": "hi"}))
@@ -100,7 +100,7 @@ def test_asking_for_a_long_timeout_is_not_a_hung_server(arun, backend):
     """A call asking for a timeout longer than the env's tool_timeout (the servers accept up to 600 s)
     is cut at tool_timeout by the tool itself: an honest long computation times out as a tool
     result, never as a hung server (restart, then 0 as the agent's fault)."""
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
 
     class Short(AttackEnv):
         tool_timeout = 1.0  # each of the 4 calls waits this out: well short of the 6 s sleeps
@@ -121,7 +121,7 @@ def test_asking_for_a_long_timeout_is_not_a_hung_server(arun, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bash_leftovers_and_background_output(arun, backend):
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
     env = AttackEnv(sandbox=backend)
     try:
         arun(env.areset(options={"prompt": "hi"}))
@@ -260,7 +260,7 @@ def test_a_restart_the_agent_broke_is_its_fault(arun, backend):
     """chmod 000 on the workdir, then the tool server killed: the restarted server cannot enter the
     workdir. What the agent did: reward 0 with the reason, never ToolServerError (a FAILED group).
     On docker the agent's uid cannot kill the server: its calls fail as tool errors, and it goes on."""
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
     env = AttackEnv(sandbox=backend)
     try:
         arun(env.areset(options={"prompt": "hi"}))
@@ -296,7 +296,7 @@ def test_startup_hooks_planted_in_the_workdir_never_run(arun, backend):
     """usercustomize/sitecustomize/.pth files in the user site under HOME (the workdir) and shell
     startup files: the python tool's interpreter, restarted after the agent's code ended it, and the
     bash tool's shells start isolated (python -I, bash --norc --noprofile) and run none of them."""
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
     env = AttackEnv(sandbox=backend)
     try:
         arun(env.areset(options={"prompt": "hi"}))
@@ -318,7 +318,7 @@ def test_startup_hooks_planted_in_the_workdir_never_run(arun, backend):
 def test_the_graders_interpreter_runs_no_planted_hook(arun, backend):
     """The code env grades the agent's files in a sandbox with child.py under `python3 -I`: a
     sitecustomize.py or usercustomize.py among them never runs before the solution loads."""
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
     from agentrl.envs.code_env.grader import HiddenTests, grade
     hook = "import sys; sys.modules['builtins'].HOOKED = True\n"
     files = {"solution.py": "import builtins\ndef f():\n    return getattr(builtins, 'HOOKED', False)\n",
@@ -350,7 +350,7 @@ except OSError as e:
 def test_exhausted_fds_and_a_full_disk_are_the_agents_problem(arun, backend):
     """The python tool's interpreter holding every fd it may, and the workdir filled: the calls that
     fail say why, as tool results; the tools and the episode go on."""
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
     env = AttackEnv(sandbox=backend)
     try:
         arun(env.areset(options={"prompt": "hi"}))
@@ -376,7 +376,7 @@ def test_stopping_the_tool_server_is_bounded_and_the_agents_fault(arun, backend)
     comes, and no exit either. Each call is bounded by tool_timeout plus a restart, and never
     raises: a stopped server is restarted (the call reports it) or the episode ends as the agent's
     fault (reward 0, reason recorded); docker: the server's uid is out of the agent's reach."""
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
 
     class Short(AttackEnv):
         tool_timeout = 2.0
@@ -427,7 +427,7 @@ def test_a_solution_file_that_is_not_a_plain_file(arun, backend):
     process keeps rewriting: each episode ends within bound with reward 0 and the reason in
     `solution_files_skipped` (or, for the rewritten one, a consistent read of one version), never
     an exception out of the env."""
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
     from agentrl.envs.code_env import CodeEnv
     for trap, command in SOLUTION_TRAPS.items():
         env = CodeEnv(sandbox=backend, answer_in_message=False)
@@ -466,7 +466,7 @@ def test_environment_set_by_one_call_reaches_no_other_command(arun, backend):
     """Variables the agent sets in the python tool's interpreter (PATH ahead to planted binaries,
     BASH_ENV, ENV, PYTHONPATH, LD_PRELOAD...) stay in that interpreter: the bash tool's next
     command, and the interpreter after a restart, run with the server's environment."""
-    _skip_unless(backend)
+    sandbox_backend_or_skip(backend)
     env = AttackEnv(sandbox=backend)
     try:
         arun(env.areset(options={"prompt": "hi"}))
