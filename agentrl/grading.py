@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import importlib
 import inspect
 import json
@@ -60,6 +61,14 @@ class GradingError(AgentRLError):
     """The grading machinery itself failed (a worker that cannot start): infrastructure."""
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` has data (or its end) within `timeout_s`; poll, not select: a trainer's
+    process may hold more than select's 1024 descriptors."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, timeout_s) * 1000))
+
+
 class _Worker:
     def __init__(self, preload: tuple[str, ...], memory_mb: int):
         self.proc = subprocess.Popen([sys.executable, "-m", "agentrl.grading", str(memory_mb), *preload],
@@ -79,8 +88,7 @@ class _Worker:
             left = deadline - time.monotonic()
             if left <= 0 or len(self.buf) > MAX_MESSAGE_BYTES:
                 return None
-            readable, _, _ = select.select([fd], [], [], left)
-            if not readable:
+            if not _readable(fd, left):
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
@@ -182,11 +190,28 @@ def _vm_bytes() -> int:
         return 0
 
 
+def _resolve_prctl() -> Callable | None:
+    try:
+        import ctypes
+        return ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Resolved here, in the parent: a forked child must not dlopen/dlsym, whose loader lock another
+# thread of the parent may have held at the fork (the child would wait on it forever).
+_PRCTL = _resolve_prctl()
+
+
 def _child(fn: Callable, args: tuple, out: int, memory_mb: int) -> None:
     """The forked child: fn(*args), its value (or exception) pickled to `out`; never returns."""
     try:
+        # No collections: a pass would touch every object the parent had (copying its heap page
+        # by page) and run finalizers of objects that belong to the parent's other threads.
+        gc.disable()
         os.setpgid(0, 0)  # its own group: the kill reaches what it started
-        _die_with_parent()
+        if _PRCTL is not None:
+            _PRCTL(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: it goes with the thread that forked it
         limit = _vm_bytes() + (memory_mb << 20)  # on top of what it inherited mapped
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         try:
@@ -238,7 +263,7 @@ def call_in_fork(fn: Callable, *args: Any, timeout: float, what: str = "",
     try:
         while size <= MAX_MESSAGE_BYTES:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([r], [], [], left)[0]:
+            if left <= 0 or not _readable(r, left):
                 break
             chunk = os.read(r, 1 << 16)
             if not chunk:
