@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrl.profiling import TrainProfiler
+
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
                         "ppo")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
@@ -503,23 +505,40 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
     exactly on-policy). When `reuses_training_logprobs`, the policy's own pass is skipped:
     policy_step gets old=None and its loss takes the old logprobs (and that metric) from the
     training forward."""
+    profiler = getattr(trainer, "profiler", None) or TrainProfiler()  # --use-pytorch-profiler
+    profiler.begin_step()
+    with profiler.section("train_overall"):
+        return _train_iteration(trainer, samples, algo, global_batch_size, profiler)
+
+
+def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: TrainProfiler) -> dict[str, float]:
     reuse = reuses_training_logprobs(trainer, samples, algo, global_batch_size)
-    old = None if reuse else trainer.compute_logprobs(samples)
-    ref = trainer.compute_logprobs(samples, trainer.ref_model) if trainer.ref_model is not None else None
-    values = trainer.compute_values(samples) if trainer.critic is not None else None
-    teacher_model = getattr(trainer, "teacher_model", None)
-    teacher = trainer.compute_logprobs(samples, teacher_model) if teacher_model is not None else None
+    with profiler.section("train_log_probs"):
+        with profiler.label("old_logprobs"):
+            old = None if reuse else trainer.compute_logprobs(samples)
+        with profiler.label("ref_logprobs"):
+            ref = trainer.compute_logprobs(samples, trainer.ref_model) if trainer.ref_model is not None else None
+        with profiler.label("values"):
+            values = trainer.compute_values(samples) if trainer.critic is not None else None
+        teacher_model = getattr(trainer, "teacher_model", None)
+        with profiler.label("teacher_logprobs"):
+            teacher = trainer.compute_logprobs(samples, teacher_model) if teacher_model is not None else None
     if teacher is None and getattr(algo, "use_opd", False):  # the served teacher's, carried on the samples
         teacher = carried_teacher_logprobs(samples)
-    adv = compute_advantages(samples, algo, old_logprobs=old, ref_logprobs=ref, values=values, teacher_logprobs=teacher)
+    with profiler.label("advantages"):
+        adv = compute_advantages(samples, algo, old_logprobs=old, ref_logprobs=ref, values=values,
+                                 teacher_logprobs=teacher)
     metrics: dict[str, list[float]] = {}
-    for start in range(0, len(samples), global_batch_size):
-        idx = list(range(start, min(start + global_batch_size, len(samples))))
-        step = trainer.policy_step(idx, samples, adv.advantages, old, ref)
-        if trainer.critic is not None:
-            step |= trainer.critic_step(idx, samples, values, adv.returns)
-        for k, v in step.items():
-            metrics.setdefault(k, []).append(v)
+    with profiler.section("train_actor"):
+        for start in range(0, len(samples), global_batch_size):
+            idx = list(range(start, min(start + global_batch_size, len(samples))))
+            with profiler.label("policy_step"):
+                step = trainer.policy_step(idx, samples, adv.advantages, old, ref)
+            if trainer.critic is not None:
+                with profiler.label("critic_step"):
+                    step |= trainer.critic_step(idx, samples, values, adv.returns)
+            for k, v in step.items():
+                metrics.setdefault(k, []).append(v)
     out = {k: sum(v) / len(v) for k, v in metrics.items()}
     if old is not None:  # else the one step's loss measured it (a token mean over the same tokens)
         mismatch = [abs(a - b) for s, o in zip(samples, old) if s.trainable

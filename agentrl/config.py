@@ -303,6 +303,18 @@ class TrainConfig(Section):
     target_modules: list[str] = ["all-linear"]
     """Linear layers that get adapters, by peft's names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
     down_proj, or all-linear (every one of them; never the LM head) [repeatable or comma-separated]."""
+    use_pytorch_profiler: bool = False
+    """Profile train steps --profile-step-start..--profile-step-end-1 with torch.profiler on every trainer
+    rank: a Chrome trace and a table of operators by self time per step, in --profile-dir (agentrl/profiling.py)."""
+    profile_step_start: int = Field(10, ge=0)
+    """First profiled train step, counted from 0 in this process (slime's and Megatron's default: 10)."""
+    profile_step_end: int = Field(12, ge=1)
+    """The train step after the last profiled one."""
+    profile_target: list[Literal["train_overall", "train_actor", "train_log_probs"]] = ["train_overall"]
+    """What --use-pytorch-profiler records: train_overall (the whole iteration, its phases labelled),
+    train_log_probs (the logprob passes), train_actor (the optimizer steps)."""
+    profile_dir: str | None = None
+    """Where --use-pytorch-profiler writes; default <output-dir>/profile."""
     lora_sync: Literal["merged", "adapter"] = "merged"
     """How LoRA weights reach the engines: merged (W + B A in the base weights' names, through
     --weight-sync-mode: any engine) or adapter (only the adapter, a peft folder loaded with
@@ -511,7 +523,9 @@ def build_parser(prog: str = "agentrl train", description: str = "Train an LLM a
             elif name in PAIRED_LISTS:
                 group.add_argument(*flags, dest=name, nargs="+", action="extend", metavar="NAME PATH", help=help_text)
             elif get_origin(kind) is list:
-                group.add_argument(*flags, dest=name, action="append", metavar="VALUE", help=help_text + " [repeatable]")
+                # slime's lists: several values after one flag, or the flag repeated
+                group.add_argument(*flags, dest=name, nargs="+", action="extend", metavar="VALUE",
+                                   help=help_text + " [several values, repeatable]")
             elif get_origin(kind) is dict:
                 group.add_argument(*flags, dest=name, type=_json_dict(name), metavar="JSON", help=help_text + " [JSON]")
             else:
@@ -700,6 +714,9 @@ def resolve(layers: dict) -> Config:
             raise ConfigError(f"--overlong-buffer-len ({cfg.algo.overlong_buffer_len}) must be shorter than the length "
                               f"it ends at, --overlong-max-len ({cfg.algo.overlong_max_len}; default "
                               "--rollout-max-response-len): the penalty would start before the first token")
+    if cfg.train.use_pytorch_profiler and cfg.train.profile_step_end <= cfg.train.profile_step_start:
+        raise ConfigError(f"--profile-step-end ({cfg.train.profile_step_end}) must be after --profile-step-start "
+                          f"({cfg.train.profile_step_start}): the steps profiled are start..end-1")
     steps = total // cfg.train.global_batch_size
     if cfg.train.num_steps_per_rollout is not None and cfg.train.num_steps_per_rollout != steps:
         raise ConfigError(

@@ -37,6 +37,7 @@ from agentrl.judge import close_judges
 from agentrl.metrics import RunContext, RunLog, Timeline, engine_log_steps, rollout_stage_metrics, start_wandb
 from agentrl.models import load_tokenizer
 from agentrl.orchestration import NodeWatch, RemoteTrainer, reserve_placement, start_ray, stop_engines, stop_ray
+from agentrl.profiling import summaries_since
 from agentrl.progress import Progress
 from agentrl.rollout.client import EngineClient
 from agentrl.rollout.control import RolloutControl
@@ -57,6 +58,8 @@ def train(cfg: Config) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     # the trainer actor writes there too (--weight-sync-mode disk)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output_dir": str(out)})})
+    if cfg.train.use_pytorch_profiler and not cfg.train.profile_dir:
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"profile_dir": str(out / "profile")})})
     cfg.dump(out / "config.yaml")  # as given; what it met here goes to run.json
     context = RunContext(out)
     progress = Progress(enabled=cfg.run.progress)
@@ -352,8 +355,11 @@ async def train_step(run: Run, samples: list[Sample], weights_lock: asyncio.Lock
         t0 = time.perf_counter()
         run.progress.phase("train", f"{len(samples)} samples")
         await score_with_teacher(run.cfg, samples)  # --opd-type sglang: the served teacher's logprobs
+        started = time.time()
         out = await run.trainer.train_rollout(samples)
         t_train = time.perf_counter() - t0
+        for line in summaries_since(run.cfg.train.profile_dir, started):  # --use-pytorch-profiler
+            run.progress.note(line)
         run.state.policy_version += 1
         if run.engines is not None:
             run.progress.phase("sync", f"weights version {run.state.policy_version}")

@@ -204,9 +204,14 @@ def test_background_result_and_failure():
 @pytest.mark.e2e
 def test_train_records_start_up_stop_and_rollout_stages(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.run([agentrl_cli(), "train", "--num-rollout", "2", "--no-progress", "--output-dir", str(run)],
+    # with slime's profiler on the second train step (tests/trainers/test_profiling.py has the rest)
+    proc = subprocess.run([agentrl_cli(), "train", "--num-rollout", "2", "--no-progress", "--output-dir", str(run),
+                           "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "2"],
                           capture_output=True, text=True, timeout=300, env=run_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (run / "profile").iterdir()) == ["train_overall_rank0_step1.json.gz",
+                                                                    "train_overall_rank0_step1.txt"]
+    assert "profile of train step 1 (train_overall, rank 0)" in proc.stderr and "most self CPU time: " in proc.stderr
     facts = json.loads((run / "run.json").read_text())
     start, stop = facts["startup"], facts["stop"]
     for key in ("python", "checks", "data_env", "ray", "placement", "engines", "trainer/build"):

@@ -18,6 +18,7 @@ from agentrl.algorithms import (check_algo, entropy_from_logits, has_dropout, ne
                                 sft_loss, teacher_in_trainer, train_iteration, value_loss)
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.models import load_model, load_tokenizer
+from agentrl.profiling import TrainProfiler
 from agentrl.trainers import rng_state, set_rng_state
 from agentrl.types import Sample
 
@@ -69,6 +70,7 @@ class TorchTrainer:
                                                       weight_decay=train.weight_decay,
                                                       betas=(train.adam_beta1, train.adam_beta2))
         self.version = 0  # bumped at every optimizer step; the engine's weight_version follows it
+        self.profiler = TrainProfiler(train)  # --use-pytorch-profiler
 
     # -- log-probabilities -------------------------------------------------------------------
     def _response_logprobs(self, model, samples: list[Sample], with_entropy: bool = False):

@@ -29,6 +29,7 @@ from agentrl.algorithms import (check_algo, has_dropout, needs_reference, policy
 from agentrl.balance import karmarkar_karp
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.errors import ConfigError
+from agentrl.profiling import TrainProfiler
 from agentrl.slime_args import check_reference, megatron_checkpoint_dir
 from agentrl.trainers import rng_state, set_rng_state
 from agentrl.trainers.megatron import no_apex
@@ -116,6 +117,7 @@ class MegatronTrainer:
              self.critic_config) = self._build(ckpt, lr=algo.critic_lr or train.lr, value_head=True)
         self.version = 0
         self.dtype_name = dtype
+        self.profiler = TrainProfiler(train)  # --use-pytorch-profiler
 
     # -- construction --------------------------------------------------------------------------
     def _build(self, ckpt: HFCheckpoint, *, lr: float, value_head: bool = False):
