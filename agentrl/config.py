@@ -304,8 +304,9 @@ class TrainConfig(Section):
     """Linear layers that get adapters, by peft's names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
     down_proj, or all-linear (every one of them; never the LM head) [repeatable or comma-separated]."""
     use_pytorch_profiler: bool = False
-    """Profile train steps --profile-step-start..--profile-step-end-1 with torch.profiler on every trainer
-    rank: a Chrome trace and a table of operators by self time per step, in --profile-dir (agentrl/profiling.py)."""
+    """Profile the train steps from --profile-step-start to before --profile-step-end with torch.profiler
+    on every trainer rank: a Chrome trace and a table of operators by self time per step, in --profile-dir
+    (agentrl/profiling.py)."""
     profile_step_start: int = Field(10, ge=0)
     """First profiled train step, counted from 0 in this process (slime's and Megatron's default: 10)."""
     profile_step_end: int = Field(12, ge=1)
