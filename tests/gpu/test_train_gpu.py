@@ -52,15 +52,20 @@ def test_colocated_target_token(trainer):
 
 def test_megatron_1_5b_memory_flat():
     """256 samples of up to 1k tokens a step at 1.5B: no OOM, and peak memory flat after
-    iteration 1 (a leak or fragmentation shows as growth)."""
+    iteration 1 (a leak or fragmentation shows as growth). The last step is profiled (issue #34:
+    where the in-loop train step's time goes): its operator table is printed, the trace kept."""
     n = iters(10)
     run, rows = agentrl_train("megatron_1_5b", "--env", "target-token", "--device", "cuda", "--dtype", "bfloat16",
                               "--model", str(random_qwen2("1.5b")), "--trainer", "megatron", *SGLANG, *COLOCATE,
                               "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--global-batch-size", "256",
                               "--rollout-max-response-len", "1024", "--rollout-ignore-eos", "--micro-batch-size", "8",
+                              "--use-pytorch-profiler", "--profile-step-start", str(n - 1), "--profile-step-end", str(n),
                               "--num-rollout", str(n), timeout_s=580)
     handover_figures(rows)
     assert len(rows) == n
+    [table] = (run / "profile").glob("train_overall_rank0_*.txt")
+    print("\n".join(table.read_text().splitlines()[:30]))
+    rows = rows[:-1]  # the profiled step's host memory and time are the profiler's too
     for key in ("gpu/trainer_peak_gib", "gpu/trainer_reserved_gib", "gpu/used_rollout_gib", "gpu/used_train_gib"):
         later = [r[key] for r in rows[1:]]
         assert max(later) <= 1.05 * min(later), (key, later)
