@@ -182,6 +182,10 @@ class AlgoConfig(Section):
     """Upper bound of the --use-tis importance weights."""
     tis_clip_low: float = Field(0.0, ge=0)
     """Lower bound of the --use-tis importance weights."""
+    rs_veto_threshold: float | None = Field(None, gt=0, lt=1)
+    """--use-tis: a trajectory with any trained token whose own ratio pi_old(train) / pi(rollout) is below this
+    leaves the loss whole (slime's veto of catastrophic mismatches, e.g. 1e-4), whatever --tis-mode and
+    --tis-level; None: off."""
     recompute_old_logprobs: bool = False
     """Always run the separate old-policy logprob pass before the optimizer steps. Without it the pass
     is skipped when the rollout is one optimizer step (--global-batch-size >= its samples) and nothing
@@ -682,6 +686,8 @@ def resolve(layers: dict) -> Config:
     if cfg.rollout.mask_offpolicy_in_partial_rollout and not cfg.rollout.partial_rollout:
         raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     a = cfg.algo
+    if a.rs_veto_threshold is not None and not a.use_tis:
+        raise ConfigError("--rs-veto-threshold vetoes trajectories by the --use-tis ratio: add --use-tis")
     if a.opd_teacher_url and not (a.use_opd and a.opd_type == "sglang"):
         raise ConfigError("--opd-teacher-url is the served teacher of --use-opd --opd-type sglang")
     if a.use_opd and a.opd_type == "sglang" and bool(a.opd_teacher_load) == bool(a.opd_teacher_url):
