@@ -68,3 +68,12 @@ def test_bad_values_and_files_are_named(tmp_path):
         parse_config(["--config", str(broken)])
     with pytest.raises(ConfigError, match="no such file"):
         parse_config(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_the_veto_needs_the_importance_ratio():
+    with pytest.raises(ConfigError, match="--rs-veto-threshold .* add --use-tis"):
+        parse_config(["--rs-veto-threshold", "1e-4"])
+    with pytest.raises(ConfigError, match="--rs-veto-threshold: .*less than 1"):
+        parse_config(["--use-tis", "--rs-veto-threshold", "2"])
+    cfg, _ = parse_config(["--use-tis", "--tis-mode", "mask", "--rs-veto-threshold", "1e-4"])
+    assert cfg.algo.rs_veto_threshold == 1e-4
