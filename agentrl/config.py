@@ -686,8 +686,16 @@ def resolve(layers: dict) -> Config:
     if cfg.rollout.mask_offpolicy_in_partial_rollout and not cfg.rollout.partial_rollout:
         raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     a = cfg.algo
-    if a.rs_veto_threshold is not None and not a.use_tis:
-        raise ConfigError("--rs-veto-threshold vetoes trajectories by the --use-tis ratio: add --use-tis")
+    if not a.use_tis and (a.rs_veto_threshold is not None or a.tis_mode != "truncate" or a.tis_level != "token"):
+        given = "--rs-veto-threshold" if a.rs_veto_threshold is not None else \
+            "--tis-mode mask" if a.tis_mode != "truncate" else f"--tis-level {a.tis_level}"
+        raise ConfigError(f"{given} shapes the --use-tis importance weights, which are off: add --use-tis")
+    if not a.use_opd and (a.opd_type or a.opd_teacher_load):
+        raise ConfigError(f"{'--opd-type' if a.opd_type else '--opd-teacher-load'} is the teacher of on-policy "
+                          "distillation, which is off: add --use-opd")
+    if cfg.data.difficulty_window is not None and cfg.rollout.n_samples_per_prompt < 2:
+        raise ConfigError("--difficulty-window skips prompts whose groups gave all their samples one reward, which "
+                          "every group of --n-samples-per-prompt 1 does: use 2 or more samples per prompt")
     if a.opd_teacher_url and not (a.use_opd and a.opd_type == "sglang"):
         raise ConfigError("--opd-teacher-url is the served teacher of --use-opd --opd-type sglang")
     if a.use_opd and a.opd_type == "sglang" and bool(a.opd_teacher_load) == bool(a.opd_teacher_url):
@@ -701,6 +709,9 @@ def resolve(layers: dict) -> Config:
     if a.judge_url and a.judge_load:
         raise ConfigError("--judge-url (a judge already serving) and --judge-load (a judge engine group the run "
                           "starts) exclude each other: give one")
+    if a.overlong_buffer_len is None and (a.overlong_max_len is not None or a.overlong_penalty_factor != 1.0):
+        raise ConfigError(f"{'--overlong-max-len' if a.overlong_max_len is not None else '--overlong-penalty-factor'}"
+                          " shapes the overlong penalty, which is off: add --overlong-buffer-len N")
     if cfg.algo.overlong_buffer_len is not None:
         if cfg.algo.overlong_buffer_len >= cfg.algo.overlong_max_len:
             raise ConfigError(f"--overlong-buffer-len ({cfg.algo.overlong_buffer_len}) must be shorter than the length "

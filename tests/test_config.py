@@ -73,7 +73,31 @@ def test_bad_values_and_files_are_named(tmp_path):
 def test_the_veto_needs_the_importance_ratio():
     with pytest.raises(ConfigError, match="--rs-veto-threshold .* add --use-tis"):
         parse_config(["--rs-veto-threshold", "1e-4"])
+    with pytest.raises(ConfigError, match="--tis-mode mask .* add --use-tis"):
+        parse_config(["--tis-mode", "mask"])
+    with pytest.raises(ConfigError, match="--tis-level geometric .* add --use-tis"):
+        parse_config(["--tis-level", "geometric"])
     with pytest.raises(ConfigError, match="--rs-veto-threshold: .*less than 1"):
         parse_config(["--use-tis", "--rs-veto-threshold", "2"])
     cfg, _ = parse_config(["--use-tis", "--tis-mode", "mask", "--rs-veto-threshold", "1e-4"])
     assert cfg.algo.rs_veto_threshold == 1e-4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--opd-type", "megatron"], "--opd-type is the teacher .* add --use-opd"),
+    (["--opd-teacher-load", "/x"], "--opd-teacher-load is the teacher .* add --use-opd"),
+    (["--overlong-max-len", "8"], "--overlong-max-len shapes the overlong penalty, which is off"),
+    (["--overlong-penalty-factor", "0.5"], "--overlong-penalty-factor shapes the overlong penalty, which is off"),
+    (["--difficulty-window", "2", "--n-samples-per-prompt", "1", "--global-batch-size", "16"],
+     "--difficulty-window .* --n-samples-per-prompt 1"),
+])
+def test_a_flag_whose_feature_is_off_is_named(argv, message):
+    """A flag that only shapes a feature left off would be silently ignored: refused, naming what to add."""
+    with pytest.raises(ConfigError, match=message):
+        parse_config(argv)
+
+
+def test_the_features_flags_together_are_taken(tmp_path):
+    cfg, _ = parse_config(["--overlong-buffer-len", "4", "--overlong-penalty-factor", "0.5", "--difficulty-window", "2",
+                           "--use-tis", "--tis-level", "geometric", "--tis-clip-low", "0.99", "--tis-clip", "1.01"])
+    assert cfg.algo.overlong_max_len == cfg.rollout.rollout_max_response_len and cfg.data.difficulty_window == 2
