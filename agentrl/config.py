@@ -706,6 +706,12 @@ def resolve(layers: dict) -> Config:
     for flag, path in (("--opd-teacher-load", a.opd_teacher_load), ("--judge-load", a.judge_load)):
         if path and not Path(path).exists():
             raise ConfigError(f"{flag} {path}: no such folder")
+    for flag, url in (("--judge-url", a.judge_url), ("--opd-teacher-url", a.opd_teacher_url)):
+        if url and not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{flag} {url}: not an http:// or https:// URL")
+    if a.custom_rm_path in ("agentrl.judge:llm_judge", "agentrl.judge.llm_judge") and not (a.judge_url or a.judge_load):
+        raise ConfigError(f"--custom-rm-path {a.custom_rm_path} needs the judge: --judge-url URL (an OpenAI-compatible "
+                          "endpoint) or --judge-load PATH (a judge engine group of its own)")
     if a.judge_url and a.judge_load:
         raise ConfigError("--judge-url (a judge already serving) and --judge-load (a judge engine group the run "
                           "starts) exclude each other: give one")

@@ -90,6 +90,9 @@ def test_the_veto_needs_the_importance_ratio():
     (["--overlong-penalty-factor", "0.5"], "--overlong-penalty-factor shapes the overlong penalty, which is off"),
     (["--difficulty-window", "2", "--n-samples-per-prompt", "1", "--global-batch-size", "16"],
      "--difficulty-window .* --n-samples-per-prompt 1"),
+    (["--custom-rm-path", "agentrl.judge:llm_judge"], "agentrl.judge:llm_judge needs the judge: --judge-url"),
+    (["--rm-type", "llm-judge"], "--rm-type llm-judge needs the judge: --judge-url"),
+    (["--rm-type", "llm-judge", "--judge-url", "host:30000/v1"], "--judge-url host:30000/v1: not an http"),
 ])
 def test_a_flag_whose_feature_is_off_is_named(argv, message):
     """A flag that only shapes a feature left off would be silently ignored: refused, naming what to add."""
