@@ -631,6 +631,13 @@ def lora_target_modules(names: list[str]) -> list[str]:
     return list(LORA_MODULES) if "all-linear" in wanted else list(dict.fromkeys(wanted))
 
 
+def _given(section: Section, *names: str) -> str | None:
+    """The flag of the first of `names` whose value is not its default, if any (by value, not by
+    whether it was given: a run's config.yaml gives every field and must load back)."""
+    return next((f"--{n.replace('_', '-')}" for n in names
+                 if getattr(section, n) != type(section).model_fields[n].default), None)
+
+
 def resolve(layers: dict) -> Config:
     layers = {**layers, "train": dict(layers.get("train", {}))}
     if layers["train"].get("lr") is None:
@@ -686,13 +693,18 @@ def resolve(layers: dict) -> Config:
     if cfg.rollout.mask_offpolicy_in_partial_rollout and not cfg.rollout.partial_rollout:
         raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     a = cfg.algo
-    if not a.use_tis and (a.rs_veto_threshold is not None or a.tis_mode != "truncate" or a.tis_level != "token"):
-        given = "--rs-veto-threshold" if a.rs_veto_threshold is not None else \
-            "--tis-mode mask" if a.tis_mode != "truncate" else f"--tis-level {a.tis_level}"
-        raise ConfigError(f"{given} shapes the --use-tis importance weights, which are off: add --use-tis")
-    if not a.use_opd and (a.opd_type or a.opd_teacher_load):
-        raise ConfigError(f"{'--opd-type' if a.opd_type else '--opd-teacher-load'} is the teacher of on-policy "
-                          "distillation, which is off: add --use-opd")
+    # a flag that only shapes a feature left off would be silently ignored
+    for off, flag, feature, switch in (
+            (not a.use_tis, _given(a, "tis_mode", "tis_level", "rs_veto_threshold"), "the --use-tis importance weights",
+             "--use-tis"),
+            (not a.use_opd, _given(a, "opd_type", "opd_teacher_load", "opd_kl_coef"), "on-policy distillation",
+             "--use-opd"),
+            (a.overlong_buffer_len is None, _given(a, "overlong_max_len", "overlong_penalty_factor"),
+             "the overlong penalty", "--overlong-buffer-len N"),
+            (cfg.data.difficulty_window is None, _given(cfg.data, "difficulty_revisit_prob"),
+             "difficulty-aware sampling", "--difficulty-window N")):
+        if off and flag:
+            raise ConfigError(f"{flag} shapes {feature}, which is off: add {switch}")
     if cfg.data.difficulty_window is not None and cfg.rollout.n_samples_per_prompt < 2:
         raise ConfigError("--difficulty-window skips prompts whose groups gave all their samples one reward, which "
                           "every group of --n-samples-per-prompt 1 does: use 2 or more samples per prompt")
@@ -715,9 +727,6 @@ def resolve(layers: dict) -> Config:
     if a.judge_url and a.judge_load:
         raise ConfigError("--judge-url (a judge already serving) and --judge-load (a judge engine group the run "
                           "starts) exclude each other: give one")
-    if a.overlong_buffer_len is None and (a.overlong_max_len is not None or a.overlong_penalty_factor != 1.0):
-        raise ConfigError(f"{'--overlong-max-len' if a.overlong_max_len is not None else '--overlong-penalty-factor'}"
-                          " shapes the overlong penalty, which is off: add --overlong-buffer-len N")
     if cfg.algo.overlong_buffer_len is not None:
         if cfg.algo.overlong_buffer_len >= cfg.algo.overlong_max_len:
             raise ConfigError(f"--overlong-buffer-len ({cfg.algo.overlong_buffer_len}) must be shorter than the length "
