@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from agentrl.algorithms import (catastrophic_veto, check_algo, compute_advantages, discounted_returns, gae, group_advantages,
-                                importance_weights, kl_penalty, policy_loss, policy_objective, sequence_log_ratio,
-                                value_loss, whiten)
+from agentrl.algorithms import (catastrophic_veto, check_algo, compute_advantages, discounted_returns, gae,
+                                group_advantages, importance_weights, kl_penalty, policy_loss, policy_objective,
+                                sequence_log_ratio, value_loss, whiten)
 from agentrl.config import AlgoConfig
 from agentrl.errors import ConfigError
 from agentrl.types import Sample, SampleStatus

@@ -53,3 +53,7 @@ def test_the_veto_drops_the_same_trajectories_in_both_trainers(tiny_model):
     for key in ("loss", "pg_loss", "rs_veto_token_frac", "grad_norm"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     assert 0 < a["rs_veto_token_frac"] < 1
+    # over two optimizer steps (the old logprobs from the pass before them): the iteration's count is their sum
+    two = TorchTrainer(str(tiny_model), train=tc.model_copy(update={"global_batch_size": 3}), algo=algo,
+                       temperature=0.8).train_rollout(make_samples())
+    assert two["old_logprob_pass"] == 1.0 and two["rs_veto_seqs"] == 3
