@@ -21,7 +21,8 @@ Estimators (`--advantage-estimator`):
 Engine-vs-trainer mismatch (`--use-tis`): `importance_weights` gives each trained token the
 ratio pi_trainer_old / pi_rollout at token, sequence (product) or geometric-mean level, clamped
 (TIS, `--tis-mode truncate`) or masking what falls outside the bounds out of the loss (MIS,
-`--tis-mode mask`). On-policy distillation (`--use-opd`) subtracts the per-token reverse KL to a
+`--tis-mode mask`); `--rs-veto-threshold` drops a whole sequence with one token whose ratio is
+below it (`catastrophic_veto`). On-policy distillation (`--use-opd`) subtracts the per-token reverse KL to a
 teacher from the advantages; the teacher runs in the trainer or is served (agentrl.teacher).
 
 Trajectories are sequences of *trained* tokens: env/tool tokens (mask 0) are context, not
@@ -30,6 +31,7 @@ actions, so returns and GAE run over the trained tokens only and give the rest 0
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -396,6 +398,19 @@ def importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     return ISWeights(weights, outside, ratio)
 
 
+def catastrophic_veto(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *,
+                      threshold: float, seq_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """--rs-veto-threshold: 1.0 on every token of a sequence that has a trained token whose own
+    ratio pi_train_old / pi_rollout is below `threshold` (the engine sampled a token the trainer
+    finds all but impossible: the sequence's weights cannot be trusted, whatever the level),
+    else 0; and how many sequences that vetoed. Detached."""
+    below = ((old_logprobs - rollout_logprobs).detach() < math.log(threshold)) & (mask > 0)
+    ids, n = _segments(mask, seq_ids)
+    hits = torch.zeros(n, dtype=torch.float32, device=mask.device).index_add(0, ids, below.reshape(-1).float())
+    vetoed = hits > 0
+    return vetoed[ids].reshape(mask.shape).to(old_logprobs.dtype), vetoed.sum().float()
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
                clip: float | None = 0.2, denom: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped value loss 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).
@@ -431,8 +446,8 @@ def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor
                      seq_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The whole policy loss of one micro-batch, as configured: clipped surrogate (token or
     sequence ratio, dual clip), TIS/MIS weights (token, sequence or geometric level), KL loss,
-    entropy bonus. Every stat is a token sum / denom, so the global batch's stats are the sums
-    over its micro-batches.
+    entropy bonus, --rs-veto-threshold's vetoed sequences. Every stat is a token sum / denom (or,
+    rs_veto_seqs, a count), so the global batch's stats are the sums over its micro-batches.
 
     old_logprobs None: the rollout is trained in one optimizer step and nothing needed the old
     policy before it (`reuses_training_logprobs`), so the old policy is this forward's own
@@ -454,6 +469,12 @@ def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor
         stats["tis_weight"] = masked_mean(weights, mask, denom)  # after
         # the share of trained tokens outside [low, high]: clamped (truncate) or dropped from the loss (mask)
         stats["tis_masked_frac" if algo.tis_mode == "mask" else "tis_clipfrac"] = masked_mean(iw.outside, mask, denom)
+        if algo.rs_veto_threshold is not None:  # the whole sequence out of the loss, after TIS/MIS
+            vetoed, count = catastrophic_veto(old_logprobs, rollout_logprobs, mask, threshold=algo.rs_veto_threshold,
+                                              seq_ids=seq_ids)
+            weights = weights * (1.0 - vetoed)
+            stats["rs_veto_seqs"] = count  # a count: the step's micro-batches add up to the step's
+            stats["rs_veto_token_frac"] = masked_mean(vetoed, mask, denom)
     clip_high = algo.eps_clip_high if algo.eps_clip_high is not None else algo.eps_clip
     out = policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=algo.eps_clip, clip_high=clip_high,
                       dual_clip_c=algo.dual_clip_c, denom=denom,
@@ -540,6 +561,8 @@ def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: T
             for k, v in step.items():
                 metrics.setdefault(k, []).append(v)
     out = {k: sum(v) / len(v) for k, v in metrics.items()}
+    if "rs_veto_seqs" in metrics:  # a count: the rollout's vetoed sequences, over all its steps
+        out["rs_veto_seqs"] = sum(metrics["rs_veto_seqs"])
     if old is not None:  # else the one step's loss measured it (a token mean over the same tokens)
         mismatch = [abs(a - b) for s, o in zip(samples, old) if s.trainable
                     for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask) if m]

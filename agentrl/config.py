@@ -182,6 +182,10 @@ class AlgoConfig(Section):
     """Upper bound of the --use-tis importance weights."""
     tis_clip_low: float = Field(0.0, ge=0)
     """Lower bound of the --use-tis importance weights."""
+    rs_veto_threshold: float | None = Field(None, gt=0, lt=1)
+    """--use-tis: a trajectory with any trained token whose own ratio pi_old(train) / pi(rollout) is below this
+    leaves the loss whole (slime's veto of catastrophic mismatches, e.g. 1e-4), whatever --tis-mode and
+    --tis-level; None: off."""
     recompute_old_logprobs: bool = False
     """Always run the separate old-policy logprob pass before the optimizer steps. Without it the pass
     is skipped when the rollout is one optimizer step (--global-batch-size >= its samples) and nothing
@@ -642,6 +646,13 @@ def lora_target_modules(names: list[str]) -> list[str]:
     return list(LORA_MODULES) if "all-linear" in wanted else list(dict.fromkeys(wanted))
 
 
+def _given(section: Section, *names: str) -> str | None:
+    """The flag of the first of `names` whose value is not its default, if any (by value, not by
+    whether it was given: a run's config.yaml gives every field and must load back)."""
+    return next((f"--{n.replace('_', '-')}" for n in names
+                 if getattr(section, n) != type(section).model_fields[n].default), None)
+
+
 def resolve(layers: dict) -> Config:
     layers = {**layers, "train": dict(layers.get("train", {}))}
     if layers["train"].get("lr") is None:
@@ -697,6 +708,21 @@ def resolve(layers: dict) -> Config:
     if cfg.rollout.mask_offpolicy_in_partial_rollout and not cfg.rollout.partial_rollout:
         raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     a = cfg.algo
+    # a flag that only shapes a feature left off would be silently ignored
+    for off, flag, feature, switch in (
+            (not a.use_tis, _given(a, "tis_mode", "tis_level", "rs_veto_threshold"), "the --use-tis importance weights",
+             "--use-tis"),
+            (not a.use_opd, _given(a, "opd_type", "opd_teacher_load", "opd_kl_coef"), "on-policy distillation",
+             "--use-opd"),
+            (a.overlong_buffer_len is None, _given(a, "overlong_max_len", "overlong_penalty_factor"),
+             "the overlong penalty", "--overlong-buffer-len N"),
+            (cfg.data.difficulty_window is None, _given(cfg.data, "difficulty_revisit_prob"),
+             "difficulty-aware sampling", "--difficulty-window N")):
+        if off and flag:
+            raise ConfigError(f"{flag} shapes {feature}, which is off: add {switch}")
+    if cfg.data.difficulty_window is not None and cfg.rollout.n_samples_per_prompt < 2:
+        raise ConfigError("--difficulty-window skips prompts whose groups gave all their samples one reward, which "
+                          "every group of --n-samples-per-prompt 1 does: use 2 or more samples per prompt")
     if a.opd_teacher_url and not (a.use_opd and a.opd_type == "sglang"):
         raise ConfigError("--opd-teacher-url is the served teacher of --use-opd --opd-type sglang")
     if a.use_opd and a.opd_type == "sglang" and bool(a.opd_teacher_load) == bool(a.opd_teacher_url):
@@ -707,6 +733,12 @@ def resolve(layers: dict) -> Config:
     for flag, path in (("--opd-teacher-load", a.opd_teacher_load), ("--judge-load", a.judge_load)):
         if path and not Path(path).exists():
             raise ConfigError(f"{flag} {path}: no such folder")
+    for flag, url in (("--judge-url", a.judge_url), ("--opd-teacher-url", a.opd_teacher_url)):
+        if url and not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{flag} {url}: not an http:// or https:// URL")
+    if a.custom_rm_path in ("agentrl.judge:llm_judge", "agentrl.judge.llm_judge") and not (a.judge_url or a.judge_load):
+        raise ConfigError(f"--custom-rm-path {a.custom_rm_path} needs the judge: --judge-url URL (an OpenAI-compatible "
+                          "endpoint) or --judge-load PATH (a judge engine group of its own)")
     if a.judge_url and a.judge_load:
         raise ConfigError("--judge-url (a judge already serving) and --judge-load (a judge engine group the run "
                           "starts) exclude each other: give one")

@@ -14,18 +14,21 @@ from agentrl.build import (build_env_lookup, build_group_runner, build_prompt_so
                            latest_checkpoint, load_eval_sets, resolve_device, resolve_model, start_sandbox_pool)
 from agentrl.config import Config
 from agentrl.engines.group import start_engines
+from agentrl.judge import close_judges
 from agentrl.metrics import eval_trajectories_path, write_trajectories
 from agentrl.models import load_tokenizer
 from agentrl.progress import Progress
 from agentrl.rollout.client import EngineClient
 from agentrl.rollout.control import RolloutControl
 from agentrl.rollout.manager import GroupRunner
+from agentrl.teacher import start_served_models
 from agentrl.types import SampleStatus
 
 
 def evaluate_checkpoint(cfg: Config, *, limit: int | None = None) -> dict[str, float]:
     """`agentrl eval`: the model of --model (or --load) on the eval sets, with the same engines
-    as training and no trainer; prints a summary table and writes eval.json in the run folder.
+    as training (and the judge's engine group of --judge-load, as train starts it) and no
+    trainer; prints a summary table and writes eval.json in the run folder.
     Without --eval-prompt-data it evaluates --prompt-data (as "data") or the env's own tasks."""
     out = Path(cfg.run.output_dir or f"runs/eval-{cfg.run.env}-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
@@ -39,9 +42,14 @@ def evaluate_checkpoint(cfg: Config, *, limit: int | None = None) -> dict[str, f
     model_path = latest_checkpoint(Path(cfg.run.load)) / "model" if cfg.run.load else resolve_model(cfg, progress)
     device = resolve_device(cfg)
     tokenizer = load_tokenizer(model_path)
-    engines = start_engines(cfg.rollout, model_path=str(model_path), device=device, seed=cfg.run.seed,
-                            log_dir=out / "logs", sglang_args=cfg.sglang_args, router_args=cfg.router_args,
-                            dtype=cfg.model.dtype)
+    served = start_served_models(cfg, device=device, log_dir=out / "logs", teacher=False)  # --judge-load
+    try:
+        engines = start_engines(cfg.rollout, model_path=str(model_path), device=device, seed=cfg.run.seed,
+                                log_dir=out / "logs", sglang_args=cfg.sglang_args, router_args=cfg.router_args,
+                                dtype=cfg.model.dtype)
+    except BaseException:
+        served.stop()
+        raise
 
     async def run() -> dict[str, float]:
         pool = await start_sandbox_pool(cfg)
@@ -59,6 +67,7 @@ def evaluate_checkpoint(cfg: Config, *, limit: int | None = None) -> dict[str, f
                     if hasattr(runner.generate_fn, "aclose"):  # an agent env's gateway server
                         await runner.generate_fn.aclose()
         finally:
+            await close_judges()  # the LLM judge's HTTP sessions on this loop (--rm-type llm-judge)
             if pool is not None:
                 await pool.close()
 
@@ -66,6 +75,7 @@ def evaluate_checkpoint(cfg: Config, *, limit: int | None = None) -> dict[str, f
         results = asyncio.run(run())
     finally:
         engines.stop()
+        served.stop()
         progress.close()
     (out / "eval.json").write_text(json.dumps({"model": str(model_path), **results}, indent=1) + "\n")
     width = max(len(k) for k in results)

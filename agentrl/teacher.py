@@ -44,15 +44,16 @@ class ServedModels:
         self.attached.clear()
 
 
-def start_served_models(cfg, *, device: str, log_dir: Path) -> ServedModels:
-    """The judge's and the teacher's engine groups this run's flags ask for (none: nothing
-    starts). Every group is stopped again if one fails to start."""
+def start_served_models(cfg, *, device: str, log_dir: Path, teacher: bool = True) -> ServedModels:
+    """The judge's and (unless teacher=False: `agentrl eval` trains nothing) the teacher's
+    engine groups this run's flags ask for (none: nothing starts). Every group is stopped
+    again if one fails to start."""
     from agentrl.engines.group import start_engines
 
     out, roles = ServedModels(), {}
     if cfg.algo.judge_load:
         roles["judge"] = cfg.algo.judge_load
-    if teacher_is_served(cfg.algo):
+    if teacher and teacher_is_served(cfg.algo):
         if cfg.algo.opd_teacher_url:
             set_served("teacher", cfg.algo.opd_teacher_url)
             out.attached.append("teacher")

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from agentrl.algorithms import (check_algo, compute_advantages, discounted_returns, gae, group_advantages,
-                                importance_weights, kl_penalty, policy_loss, policy_objective, sequence_log_ratio,
-                                value_loss, whiten)
+from agentrl.algorithms import (catastrophic_veto, check_algo, compute_advantages, discounted_returns, gae,
+                                group_advantages, importance_weights, kl_penalty, policy_loss, policy_objective,
+                                sequence_log_ratio, value_loss, whiten)
 from agentrl.config import AlgoConfig
 from agentrl.errors import ConfigError
 from agentrl.types import Sample, SampleStatus
@@ -178,6 +178,45 @@ def test_token_level_mis_masks_tokens_out_of_the_loss_and_reports_the_fraction()
                                denom=5.0, rollout_logprobs=_LV_ROLLOUT)
     loss.backward()
     assert lp.grad.flatten().tolist() == pytest.approx([0.0, -1.5 / 5, 0.0, 0.0, 0.8 / 5, 1.25 / 5])
+
+
+# token ratios 2, 1.5 (and an untrained 1e-6) | 0.5, 0.8, 1.25
+_VETO_ROLLOUT = -torch.log(torch.tensor([[2.0, 1.5, 1e-6], [0.5, 0.8, 1.25]]))
+
+
+def test_a_token_below_the_veto_threshold_drops_its_whole_sequence():
+    vetoed, count = catastrophic_veto(_LV_OLD, _VETO_ROLLOUT, _LV_MASK, threshold=0.6)
+    # sequence 1's 0.5 vetoes all of it; sequence 0's 1e-6 is not trained, so it vetoes nothing
+    assert vetoed.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]] and count.item() == 1
+    assert catastrophic_veto(_LV_OLD, _VETO_ROLLOUT, _LV_MASK, threshold=0.5)[1].item() == 0  # not below: kept
+    assert catastrophic_veto(_LV_OLD, _VETO_ROLLOUT, _LV_MASK, threshold=0.9)[1].item() == 1
+    assert catastrophic_veto(_LV_OLD, _VETO_ROLLOUT, torch.ones(2, 3), threshold=0.9)[1].item() == 2
+    # the packed [N] layout with seq_ids (the Megatron trainer's) vetoes the same tokens
+    packed, n = catastrophic_veto(_LV_OLD.reshape(-1), _VETO_ROLLOUT.reshape(-1), _LV_MASK.reshape(-1),
+                                  threshold=0.6, seq_ids=torch.tensor([0, 0, 0, 1, 1, 1]))
+    assert packed.tolist() == vetoed.reshape(-1).tolist() and n.item() == 1
+
+
+@pytest.mark.parametrize("mode,level", [("truncate", "token"), ("mask", "token"), ("truncate", "geometric")])
+def test_the_veto_takes_the_sequence_out_of_the_loss_under_every_mode_and_level(mode, level):
+    adv = torch.ones(2, 3)
+    base = dict(use_tis=True, tis_mode=mode, tis_level=level, tis_clip_low=0.0 if mode == "truncate" else 0.1,
+                tis_clip=3.0)
+    lp = torch.zeros(2, 3, requires_grad=True)
+    _, plain = policy_objective(AlgoConfig(**base), logprobs=lp, old_logprobs=lp.detach(), advantages=adv,
+                                mask=_LV_MASK, denom=5.0, rollout_logprobs=_VETO_ROLLOUT)
+    assert "rs_veto_seqs" not in plain
+    loss, stats = policy_objective(AlgoConfig(**base, rs_veto_threshold=0.6), logprobs=lp, old_logprobs=lp.detach(),
+                                   advantages=adv, mask=_LV_MASK, denom=5.0, rollout_logprobs=_VETO_ROLLOUT)
+    loss.backward()
+    assert stats["rs_veto_seqs"].item() == 1 and stats["rs_veto_token_frac"].item() == pytest.approx(3 / 5)
+    assert lp.grad[1].tolist() == [0.0, 0.0, 0.0]  # the vetoed sequence: no gradient
+    assert lp.grad[0, :2].abs().min().item() > 0  # the other keeps its own
+    # what is left of the loss is sequence 0's part of the loss without the veto
+    if level == "token":
+        assert stats["pg_loss"].item() == pytest.approx(-(2.0 + 1.5) / 5)
+    assert stats["pg_loss"].item() > plain["pg_loss"].item()  # sequence 1's (negative) part is gone
+    assert stats["tis_weight"].item() == pytest.approx(plain["tis_weight"].item())  # the weights' stat: before it
 
 
 def test_sequence_level_tis_in_the_objective():

@@ -68,3 +68,49 @@ def test_bad_values_and_files_are_named(tmp_path):
         parse_config(["--config", str(broken)])
     with pytest.raises(ConfigError, match="no such file"):
         parse_config(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_the_veto_needs_the_importance_ratio():
+    with pytest.raises(ConfigError, match="--rs-veto-threshold .* add --use-tis"):
+        parse_config(["--rs-veto-threshold", "1e-4"])
+    with pytest.raises(ConfigError, match="--tis-level .* add --use-tis"):
+        parse_config(["--tis-level", "geometric"])
+    with pytest.raises(ConfigError, match="--rs-veto-threshold: .*less than 1"):
+        parse_config(["--use-tis", "--rs-veto-threshold", "2"])
+    cfg, _ = parse_config(["--use-tis", "--tis-mode", "mask", "--rs-veto-threshold", "1e-4"])
+    assert cfg.algo.rs_veto_threshold == 1e-4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tis-mode", "mask"], "--tis-mode shapes the --use-tis importance weights, which is off: add --use-tis"),
+    (["--opd-type", "megatron"], "--opd-type shapes on-policy distillation, which is off: add --use-opd"),
+    (["--opd-teacher-load", "/x"], "--opd-teacher-load shapes on-policy distillation"),
+    (["--opd-kl-coef", "0.5"], "--opd-kl-coef shapes on-policy distillation"),
+    (["--difficulty-revisit-prob", "0.3"], "--difficulty-revisit-prob .* add --difficulty-window"),
+    (["--overlong-max-len", "8"], "--overlong-max-len shapes the overlong penalty, which is off"),
+    (["--overlong-penalty-factor", "0.5"], "--overlong-penalty-factor shapes the overlong penalty, which is off"),
+    (["--difficulty-window", "2", "--n-samples-per-prompt", "1", "--global-batch-size", "16"],
+     "--difficulty-window .* --n-samples-per-prompt 1"),
+    (["--custom-rm-path", "agentrl.judge:llm_judge"], "agentrl.judge:llm_judge needs the judge: --judge-url"),
+    (["--rm-type", "llm-judge"], "--rm-type llm-judge needs the judge: --judge-url"),
+    (["--rm-type", "llm-judge", "--judge-url", "host:30000/v1"], "--judge-url host:30000/v1: not an http"),
+])
+def test_a_flag_whose_feature_is_off_is_named(argv, message):
+    """A flag that only shapes a feature left off would be silently ignored: refused, naming what to add."""
+    with pytest.raises(ConfigError, match=message):
+        parse_config(argv)
+
+
+def test_the_features_flags_together_are_taken(tmp_path):
+    cfg, _ = parse_config(["--overlong-buffer-len", "4", "--overlong-penalty-factor", "0.5", "--difficulty-window", "2",
+                           "--use-tis", "--tis-level", "geometric", "--tis-clip-low", "0.99", "--tis-clip", "1.01"])
+    assert cfg.algo.overlong_max_len == cfg.rollout.rollout_max_response_len and cfg.data.difficulty_window == 2
+
+
+def test_a_runs_config_yaml_loads_back(tmp_path):
+    """config.yaml holds every field, each feature's own flags at their defaults when it is off:
+    none of the off-feature checks above may refuse it."""
+    cfg, _ = parse_config(["--num-rollout", "3"])
+    cfg.dump(tmp_path / "config.yaml")
+    again, _ = parse_config(["--config", str(tmp_path / "config.yaml")])
+    assert again == cfg

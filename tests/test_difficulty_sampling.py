@@ -4,6 +4,7 @@ same reward: always or never solved). On a dataset of mixed difficulty, fewer ze
 groups reach the trainer; the choices survive a resume."""
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -95,3 +96,27 @@ def test_the_skip_history_resumes():
 def test_a_generated_task_stream_is_refused_naming_the_flag():
     with pytest.raises(ConfigError, match="--difficulty-window.*--prompt-data"):
         PromptSource(generator=lambda: iter([{}]), difficulty_window=2)
+
+
+def test_the_skip_history_survives_a_checkpoint_file(tmp_path):
+    """What a checkpoint writes (RunState.data in trainer_state.json, JSON: the task indices become
+    strings) and --load reads back gives a source that makes the same choices."""
+    from agentrl.train import RunState
+
+    a = PromptSource(mixed_tasks(), seed=3, difficulty_window=2, revisit_prob=0.2)
+    for _ in range(2):
+        for task in a.next_batch(30):
+            a.observe(task, [1.0] * GROUP if task["kind"] != "mid" else [0.0, 1.0, 0.0, 0.0])
+    assert a.metrics()["difficulty/settled_tasks"] == 20
+    ckpt = tmp_path / "iter_000002"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps(RunState(rollout_id=2, data=a.state_dict()).to_dict()))
+    b = PromptSource(mixed_tasks(), seed=3, difficulty_window=2, revisit_prob=0.2)
+    b.load_state_dict(RunState.read(ckpt).data)
+    assert b.metrics() == a.metrics()
+    expected = [t["prompt"] for t in a.next_batch(40)]
+    assert [t["prompt"] for t in b.next_batch(40)] == expected
+    # the history is what made those choices: the position alone does not
+    fresh = PromptSource(mixed_tasks(), seed=3, difficulty_window=2, revisit_prob=0.2)
+    fresh.load_state_dict({k: v for k, v in RunState.read(ckpt).data.items() if k not in ("settled", "skipped")})
+    assert [t["prompt"] for t in fresh.next_batch(40)] != expected

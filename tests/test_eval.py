@@ -89,3 +89,27 @@ def test_agentrl_eval_scores_a_checkpoint_without_training(tmp_path, tiny_model)
                           capture_output=True, text=True, timeout=600, env=run_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval/target-token/reward_mean" in json.loads((tmp_path / "own" / "eval.json").read_text())
+
+
+def test_agentrl_eval_serves_the_judge_as_train_does(tmp_path, tiny_model):
+    """`agentrl eval --rm-type llm-judge --judge-load PATH` starts the judge's engine group (embedded on
+    the CPU) and every eval trajectory is scored by it. The tiny judge writes no 'SCORE: N' line, so
+    each scores 0 with the judge's reason; without its engine group they would fail (no judge to ask)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Repeat the word: {w}", "label": w}) + "\n" for w in ("the", "of")))
+    out = tmp_path / "eval"
+    proc = subprocess.run([agentrl_cli(), "eval", "--env", "target-token", "--model", str(tiny_model),
+                           "--eval-prompt-data", "tt", str(data), "--n-samples-per-eval-prompt", "2",
+                           "--rm-type", "llm-judge", "--judge-load", str(tiny_model),
+                           "--output-dir", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=600, env=run_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Unclosed client session" not in proc.stderr  # the judge's sessions are closed with the eval
+    result = json.loads((out / "eval.json").read_text())
+    assert result["eval/tt/failed"] == 0
+    rows = lines(out / "trajectories" / "eval_tt_00000.jsonl")
+    assert len(rows) == 4
+    for r in rows:
+        assert r["metadata"]["judge"]["reason"] == "judge reply has no 'SCORE: N' line", r["metadata"]["judge"]
+        assert r["reward"] == 0.0
+    assert (out / "logs" / "judge").is_dir()

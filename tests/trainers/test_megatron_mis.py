@@ -5,6 +5,8 @@ engine logprobs sit below the trainer's, so their geometric-mean ratios are 0.90
 tiny model's logprobs): the bounds below keep trajectories 0, 3 and 5 and mask 1, 2 and 4,
 25 of the 51 trained tokens."""
 
+import math
+
 import pytest
 
 pytest.importorskip("agentrl.trainers.megatron.trainer")  # imports megatron-core
@@ -31,3 +33,27 @@ def test_sequence_level_mis_matches_the_pytorch_trainer(tiny_model, level, low, 
     for key in ("loss", "pg_loss", "tis_ratio", "tis_weight", "tis_masked_frac", "grad_norm"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     assert a["tis_masked_frac"] == pytest.approx(25 / 51)
+
+
+def test_the_veto_drops_the_same_trajectories_in_both_trainers(tiny_model):
+    """--rs-veto-threshold between the smallest per-token ratios of the toy trajectories: the ones
+    with a token below it leave the loss in the packed layout as in the padded one, counted."""
+    tc = TrainConfig(lr=1e-3, global_batch_size=6, micro_batch_size=2, max_tokens_per_gpu=64)
+    probe = TorchTrainer(str(tiny_model), train=tc, algo=AlgoConfig(), temperature=0.8)
+    samples = make_samples()
+    old = probe.compute_logprobs(samples)
+    smallest = sorted(min(o - r for o, r, m in zip(lo, s.rollout_logprobs, s.loss_mask) if m)
+                      for lo, s in zip(old, samples))
+    threshold = math.exp((smallest[2] + smallest[3]) / 2)  # three trajectories below it, three above
+    algo = AlgoConfig(use_tis=True, tis_clip=1e6, rs_veto_threshold=threshold)
+    mt = MegatronTrainer(str(tiny_model), train=tc, algo=algo, temperature=0.8, device="cpu", dtype="float32")
+    tt = TorchTrainer(str(tiny_model), train=tc, algo=algo, temperature=0.8)
+    a, b = mt.train_rollout(make_samples()), tt.train_rollout(make_samples())
+    assert a["rs_veto_seqs"] == b["rs_veto_seqs"] == 3
+    for key in ("loss", "pg_loss", "rs_veto_token_frac", "grad_norm"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert 0 < a["rs_veto_token_frac"] < 1
+    # over two optimizer steps (the old logprobs from the pass before them): the iteration's count is their sum
+    two = TorchTrainer(str(tiny_model), train=tc.model_copy(update={"global_batch_size": 3}), algo=algo,
+                       temperature=0.8).train_rollout(make_samples())
+    assert two["old_logprob_pass"] == 1.0 and two["rs_veto_seqs"] == 3
