@@ -328,6 +328,12 @@ def finish(cfg, flags: SlimeFlags) -> None:
     """After resolve: the model-shape flags against config.json, and the checks slime makes."""
     if flags.dynamic_batch_size and cfg.train.max_tokens_per_gpu is None:
         raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (as in slime)")
+    if cfg.train.balance_by_flops and cfg.train.max_tokens_per_gpu is None:
+        raise ConfigError("--balance-by-flops needs --use-dynamic-batch-size with --max-tokens-per-gpu (as in "
+                          "slime): the token budget sets how many micro-batches the FLOPs are balanced over")
+    if (cfg.train.balance_data or cfg.train.balance_by_flops) and cfg.train.trainer != "megatron":
+        flags.notices.append("--balance-data/--balance-by-flops: accepted, no effect here: the torch trainer "
+                             "has one data-parallel rank and forms micro-batches by --max-tokens-per-gpu")
     if flags.eval_top_p is not None and not math.isclose(flags.eval_top_p, cfg.rollout.rollout_top_p):
         raise ConfigError(f"--eval-top-p {flags.eval_top_p}: agentrl samples evaluations with the rollout's top-p "
                           f"(--rollout-top-p {cfg.rollout.rollout_top_p}); give them the same value")
