@@ -1,8 +1,10 @@
 """`--balance-data` (slime's): each global batch split across data-parallel ranks so every rank
-gets a near-equal number of tokens, by the largest differencing method (Karmarkar-Karp), as
-slime does (slime/utils/seqlen_balancing.py, from verl). Without it the Megatron trainer
-splits by a greedy longest-first pass (trainers/megatron/packing.py), already close; the
-differencing method gets closer on skewed lengths, where a few long samples dominate.
+gets a near-equal share of estimated forward FLOPs (forward_flops), by the largest differencing
+method (Karmarkar-Karp), as slime does. Without it the Megatron trainer splits by tokens in a
+greedy longest-first pass (trainers/megatron/packing.py). Weighing by FLOPs matters on mixed
+lengths: attention's cost grows with the square of the length, so equal tokens leave the rank
+with the long samples the most work. `--balance-by-flops` forms the micro-batches by FLOPs too
+(cost_micro_batches).
 
 Which rank trains a sample changes nothing in the loss: it is a token sum over the whole
 global batch divided by the batch's trained-token count, whatever the split."""

@@ -101,6 +101,10 @@ NO_EFFECT: dict[str, str] = {
     "model_name": "the HF <-> Megatron weight mapping is picked by config.json's model_type",
     "loss_mask_type": "masks come from the agent loop (policy tokens 1, the rest 0), never re-derived from text",
     "use_dynamic_batch_size": "",  # checked in finish(): it needs --max-tokens-per-gpu, which agentrl packs by
+    "allgather_cp": "context parallelism is megatron-core's (--context-parallel-size); slime's all-gather "
+                    "variant computes the same attention another way",
+    "update_weight_disk_dir": "a disk weight sync (--update-weight-transport disk) writes its checkpoint "
+                              "under the run folder",
 }
 # slime options agentrl refuses, each with why
 REFUSED: dict[str, str] = {
@@ -117,7 +121,6 @@ REFUSED: dict[str, str] = {
     "custom_tis_function_path": "importance weights are --use-tis with --tis-mode and --tis-level",
     "custom_config_path": "give agentrl a YAML file with --config",
     "eval_config": "give eval sets with --eval-prompt-data NAME PATH",
-    "train_backend": "pick the trainer with --trainer torch|megatron",
     "enable_mtp_training": "multi-token-prediction layers are not built (the model comes from the HF config.json)",
     "use_rollout_logprobs": ("the old logprobs are the trainer's (its step's own forward when one step trains "
                              "the rollout, else a separate pass); --use-tis corrects the rollout/trainer mismatch"),
@@ -125,10 +128,6 @@ REFUSED: dict[str, str] = {
     "rollout_max_context_len": "--rollout-max-response-len bounds the whole trajectory",
     "multimodal_keys": "agentrl trains on text only",
     "prefill_num_servers": "prefill/decode disaggregated engines are not launched",
-    "allgather_cp": "context parallelism is megatron-core's own (--context-parallel-size)",
-    "update_weight_mode": "weights reach the engines by --weight-sync-mode {auto,tensor,distributed,disk}",
-    "update_weight_transport": "weights reach the engines by --weight-sync-mode {auto,tensor,distributed,disk}",
-    "update_weight_disk_dir": "--weight-sync-mode disk writes under the run folder",
     "update_weight_local_checkpoint_dir": "--weight-sync-mode disk writes under the run folder",
     "update_weight_delta_encoding": "weight syncs send whole tensors (no delta encoding)",
     "update_weight_delta_checksum": "weight syncs send whole tensors (no delta encoding)",
@@ -210,6 +209,20 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
                 flags.dynamic_batch_size = True
             else:
                 flags.note(flag, NO_EFFECT[name])
+        elif name == "train_backend":  # slime's one choice
+            if value != "megatron":
+                raise ConfigError(f"{flag} {value}: slime's only backend is megatron; agentrl's trainers are "
+                                  "--trainer torch|megatron")
+            out += ["--trainer", "megatron"]
+        elif name == "update_weight_mode":
+            if value != "full":
+                raise ConfigError(f"{flag} {value}: not supported by agentrl: weight syncs send whole tensors "
+                                  "(slime's 'full'; no delta encoding)")
+        elif name == "update_weight_transport":  # nccl: a broadcast to engines on GPUs of their own, as auto picks
+            modes = {"nccl": "auto", "disk": "disk"}
+            if value not in modes:
+                raise ConfigError(f"{flag} {value}: expected nccl or disk")
+            out += ["--weight-sync-mode", modes[value]]
         elif name in REFUSED:
             raise ConfigError(f"{flag}: not supported by agentrl: {REFUSED[name]} (docs/slime.md)")
         elif name in RENAMED:
@@ -242,7 +255,7 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
 
 
 MAPPED = {"update_weight_buffer_size", "eval_top_p", "eval_top_k", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
-          "wandb_host", "ref_ckpt_step"}  # translate() turns these into agentrl's settings
+          "wandb_host", "ref_ckpt_step", "train_backend", "update_weight_mode", "update_weight_transport"}  # translate() turns these into agentrl's settings
 
 
 def flag_status(flag: str, parser_flags: set[str]) -> str:

@@ -8,7 +8,7 @@ sets RANK / WORLD_SIZE / LOCAL_RANK), every rank constructs the trainer and call
 methods with the same whole rollout; with no launcher it runs as a one-process group.
 
 Per optimizer step (one global batch): the trained samples are split over data-parallel
-ranks (balanced by length), grouped into micro-batches by token budget
+ranks (balanced by length, or by FLOPs with --balance-data), grouped into micro-batches by token budget
 (`--max-tokens-per-gpu`) or count (`--micro-batch-size`) and packed (THD), then Megatron's
 forward/backward schedule runs them; the loss is the shared `agentrl.algorithms` objective
 on the response tokens, normalised by the global batch's trained-token count.
