@@ -259,3 +259,16 @@ def test_rm_type_scores_a_real_run(tmp_path):
             for line in (out / "trajectories" / f"rollout_{i:05d}.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and all(r["reward"] in (0, 1) for r in rows)
     assert all(r["status"] != "failed" for r in rows), [r.get("metadata", {}).get("error") for r in rows]
+
+
+def test_backend_and_weight_sync_flags_take_slimes_meaning():
+    cfg, ns = parse_config(["--train-backend", "megatron", "--update-weight-mode", "full",
+                            "--update-weight-transport", "disk", "--update-weight-disk-dir", "/tmp/w", "--allgather-cp"])
+    assert (cfg.train.trainer, cfg.train.weight_sync_mode) == ("megatron", "disk")
+    assert [n.split(":")[0] for n in ns.slime_notices] == ["--update-weight-disk-dir", "--allgather-cp"]
+    assert parse_config(["--update-weight-transport", "nccl"])[0].train.weight_sync_mode == "auto"
+    for argv, message in ((["--update-weight-mode", "delta"], "--update-weight-mode delta: not supported"),
+                          (["--train-backend", "fsdp"], "--train-backend fsdp: slime's only backend is megatron"),
+                          (["--update-weight-transport", "ipc"], "--update-weight-transport ipc: expected nccl or disk")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config(argv)
