@@ -119,6 +119,27 @@ REFUSED: dict[str, str] = {
     "eval_function_path": "evaluation runs the rollout path on --eval-prompt-data (agentrl/evaluation.py)",
     "data_source_path": "prompts come from --prompt-data or the env's dataset (agentrl/data.py)",
     "custom_tis_function_path": "importance weights are --use-tis with --tis-mode and --tis-level",
+    "rollout_sample_hook_path": "a --custom-generate-function-path can change the sample before it is scored",
+    "rollout_data_postprocess_path": "loss masks come from the agent loop (policy tokens 1, the rest 0) and "
+                                     "reach the trainer as recorded",
+    "custom_convert_samples_to_train_data_path": "samples become the trainer's packed batches in the trainer "
+                                                 "(token ids, loss masks and rewards of each Sample)",
+    "custom_pg_loss_reducer_function_path": "the policy loss is a token sum over the global batch divided by its "
+                                            "trained-token count (agentrl/algorithms.py, --loss-type)",
+    "custom_rollout_log_function_path": "rollout metrics are agentrl's own (metrics.jsonl, tensorboard, wandb); "
+                                        "every trajectory is saved under the run folder's trajectories/",
+    "custom_eval_rollout_log_function_path": "evaluation metrics are agentrl's own (eval/<name>/...); every "
+                                             "trajectory is saved under the run folder's trajectories/",
+    "custom_megatron_init_path": "agentrl's Megatron trainer initialises Megatron itself "
+                                 "(trainers/megatron/trainer.py) and has no hook points with slime's signatures",
+    "custom_megatron_before_log_prob_hook_path": "agentrl's Megatron trainer has no hook points with slime's "
+                                                 "signatures (trainers/megatron/trainer.py)",
+    "custom_megatron_before_train_step_hook_path": "agentrl's Megatron trainer has no hook points with slime's "
+                                                   "signatures (trainers/megatron/trainer.py)",
+    "custom_model_provider_path": "the Megatron model is built from the HF config.json (trainers/megatron/model.py)",
+    "custom_update_weight_post_write_path": "--weight-sync-mode disk writes to a local or POSIX path and needs no "
+                                            "post-write step",
+    "megatron_config_path": "one Megatron trainer config: give Megatron flags on the command line",
     "custom_config_path": "give agentrl a YAML file with --config",
     "eval_config": "give eval sets with --eval-prompt-data NAME PATH",
     "enable_mtp_training": "multi-token-prediction layers are not built (the model comes from the HF config.json)",
