@@ -340,6 +340,9 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
                                  f"({model.get('model') or 'the built-in tiny model'}); --save writes there")
     if run.get("env") == SLIME_ENV and SLIME_ENV_MODULE not in run.get("env_module", []):
         run["env_module"] = [*run.get("env_module", []), SLIME_ENV_MODULE]
+    train = layers.setdefault("train", {})
+    if train.get("balance_by_flops"):  # slime: it implies --balance-data (ranks balanced by FLOPs too)
+        train["balance_data"] = True
     if algo.get("rm_type") and not algo.get("custom_rm_path"):
         algo["custom_rm_path"] = "agentrl.rm_hub.async_rm"  # slime: --custom-rm-path wins over --rm-type
 

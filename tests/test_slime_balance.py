@@ -96,6 +96,7 @@ def test_the_flag_passes_the_dry_run_and_needs_the_token_budget(tmp_path, hooks_
     with pytest.raises(ConfigError, match="--balance-by-flops needs --use-dynamic-batch-size with --max-tokens-per-gpu"):
         parse_config(without + ["--balance-by-flops"])
     cfg, ns = parse_config(["--balance-by-flops", "--max-tokens-per-gpu", "100"])  # the torch trainer: one rank
+    assert cfg.train.balance_data  # implied, as in slime
     assert any(n.startswith("--balance-data/--balance-by-flops: accepted, no effect here") for n in ns.slime_notices)
 
 
