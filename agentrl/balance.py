@@ -1,8 +1,10 @@
 """`--balance-data` (slime's): each global batch split across data-parallel ranks so every rank
-gets a near-equal number of tokens, by the largest differencing method (Karmarkar-Karp), as
-slime does (slime/utils/seqlen_balancing.py, from verl). Without it the Megatron trainer
-splits by a greedy longest-first pass (trainers/megatron/packing.py), already close; the
-differencing method gets closer on skewed lengths, where a few long samples dominate.
+gets a near-equal share of estimated forward FLOPs (forward_flops), by the largest differencing
+method (Karmarkar-Karp), as slime does. Without it the Megatron trainer splits by tokens in a
+greedy longest-first pass (trainers/megatron/packing.py). Weighing by FLOPs matters on mixed
+lengths: attention's cost grows with the square of the length, so equal tokens leave the rank
+with the long samples the most work. `--balance-by-flops` forms the micro-batches by FLOPs too
+(cost_micro_batches).
 
 Which rank trains a sample changes nothing in the loss: it is a token sum over the whole
 global batch divided by the batch's trained-token count, whatever the split."""
@@ -41,3 +43,37 @@ def karmarkar_karp(lengths: list[int], parts: int, *, equal_size: bool = False) 
         push([(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))])
     groups = heap[0][2] if heap else [(0, [])] * parts
     return [sorted(items) for _, items in groups]
+
+
+def forward_flops(length: int, hf: dict) -> int:
+    """Estimated forward FLOPs of one sequence of `length` tokens through the model of HF
+    config `hf` (its text half for a multimodal model): the matmuls, linear in the length, plus
+    causal attention's scores and weighted sum, quadratic in it. slime's `--balance-data` and
+    `--balance-by-flops` weigh samples this way, so one long sample counts for more than the
+    same tokens in many short ones."""
+    hf = {**hf, **(hf.get("text_config") or {})}
+    hidden, heads, layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
+    head_dim = hf.get("head_dim") or hidden // heads
+    kv_heads = hf.get("num_key_value_heads") or heads
+    experts = hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts")
+    if experts:  # the routed experts each token goes to, plus a shared one where the family has it
+        ffn = (hf["moe_intermediate_size"] * hf["num_experts_per_tok"]
+               + (hf.get("shared_expert_intermediate_size") or 0))
+    else:
+        ffn = hf["intermediate_size"]
+    # per token and layer: q, k, v and output projections, and the gated MLP's three matmuls
+    per_token = 2 * (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * ffn)
+    # per layer: causal QK^T and attention x V, each ~L^2/2 dot products of head_dim per head
+    attention = 2 * heads * head_dim * length * (length + 1)
+    return layers * (per_token * length + attention) + 2 * hidden * hf["vocab_size"] * length
+
+
+def cost_micro_batches(costs: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """`--balance-by-flops`: as many micro-batches as `max_tokens` needs for the total length
+    (each sample its own when there are no more samples than that), with near-equal cost by
+    Karmarkar-Karp. The token budget is then a target, not a cap: a micro-batch of many short
+    samples can pass it (slime says the same: it may need more memory)."""
+    count = max(1, -(-sum(lengths) // max_tokens))
+    if count >= len(lengths):
+        return [[i] for i in range(len(lengths))]
+    return [g for g in karmarkar_karp(costs, count) if g]

@@ -293,8 +293,14 @@ class TrainConfig(Section):
     up to it; the PyTorch trainer takes as many samples as fit it padded (count x longest)."""
     balance_data: bool = False
     """slime's --balance-data: split each global batch across data-parallel ranks by the
-    Karmarkar-Karp partition of token counts (agentrl/balance.py) rather than the default greedy
-    longest-first split; the loss is the same either way. One data-parallel rank: no effect."""
+    Karmarkar-Karp partition of estimated FLOPs (agentrl/balance.py: linear in the length plus
+    attention's square) rather than the default greedy longest-first split by tokens; the loss
+    is the same either way. One data-parallel rank: no effect. Megatron trainer."""
+    balance_by_flops: bool = False
+    """slime's --balance-by-flops (implies --balance-data; needs --max-tokens-per-gpu): each
+    rank's micro-batches are as many as the token budget needs, balanced by estimated FLOPs
+    instead of packed first-fit up to the budget, so a micro-batch may pass the budget (more
+    memory). Megatron trainer."""
     save_hf: str | None = None
     """Megatron: also write an HF checkpoint here at every save ({rollout_id} is filled in)."""
     lora_rank: int = Field(0, ge=0)

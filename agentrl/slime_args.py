@@ -101,6 +101,10 @@ NO_EFFECT: dict[str, str] = {
     "model_name": "the HF <-> Megatron weight mapping is picked by config.json's model_type",
     "loss_mask_type": "masks come from the agent loop (policy tokens 1, the rest 0), never re-derived from text",
     "use_dynamic_batch_size": "",  # checked in finish(): it needs --max-tokens-per-gpu, which agentrl packs by
+    "allgather_cp": "context parallelism is megatron-core's (--context-parallel-size); slime's all-gather "
+                    "variant computes the same attention another way",
+    "update_weight_disk_dir": "a disk weight sync (--update-weight-transport disk) writes its checkpoint "
+                              "under the run folder",
 }
 # slime options agentrl refuses, each with why
 REFUSED: dict[str, str] = {
@@ -115,9 +119,29 @@ REFUSED: dict[str, str] = {
     "eval_function_path": "evaluation runs the rollout path on --eval-prompt-data (agentrl/evaluation.py)",
     "data_source_path": "prompts come from --prompt-data or the env's dataset (agentrl/data.py)",
     "custom_tis_function_path": "importance weights are --use-tis with --tis-mode and --tis-level",
+    "rollout_sample_hook_path": "a --custom-generate-function-path can change the sample before it is scored",
+    "rollout_data_postprocess_path": "loss masks come from the agent loop (policy tokens 1, the rest 0) and "
+                                     "reach the trainer as recorded",
+    "custom_convert_samples_to_train_data_path": "samples become the trainer's packed batches in the trainer "
+                                                 "(token ids, loss masks and rewards of each Sample)",
+    "custom_pg_loss_reducer_function_path": "the policy loss is a token sum over the global batch divided by its "
+                                            "trained-token count (agentrl/algorithms.py, --loss-type)",
+    "custom_rollout_log_function_path": "rollout metrics are agentrl's own (metrics.jsonl, tensorboard, wandb); "
+                                        "every trajectory is saved under the run folder's trajectories/",
+    "custom_eval_rollout_log_function_path": "evaluation metrics are agentrl's own (eval/<name>/...); every "
+                                             "trajectory is saved under the run folder's trajectories/",
+    "custom_megatron_init_path": "agentrl's Megatron trainer initialises Megatron itself "
+                                 "(trainers/megatron/trainer.py) and has no hook points with slime's signatures",
+    "custom_megatron_before_log_prob_hook_path": "agentrl's Megatron trainer has no hook points with slime's "
+                                                 "signatures (trainers/megatron/trainer.py)",
+    "custom_megatron_before_train_step_hook_path": "agentrl's Megatron trainer has no hook points with slime's "
+                                                   "signatures (trainers/megatron/trainer.py)",
+    "custom_model_provider_path": "the Megatron model is built from the HF config.json (trainers/megatron/model.py)",
+    "custom_update_weight_post_write_path": "--weight-sync-mode disk writes to a local or POSIX path and needs no "
+                                            "post-write step",
+    "megatron_config_path": "one Megatron trainer config: give Megatron flags on the command line",
     "custom_config_path": "give agentrl a YAML file with --config",
     "eval_config": "give eval sets with --eval-prompt-data NAME PATH",
-    "train_backend": "pick the trainer with --trainer torch|megatron",
     "enable_mtp_training": "multi-token-prediction layers are not built (the model comes from the HF config.json)",
     "use_rollout_logprobs": ("the old logprobs are the trainer's (its step's own forward when one step trains "
                              "the rollout, else a separate pass); --use-tis corrects the rollout/trainer mismatch"),
@@ -125,10 +149,6 @@ REFUSED: dict[str, str] = {
     "rollout_max_context_len": "--rollout-max-response-len bounds the whole trajectory",
     "multimodal_keys": "agentrl trains on text only",
     "prefill_num_servers": "prefill/decode disaggregated engines are not launched",
-    "allgather_cp": "context parallelism is megatron-core's own (--context-parallel-size)",
-    "update_weight_mode": "weights reach the engines by --weight-sync-mode {auto,tensor,distributed,disk}",
-    "update_weight_transport": "weights reach the engines by --weight-sync-mode {auto,tensor,distributed,disk}",
-    "update_weight_disk_dir": "--weight-sync-mode disk writes under the run folder",
     "update_weight_local_checkpoint_dir": "--weight-sync-mode disk writes under the run folder",
     "update_weight_delta_encoding": "weight syncs send whole tensors (no delta encoding)",
     "update_weight_delta_checksum": "weight syncs send whole tensors (no delta encoding)",
@@ -210,6 +230,20 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
                 flags.dynamic_batch_size = True
             else:
                 flags.note(flag, NO_EFFECT[name])
+        elif name == "train_backend":  # slime's one choice
+            if value != "megatron":
+                raise ConfigError(f"{flag} {value}: slime's only backend is megatron; agentrl's trainers are "
+                                  "--trainer torch|megatron")
+            out += ["--trainer", "megatron"]
+        elif name == "update_weight_mode":
+            if value != "full":
+                raise ConfigError(f"{flag} {value}: not supported by agentrl: weight syncs send whole tensors "
+                                  "(slime's 'full'; no delta encoding)")
+        elif name == "update_weight_transport":  # nccl: a broadcast to engines on GPUs of their own, as auto picks
+            modes = {"nccl": "auto", "disk": "disk"}
+            if value not in modes:
+                raise ConfigError(f"{flag} {value}: expected nccl or disk")
+            out += ["--weight-sync-mode", modes[value]]
         elif name in REFUSED:
             raise ConfigError(f"{flag}: not supported by agentrl: {REFUSED[name]} (docs/slime.md)")
         elif name in RENAMED:
@@ -242,7 +276,7 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
 
 
 MAPPED = {"update_weight_buffer_size", "eval_top_p", "eval_top_k", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
-          "wandb_host", "ref_ckpt_step"}  # translate() turns these into agentrl's settings
+          "wandb_host", "ref_ckpt_step", "train_backend", "update_weight_mode", "update_weight_transport"}  # translate() turns these into agentrl's settings
 
 
 def flag_status(flag: str, parser_flags: set[str]) -> str:
@@ -306,6 +340,9 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
                                  f"({model.get('model') or 'the built-in tiny model'}); --save writes there")
     if run.get("env") == SLIME_ENV and SLIME_ENV_MODULE not in run.get("env_module", []):
         run["env_module"] = [*run.get("env_module", []), SLIME_ENV_MODULE]
+    train = layers.setdefault("train", {})
+    if train.get("balance_by_flops"):  # slime: it implies --balance-data (ranks balanced by FLOPs too)
+        train["balance_data"] = True
     if algo.get("rm_type") and not algo.get("custom_rm_path"):
         algo["custom_rm_path"] = "agentrl.rm_hub.async_rm"  # slime: --custom-rm-path wins over --rm-type
 
@@ -328,6 +365,12 @@ def finish(cfg, flags: SlimeFlags) -> None:
     """After resolve: the model-shape flags against config.json, and the checks slime makes."""
     if flags.dynamic_batch_size and cfg.train.max_tokens_per_gpu is None:
         raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (as in slime)")
+    if cfg.train.balance_by_flops and cfg.train.max_tokens_per_gpu is None:
+        raise ConfigError("--balance-by-flops needs --use-dynamic-batch-size with --max-tokens-per-gpu (as in "
+                          "slime): the token budget sets how many micro-batches the FLOPs are balanced over")
+    if (cfg.train.balance_data or cfg.train.balance_by_flops) and cfg.train.trainer != "megatron":
+        flags.notices.append("--balance-data/--balance-by-flops: accepted, no effect here: the torch trainer "
+                             "has one data-parallel rank and forms micro-batches by --max-tokens-per-gpu")
     if flags.eval_top_p is not None and not math.isclose(flags.eval_top_p, cfg.rollout.rollout_top_p):
         raise ConfigError(f"--eval-top-p {flags.eval_top_p}: agentrl samples evaluations with the rollout's top-p "
                           f"(--rollout-top-p {cfg.rollout.rollout_top_p}); give them the same value")

@@ -53,6 +53,11 @@ def array_flags(slime: Path) -> list[str]:
     return sorted(flags)
 
 
+def parser_flags(slime: Path) -> list[str]:
+    """Every flag slime's own parser defines (slime/utils/arguments.py)."""
+    return sorted(set(re.findall(r'"(--[a-z0-9-]+)"', (slime / "slime" / "utils" / "arguments.py").read_text())))
+
+
 def checked_in(name: str) -> list[str]:
     return (DATA / f"{name}.args").read_text().splitlines()
 
@@ -62,6 +67,7 @@ if __name__ == "__main__":
     for name, script in SCRIPTS.items():
         (DATA / f"{name}.args").write_text("\n".join(script_args(Path(sys.argv[1]), script)) + "\n")
     (DATA / "all_flags.txt").write_text("\n".join(array_flags(Path(sys.argv[1]))) + "\n")
+    (DATA / "slime_arguments_flags.txt").write_text("\n".join(parser_flags(Path(sys.argv[1]))) + "\n")
 
 
 SLIME_COMMIT = "624b824"

@@ -259,3 +259,50 @@ def test_rm_type_scores_a_real_run(tmp_path):
             for line in (out / "trajectories" / f"rollout_{i:05d}.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and all(r["reward"] in (0, 1) for r in rows)
     assert all(r["status"] != "failed" for r in rows), [r.get("metadata", {}).get("error") for r in rows]
+
+
+def test_backend_and_weight_sync_flags_take_slimes_meaning():
+    cfg, ns = parse_config(["--train-backend", "megatron", "--update-weight-mode", "full",
+                            "--update-weight-transport", "disk", "--update-weight-disk-dir", "/tmp/w", "--allgather-cp"])
+    assert (cfg.train.trainer, cfg.train.weight_sync_mode) == ("megatron", "disk")
+    assert [n.split(":")[0] for n in ns.slime_notices] == ["--update-weight-disk-dir", "--allgather-cp"]
+    assert parse_config(["--update-weight-transport", "nccl"])[0].train.weight_sync_mode == "auto"
+    for argv, message in ((["--update-weight-mode", "delta"], "--update-weight-mode delta: not supported"),
+                          (["--train-backend", "fsdp"], "--train-backend fsdp: slime's only backend is megatron"),
+                          (["--update-weight-transport", "ipc"], "--update-weight-transport ipc: expected nccl or disk")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config(argv)
+
+
+@pytest.mark.parametrize("flag", ["--rollout-sample-hook-path", "--rollout-data-postprocess-path",
+                                  "--custom-convert-samples-to-train-data-path", "--custom-pg-loss-reducer-function-path",
+                                  "--custom-rollout-log-function-path", "--custom-megatron-init-path",
+                                  "--custom-model-provider-path", "--megatron-config-path"])
+def test_every_slime_hook_flag_is_taken_or_refused_saying_why(flag):
+    """slime's hook flags agentrl cannot run fail naming the flag and the reason (not the parser's
+    bare 'unrecognized arguments')."""
+    with pytest.raises(ConfigError, match=f"^{flag}: not supported by agentrl: .{{20,}}"):
+        parse_config([flag, "mod.fn"])
+
+
+def test_no_slime_hook_flag_is_left_unrecognised():
+    """Every `-path`/hook flag of slime's own parser is agentrl's, or refused with a reason."""
+    import re
+
+    from agentrl.config import build_parser
+    from agentrl.slime_args import flag_status
+
+    text = (Path(__file__).parent / "data" / "slime_scripts" / "slime_arguments_flags.txt").read_text()
+    parser_flags = {f for action in build_parser()._actions for f in action.option_strings}
+    hooks = [f for f in text.split() if re.search(r"-path$|hook|function-path", f)]
+    assert len(hooks) > 20
+    assert not [f for f in hooks if flag_status(f, parser_flags) == "unknown"]
+
+
+def test_the_parser_flag_list_is_slimes(slime):
+    from slime_scripts import DATA, parser_flags
+
+    if slime is None:
+        pytest.skip("no slime checkout (AGENTRL_SLIME_SRC or the git mirror)")
+    assert parser_flags(slime) == (DATA / "slime_arguments_flags.txt").read_text().split(), \
+        "refresh tests/data/slime_scripts: python tests/slime_scripts.py SLIME_DIR"

@@ -8,7 +8,7 @@ sets RANK / WORLD_SIZE / LOCAL_RANK), every rank constructs the trainer and call
 methods with the same whole rollout; with no launcher it runs as a one-process group.
 
 Per optimizer step (one global batch): the trained samples are split over data-parallel
-ranks (balanced by length), grouped into micro-batches by token budget
+ranks (balanced by length, or by FLOPs with --balance-data), grouped into micro-batches by token budget
 (`--max-tokens-per-gpu`) or count (`--micro-batch-size`) and packed (THD), then Megatron's
 forward/backward schedule runs them; the loss is the shared `agentrl.algorithms` objective
 on the response tokens, normalised by the global batch's trained-token count.
@@ -26,7 +26,7 @@ import torch
 
 from agentrl.algorithms import (check_algo, has_dropout, needs_reference, policy_objective, sft_loss,
                                 teacher_in_trainer, train_iteration, value_loss)
-from agentrl.balance import karmarkar_karp
+from agentrl.balance import cost_micro_batches, forward_flops, karmarkar_karp
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.errors import ConfigError
 from agentrl.profiling import TrainProfiler
@@ -40,7 +40,7 @@ from agentrl.trainers.megatron.logprobs import fused_logprobs
 from agentrl.trainers.megatron.model import (DTYPES, build_gpt, enable_position_rope, enable_response_head,
                                              init_distributed, layer_spec, layout_for, transformer_config,
                                              use_te_spec)
-from agentrl.trainers.megatron.packing import PackedBatch, micro_batches
+from agentrl.trainers.megatron.packing import PackedBatch, micro_batches, pack, padded_length
 from agentrl.trainers.megatron.weights import HFCheckpoint, export_hf, load_hf_weights, model_chunks
 from agentrl.types import Sample
 
@@ -196,12 +196,22 @@ class MegatronTrainer:
     # -- forward pieces ------------------------------------------------------------------------
     def _batches(self, samples: list[Sample], indices: list[int]) -> list[PackedBatch]:
         mine, dp_rank, dp_size = indices, self.dp_rank, self.dp_size
-        if self.train_cfg.balance_data and dp_size > 1:  # this rank's share by Karmarkar-Karp on token counts
-            share = karmarkar_karp([len(samples[i].tokens) for i in indices], dp_size)[dp_rank]
-            mine, dp_rank, dp_size = [indices[j] for j in share], 0, 1
-        batches = micro_batches(samples, mine, dp_rank=dp_rank, dp_size=dp_size,
-                                max_tokens=self.max_tokens, micro_batch_size=self.train_cfg.micro_batch_size,
-                                pad_to=self.pad_to, pad_id=self.pad_id, seq_pad=self.seq_pad)
+        by_flops = self.train_cfg.balance_by_flops and self.max_tokens is not None
+        if by_flops or self.train_cfg.balance_data:  # slime's: shares and micro-batches weighed by estimated FLOPs
+            hf = self.hf_config.to_dict()
+            lengths = {i: padded_length(len(samples[i].tokens), self.seq_pad) for i in indices}
+            costs = {i: forward_flops(n, hf) for i, n in lengths.items()}
+            if dp_size > 1:  # this rank's share by Karmarkar-Karp on the costs
+                share = karmarkar_karp([costs[i] for i in indices], dp_size)[dp_rank]
+                mine, dp_rank, dp_size = [indices[j] for j in share], 0, 1
+        if by_flops and mine:
+            groups = cost_micro_batches([costs[i] for i in mine], [lengths[i] for i in mine], self.max_tokens)
+            batches = [pack(samples, [mine[j] for j in g], pad_to=self.pad_to, pad_id=self.pad_id,
+                            seq_pad=self.seq_pad) for g in groups]
+        else:
+            batches = micro_batches(samples, mine, dp_rank=dp_rank, dp_size=dp_size,
+                                    max_tokens=self.max_tokens, micro_batch_size=self.train_cfg.micro_batch_size,
+                                    pad_to=self.pad_to, pad_id=self.pad_id, seq_pad=self.seq_pad)
         want = self._micro_batch_count(len(batches))
         while len(batches) < want:  # run copies with zero weight so collectives match
             dummy = micro_batches(samples, indices[:1], dp_rank=0, dp_size=1, max_tokens=None, micro_batch_size=1,
