@@ -14,6 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from waiting import wait_until
 
 ENV = '''
@@ -134,6 +135,7 @@ def events(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.e2e
 def test_engines_killed_mid_rollout_lose_no_sample_and_rejoin_with_current_weights(tmp_path, tiny_model):
     out, kills, _ = run_with_kills(tmp_path, tiny_model, engines=2, iterations=40, kills=3)
     check_no_sample_lost_or_duplicated(out, iterations=40)
@@ -145,6 +147,7 @@ def test_engines_killed_mid_rollout_lose_no_sample_and_rejoin_with_current_weigh
     assert all(e["event"] != "restart did not come up" for e in ev)
 
 
+@pytest.mark.e2e
 def test_a_lone_restarted_engine_gets_the_current_weights_before_it_serves(tmp_path, tiny_model):
     out, kills, _ = run_with_kills(tmp_path, tiny_model, engines=1, iterations=5, kills=1)
     check_no_sample_lost_or_duplicated(out, iterations=5)  # tokens of iteration i carry version i

@@ -54,6 +54,7 @@ def test_sglang_args_pass_through_and_are_checked():
         sg.validate_sglang_args({"attention-backend": "nope"}, p)
 
 
+@pytest.mark.e2e
 def test_missing_sglang_is_a_clear_error(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # not importable, as on this CPU machine
     sg._installed_parser.cache_clear()
@@ -219,6 +220,7 @@ def test_ctrl_c_and_sigterm_stop_the_engines(tmp_path, sig):
     assert _gone(pgid)
 
 
+@pytest.mark.e2e
 def test_attach_to_running_engines(engine, tmp_path):
     group = start_engines(RolloutConfig(rollout_engine_urls=[engine.url + "/"]), model_path="unused", device="cpu",
                           seed=0, log_dir=tmp_path)

@@ -138,6 +138,7 @@ def test_wait_idle_times_out_naming_the_busy_engine(tiny_model):
     _serve(tiny_model, body)
 
 
+@pytest.mark.e2e
 def test_a_fatal_violation_ends_the_server_process(tiny_model, tmp_path):
     server = launch_embedded_engine(str(tiny_model), log_dir=tmp_path, num_threads=1)
     try:
@@ -157,6 +158,7 @@ def test_server_ports_are_outside_the_ephemeral_range():
     assert all(not low <= p <= high and p + 10000 < 65536 for p in ports)
 
 
+@pytest.mark.e2e
 def test_a_client_that_goes_away_aborts_its_request(tiny_model, tmp_path):
     """As SGLang (its tokenizer manager aborts a request whose HTTP client disconnected): a
     3000-token generation whose client gave up stops, and the engine is idle and serving."""

@@ -17,6 +17,8 @@ from agentrl.rollout.manager import generate_rollout
 from agentrl.types import SampleStatus
 from waiting import wait_until
 
+pytestmark = pytest.mark.e2e  # its module fixture starts two engines and the router
+
 PROMPT = "Count with me, one word per turn, and never stop before I say so: one two three four five"
 
 
