@@ -9,20 +9,7 @@ if shutil.which("nvidia-smi") is None:
 
 import pytest  # noqa: E402
 
-from lanes import E2E_DECLARED_HERE
 from machine_lock import machine_lock
-
-# The lanes (pytest -m "not e2e" is the fast lane) are declared: tests/lanes.py.
-TESTS = Path(__file__).resolve().parent
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = Path(str(item.fspath)).resolve()
-        if module.is_relative_to(TESTS):
-            names = E2E_DECLARED_HERE.get(module.relative_to(TESTS).as_posix(), ())
-            if "*" in names or getattr(item, "originalname", item.name) in names:
-                item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import pytest
 from spine_helpers import agentrl_cli, run_env
 from waiting import wait_until
 
-pytestmark = pytest.mark.e2e  # the lane: runs agentrl end to end (see tests/lanes.py)
+pytestmark = pytest.mark.e2e  # the lane: runs agentrl end to end (docs/development.md, "Test lanes")
 
 SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--no-progress"]
 

@@ -1,7 +1,6 @@
 """The embedded engine speaks SGLang's protocol: fields, batching, abort, weight updates."""
 
 import asyncio
-import time
 
 import aiohttp
 import pytest
@@ -10,6 +9,7 @@ import torch
 from agentrl.engines.embedded import encode_named_tensors
 from agentrl.errors import EngineError
 from agentrl.rollout.client import EngineClient
+from waiting import await_until
 
 
 def run(coro):
@@ -69,10 +69,11 @@ def test_abort_all_returns_partial_output(engine, tokenizer):
         async with EngineClient(engine.url) as c:
             prompt = tokenizer.encode("long")
             task = asyncio.create_task(c.generate(prompt, {"max_new_tokens": 4000, "ignore_eos": True}))
-            deadline = time.monotonic() + 60
-            while (await c.get("/get_load"))[0]["num_tokens"] < len(prompt) + 8:  # some tokens decoded
-                assert time.monotonic() < deadline and not task.done()
-                await asyncio.sleep(0.01)
+            async def some_tokens_decoded():
+                assert not task.done(), "the request ended before it was aborted"
+                return (await c.get("/get_load"))[0]["num_tokens"] >= len(prompt) + 8
+
+            await await_until(some_tokens_decoded, timeout_s=60, what="the engine decoding some tokens")
             await c.post("/abort_request", {"abort_all": True})
             return await asyncio.wait_for(task, 30)
 

@@ -8,7 +8,7 @@ import pytest
 from agentrl.inspect import collect
 from spine_helpers import agentrl_cli, run_env
 
-pytestmark = pytest.mark.e2e  # the lane: runs agentrl end to end (see tests/lanes.py)
+pytestmark = pytest.mark.e2e  # the lane: runs agentrl end to end (docs/development.md, "Test lanes")
 
 SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-progress"]
 

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from agentrl.grading import GraderPool, GradingError, GradingTimeout, call_reward_fn
+from waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -210,11 +211,9 @@ def test_a_sync_reward_function_is_killed_at_its_bound_and_the_loop_goes_on(tmp_
     assert ("memory bound" if attack == "allocates" else "2 s limit") in str(error), error
     started = [int(line) for line in pids.read_text().split()]
     assert len(started) >= 2 and all(pid != os.getpid() for pid in started)
-    for _ in range(50):  # the child's sleeper is reparented on its group's kill: give init a moment
-        if all(_gone(pid) for pid in started):
-            break
-        time.sleep(0.1)
-    assert [pid for pid in started if not _gone(pid)] == []
+    # the child's sleeper is reparented on its group's kill: give init a moment
+    wait_until(lambda: all(_gone(pid) for pid in started), timeout_s=5, interval_s=0.1,
+               what=lambda: f"the reward's processes ending ({[pid for pid in started if not _gone(pid)]} left)")
 
 
 def test_a_forked_reward_function_keeps_exceptions_and_says_what_cannot_come_back():

@@ -1,6 +1,7 @@
 """Ray placement on one machine: quiet local start (no auth file), joining a running
 cluster with --ray-address, and --colocate's offload/reload path."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import pytest
 
 from spine_helpers import BIN, agentrl_cli, run_env
+from waiting import wait_until
 
 SMALL = ["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size",
          "4", "--no-progress"]
@@ -84,7 +86,6 @@ def test_joins_a_running_cluster_with_ray_address(tmp_path):
 def _stop_cluster(temp: str) -> None:
     """Stop the processes of this cluster only (`ray stop` would stop every Ray on the machine)."""
     import signal
-    import time
 
     def ours():
         pids = []
@@ -103,7 +104,8 @@ def _stop_cluster(temp: str) -> None:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        time.sleep(2)
+        with contextlib.suppress(AssertionError):  # what SIGTERM leaves, SIGKILL ends
+            wait_until(lambda: not ours(), timeout_s=2, what="the cluster's processes ending")
     shutil.rmtree(temp, ignore_errors=True)
 
 

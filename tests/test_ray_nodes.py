@@ -8,12 +8,12 @@ import os
 import signal
 import socket
 import subprocess
-import time
 
 import pytest
 
 from spine_helpers import BIN, agentrl_cli, run_env
 from test_orchestration import _stop_cluster
+from waiting import wait_until
 
 pytestmark = pytest.mark.e2e  # starts engines, Ray or agentrl train
 
@@ -73,10 +73,9 @@ def test_trainer_and_engine_on_different_nodes_and_a_lost_node_ends_the_run(tmp_
                             "--output-dir", str(lost), *RUN], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, env=env)
     try:
-        deadline = time.monotonic() + 300
-        while not ((lost / "metrics.jsonl").exists() and (lost / "metrics.jsonl").read_text().strip()):
-            assert run.poll() is None and time.monotonic() < deadline, "the run did not get to iteration 1"
-            time.sleep(1)
+        metrics = lost / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and metrics.read_text().strip(), timeout_s=300, interval_s=1,
+                   while_=lambda: run.poll() is None, what="the run getting to iteration 1")
         raylet = [int(p) for p in filter(str.isdigit, os.listdir("/proc"))
                   if _cmdline(p).startswith(("raylet", "/")) and "raylet" in _cmdline(p)
                   and f"--node_manager_port={worker_port}" in _cmdline(p)]

@@ -13,7 +13,7 @@ import torch
 
 from spine_helpers import agentrl_cli, run_env
 
-pytestmark = pytest.mark.e2e  # the lane: runs agentrl end to end (see tests/lanes.py)
+pytestmark = pytest.mark.e2e  # the lane: runs agentrl end to end (docs/development.md, "Test lanes")
 
 
 def test_train_with_a_served_teacher_and_a_served_judge(tiny_model, tmp_path):

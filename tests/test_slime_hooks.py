@@ -84,6 +84,7 @@ def rows(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+@pytest.mark.e2e
 def test_custom_generate_function_trains_with_its_masks_and_logprobs(tmp_path):
     fn = tmp_path / "my_generate.py"
     fn.write_text(GENERATE)
@@ -111,6 +112,7 @@ def test_custom_generate_function_trains_with_its_masks_and_logprobs(tmp_path):
             assert t["metadata"]["label"] and t["prompt_text"].count("Repeat the word:") == 1
 
 
+@pytest.mark.e2e
 def test_rollout_function_drives_the_run(tmp_path):
     fn = tmp_path / "my_rollout.py"
     fn.write_text(ROLLOUT)
@@ -135,6 +137,7 @@ def test_rollout_function_drives_the_run(tmp_path):
     assert state["data"]["consumed"] == 4  # the data source advanced the run's data position
 
 
+@pytest.mark.e2e
 def test_wrongly_shaped_functions_are_named(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def generate(sample):\n    return sample\n\ndef rollout(args):\n    return []\n")

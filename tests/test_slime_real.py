@@ -160,6 +160,7 @@ def trajectories(out, logprob_diff: float = 1e-3, on_policy: bool = True) -> lis
     return runs
 
 
+@pytest.mark.e2e
 def test_slimes_default_generate_trains(slime_env, tmp_path):
     """slime's generate (sglang_rollout.py): one /generate call, every token the policy's; the
     env has no dataset, so it makes each prompt from the group's seed; no reward set by slime,
@@ -170,6 +171,7 @@ def test_slimes_default_generate_trains(slime_env, tmp_path):
         assert all(t["loss_mask"] == [1] * len(t["loss_mask"]) and t["reward"] == 0.5 for t in rows)
 
 
+@pytest.mark.e2e
 def test_slimes_generate_rollout_with_an_rm_hub_math_reward(slime_env, tmp_path):
     """slime's own generate_rollout: its GenerateState, semaphore (concurrency x engines),
     async_rm with the row's rm_type "math" (rm_hub's grade_answer_verl: 0 or 1, never the
@@ -185,6 +187,7 @@ def test_slimes_generate_rollout_with_an_rm_hub_math_reward(slime_env, tmp_path)
         assert all(t["loss_mask"] == [1] * len(t["loss_mask"]) and t["reward"] in (0.0, 1.0) for t in rows)
 
 
+@pytest.mark.e2e
 def test_slimes_search_r1_example_trains(slime_env, retrieval, tmp_path):
     """examples/search-r1: generate_with_search.generate with reward_func as --custom-rm-path
     (reward 0 for the tiny model's text, never the env's 0.5), on Search-R1-shaped rows (the

@@ -4,6 +4,8 @@ test naming what never happened (no hand-written deadline loops, no fixed sleeps
 from __future__ import annotations
 
 import asyncio
+import inspect
+import socket
 import time
 from typing import Any, Callable
 
@@ -27,13 +29,27 @@ def wait_until(condition: Callable[[], Any], *, timeout_s: float, what: str = "t
 
 async def await_until(condition: Callable[[], Any], *, timeout_s: float, what: str = "the condition",
                       interval_s: float = 0.01) -> Any:
-    """`wait_until` for a test's event loop: the loop runs other tasks between polls."""
+    """`wait_until` for a test's event loop: the loop runs other tasks between polls. The
+    condition may be a coroutine function (one that asks a server, say)."""
     deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
         if time.monotonic() >= deadline:
             raise AssertionError(f"{_text(what)} did not happen within {timeout_s:g}s")
         await asyncio.sleep(interval_s)
-    return value
+
+
+def accepts_connections(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server listens on the port yet (a condition for `wait_until`)."""
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def _text(what) -> str:

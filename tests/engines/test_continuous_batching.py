@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestServer
 
 from agentrl.engines.embedded import EmbeddedEngine, _Request, encode_named_tensors
 from agentrl.rollout.client import EngineClient
-from test_weight_paths import until
+from waiting import await_until
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -69,7 +69,7 @@ def _serve(engine: EmbeddedEngine, go):
 def test_a_request_arriving_during_a_long_decode_does_not_wait_for_it(engine):
     async def go(client):
         long = asyncio.create_task(client.generate([5, 6, 7], GREEDY | {"max_new_tokens": 3000}))
-        await until(lambda: engine.decoding, "decoding")
+        await await_until(lambda: engine.decoding, timeout_s=30, what="decoding")
         short = await asyncio.wait_for(client.generate([9, 10, 11], GREEDY | {"max_new_tokens": 5}), 60)
         running = not long.done()
         await client.post("/abort_request", {"abort_all": True})
@@ -88,7 +88,7 @@ def test_a_waiting_weight_update_is_not_overtaken_by_requests_arriving_after_it(
 
     async def go(client):
         first = asyncio.create_task(client.generate([5, 6, 7], GREEDY | {"max_new_tokens": 300}))
-        await until(lambda: engine.decoding, "decoding")
+        await await_until(lambda: engine.decoding, timeout_s=30, what="decoding")
 
         async def update():
             reply = await client.post("/update_weights_from_tensor", {
@@ -103,9 +103,9 @@ def test_a_waiting_weight_update_is_not_overtaken_by_requests_arriving_after_it(
             return out
 
         updating = asyncio.create_task(update())
-        await until(lambda: engine._weights_waiting, "the update waiting")
+        await await_until(lambda: engine._weights_waiting, timeout_s=30, what="the update waiting")
         later_task = asyncio.create_task(later())
-        await until(lambda: engine.waiting, "the later request waiting")
+        await await_until(lambda: engine.waiting, timeout_s=30, what="the later request waiting")
         return await asyncio.wait_for(asyncio.gather(first, updating, later_task), 120)
 
     first, reply, later = _serve(engine, go)

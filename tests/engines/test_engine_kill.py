@@ -14,6 +14,9 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+from waiting import wait_until
+
 ENV = '''
 from agentrl.env import Env
 from agentrl.registry import register_env
@@ -71,14 +74,10 @@ def run_with_kills(tmp_path: Path, tiny_model: Path, *, engines: int, iterations
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
 
-    def wait_for(what, timeout_s=120):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and proc.poll() is None:
-            if what():
-                return
-            time.sleep(0.05)
-        assert proc.poll() is None, f"the run ended first: {proc.communicate()[1][-3000:]}"
-        raise AssertionError(f"timed out; events: {events(out)}")
+    def wait_for(condition, timeout_s=120):
+        wait_until(condition, timeout_s=timeout_s, interval_s=0.05, while_=lambda: proc.poll() is None,
+                   what=lambda: (f"the run ended first: {proc.communicate()[1][-3000:]}" if proc.poll() is not None
+                                 else f"the next engine rejoining and iteration (events: {events(out)})"))
 
     rows = lambda: len(metrics.read_text().splitlines()) if metrics.exists() else 0  # noqa: E731
     rejoined = lambda: sum(e["event"].startswith("back in the pool") for e in events(out))  # noqa: E731
@@ -136,6 +135,7 @@ def events(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.e2e
 def test_engines_killed_mid_rollout_lose_no_sample_and_rejoin_with_current_weights(tmp_path, tiny_model):
     out, kills, _ = run_with_kills(tmp_path, tiny_model, engines=2, iterations=40, kills=3)
     check_no_sample_lost_or_duplicated(out, iterations=40)
@@ -147,6 +147,7 @@ def test_engines_killed_mid_rollout_lose_no_sample_and_rejoin_with_current_weigh
     assert all(e["event"] != "restart did not come up" for e in ev)
 
 
+@pytest.mark.e2e
 def test_a_lone_restarted_engine_gets_the_current_weights_before_it_serves(tmp_path, tiny_model):
     out, kills, _ = run_with_kills(tmp_path, tiny_model, engines=1, iterations=5, kills=1)
     check_no_sample_lost_or_duplicated(out, iterations=5)  # tokens of iteration i carry version i

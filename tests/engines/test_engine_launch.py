@@ -17,6 +17,7 @@ from agentrl.engines.group import start_engines
 from agentrl.engines.launch import ServerProcess, free_port
 from agentrl.engines.router import DEFAULTS, validate_router_args
 from agentrl.errors import ConfigError, EngineError
+from waiting import wait_until
 
 
 def fake_sglang_parser() -> argparse.ArgumentParser:
@@ -54,6 +55,7 @@ def test_sglang_args_pass_through_and_are_checked():
         sg.validate_sglang_args({"attention-backend": "nope"}, p)
 
 
+@pytest.mark.e2e
 def test_missing_sglang_is_a_clear_error(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # not importable, as on this CPU machine
     sg._installed_parser.cache_clear()
@@ -156,8 +158,9 @@ def test_a_garbled_health_reply_means_not_up_yet(tmp_path):
         server.stop()
 
 
-def _gone(pgid: int) -> bool:
-    """No live (non-zombie) process is left in the process group."""
+def _group_size(pgid: int) -> int:
+    """How many live (non-zombie) processes the process group holds."""
+    size = 0
     for stat in os.listdir("/proc"):
         if not stat.isdigit():
             continue
@@ -165,9 +168,12 @@ def _gone(pgid: int) -> bool:
             fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            return False
-    return True
+        size += int(fields[2]) == pgid and fields[0] != "Z"  # fields: state, ppid, pgrp, ...
+    return size
+
+
+def _gone(pgid: int) -> bool:
+    return _group_size(pgid) == 0
 
 
 def test_stop_takes_the_whole_process_tree(tmp_path):
@@ -176,12 +182,10 @@ def test_stop_takes_the_whole_process_tree(tmp_path):
         subprocess.Popen(["sleep", "300"])  # like SGLang's scheduler processes
         time.sleep(300)
     """), url="http://127.0.0.1:1", name="tree", log_dir=tmp_path)
-    time.sleep(0.5)
     pgid = server.proc.pid
-    assert not _gone(pgid)
+    wait_until(lambda: _group_size(pgid) >= 2, timeout_s=30, what="the server starting its child")
     server.stop()
-    time.sleep(0.2)
-    assert _gone(pgid)
+    wait_until(lambda: _gone(pgid), timeout_s=5, what="the server's process group ending")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -211,14 +215,13 @@ def test_ctrl_c_and_sigterm_stop_the_engines(tmp_path, sig):
             s.stop()
     """)], stdout=subprocess.PIPE, text=True)
     pgid = int(parent.stdout.readline())
-    time.sleep(0.3)
-    assert not _gone(pgid)
+    wait_until(lambda: _group_size(pgid) >= 2, timeout_s=30, what="the server starting its child")
     parent.send_signal(sig)
     parent.wait(timeout=30)
-    time.sleep(0.2)
-    assert _gone(pgid)
+    wait_until(lambda: _gone(pgid), timeout_s=5, what="the server's process group ending")
 
 
+@pytest.mark.e2e
 def test_attach_to_running_engines(engine, tmp_path):
     group = start_engines(RolloutConfig(rollout_engine_urls=[engine.url + "/"]), model_path="unused", device="cpu",
                           seed=0, log_dir=tmp_path)

@@ -18,6 +18,7 @@ from agentrl.engines.embedded import EmbeddedEngine
 from agentrl.engines.launch import ENGINE_ENV, ephemeral_range, launch_embedded_engine, server_port
 from agentrl.errors import EngineError
 from agentrl.rollout.client import EngineClient
+from waiting import await_until
 
 IDS = list(range(5, 20))
 
@@ -68,8 +69,7 @@ def test_what_kills_sglang_kills_the_embedded_engine(tiny_model, violation):
             first = await _status(c, "GET", "/health")
         else:
             long = asyncio.create_task(c.generate(IDS, {"max_new_tokens": 3000, "ignore_eos": True}, rid="long"))
-            while engine.inflight == 0:
-                await asyncio.sleep(0.01)
+            await await_until(lambda: engine.inflight, timeout_s=30, what="the engine receiving the long request")
             first = await _status(c, "POST", "/release_memory_occupation", {"tags": ["kv_cache"]})
             engine.aborted.add("long")  # (the engine is dead to HTTP now) or asyncio.run waits out 3000 tokens
             long.cancel()
@@ -104,8 +104,7 @@ def test_colocate_handover_resumes_only_what_it_released(tiny_model):
         await memory.resume([c])  # first rollout: nothing was released, nothing is resumed
         out = await c.generate(IDS, {"max_new_tokens": 2})
         long = asyncio.create_task(c.generate(IDS, {"max_new_tokens": 3000, "ignore_eos": True}))
-        while engine.inflight == 0:
-            await asyncio.sleep(0.01)
+        await await_until(lambda: engine.inflight, timeout_s=30, what="the engine receiving the long request")
         await c.post("/abort_request", {"abort_all": True})
         await wait_idle([c], timeout_s=30)
         aborted = await long
@@ -125,8 +124,7 @@ def test_colocate_handover_resumes_only_what_it_released(tiny_model):
 def test_wait_idle_times_out_naming_the_busy_engine(tiny_model):
     async def body(engine, c):
         long = asyncio.create_task(c.generate(IDS, {"max_new_tokens": 3000, "ignore_eos": True}, rid="long"))
-        while engine.inflight == 0:
-            await asyncio.sleep(0.01)
+        await await_until(lambda: engine.inflight, timeout_s=30, what="the engine receiving the long request")
         try:
             with pytest.raises(EngineError, match=c.base_url):
                 await wait_idle([c], timeout_s=0.3)
@@ -138,6 +136,7 @@ def test_wait_idle_times_out_naming_the_busy_engine(tiny_model):
     _serve(tiny_model, body)
 
 
+@pytest.mark.e2e
 def test_a_fatal_violation_ends_the_server_process(tiny_model, tmp_path):
     server = launch_embedded_engine(str(tiny_model), log_dir=tmp_path, num_threads=1)
     try:
@@ -157,6 +156,7 @@ def test_server_ports_are_outside_the_ephemeral_range():
     assert all(not low <= p <= high and p + 10000 < 65536 for p in ports)
 
 
+@pytest.mark.e2e
 def test_a_client_that_goes_away_aborts_its_request(tiny_model, tmp_path):
     """As SGLang (its tokenizer manager aborts a request whose HTTP client disconnected): a
     3000-token generation whose client gave up stops, and the engine is idle and serving."""
@@ -165,15 +165,17 @@ def test_a_client_that_goes_away_aborts_its_request(tiny_model, tmp_path):
     async def go():
         async with EngineClient(server.url, request_timeout_s=30) as c:
             long = asyncio.create_task(c.generate(IDS, {"max_new_tokens": 3000, "ignore_eos": True}))
-            while (await c.get("/get_load"))[0]["num_reqs"] == 0:
-                await asyncio.sleep(0.05)
+            async def requests():
+                return (await c.get("/get_load"))[0]["num_reqs"]
+
+            async def no_requests():
+                return not await requests()
+
+            await await_until(requests, timeout_s=30, interval_s=0.05, what="the engine receiving the long request")
             long.cancel()  # closes its connection
             await asyncio.gather(long, return_exceptions=True)
-            loop = asyncio.get_running_loop()
-            gave_up = loop.time()
-            while (await c.get("/get_load"))[0]["num_reqs"]:
-                assert loop.time() - gave_up < 5, "the engine still generates for a client that went away"
-                await asyncio.sleep(0.05)
+            await await_until(no_requests, timeout_s=5, interval_s=0.05,
+                              what="the engine stopping the generation of a client that went away")
             return await c.generate(IDS, {"max_new_tokens": 2})
 
     try:

@@ -15,6 +15,9 @@ from agentrl.rollout.agent_loop import LoopSettings, Renderer
 from agentrl.rollout.client import EngineClient
 from agentrl.rollout.manager import generate_rollout
 from agentrl.types import SampleStatus
+from waiting import wait_until
+
+pytestmark = pytest.mark.e2e  # its module fixture starts two engines and the router
 
 PROMPT = "Count with me, one word per turn, and never stop before I say so: one two three four five"
 
@@ -142,15 +145,11 @@ def test_killed_worker_loses_no_trajectory_and_rejoins_when_restarted(group, tok
     assert moved > 0  # some trajectories started on the killed engine and finished on the other one
     # the monitor polls on its own timer: on a loaded machine the rollout (carried on by the
     # survivor) can end before its next poll has seen the kill
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (victim.url, "removed from the router") not in \
-            [(url, what) for _, url, what in group.monitor.events]:
-        time.sleep(0.2)
-    assert (victim.url, "removed from the router") in [(url, what) for _, url, what in group.monitor.events]
+    wait_until(lambda: (victim.url, "removed from the router") in [(url, what) for _, url, what in group.monitor.events],
+               timeout_s=120, what=lambda: f"the monitor removing the killed engine ({group.monitor.events})")
     # the monitor restarts it (same port); it rejoins the pool holding the same weights
-    while time.monotonic() < deadline and group.router.healthy_urls() != set(group.engine_urls):
-        time.sleep(0.5)
-    assert group.router.healthy_urls() == set(group.engine_urls), group.monitor.events
+    wait_until(lambda: group.router.healthy_urls() == set(group.engine_urls), timeout_s=120, interval_s=0.5,
+               what=lambda: f"the restarted engine rejoining the router ({group.monitor.events})")
     assert victim.state == "serving" and victim.server.restarts == 1
     log2 = TurnLog()
     again, _, _ = rollout(group, tokenizer, turns=2, prompts=4, n=4, log=log2)

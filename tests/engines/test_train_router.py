@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ENV = '''
 from agentrl.env import Env
 from agentrl.registry import register_env
@@ -35,6 +37,7 @@ class CountTurns(Env):
 '''
 
 
+@pytest.mark.e2e
 def test_train_through_the_router_reports_affinity_and_cache_hits(tmp_path):
     (tmp_path / "count_env.py").write_text(textwrap.dedent(ENV))
     out = tmp_path / "run"

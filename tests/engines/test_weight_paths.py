@@ -13,6 +13,7 @@ from agentrl.models import load_model
 from agentrl.rollout.client import EngineClient
 from agentrl.weight_sync import WeightUpdateGroup, sync_weights_from_disk
 from contract_helpers import RecordingClient, check_reply, check_request
+from waiting import await_until
 
 
 def test_weights_from_a_process_group(engine, tiny_model):
@@ -51,15 +52,6 @@ def test_weights_from_a_process_group(engine, tiny_model):
     assert last["weight_version"] == "9" and last["flush_cache"] is True
 
 
-async def until(condition, what: str, timeout_s: float = 30.0) -> None:
-    """Waits for an observable engine state (not a fixed sleep: a loaded machine is slower)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"not {what} after {timeout_s} s")
-        await asyncio.sleep(0.01)
-
-
 @contextlib.asynccontextmanager
 async def serving(eng):
     """The engine's app on a local test server: its URL, for the length of the block."""
@@ -81,7 +73,7 @@ def test_pause_in_place_keeps_requests_and_pause_abort_ends_them(tiny_model):
             async with EngineClient(url) as c:
                 params = {"max_new_tokens": 1500, "ignore_eos": True}
                 running = asyncio.create_task(c.generate([5, 6, 7], params))
-                await until(eng.lock.locked, "decoding")  # the request is in the decode loop
+                await await_until(eng.lock.locked, timeout_s=30, what="the engine decoding")  # the request is in the decode loop
                 await c.post("/pause_generation", {"mode": "in_place"})  # answers once the loop is parked
                 parked = eng._parked.is_set()
                 held = not running.done()
@@ -93,11 +85,11 @@ def test_pause_in_place_keeps_requests_and_pause_abort_ends_them(tiny_model):
                 kept = await asyncio.wait_for(running, 120)
 
                 running = asyncio.create_task(c.generate([5, 6, 7], params))
-                await until(eng.lock.locked, "decoding")
+                await await_until(eng.lock.locked, timeout_s=30, what="the engine decoding")
                 await c.post("/pause_generation", {})  # SGLang's default mode: abort
                 aborted = await asyncio.wait_for(running, 30)
                 waiting = asyncio.create_task(c.generate([9, 9], {"max_new_tokens": 2}))
-                await until(lambda: eng.inflight >= 1, "received")
+                await await_until(lambda: eng.inflight >= 1, timeout_s=30, what="the engine receiving the request")
                 await asyncio.sleep(0.2)  # a running engine answers 2 tokens well within this
                 queued = not waiting.done()  # paused: new requests wait
                 await c.post("/continue_generation", {})
@@ -123,7 +115,7 @@ def test_a_flushing_weight_update_over_requests_paused_in_place_kills_the_engine
         async with serving(eng) as url:
             async with EngineClient(url) as c:
                 running = asyncio.create_task(c.generate([5, 6, 7], {"max_new_tokens": 1500, "ignore_eos": True}))
-                await until(eng.lock.locked, "decoding")
+                await await_until(eng.lock.locked, timeout_s=30, what="the engine decoding")
                 await c.post("/pause_generation", {"mode": "in_place"})
                 try:
                     await c.post("/update_weights_from_tensor", {
@@ -165,7 +157,7 @@ def test_a_weight_update_waits_for_the_generation_in_flight(tiny_model):
         async with serving(eng) as url:
             async with EngineClient(url) as c:
                 running = asyncio.create_task(c.generate([5, 6, 7], {"max_new_tokens": 1500, "ignore_eos": True}))
-                await until(eng.lock.locked, "decoding")
+                await await_until(eng.lock.locked, timeout_s=30, what="the engine decoding")
                 cfg, _ = parse_config([])
                 out = await update_engines(cfg, RolloutControl(), SimpleNamespace(live=lambda: [url], monitor=None),
                                            Trainer(), 1)

@@ -11,6 +11,7 @@ import pytest
 from spine_helpers import agentrl_cli, run_env
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["distributed", "disk"])
 def test_weight_sync_modes_keep_engines_on_policy(tmp_path, mode):
     out = tmp_path / "run"

@@ -21,7 +21,7 @@ from agentrl.envs.search_r1.make_data import build
 from agentrl.tools.retrieval import BM25Retriever, Passage, RemoteRetriever, RetrievalError, format_passages
 
 from envtest_helpers import assert_iteration_ok, ROOT, train_one_iteration
-from waiting import wait_until
+from waiting import accepts_connections, wait_until
 
 # Search-R1's instruction as its own code writes it (its typo included), before "Question: ...\n"
 SEARCH_R1_INSTRUCTION = (
@@ -266,14 +266,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
 def test_search_server_stdio_and_http(run_async):
     async def episode(server: str):
         env = SearchR1Env(search_server=server, topk=2)
@@ -296,7 +288,7 @@ def test_search_server_stdio_and_http(run_async):
         def stderr() -> str:  # read once it ended: a live server's pipe would block
             return proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "(still running)"
 
-        wait_until(lambda: _accepts(port), timeout_s=60, while_=lambda: proc.poll() is None,
+        wait_until(lambda: accepts_connections(port), timeout_s=60, while_=lambda: proc.poll() is None,
                    what=lambda: f"the search server listening; its stderr: {stderr()}")
         over_http, _ = run_async(episode(f"http://127.0.0.1:{port}/mcp"))
         assert over_http == first

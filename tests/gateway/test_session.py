@@ -9,6 +9,7 @@ import aiohttp
 import openai
 import pytest
 from helpers import ScriptedEngine, new_session, open_gateway
+from waiting import await_until
 
 from agentrl.gateway.protocol import RequestError, parse_request
 
@@ -182,14 +183,15 @@ def test_disconnect_mid_generation_and_mid_stream_loses_nothing(tokenizer):
                 async with http.post(f"{base}/chat/completions", json=body,
                                      timeout=aiohttp.ClientTimeout(total=0.1)) as resp:
                     await resp.read()
-            await asyncio.sleep(0.8)
-            assert session.segments and session.segments[0].sample.num_turns == 1
+            await await_until(lambda: session.segments and session.segments[0].sample.num_turns == 1, timeout_s=30,
+                              what="the first turn, generated after its client left, recorded")
             body["messages"] = body["messages"] + [{"role": "assistant", "content": "first reply"},
                                                    {"role": "user", "content": "again"}]
             async with http.post(f"{base}/chat/completions", json=body) as resp:  # gone after the first chunk
                 await resp.content.readline()
                 resp.close()
-        await asyncio.sleep(0.8)
+        await await_until(lambda: session.segments and session.segments[-1].sample.num_turns == 2, timeout_s=30,
+                          what="the second turn, streamed to a client that left, recorded")
         await gateway.aclose()
         return session, gateway.close(key)
 
@@ -210,7 +212,7 @@ def test_a_request_in_flight_when_the_session_ends_records_nothing(tokenizer):
         async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0) as client:
             pending = asyncio.ensure_future(client.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "hi"}]))
-            await asyncio.sleep(0.1)
+            await await_until(lambda: engine.calls, timeout_s=30, what="the request reaching the engine")
             samples = gateway.close(key)
             with pytest.raises(openai.APIStatusError) as caught:
                 await pending

@@ -17,6 +17,7 @@ from agentrl.sandboxes import RUN_ID, SandboxPool
 from agentrl.sandboxes.base import WRITABLE
 from agentrl.tools.spec import tool_sandbox_options
 from sbx_helpers import SMALL, run, sandbox
+from waiting import await_until
 
 
 def _tool_sandbox(backend):
@@ -322,9 +323,11 @@ def test_no_process_survives_into_the_next_trajectory(backend):
                     r = await sb.exec(["python3", "survivor.py", kind])
                     assert r.exit_code == 0, r
                 await sb.spawn(["python3", "/work/survivor.py", "plain"], cwd="/")  # like a tool server's child
-                await asyncio.sleep(0.5)
-                r = await sb.exec("ls /work")
-                assert {f"spy-{k}" for k in SURVIVOR_KINDS} <= set(r.stdout.split()), r  # they did run
+
+                async def every_spy_ran():
+                    return {f"spy-{k}" for k in SURVIVOR_KINDS} <= set((await sb.exec("ls /work")).stdout.split())
+
+                await await_until(every_spy_ran, timeout_s=30, interval_s=0.1, what="every survivor kind running")
             async with pool.acquire() as sb:
                 if _reset_provable(first):
                     assert sb is first and pool.metrics()["reused"] == 1
@@ -359,10 +362,9 @@ def test_stderr_of_a_spawn_is_bounded_on_the_host(backend, tmp_path):
                 proc = await sb.spawn(["python3", "-c", STDERR_FLOOD], cwd="/", stderr=errlog)
                 assert await asyncio.wait_for(proc.stdout.readline(), 60) == b"flooded\n"
                 await asyncio.wait_for(proc.wait(), 30)
-                for _ in range(100):  # the host's drain notes what it dropped once the stream ends
-                    if b"dropped" in (tmp_path / "stderr").read_bytes()[-200:]:
-                        break
-                    await asyncio.sleep(0.1)
+                # the host's drain notes what it dropped once the stream ends
+                await await_until(lambda: b"dropped" in (tmp_path / "stderr").read_bytes()[-200:], timeout_s=10,
+                                  interval_s=0.1, what="the host's drain noting what it dropped")
             data = (tmp_path / "stderr").read_bytes()
             assert STDERR_CAP_BYTES <= len(data) < STDERR_CAP_BYTES + 200, len(data)
             dropped = (64 << 20) - STDERR_CAP_BYTES

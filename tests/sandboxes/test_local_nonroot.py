@@ -614,6 +614,7 @@ def _attacks() -> list:
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("module,name", _attacks())
 def test_attack_contained_unprivileged(nonroot, module, name):
     """An attack the README says is contained on both backends "root or not" holds as the uid."""

@@ -19,6 +19,7 @@ import agentrl.sandboxes as sbx
 from agentrl.sandboxes import (ExecResult, ImageNotFoundError, SandboxError, SandboxLimits,
                                SandboxPool, create, create_sync, resolve_backend)
 from sbx_helpers import SMALL, backend_or_skip, run, sandbox
+from waiting import await_until, wait_until
 
 
 def test_exec_and_files(backend):
@@ -165,7 +166,8 @@ def test_pool_never_holds_more_than_max_active(backend):
         async with SandboxPool(backend, warm=2, max_active=3, limits=SMALL, acquire_timeout_s=120) as pool:
             watcher = asyncio.ensure_future(watch())
             await asyncio.gather(*[trajectory(i) for i in range(8)])
-            await asyncio.sleep(0.5)  # refills settle
+            await await_until(lambda: pool.metrics()["creating"] == 0, timeout_s=60,
+                              what=lambda: f"the pool's refills finishing ({pool.metrics()})")
             watcher.cancel()
             m = pool.metrics()
         assert peak <= 3 and m["acquired"] == 16 and m["tainted"] == 6, (peak, m)
@@ -202,15 +204,11 @@ def test_no_sandbox_survives_sigkill(backend, tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     sbx.reap()  # what every start-up does
-    deadline = time.monotonic() + 20
-    while _sandboxes_of(backend, run_id) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _sandboxes_of(backend, run_id) == []
+    wait_until(lambda: _sandboxes_of(backend, run_id) == [], timeout_s=20,
+               what=lambda: f"the killed run's sandboxes going ({_sandboxes_of(backend, run_id)} left)")
     # nothing of it runs any more (container processes show in the host's ps too)
-    deadline = time.monotonic() + 10
-    while (left := _processes_with(f"sleep {marker}")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert left == [], left
+    wait_until(lambda: _processes_with(f"sleep {marker}") == [], timeout_s=10,
+               what=lambda: f"the killed run's processes ending ({_processes_with(f'sleep {marker}')} left)")
     if backend == "local":  # nothing of them stays mounted (other sandboxes may live: xdist's other worker)
         mountinfo = Path("/proc/self/mountinfo").read_text()
         assert not [name for name in names if name in mountinfo], mountinfo

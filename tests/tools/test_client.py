@@ -11,6 +11,7 @@ import pytest
 from agentrl.tools import MCPServerSpec, ToolEnv, ToolServerError, ToolSet, parse_mcp_server_flag
 from agentrl.tools.spec import builtin_spec
 from tools_fixtures import arun, demo_command  # noqa: F401 (fixtures)
+from waiting import accepts_connections, wait_until
 
 DEMO_SERVER = Path(__file__).with_name("demo_server.py")
 
@@ -119,15 +120,8 @@ def test_external_server_by_url(arun):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, str(DEMO_SERVER), "--http", str(port)], stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read().decode()
-                assert time.monotonic() < deadline, "the HTTP demo server did not start"
-                time.sleep(0.2)
+        wait_until(lambda: accepts_connections(port), timeout_s=30, while_=lambda: proc.poll() is None,
+                   what=lambda: f"the HTTP demo server starting ({proc.stderr.read().decode() if proc.poll() is not None else 'no connection'})")
         spec = parse_mcp_server_flag(f"web=http://127.0.0.1:{port}/mcp")
         assert spec.url and spec.command is None
 

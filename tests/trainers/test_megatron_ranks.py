@@ -39,6 +39,7 @@ def rows(folder: Path) -> list[dict]:
     return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.e2e
 def test_two_megatron_ranks_match_one_and_resume(tmp_path):
     two, one, resumed = tmp_path / "tp2", tmp_path / "tp1", tmp_path / "resumed"
     train(*TP2, "--save-interval", "1", "--output-dir", str(two))
@@ -67,6 +68,7 @@ def test_two_megatron_ranks_match_one_and_resume(tmp_path):
     assert c[0]["train_rollout_logprob_abs_diff"] < 1e-4, c[0]
 
 
+@pytest.mark.e2e
 def test_two_megatron_ranks_sync_a_lora_adapter(tmp_path):
     """--lora-sync adapter with TP=2: writing the adapter gathers its TP shards, so both ranks take
     part (rank 0 alone would wait in the gather forever); the engine serves the adapter on policy."""

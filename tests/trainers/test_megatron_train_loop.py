@@ -29,6 +29,7 @@ def rows(folder: Path) -> list[dict]:
     return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.e2e
 def test_train_loop_with_the_megatron_trainer_and_resume(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     proc = train("--num-rollout", "2", "--save-interval", "1", "--output-dir", str(a), *SMALL)
