@@ -66,7 +66,9 @@ class AgentResult:
     output: Any
     messages: list[dict] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
-    sandbox: Any = None  # a command's sandbox, still open (read the files it wrote: `await sandbox.read_file(p)`)
+    # a command's sandbox, still open (read the files it wrote: `await sandbox.read_file(p)`; what the agent
+    # left unreadable there raises AgentFileError, its fault)
+    sandbox: Any = None
 
 
 class CommandFault(Exception):
