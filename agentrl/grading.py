@@ -18,10 +18,20 @@ tool-call parsers) may be a closure, so it cannot be named for a fresh interpret
 runs in a process forked from the caller for the call (`call_in_fork`), which inherits the
 function and its arguments (nothing is pickled on the way in; the value comes back pickled),
 and is killed past its time limit or memory bound: `GradingTimeout`, the agent's fault, and
-nothing left running. An async reward function stays on the event loop under an asyncio
-timeout (`call_reward_fn`). What a forked call changes in its arguments or globals stays in
-the child, and the child has only the thread that forked it: a function that waits on a lock
+nothing left running. What a forked call changes in its arguments or globals stays in the
+child, and the child has only the thread that forked it: a function that waits on a lock
 another thread of the parent held at that moment waits until its bound.
+
+An async reward function (`call_reward_fn`) runs on an event loop of its own in a daemon thread
+(`_RewardLoop`), never on the caller's: one that computes without awaiting (sympy inside an
+`async def`) blocks that loop, not the rollout's. Its calls share that loop, so a client it keeps
+between calls (an aiohttp session to a remote reward model) keeps working, and what it keeps in
+globals stays. Past its limit a call is cancelled; if the loop does not answer within
+`STUCK_GRACE_S` it is blocked: it is left to its thread (told to stop when it comes back) and the
+next call gets a fresh loop. A blocked thread cannot be killed, so at most
+`MAX_BLOCKED_LOOPS` are left at once; past that, each call runs in a forked child instead
+(`asyncio.run` there: bounded and killed like a sync function's, but a client or state made on
+the shared loop is not there, and nothing it changes comes back).
 """
 
 from __future__ import annotations
@@ -304,18 +314,94 @@ def call_in_fork(fn: Callable, *args: Any, timeout: float, what: str = "",
     raise GradingTimeout(f"{what} ended its worker process" + (f" (signal {sig})" if sig else "") + " on this output")
 
 
+STUCK_GRACE_S = 1.0      # how long a loop whose call ran past its limit gets to take the cancellation
+MAX_BLOCKED_LOOPS = 4    # blocked reward loops left to their threads at once, before calls go to forks
+
+
+class _RewardLoop:
+    """An event loop running in a daemon thread of its own, for async reward functions."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name="agentrl-reward-loop", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.loop.run_forever()
+        self.loop.close()  # stopped after it was left blocked: its descriptors go with it
+
+    def answers(self, within_s: float) -> bool:
+        answered = threading.Event()
+        self.loop.call_soon_threadsafe(answered.set)
+        return answered.wait(within_s)
+
+    def abandon(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)  # runs once the blocked call lets go
+
+
+_reward_loop: _RewardLoop | None = None
+_blocked: list[_RewardLoop] = []
+_reward_loop_lock = threading.Lock()
+
+
+def _shared_reward_loop() -> _RewardLoop | None:
+    """The loop async reward functions run on; None while MAX_BLOCKED_LOOPS are blocked."""
+    global _reward_loop
+    with _reward_loop_lock:
+        _blocked[:] = [b for b in _blocked if b.thread.is_alive()]
+        if _reward_loop is None and len(_blocked) < MAX_BLOCKED_LOOPS:
+            _reward_loop = _RewardLoop()
+        return _reward_loop
+
+
+def _leave_blocked(holder: _RewardLoop) -> None:
+    global _reward_loop
+    with _reward_loop_lock:
+        if _reward_loop is holder:
+            _reward_loop = None
+            _blocked.append(holder)
+    holder.abandon()
+
+
+async def _within(rm: Callable, args: tuple, timeout: float, what: str) -> Any:
+    bound = asyncio.timeout(timeout)
+    try:
+        async with bound:
+            return await rm(*args)
+    except TimeoutError:
+        if bound.expired():
+            raise GradingTimeout(f"{what} ran past its {timeout:g} s limit") from None
+        raise  # its own (a request of its own timed out)
+
+
+def _run_to_completion(rm: Callable, *args: Any) -> Any:
+    """A forked child's body for an async reward function: a loop of its own."""
+    return asyncio.run(rm(*args))
+
+
 async def call_reward_fn(rm: Callable, *args: Any, timeout: float) -> Any:
-    """``rm(*args)`` within `timeout` seconds, GradingTimeout past it (the agent's fault). A sync
-    rm runs in a forked child (`call_in_fork`) that is killed at the limit, waited on from a
-    thread so the loop goes on; an async one runs on the loop under an asyncio timeout."""
+    """``rm(*args)`` within `timeout` seconds, GradingTimeout past it (the agent's fault), never
+    blocking the caller's loop. A sync rm runs in a forked child (`call_in_fork`) that is killed at
+    the limit, waited on from a thread; an async one on the reward loop (see the module docstring)."""
     what = "the custom reward function"
     if not inspect.iscoroutinefunction(rm):
         return await asyncio.to_thread(call_in_fork, rm, *args, timeout=timeout, what=what)
+    holder = _shared_reward_loop()
+    if holder is None:  # every loop it was given is blocked: a process, killed at the limit
+        return await asyncio.to_thread(call_in_fork, _run_to_completion, rm, *args, timeout=timeout, what=what)
+    call = asyncio.run_coroutine_threadsafe(_within(rm, args, timeout, what), holder.loop)
+    waiting = asyncio.wrap_future(call)
     try:
-        async with asyncio.timeout(timeout):
-            return await rm(*args)
-    except TimeoutError:
-        raise GradingTimeout(f"{what} ran past its {timeout:g} s limit") from None
+        done, _ = await asyncio.wait({waiting}, timeout=timeout + STUCK_GRACE_S)
+    except asyncio.CancelledError:
+        call.cancel()  # the caller gave up: so does the call
+        raise
+    if not done:  # the reward loop's own timeout never fired: something blocks that loop
+        call.cancel()
+        if not await asyncio.to_thread(holder.answers, STUCK_GRACE_S):
+            _leave_blocked(holder)
+        raise GradingTimeout(f"{what} ran past its {timeout:g} s limit (it blocked its event loop)")
+    return waiting.result()
 
 
 # ---- the worker's side ------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ Requests (`id` is echoed back):
   {"op": "read", "path": p, "limit": bytes} -> {"data": b64, "truncated": bool} | {"error": msg}
 
 After every exec, every process of the sandbox that is not protected is SIGKILLed, so
-nothing an agent starts outlives its command. Protected: pid 1, the oldest child of pid 1
-(the container's main process), this server, and the process trees of other
-`docker exec` sessions (root has ppid 0: the host's `Sandbox.spawn`).
+nothing an agent starts outlives its command. Protected: pid 1 (docker: the container's
+reaper; local: bubblewrap's), this server, and the process trees of other `docker exec`
+sessions (root has ppid 0: the host's `Sandbox.spawn`).
 
 The server makes itself non-dumpable, so a command running as the same uid can neither
 ptrace it nor open its /proc/<pid>/fd pipes to forge answers. Standard library only; it
@@ -60,16 +60,13 @@ def _proc_table():
 
 
 def _leftovers(me, sessions=True):
-    """Pids to kill: every process but pid 1, the container's main process, this server and
-    (sessions=True) the trees of other `docker exec` sessions."""
+    """Pids to kill: every process but pid 1, this server and (sessions=True) the trees of other
+    `docker exec` sessions."""
     table = _proc_table()
     children = {}
     for pid, (ppid, _, _) in table.items():
         children.setdefault(ppid, []).append(pid)
     protected = {1, me}
-    kids_of_init = sorted(children.get(1, []), key=lambda p: table[p][2])
-    if kids_of_init:
-        protected.add(kids_of_init[0])
     # other `docker exec` sessions (host spawns) and their trees
     stack = [p for p, (pp, _, _) in table.items() if pp == 0 and p not in (1, me)] if sessions else []
     while stack:

@@ -1,6 +1,6 @@
 """Docker backend: one container per sandbox, through the Docker SDK for Python.
 
-The container runs `sleep infinity` under docker-init as root, with a read-only
+The container's pid 1 is `REAPER` (python3, as root: it only reaps orphans), with a read-only
 root, all capabilities dropped but SETUID/SETGID/SETPCAP (which only the servers' start uses,
 see base.SERVER_IDENTITY: commands run as uid 1000 with an empty bounding set), no-new-privileges, no network (unless asked), tmpfs
 /work (uid 1000, size-capped) and /tmp, and memory / CPU / pids limits. Commands run as
@@ -12,8 +12,9 @@ What /proc/self/mountinfo shows of the host: docker bind-mounts /etc/hosts, /etc
 /etc/resolv.conf from its data root (/var/lib/docker/containers/<id>/...), so the container
 gets its own from the staging tmpfs instead (`_etc_mounts`, as root: they show as "/<hash>/hosts"
 of a filesystem named "stage"), and a cgroup namespace of its own (no /docker/<id> paths).
-What still shows: docker-init's host path (/usr/bin/tini-static, from the docker package),
-the root filesystem's driver and the host's block device.
+The pid 1 is the image's own python3, not docker-init (`--init` bind-mounts the host's
+/usr/bin/tini-static, whose path mountinfo showed). What still shows: the root filesystem's
+driver and the host's block device.
 
 Every container carries labels (`agentrl.sandbox`, `agentrl.run_id`, `agentrl.owner_pid`,
 `agentrl.owner_start`, `agentrl.owner_host`) so `reap()` can remove the containers of
@@ -32,13 +33,24 @@ from typing import Mapping, Sequence
 from . import bridge
 from .local_backend import claim_host_uid, release_host_uid, release_orphan_claims
 from .base import (OWNER_PID, OWNER_START, RUN_ID, WORKDIR, ImageNotFoundError,
-                   Sandbox, SandboxError, cap_stderr, inodes_for, kill_cgroup, log, owner_alive, proc_status_number, reap_once)
+                   Sandbox, SandboxError, cap_stderr, inodes_for, kill_cgroup, log, owner_alive, reap_once)
 
 DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
 LABEL = "agentrl.sandbox"
-# The container's main process (`sleep infinity`): root, not the agent's uid, so it cannot kill
-# it; and docker gives `docker exec -u 0` the container's capabilities only when its user is root
+# The container's main process, pid 1: root, not the agent's uid, so it cannot kill it; and docker
+# gives `docker exec -u 0` the container's capabilities only when its user is root
 MAIN_UID = 0
+# pid 1: reaps every orphan reparented to it (SIGCHLD blocked and waited for, so none is missed;
+# a wake-up a minute at most); signals without a handler do not reach a pid 1
+REAPER = ("import os, signal\n"
+          "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})\n"
+          "while True:\n"
+          "    try:\n"
+          "        while os.waitpid(-1, os.WNOHANG)[0]:\n"
+          "            pass\n"
+          "    except ChildProcessError:\n"
+          "        pass\n"
+          "    signal.sigtimedwait({signal.SIGCHLD}, 60)\n")
 CGROOT = Path("/sys/fs/cgroup")
 HOST = socket.gethostname()
 
@@ -87,7 +99,6 @@ class DockerSandbox(Sandbox):
         super().__init__(**kw)
         self.image = image
         self.container = None
-        self._main_pid: int | None = None  # host pid of the container's `sleep infinity`
         self.bridge_dir: Path | None = None  # mounted at bridge.INSIDE (see bridge.py)
         if shutil.which("docker") is None:
             raise SandboxError("the docker backend needs the docker CLI (apt-get install docker.io)")
@@ -119,8 +130,8 @@ class DockerSandbox(Sandbox):
         self.bridge_dir = bridge.make_dir(bridge.docker_dir(self.id))
         try:
             self.container = client.containers.run(
-                self.image, ["sleep", "infinity"], name=f"agentrl-{self.id}", detach=True,
-                init=True, user=f"{MAIN_UID}:{MAIN_UID}", labels=labels, hostname="sandbox",
+                self.image, ["python3", "-I", "-c", REAPER], name=f"agentrl-{self.id}", detach=True,
+                init=False, user=f"{MAIN_UID}:{MAIN_UID}", labels=labels, hostname="sandbox",
                 read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges:true"],
                 # only for the servers' start (base.SERVER_IDENTITY), which drop them at once; the
                 # main process and every command run as non-root uids, where they mean nothing
@@ -182,9 +193,8 @@ class DockerSandbox(Sandbox):
         return await asyncio.to_thread(self._kill_all_sync)
 
     def _kill_all_sync(self) -> bool:
-        """Kill, from the host, every process of the container's cgroup but its init and main
-        process (`sleep infinity`, root: the only child of init the agent's uid cannot make); needs
-        root on the host (else False: the container is not reused)."""
+        """Kill, from the host, every process of the container's cgroup but its pid 1 (`REAPER`);
+        needs root on the host (else False: the container is not reused)."""
         if os.geteuid() != 0 or self.container is None:
             return False
         try:
@@ -195,12 +205,7 @@ class DockerSandbox(Sandbox):
         cgroup = _pids_cgroup(init)
         if not init or cgroup is None:
             return False
-        if self._main_pid is None:
-            mains = [p for p in _children(init) if proc_status_number(p, "Uid") == MAIN_UID]
-            if len(mains) != 1:
-                return False
-            self._main_pid = mains[0]
-        return kill_cgroup(cgroup, keep=frozenset({init, self._main_pid}))
+        return kill_cgroup(cgroup, keep=frozenset({init}))
 
     async def _destroy(self) -> None:
         await asyncio.to_thread(self._destroy_sync)
@@ -239,13 +244,6 @@ def _pids_cgroup(pid: int) -> Path | None:
         if d.is_dir() and d != CGROOT and d != CGROOT / "pids":
             return d
     return None
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except (OSError, ValueError):
-        return []
 
 
 def list_containers(all_runs: bool = True) -> list:

@@ -17,7 +17,10 @@ of the host shows: no /home, /root, /tmp, /var.
 Limits: run as root, the workdir and /tmp share a size-capped tmpfs and the sandbox gets
 memory / pids / cpu cgroups (v1 or v2). Unprivileged, the limits fall back to rlimits
 (address space, RLIMIT_NPROC, per-file size), which is weaker: prefer docker. Each spawn then
-runs in a user namespace of its own that holds its per-user kernel objects (`QUOTA_SHARES`).
+runs in a user namespace of its own that holds its per-user kernel objects (`QUOTA_SHARES`),
+and the workdir and /tmp are still one tmpfs capped in size and file count: a holder process
+(`_start_holder`) keeps a user and mount namespace of the sandbox's own where it is mounted
+(root of its own user namespace may), and every spawn enters it (nsenter) before the rest.
 When the owner process dies, bwrap dies with it (--die-with-parent) and the kernel kills
 the rest of the sandbox's pid namespace; `reap()` then removes the state dir, the tmpfs
 and the cgroups.
@@ -28,6 +31,7 @@ import asyncio
 import functools
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -37,7 +41,7 @@ from typing import Mapping, Sequence
 
 from . import bridge, seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
-                   cap_stderr, inodes_for, kill_cgroup, log, owner_alive, reap_once, state_root)
+                   cap_stderr, inodes_for, kill_cgroup, log, owner_alive, process_start_time, reap_once, state_root)
 
 HOST_UID = 65534  # what sandboxed processes are on the host when we are not given one of their own
 # As root, each sandbox runs as a host uid of its own from this range (claimed in `$state_root/.uids`):
@@ -56,6 +60,11 @@ MSGQUEUE_BYTES = 64 << 10  # POSIX message queues of a sandbox (RLIMIT_MSGQUEUE;
 QUOTA_SHARES = 8  # a sandbox's share of the user's inotify limits: 1/8
 _QUOTA = ('echo "$1" > /proc/sys/user/max_inotify_instances && echo "$2" > /proc/sys/user/max_inotify_watches '
           '|| exit 125; shift 2; exec "$@"')
+# The holder (not as root): in a user and mount namespace of its own, the sandbox's tmpfs on its fs dir
+# (only that namespace sees it), /work and /tmp in it; then it waits, holding both namespaces open.
+_HOLD = ('mount -t tmpfs -o "size=$1,nr_inodes=$2,mode=0700" sandbox "$3" && mkdir -m 0700 "$3/work" "$3/tmp" '
+         '|| exit 125; echo ready; exec sleep infinity')
+HOLDER_START_S = 30.0
 
 
 def local_available() -> tuple[bool, str]:
@@ -94,6 +103,41 @@ def _userns_quota_works(argv: tuple[str, ...]) -> bool:
                     "the user's inotify instances, watches, processes and message queues, so one can exhaust "
                     "them for the others. Run as root or use the docker backend (docs/security.md).", why)
     return ok
+
+
+def _start_holder(fs: Path, size_mb: int) -> subprocess.Popen | None:
+    """Not as root: the process holding the sandbox's user and mount namespace, with a tmpfs of
+    `size_mb` (and `inodes_for` files) at `fs` in it; None (said once, loudly) where it cannot."""
+    argv = ["unshare", "--user", "--map-root-user", "--mount", "/bin/sh", "-c", _HOLD, "sh",
+            str(size_mb << 20), str(inodes_for(size_mb)), str(fs)]
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+    except OSError as e:
+        _warn_no_holder(str(e))
+        return None
+    ready, _, _ = select.select([proc.stdout], [], [], HOLDER_START_S)
+    if ready and proc.stdout.readline() == b"ready\n":
+        return proc
+    proc.kill()
+    _, err = proc.communicate()
+    _warn_no_holder(err.decode(errors="replace").strip()[-500:] or "no answer")
+    return None
+
+
+@functools.cache
+def _warn_no_holder(why: str) -> None:
+    log.warning("local sandbox, not root: no mount namespace of its own (%s): /work and /tmp are host folders "
+                "with only a per-file size cap. Run as root or use the docker backend (docs/security.md).", why)
+
+
+def _stop_holder(pid: int | None, start: int | None) -> None:
+    """Kill a sandbox's holder (its tmpfs goes with its last process), if it is still that process."""
+    if pid and start is not None and process_start_time(pid) == start:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def cgroup_mode() -> str | None:
@@ -221,6 +265,7 @@ class LocalSandbox(Sandbox):
         self.bwrap_args: Path | None = None  # bubblewrap's fixed arguments (NUL-separated), written at setup
         self.host_uid = HOST_UID
         self.mounted = False
+        self.holder: subprocess.Popen | None = None  # not as root: holds the namespaces of its tmpfs
         self.bridge_dir: Path | None = None  # mounted at bridge.INSIDE (see bridge.py)
 
     async def _boot(self) -> None:
@@ -236,6 +281,13 @@ class LocalSandbox(Sandbox):
         (self.root / "owner.json").write_text(json.dumps(
             {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id, "host_uid": self.host_uid}))
         self.fs.mkdir(mode=0o700)
+        if not root:
+            self.holder = _start_holder(self.fs, lim.workdir_mb + lim.tmp_mb)
+            if self.holder is not None:
+                (self.root / "owner.json").write_text(json.dumps(
+                    {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id,
+                     "host_uid": self.host_uid, "holder": self.holder.pid,
+                     "holder_start": process_start_time(self.holder.pid)}))
         if seccomp.supported():
             self.seccomp_bpf = self.root / "seccomp.bpf"
             self.seccomp_bpf.write_bytes(seccomp.program())
@@ -255,7 +307,7 @@ class LocalSandbox(Sandbox):
         for name, text in OWN_ETC.items():
             (etc / name).write_text(text)
             (etc / name).chmod(0o644)
-        for sub in ("work", "tmp", "shm") if root else ("work", "tmp"):
+        for sub in ("work", "tmp", "shm") if root else () if self.holder else ("work", "tmp"):
             (self.fs / sub).mkdir(mode=0o700)
             if root:
                 os.chown(self.fs / sub, self.host_uid, self.host_uid)
@@ -346,8 +398,11 @@ class LocalSandbox(Sandbox):
         demote, quota = [], []
         if os.geteuid() == 0:
             demote = ["setpriv", f"--reuid={self.host_uid}", f"--regid={self.host_uid}", "--clear-groups"]
-        else:
+        else:  # into the holder's namespaces (its tmpfs), then a user namespace of the spawn's own
             quota = userns_quota_argv()
+            if self.holder is not None:
+                quota = ["nsenter", f"--target={self.holder.pid}", "--user", "--mount", "--preserve-credentials",
+                         *quota]
         # fd 4 (`bwrap_args`): the root file system, /proc, /dev, /work and /tmp, a /dev/shm of its own
         # (size-capped where bwrap can) and /dev read-only (the agent's uid owns bwrap's /dev, where
         # files would outlive a reset), the network if asked, the read-only mounts
@@ -363,7 +418,7 @@ class LocalSandbox(Sandbox):
                            "/bin/sh", "-c", join, "sh", *procs_files, "--", *quota, "prlimit", *rlimits, *demote, *bwrap])
 
     async def _alive(self) -> bool:
-        return self.fs.is_dir() and not self.closed
+        return self.fs.is_dir() and not self.closed and (self.holder is None or self.holder.poll() is None)
 
     async def _kill_all(self) -> bool:
         """Every process of the sandbox joined its cgroup before bwrap ran (the spawn's join
@@ -378,6 +433,9 @@ class LocalSandbox(Sandbox):
 
     def _destroy_sync(self) -> None:
         cleanup_dir(self.root)
+        if self.holder is not None:
+            self.holder.kill()
+            self.holder.wait()
 
 
 def _remove_cgroups(cgroups: dict[str, Path], timeout_s: float = 15.0) -> None:
@@ -420,9 +478,12 @@ def cleanup_dir(root: Path) -> None:
     sid = root.name
     _remove_cgroups(_cgroup_dirs(sid))
     try:
-        host_uid = json.loads((root / "owner.json").read_text()).get("host_uid")
+        owner = json.loads((root / "owner.json").read_text())
     except (OSError, ValueError):
-        host_uid = None
+        owner = {}
+    owner = owner if isinstance(owner, dict) else {}
+    host_uid = owner.get("host_uid")
+    _stop_holder(owner.get("holder"), owner.get("holder_start"))
     for mnt in _mounts_under(root):
         r = subprocess.run(["umount", "-l", mnt], capture_output=True, timeout=30)
         if r.returncode != 0:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from agentrl import grading
 from agentrl.grading import GraderPool, GradingError, GradingTimeout, call_reward_fn
 from waiting import wait_until
 
@@ -88,6 +89,106 @@ def test_custom_reward_functions_are_bounded():
             await call_reward_fn(lambda a, s: {}["x"], None, None, timeout=5)
 
     asyncio.run(go())
+
+
+def test_an_async_reward_that_never_awaits_leaves_the_loop_free_and_the_next_call_works():
+    """`async def rm` that computes without awaiting (what sympy in an async def does) blocked the
+    rollout's loop for as long as it ran: now it blocks a reward loop of its own, is cut at its
+    limit, and the next call gets a fresh loop."""
+    async def computes(args, sample):
+        time.sleep(4)  # no await: holds its loop
+        return 1.0
+
+    async def fine(args, sample):
+        await asyncio.sleep(0)
+        return 0.5
+
+    async def go():
+        stalls, done = [], asyncio.Event()
+        tick = asyncio.create_task(record_stalls(stalls, done))
+        t0 = time.monotonic()
+        with pytest.raises(GradingTimeout, match="blocked its event loop"):
+            await call_reward_fn(computes, None, None, timeout=0.5)
+        elapsed = time.monotonic() - t0
+        value = await call_reward_fn(fine, None, None, timeout=5)
+        done.set()
+        await tick
+        return elapsed, value, max(stalls)
+
+    elapsed, value, stall = asyncio.run(go())
+    assert elapsed < 3.5 and stall < 0.3, (elapsed, stall)
+    assert value == 0.5
+
+
+def test_an_async_reward_keeps_its_client_and_state_between_calls():
+    """A real async reward function: one aiohttp session to a remote reward model, made on the first
+    call and reused by the next ones (all run on the one reward loop); its own request timeout stays
+    its own error, not the agent's fault."""
+    from aiohttp import ClientSession, ClientTimeout, web
+
+    kept = {}
+
+    async def remote_rm(args, sample):
+        if "session" not in kept:
+            kept["session"] = ClientSession()
+        kept["calls"] = kept.get("calls", 0) + 1
+        path = "/slow" if sample == "slow" else "/score"
+        async with kept["session"].post(args + path, json={"text": sample}, timeout=ClientTimeout(total=0.5)) as r:
+            return (await r.json())["score"]
+
+    async def score(request):
+        return web.json_response({"score": len((await request.json())["text"]) / 10})
+
+    async def slow(request):
+        await asyncio.sleep(5)
+        return web.json_response({"score": 0})
+
+    async def go():
+        app = web.Application()
+        app.add_routes([web.post("/score", score), web.post("/slow", slow)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            values = [await call_reward_fn(remote_rm, url, text, timeout=10) for text in ("abc", "abcdefgh")]
+            with pytest.raises(TimeoutError) as own:
+                await call_reward_fn(remote_rm, url, "slow", timeout=10)
+            session = kept["session"]
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(session.close(), grading._reward_loop.loop))
+            return values, own.value
+        finally:
+            await runner.cleanup()
+
+    values, own = asyncio.run(go())
+    assert values == [0.3, 0.8] and kept["calls"] == 3  # one session, its state kept
+    assert not isinstance(own, GradingTimeout)
+
+
+def test_past_the_blocked_loops_bound_an_async_reward_runs_in_a_killed_fork(monkeypatch):
+    """A blocked loop's thread cannot be killed: once MAX_BLOCKED_LOOPS are left blocked, each call
+    runs in a forked child (asyncio.run there), killed at its limit, its value still returned."""
+    monkeypatch.setattr(grading, "MAX_BLOCKED_LOOPS", 1)
+    parent = os.getpid()
+
+    async def rm(args, sample):
+        if sample == "block":
+            time.sleep(6)
+        await asyncio.sleep(0)
+        return {"pid": os.getpid()}
+
+    async def go():
+        with pytest.raises(GradingTimeout, match="blocked its event loop"):
+            await call_reward_fn(rm, None, "block", timeout=0.3)
+        t0 = time.monotonic()
+        with pytest.raises(GradingTimeout, match="ran past its 0.3 s limit"):
+            await call_reward_fn(rm, None, "block", timeout=0.3)  # a fork this time: killed at the limit
+        forked = time.monotonic() - t0
+        return forked, await call_reward_fn(rm, None, "fine", timeout=30)
+
+    forked, value = asyncio.run(go())
+    assert forked < 3 and value["pid"] != parent, (forked, value)
 
 
 def test_math_grading_of_hostile_answers_is_bounded_and_off_the_loop():

@@ -21,8 +21,12 @@ last line it prints is its output. `sandbox=False`: a host subprocess instead (t
 only: it sees the host and the whole task, label included).
 
 The reward, first that applies: the agent raised, timed out (`timeout_s`), printed past its
-output bound, exited non-zero (a command), or never called the endpoint: 0, the reason in the
-sample's metadata["agent_fault"] (scored, not FAILED).
+output bound, exited non-zero (a command), broke its own sandbox (a command whose exec raised
+`SandboxError` while the sandbox still answers: it killed the exec server, filled what the
+server needs; see `_sandbox_answers`), left a file the reward function cannot read (a FIFO, a
+directory, missing, too large: `AgentFileError`), or never called the endpoint: 0, the reason
+in the sample's metadata["agent_fault"] (scored, not FAILED, which would let a policy veto its
+group). A sandbox that cannot be had, or that no longer answers, is infrastructure: FAILED.
 Else `reward(task, result)` if given (result: AgentResult, the output and the conversation);
 else the `grader` env: reset with the task, one step with the output (a string; else the
 last reply's text): the env's own grading (the code env's hidden tests, unchanged); else the
@@ -42,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from agentrl.env import Env
-from agentrl.errors import ConfigError
+from agentrl.errors import AgentFault, ConfigError
 from agentrl.gateway.server import Gateway
 from agentrl.gateway.session import Session
 from agentrl.registry import get_spec, make, register_env
@@ -62,11 +66,52 @@ class AgentResult:
     output: Any
     messages: list[dict] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
-    sandbox: Any = None  # a command's sandbox, still open (read the files it wrote: `await sandbox.read_file(p)`)
+    # a command's sandbox, still open (read the files it wrote: `await sandbox.read_file(p)`; what the agent
+    # left unreadable there raises AgentFileError, its fault)
+    sandbox: Any = None
 
 
 class CommandFault(Exception):
     """A command agent ended badly by its own doing (timed out, flooded, exited non-zero): reward 0."""
+
+
+class AgentFileError(AgentFault):
+    """A file in the agent's sandbox that a reward function reads is missing, not a regular file or
+    too large: what the agent left there. Raised as FileNotFoundError, OSError or ValueError too
+    (`_AgentFiles.read_file`), so a reward function that catches those still does."""
+
+
+class _MissingFile(AgentFileError, FileNotFoundError):
+    pass
+
+
+class _UnreadableFile(AgentFileError, OSError):
+    pass
+
+
+class _OversizedFile(AgentFileError, ValueError):
+    pass
+
+
+class _AgentFiles:
+    """The command's sandbox as a reward function sees it (`AgentResult.sandbox`): the sandbox,
+    whose read_file errors are the agent's (`AgentFileError`); SandboxError stays itself."""
+
+    def __init__(self, sandbox):
+        self._sandbox = sandbox
+
+    def __getattr__(self, name):
+        return getattr(self._sandbox, name)
+
+    async def read_file(self, path: str, *args, **kw) -> bytes:
+        try:
+            return await self._sandbox.read_file(path, *args, **kw)
+        except FileNotFoundError as e:
+            raise _MissingFile(f"the agent's file {path}: {e}") from None
+        except OSError as e:
+            raise _UnreadableFile(f"the agent's file {path}: {e}") from None
+        except ValueError as e:
+            raise _OversizedFile(f"the agent's file {path}: {e}") from None
 
 
 class AgentEnv(Env):
@@ -252,9 +297,13 @@ class AgentRunner:
                 fault = f"timeout: the agent ran past {env.timeout_s:g} s"
             elif isinstance(playing.exception(), CommandFault):
                 fault = str(playing.exception())
-            elif _is_sandbox_error(playing.exception()):  # the sandbox broke, not the agent: masked
+            elif _is_sandbox_error(playing.exception()):
                 exc = playing.exception()
-                failure, tb = f"sandbox: {exc}", "".join(traceback.format_exception(exc))
+                if await _sandbox_answers(place.sandbox):  # it lives: what broke its exec is the command
+                    place.sandbox.taint(f"the agent's command broke it: {exc}")
+                    fault = f"the agent broke its sandbox: {exc}"
+                else:  # the sandbox itself is gone: infrastructure, masked
+                    failure, tb = f"sandbox: {exc}", "".join(traceback.format_exception(exc))
             elif playing.exception() is not None:
                 exc = playing.exception()
                 fault = f"the agent raised {type(exc).__name__}: {exc}"
@@ -274,14 +323,21 @@ class AgentRunner:
                               metadata={"label": task.get("label"), **(task.get("metadata") or {})})]
         reward = 0.0
         if fault is None and failure is None:
+            files = _AgentFiles(place.sandbox) if place.sandbox is not None else None
             try:
-                reward = await self._score(env, task, AgentResult(output, samples[-1].messages, samples, place.sandbox),
-                                           seed, last_text, place.grader)
+                reward, fault = await self._score(env, task, AgentResult(output, samples[-1].messages, samples, files),
+                                                  seed, last_text, place.grader)
             except ConfigError:
                 raise  # the env's definition is wrong: every trajectory would be; stop the run
+            except AgentFault as exc:  # a file the agent left (or broke) that the scoring reads
+                fault = f"scoring: {type(exc).__name__}: {exc}"
             except Exception as exc:  # the grader or reward function failed: infrastructure, masked
-                failure = f"scoring: {type(exc).__name__}: {exc}"
-                tb = traceback.format_exc()
+                if _is_sandbox_error(exc) and await _sandbox_answers(place.sandbox):
+                    place.sandbox.taint(f"the agent broke it: {exc}")
+                    fault = f"scoring: the agent broke its sandbox: {exc}"
+                else:
+                    failure = f"scoring: {type(exc).__name__}: {exc}"
+                    tb = traceback.format_exc()
         for sample in samples:
             sample.reward = reward
             sample.metadata["agent_output"] = output if isinstance(output, (str, int, float, type(None))) else repr(output)
@@ -344,28 +400,50 @@ class AgentRunner:
 
     async def _score(self, env: AgentEnv, task: dict, result: AgentResult, seed: int, last_text: str | None,
                      grader: Env | None = None):
+        """(reward, the agent's fault the grader env reported or None)."""
+        info: dict = {}
         if env.reward is not None:
             out = env.reward(task, result)
             out = await out if inspect.isawaitable(out) else out
         elif env.grader is not None:
             answer = result.output if isinstance(result.output, str) else (last_text or "")
             if grader is not None:  # reset before the command ran, in its sandbox (closed by the caller)
-                _, out, *_ = await grader.astep(answer)
+                _, out, _, _, info = await grader.astep(answer)
             else:
                 grader = make(env.grader, **env.grader_kwargs)
                 try:
                     await grader.areset(seed=seed, options=task or None)
-                    _, out, *_ = await grader.astep(answer)
+                    _, out, _, _, info = await grader.astep(answer)
                 finally:
                     await grader.aclose()
         else:
             out = result.output
+        fault = info.get("agent_fault") if isinstance(info, dict) else None
         if isinstance(out, dict) and "score" in out:
-            return {k: float(v) for k, v in out.items()}
+            return {k: float(v) for k, v in out.items()}, fault
         if isinstance(out, bool) or not isinstance(out, (int, float)):
             raise ConfigError(f"agent env {type(env).__name__}: the reward must be a number or a dict with 'score', "
                               f"got {out!r} (return one from the agent, or give reward= or grader= to @agent_env)")
-        return float(out)
+        return float(out), fault
+
+
+SANDBOX_CHECK_S = 30.0  # how long a sandbox whose exec raised gets to answer a ping
+
+
+async def _sandbox_answers(sandbox) -> bool:
+    """Whether `sandbox`, whose exec raised SandboxError, still answers a ping (which restarts an
+    exec server that was killed, or that could not restart at first). True: the sandbox lives and
+    works, so what broke the exec was the agent's own doing. False: the sandbox (container,
+    namespaces) is gone or does not answer within SANDBOX_CHECK_S: infrastructure. A host-side
+    hiccup that passes within the check counts as the agent's: the price of never letting a
+    policy veto its group by breaking its own sandbox."""
+    if sandbox is None:
+        return False
+    try:
+        await asyncio.wait_for(sandbox.ping(), SANDBOX_CHECK_S)
+    except Exception:  # noqa: BLE001 - any failure to answer: the sandbox is what broke
+        return False
+    return True
 
 
 def _is_sandbox_error(exc: BaseException | None) -> bool:
@@ -374,6 +452,15 @@ def _is_sandbox_error(exc: BaseException | None) -> bool:
     from agentrl.sandboxes import SandboxError
 
     return isinstance(exc, SandboxError)
+
+
+async def _loopback_works(sb) -> bool:
+    """Whether a fresh process in `sb` can listen on its loopback. The forwarder's "no loopback"
+    exit is also what the command itself can print and exit with (the forwarder passes its exit
+    code on): only a failing check here makes it the sandbox's."""
+    r = await sb.exec(["python3", "-I", "-c", "import socket; socket.socket().bind(('127.0.0.1', 0))"],
+                      timeout=30, cwd="/")
+    return r.exit_code == 0
 
 
 @dataclass
@@ -404,7 +491,7 @@ async def _run_in_sandbox(env: AgentEnv, place: _Place, socket_inside: str, task
         raise CommandFault(f"timeout: the agent ran past {env.timeout_s:g} s")
     if r.exit_code == bridge.FLOOD_EXIT and bridge.FLOOD_NOTE in r.stderr:
         raise CommandFault(f"output flood: the command printed past {cap} bytes and was stopped")
-    if r.exit_code == bridge.NO_LOOPBACK_EXIT and "no loopback" in r.stderr:
+    if r.exit_code == bridge.NO_LOOPBACK_EXIT and "no loopback" in r.stderr and not await _loopback_works(sb):
         from agentrl.sandboxes import SandboxError
 
         raise SandboxError(f"sandbox {sb.id}: {tail.strip()}")  # ours, not the agent's: a failed trajectory

@@ -205,6 +205,63 @@ def test_a_sandbox_that_dies_under_the_command_fails_the_trajectory(tokenizer, t
     assert list(tmp_path.iterdir()) == []  # the session's socket is gone with it
 
 
+def test_a_sandbox_that_still_answers_after_its_exec_raised_is_the_agents_fault(tokenizer, tmp_path):
+    """The exec raised SandboxError but the sandbox answers a ping (its server restarts): what broke
+    the exec is what the command did there. Scored 0 with the reason, the sandbox never reused."""
+    from agentrl.sandboxes import SandboxError, SandboxLimits
+
+    class BrokenByItsCommand:
+        id, backend, uid, limits, bridge_dir, tainted = "fake", "fake", None, SandboxLimits(), tmp_path, ""
+
+        async def exec(self, *args, **kw):
+            raise SandboxError("sandbox fake: cannot restart after exec")
+
+        async def ping(self):
+            pass
+
+        def taint(self, why):
+            self.tainted = why
+
+    box = BrokenByItsCommand()
+
+    class Pool:
+        async def get(self):
+            return box
+
+        async def release(self, sb):
+            pass
+
+    agent_env("test-gw-broken-sandbox", command="true")(None)
+    samples, _ = play(tokenizer, "test-gw-broken-sandbox", [], {"prompt": "hi"}, sandbox=Pool())
+    assert len(samples) == 1 and samples[0].status != SampleStatus.FAILED and samples[0].reward == 0.0
+    assert samples[0].metadata["agent_fault"] == ("the agent broke its sandbox: sandbox fake: cannot restart "
+                                                  "after exec"), samples[0].metadata
+    assert "cannot restart" in box.tainted
+
+
+def test_a_grader_that_finds_the_agent_at_fault_records_why(tokenizer):
+    """A grader env's step that reports the agent's fault (info["agent_fault"], as ToolEnv does for a
+    file the agent broke): the sample carries the reason, not just the 0."""
+    from agentrl.env import Env
+    from agentrl.registry import register_env
+
+    @register_env("test-gw-faulting-grader")
+    class FaultingGrader(Env):
+        async def areset(self, *, seed=None, options=None):
+            return [{"role": "user", "content": "hi"}], {}
+
+        async def astep(self, action):
+            return [], 0.0, True, False, {"agent_fault": f"AgentFault: the agent's answer {action!r} is a FIFO"}
+
+    @agent_env("test-gw-faulted", grader="test-gw-faulting-grader")
+    async def agent(task, client):
+        return await ask(client, task)
+
+    samples, _ = play(tokenizer, "test-gw-faulted", ["yes"])
+    assert samples[0].status == SampleStatus.COMPLETED and samples[0].reward == 0.0
+    assert samples[0].metadata["agent_fault"] == "AgentFault: the agent's answer 'yes' is a FIFO"
+
+
 def test_a_parser_past_its_bound_scores_the_trajectory_0_with_the_reason(tokenizer):
     """A user-registered tool-call parser that hangs on what the model wrote: the agent still gets
     its reply, and the trajectory scores 0 with the parser's fault, whatever the agent returns."""

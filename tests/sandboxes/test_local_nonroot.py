@@ -6,7 +6,7 @@ it unprivileged. Each test here runs one `check_*` function below in a child pro
 (`setpriv`; the current user where the suite is not root). The child's HOME and
 AGENTRL_SANDBOX_DIR (the sandboxes' state dirs; its parent gets the staged sources, so both must
 be writable by that uid) lie in a folder of that uid. What the README says holds is asserted. What
-it says is NOT held for the sandbox (total memory, disk, CPU; pids shared with the uid) is measured
+it says is NOT held for the sandbox (total memory, CPU; pids shared with the uid) is measured
 and asserted as the README words it, so a change either way shows. Where an attack of
 test_sandbox_security.py, test_attacks.py or tests/tools/test_tool_attacks.py covers a row, the
 check calls it with backend "local"; the other attacks of the first two ("contained, root or not")
@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.sandboxes import SandboxLimits
+from agentrl.sandboxes.base import inodes_for
 from agentrl.sandboxes.local_backend import HOST_ETC, OWN_ETC, local_available
 from sbx_helpers import SMALL, run, sandbox
 
@@ -372,8 +373,9 @@ def check_per_file_size_cap() -> None:
         async with sandbox("local", limits=limits) as sb:
             assert (await _rlimits(sb))["Max file size"] == (str(12 * MiB),) * 2
             for where in ("/work", "/tmp"):
-                r = await sb.exec(f"head -c {12 * MiB} /dev/zero > {where}/at-cap && echo at-cap; "
-                                  f"head -c {12 * MiB + 1} /dev/zero > {where}/past-cap && echo past-cap")
+                r = await sb.exec(f"head -c {12 * MiB} /dev/zero > {where}/at-cap && echo at-cap; rm {where}/at-cap; "
+                                  f"head -c {12 * MiB + 1} /dev/zero > {where}/past-cap && echo past-cap; "
+                                  f"rm -f {where}/past-cap")  # (one 12 MiB tmpfs holds both: room for the next)
                 assert r.stdout == "at-cap\n", (where, r)
             with pytest.raises(OSError):  # the exec server is under the rlimit too
                 await sb.write_file("/work/big", b"x" * (12 * MiB + 1))
@@ -381,17 +383,30 @@ def check_per_file_size_cap() -> None:
     _attack("test_sandbox_security", "test_workdir_size_capped")
 
 
-def check_total_disk_not_held() -> None:
+COUNT_FILES = r"""
+import itertools, os, sys
+for i in itertools.count():
+    try:
+        open("/work/n%d" % i, "w").close()
+    except OSError as e:
+        print(i, e.strerror)
+        break
+"""
+
+
+def check_total_disk_capped() -> None:
     async def go():
-        async with sandbox("local", limits=README_LIMITS) as sb:  # a 192 MiB per-file cap
+        async with sandbox("local", limits=README_LIMITS) as sb:  # one 192 MiB tmpfs for /work and /tmp
             r = await sb.exec(f"stat -f -c %T /work /tmp; for f in /work/a /work/b /tmp/c; do "
-                              f"head -c {70 * MiB} /dev/zero > $f || echo failed $f; done; du -cm /work /tmp | tail -1")
+                              f"head -c {70 * MiB} /dev/zero > $f 2>/dev/null || echo failed $f; done; "
+                              f"du -cm /work /tmp | tail -1")
             fs, total = r.stdout.split("\n")[:2], int(r.stdout.split()[-2])  # file systems, MiB written
             print(f"disk: {total} MiB written in 70 MiB files under a 192 MiB cap, on {fs}")
-            assert "failed" not in r.stdout and total >= 210 and "tmpfs" not in fs, (
-                "README (local, not root): /work + /tmp size 'not held: the host's disk, only a per-file size "
-                "cap of `workdir_mb + tmp_mb` (measured: 3 files of 70 MiB, 210 MiB, written under a 192 MiB "
-                "cap)'", r)
+            assert fs == ["tmpfs", "tmpfs"] and "failed /tmp/c" in r.stdout and total <= 192, r
+            await sb.exec("rm -f /work/a /work/b /tmp/c")
+            r = await sb.exec(["python3", "-c", COUNT_FILES], timeout=120)
+            made, why = r.stdout.split(maxsplit=1)
+            assert int(made) < inodes_for(192) and "No space left" in why, r  # the file count is capped too
     run(go())
 
 
@@ -560,9 +575,10 @@ def test_per_file_size_cap(nonroot):
     nonroot.run("check_per_file_size_cap")
 
 
-def test_total_disk_not_held(nonroot):
-    """/work + /tmp, NOT held: 3 files of 70 MiB (210 MiB) go to the host's disk under a 192 MiB cap."""
-    nonroot.run("check_total_disk_not_held")
+def test_total_disk_capped(nonroot):
+    """/work + /tmp: one tmpfs of workdir_mb + tmp_mb in the sandbox's own mount namespace (a holder
+    process keeps it): 3 files of 70 MiB do not fit 192 MiB, and the file count is capped too."""
+    nonroot.run("check_total_disk_capped")
 
 
 def test_dev_shm_capped(nonroot):
