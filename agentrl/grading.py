@@ -46,6 +46,7 @@ import os
 import pickle
 import resource
 import select
+import struct
 import subprocess
 import sys
 import threading
@@ -243,7 +244,7 @@ def _child(fn: Callable, args: tuple, out: int, memory_mb: int) -> None:
                 data = pickle.dumps(("raised", e))
             except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
                 data = pickle.dumps(("error", f"{type(e).__name__}: {e}"[:1000]))
-        view = memoryview(data)
+        view = memoryview(struct.pack("<Q", len(data)) + data)
         while view:
             view = view[os.write(out, view[:1 << 16]):]
     finally:
@@ -269,9 +270,16 @@ def call_in_fork(fn: Callable, *args: Any, timeout: float, what: str = "",
         os.close(r)
         _child(fn, args, w, memory_mb)
     os.close(w)
-    chunks, size, deadline, ended = [], 0, time.monotonic() + timeout, False
+    # The message is length-prefixed, so its end is known without EOF: a child forked meanwhile by
+    # another thread's call inherits this pipe's write end and may keep it open for its whole bound.
+    chunks, size, deadline, ended, expected = [], 0, time.monotonic() + timeout, False, None
     try:
-        while size <= MAX_MESSAGE_BYTES:
+        while size <= MAX_MESSAGE_BYTES + 8:
+            if expected is None and size >= 8:
+                expected = 8 + struct.unpack("<Q", b"".join(chunks)[:8])[0]
+            if expected is not None and size >= expected:
+                ended = True  # all of it: the child exits now
+                break
             left = deadline - time.monotonic()
             if left <= 0 or not _readable(r, left):
                 break
@@ -292,7 +300,9 @@ def call_in_fork(fn: Callable, *args: Any, timeout: float, what: str = "",
                 os.kill(pid, 9)
         _, status = os.waitpid(pid, 0)  # it wrote all and exits, or was just killed
     try:
-        kind, value = pickle.loads(b"".join(chunks)) if ended and chunks else (None, None)
+        message = b"".join(chunks)
+        complete = len(message) >= 8 and len(message) == 8 + struct.unpack("<Q", message[:8])[0]
+        kind, value = pickle.loads(message[8:]) if ended and complete else (None, None)
     except Exception:  # noqa: BLE001 - cut short or garbled: it died while writing
         kind, value = None, None
     if kind == "value":
@@ -305,7 +315,7 @@ def call_in_fork(fn: Callable, *args: Any, timeout: float, what: str = "",
         raise GradingError(f"{what} {value}")
     if kind == "memory":
         raise GradingTimeout(f"{what} ran out of its {memory_mb} MiB memory bound on this output")
-    if size > MAX_MESSAGE_BYTES:
+    if size > MAX_MESSAGE_BYTES + 8:
         raise GradingTimeout(f"{what} returned more than {MAX_MESSAGE_BYTES >> 20} MiB on this output (its process "
                              "was killed)")
     if not ended:

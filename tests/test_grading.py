@@ -369,3 +369,24 @@ def test_a_forked_value_past_the_message_bound_is_the_outputs_fault():
     with pytest.raises(GradingTimeout, match="returned more than"):
         call_in_fork(lambda: b"x" * (MAX_MESSAGE_BYTES + 1), timeout=60)
     assert call_in_fork(lambda: b"x" * 1000, timeout=60) == b"x" * 1000
+
+
+def test_a_hanging_fork_does_not_hold_another_calls_answer():
+    """Forks from several threads at once: a hanging child forked while another call's pipe was
+    open inherits its write end, so that call must not wait for EOF (CI lost a good reward so)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agentrl.grading import call_in_fork
+
+    def hang():
+        time.sleep(3600)
+
+    with ThreadPoolExecutor(8) as pool:
+        calls = [pool.submit(call_in_fork, hang if i % 4 == 0 else (lambda i=i: i), timeout=3) for i in range(40)]
+        t0 = time.monotonic()
+        quick = [c.result() for i, c in enumerate(calls) if i % 4]
+        for c in calls[::4]:
+            with pytest.raises(GradingTimeout):
+                c.result()
+    assert quick == [i for i in range(40) if i % 4]
+    assert time.monotonic() - t0 < 60
