@@ -76,6 +76,11 @@ class RolloutConfig(Section):
     """Token budget of a trajectory's response (all turns, policy and env tokens)."""
     rollout_max_tokens_per_turn: int | None = Field(None, ge=1)
     """Cap on the tokens of one assistant turn; None: the remaining response budget."""
+    rollout_max_context_len: int | None = Field(None, ge=2)
+    """Cap on prompt + response tokens of a trajectory (slime's; a prompt filling it ends truncated,
+    untrained); None: only --rollout-max-response-len."""
+    rollout_stop_token_ids: list[int] = []
+    """Token ids that end a turn, besides the tokenizer's EOS (slime's)."""
     rollout_temperature: float = Field(1.0, ge=0)
     """Sampling temperature of rollouts (the trainer's log-probs use it too)."""
     rollout_top_p: float = Field(1.0, gt=0, le=1)
@@ -186,6 +191,9 @@ class AlgoConfig(Section):
     """--use-tis: a trajectory with any trained token whose own ratio pi_old(train) / pi(rollout) is below this
     leaves the loss whole (slime's veto of catastrophic mismatches, e.g. 1e-4), whatever --tis-mode and
     --tis-level; None: off."""
+    use_rollout_logprobs: bool = False
+    """The engine's logprobs of the sampled tokens are the old policy's (slime's): no old-logprob pass,
+    the ratio is pi_train / pi_rollout; excludes --use-tis."""
     recompute_old_logprobs: bool = False
     """Always run the separate old-policy logprob pass before the optimizer steps. Without it the pass
     is skipped when the rollout is one optimizer step (--global-batch-size >= its samples) and nothing
@@ -240,6 +248,12 @@ class AlgoConfig(Section):
     or boxed_X (X on the last \\boxed{} answer); a row's metadata rm_type overrides it; --custom-rm-path wins."""
     rm_url: str | None = None
     """--rm-type remote_rm: the URL POSTed {prompt, response, label}, answering the reward as JSON."""
+    custom_reward_post_process_path: str | None = None
+    """slime's `fn(args, samples) -> (raw_rewards, rewards)` replacing the group normalisation: its
+    rewards are the advantages of group estimators (grpo, dr_grpo, gspo, rloo, reinforce_plus_plus_baseline)."""
+    custom_config_path: str | None = None
+    """slime's YAML of extra arguments: its keys set config fields and slime flags (overriding the
+    command line); other keys reach slime's hooks as args attributes."""
     reward_key: str | None = None
     """A dict reward's key the advantage uses (slime's --reward-key); None: its "score"."""
 
@@ -617,6 +631,7 @@ def parse_config(argv: list[str], env_defaults_for=None, parser: argparse.Argume
     if getattr(ns, "config", None):
         layers = _merge(layers, load_yaml(ns.config))
     layers = _merge(layers, _flat_to_nested(flags, "command line"))
+    layers = _merge(layers, _flat_to_nested(slime.custom_config, "--custom-config-path"))  # over flags, as in slime
     layers = _merge(slime_args.defaults(slime, passthrough["megatron_args"]), layers)
     slime_args.prepare(layers, slime)
     env_name = layers["run"].get("env", RunConfig.model_fields["env"].default)

@@ -111,7 +111,6 @@ REFUSED: dict[str, str] = {
     "custom_loss_function_path": "agentrl's losses are its algorithms (--advantage-estimator, --loss-type); "
                                  "a custom loss would have to run inside the trainer actor's Megatron step",
     "custom_advantage_function_path": "advantages come from --advantage-estimator (agentrl/algorithms.py)",
-    "custom_reward_post_process_path": "group normalisation is the advantage estimator's (grpo, dr_grpo, rloo, ...)",
     "buffer_filter_path": "agentrl keeps no sample buffer between iterations (--over-sampling-batch-size "
                           "and --dynamic-sampling-filter-path select the groups)",
     "rollout_sample_filter_path": "use --dynamic-sampling-filter-path (whole groups, as agentrl trains them)",
@@ -140,13 +139,8 @@ REFUSED: dict[str, str] = {
     "custom_update_weight_post_write_path": "--weight-sync-mode disk writes to a local or POSIX path and needs no "
                                             "post-write step",
     "megatron_config_path": "one Megatron trainer config: give Megatron flags on the command line",
-    "custom_config_path": "give agentrl a YAML file with --config",
     "eval_config": "give eval sets with --eval-prompt-data NAME PATH",
     "enable_mtp_training": "multi-token-prediction layers are not built (the model comes from the HF config.json)",
-    "use_rollout_logprobs": ("the old logprobs are the trainer's (its step's own forward when one step trains "
-                             "the rollout, else a separate pass); --use-tis corrects the rollout/trainer mismatch"),
-    "rollout_stop_token_ids": "a turn ends at EOS, the env's stop strings or its token budget",
-    "rollout_max_context_len": "--rollout-max-response-len bounds the whole trajectory",
     "multimodal_keys": "agentrl trains on text only",
     "prefill_num_servers": "prefill/decode disaggregated engines are not launched",
     "update_weight_local_checkpoint_dir": "--weight-sync-mode disk writes under the run folder",
@@ -171,6 +165,7 @@ class SlimeFlags:
     ref_ckpt_step: int | None = None  # --ref-ckpt-step: the iteration of --ref-load's Megatron checkpoint
     dynamic_batch_size: bool = False
     present: bool = False  # a slime run: model-shape flags or --ref-load
+    custom_config: dict[str, Any] = field(default_factory=dict)  # --custom-config-path's config-field keys
 
     def note(self, flag: str, why: str) -> None:
         self.notices.append(f"{flag}: accepted, no effect here: {why}")
@@ -202,9 +197,70 @@ def _layer_freq(text: str) -> int | list[int]:
     raise ConfigError(f"--moe-layer-freq: expected an int or a list of ints, got {text!r}")
 
 
+def read_custom_config(path: str) -> dict[str, Any]:
+    """--custom-config-path's YAML: a mapping of slime argument names to values."""
+    import yaml
+
+    where = f"--custom-config-path {path}"
+    if not Path(path).is_file():
+        raise ConfigError(f"{where}: no such file")
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: malformed YAML: {exc}") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise ConfigError(f"{where}: the top level must map argument names to values")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def _is_slime_flag(name: str) -> bool:
+    """A flag translate() or the pass-through takes (not an agentrl field)."""
+    from agentrl.trainers.megatron.flags import is_megatron_flag
+
+    special = (*SHAPE_VALUES, *SHAPE_SWITCHES, *SHAPE_FROM_CONFIG, *NO_EFFECT, *REFUSED, *RENAMED, *MAPPED)
+    return name in special or name.startswith(("sglang_", "router_")) or is_megatron_flag(name)
+
+
+def _as_words(name: str, value: Any) -> list[str]:
+    """A YAML value as the command line would give the flag (a false or null switch: absent)."""
+    flag = "--" + name.replace("_", "-")
+    if value is None or value is False:
+        return []
+    if value is True:
+        return [flag]
+    if isinstance(value, list):
+        return [flag, *map(str, value)]
+    return [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+
+
+def apply_custom_config(path: str, flags: SlimeFlags) -> list[str]:
+    """slime sets each key of the YAML on its args, over the command line. Here: an agentrl field
+    (or its alias) goes to flags.custom_config, a layer over the command line's; a slime flag
+    agentrl translates or passes through comes back as words for the end of argv; any other key
+    only reaches slime's hooks (their args, agentrl/rollout/slime.py), and a notice says so."""
+    from agentrl.config import ALIASES, FIELDS
+
+    words, hook_only = [], []
+    for name, value in read_custom_config(path).items():
+        field_name = ALIASES.get("--" + name.replace("_", "-"), name)
+        if name == "custom_config_path":
+            raise ConfigError(f"--custom-config-path {path}: names another custom_config_path")
+        if field_name in FIELDS:
+            flags.custom_config[field_name] = value
+        elif _is_slime_flag(name):
+            words += _as_words(name, value)
+        else:
+            hook_only.append(name)
+    if hook_only:
+        flags.notices.append(f"--custom-config-path {path}: {', '.join(hook_only)}: no agentrl or slime flag; "
+                             "slime's hooks read them as args attributes")
+    return words
+
+
 def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
     """slime's flags that are not agentrl fields -> (argv for agentrl's parser, SlimeFlags)."""
     out, flags = [], SlimeFlags()
+    argv = list(argv)  # --custom-config-path's slime flags are appended: read last, they win as in slime
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -248,6 +304,11 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
             raise ConfigError(f"{flag}: not supported by agentrl: {REFUSED[name]} (docs/slime.md)")
         elif name in RENAMED:
             out += [RENAMED[name], *values]
+        elif name == "custom_config_path":
+            if value is None:
+                raise ConfigError(f"{flag}: needs a YAML file")
+            argv += apply_custom_config(value, flags)
+            out += [arg] if eq else [arg, *values]
         elif name == "update_weight_buffer_size":  # bytes -> MB
             if value is None:
                 raise ConfigError(f"{flag}: needs a value (bytes)")
