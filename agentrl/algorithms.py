@@ -31,6 +31,7 @@ actions, so returns and GAE run over the trained tokens only and give the rest 0
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -174,6 +175,34 @@ def shaped_rewards(samples, algo) -> list[float]:
                                  factor=algo.overlong_penalty_factor) for r, s in zip(rewards, samples)]
 
 
+POST_PROCESS_FLAG = "--custom-reward-post-process-path"
+
+
+@functools.lru_cache(maxsize=4)
+def _post_process_function(spec: str):
+    from agentrl.plugins import load_function
+
+    return load_function(spec, flag=POST_PROCESS_FLAG)
+
+
+def post_processed_rewards(samples, algo) -> list[float] | None:
+    """slime's --custom-reward-post-process-path: fn(args, samples) -> (raw_rewards, rewards), one
+    reward per sample, in place of the group normalisation (args: the algorithm's config, which
+    carries slime's names; samples: the rollout's agentrl Samples); None when not set."""
+    spec = getattr(algo, "custom_reward_post_process_path", None)
+    if not spec:
+        return None
+    out = _post_process_function(spec)(algo, samples)
+    try:
+        _, rewards = out
+        rewards = [float(r) for r in (rewards.tolist() if hasattr(rewards, "tolist") else rewards)]
+    except (TypeError, ValueError):
+        raise ValueError(f"{POST_PROCESS_FLAG} {spec}: expected (raw_rewards, rewards), got {type(out).__name__}") from None
+    if len(rewards) != len(samples):
+        raise ValueError(f"{POST_PROCESS_FLAG} {spec}: {len(rewards)} rewards for {len(samples)} samples")
+    return rewards
+
+
 def compute_advantages(samples, algo, *, old_logprobs: list[list[float]] | None = None,
                        ref_logprobs: list[list[float]] | None = None,
                        values: list[list[float]] | None = None,
@@ -205,7 +234,10 @@ def _estimator_advantages(samples, algo, *, old_logprobs, ref_logprobs, values) 
         return Advantages(out, [list(r) for r in out] if est == "ppo" else None)
     shaped = shaped_rewards(samples, algo)
     rewards = torch.tensor([shaped[i] for i in idx], dtype=torch.float64)
-    if est in GROUP_ESTIMATORS or est == "reinforce_plus_plus":
+    post = post_processed_rewards(samples, algo)
+    if post is not None:  # slime: the function's rewards are what the group normalisation would give
+        scalar = [post[i] for i in idx]
+    elif est in GROUP_ESTIMATORS or est == "reinforce_plus_plus":
         groups = torch.tensor([samples[i].group_id for i in idx])
         scalar = group_advantages(rewards, groups, est).tolist()
     else:
@@ -455,10 +487,12 @@ def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor
     (`train_rollout_logprob_abs_diff`) is measured here instead of in a separate pass."""
     weights = None
     stats: dict[str, torch.Tensor] = {}
+    measure_gap = old_logprobs is None or getattr(algo, "use_rollout_logprobs", False)
     if old_logprobs is None:
         old_logprobs = logprobs.detach()
-        if rollout_logprobs is not None:
-            stats["train_rollout_logprob_abs_diff"] = masked_mean((old_logprobs - rollout_logprobs).abs(), mask, denom)
+    if rollout_logprobs is not None and measure_gap:
+        # no separate pass measured the engine-vs-trainer gap: this forward does (slime's, with the rollout's as old)
+        stats["train_rollout_logprob_abs_diff"] = masked_mean((logprobs.detach() - rollout_logprobs).abs(), mask, denom)
     if algo.use_tis:
         if rollout_logprobs is None:
             raise ValueError("--use-tis needs the rollout logprobs")
@@ -493,6 +527,15 @@ def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor
         stats["entropy"] = ent.detach()
     stats["loss"] = loss.detach()
     return loss, stats
+
+
+def rollout_logprobs_as_old(samples) -> list[list[float]]:
+    """--use-rollout-logprobs: each sample's engine logprobs stand for the old policy's."""
+    for s in samples:
+        if s.trainable and len(s.rollout_logprobs) != s.response_length:
+            raise ValueError(f"--use-rollout-logprobs: trajectory {s.trajectory_id} has {len(s.rollout_logprobs)} "
+                             f"rollout logprobs for {s.response_length} response tokens")
+    return [list(s.rollout_logprobs) for s in samples]
 
 
 def reuses_training_logprobs(trainer, samples, algo, global_batch_size: int) -> bool:
@@ -533,10 +576,12 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
 
 
 def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: TrainProfiler) -> dict[str, float]:
-    reuse = reuses_training_logprobs(trainer, samples, algo, global_batch_size)
+    rollout_old = getattr(algo, "use_rollout_logprobs", False)  # slime's: the engine's logprobs are the old policy's
+    reuse = not rollout_old and reuses_training_logprobs(trainer, samples, algo, global_batch_size)
     with profiler.section("train_log_probs"):
         with profiler.label("old_logprobs"):
-            old = None if reuse else trainer.compute_logprobs(samples)
+            old = (rollout_logprobs_as_old(samples) if rollout_old
+                   else None if reuse else trainer.compute_logprobs(samples))
         with profiler.label("ref_logprobs"):
             ref = trainer.compute_logprobs(samples, trainer.ref_model) if trainer.ref_model is not None else None
         with profiler.label("values"):
@@ -563,12 +608,12 @@ def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: T
     out = {k: sum(v) / len(v) for k, v in metrics.items()}
     if "rs_veto_seqs" in metrics:  # a count: the rollout's vetoed sequences, over all its steps
         out["rs_veto_seqs"] = sum(metrics["rs_veto_seqs"])
-    if old is not None:  # else the one step's loss measured it (a token mean over the same tokens)
+    if old is not None and not rollout_old:  # else the steps' losses measured it (a token mean over the same tokens)
         mismatch = [abs(a - b) for s, o in zip(samples, old) if s.trainable
                     for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask) if m]
         out["train_rollout_logprob_abs_diff"] = sum(mismatch) / len(mismatch) if mismatch else 0.0
     out.setdefault("train_rollout_logprob_abs_diff", 0.0)
-    out["old_logprob_pass"] = 0.0 if reuse else 1.0  # 1: the separate forward ran (several steps, --kl-coef, ...)
+    out["old_logprob_pass"] = 0.0 if reuse or rollout_old else 1.0  # 1: the separate forward ran (several steps, --kl-coef, ...)
     if teacher is not None:  # the mean per-token reverse KL to the teacher, over trained tokens
         kl = [o - t for s, lo, lt in zip(samples, old, teacher) if s.trainable
               for o, t, m in zip(lo, lt, s.loss_mask) if m]

@@ -73,13 +73,16 @@ def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, rewar
     r = cfg.rollout
     sampling = {"temperature": r.rollout_temperature if temperature is None else temperature,
                 "top_p": r.rollout_top_p, "top_k": r.rollout_top_k} | ({"ignore_eos": True} if r.rollout_ignore_eos else {})
+    if r.rollout_stop_token_ids:
+        sampling["stop_token_ids"] = list(r.rollout_stop_token_ids)
 
     def settings_for(env) -> LoopSettings:
         params = {**sampling, "stop": list(env.stop)} if getattr(env, "stop", None) else sampling
         return LoopSettings(max_response_len=max_response_len or r.rollout_max_response_len,
                             max_turns=r.max_turns or env.max_turns,
                             sampling_params=params, apply_chat_template=cfg.data.apply_chat_template,
-                            max_tokens_per_turn=r.rollout_max_tokens_per_turn)
+                            max_tokens_per_turn=r.rollout_max_tokens_per_turn,
+                            max_context_len=r.rollout_max_context_len)
 
     def make_env(name: str | None):
         name = name or cfg.run.env

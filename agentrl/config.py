@@ -622,7 +622,7 @@ def parse_config(argv: list[str], env_defaults_for=None, parser: argparse.Argume
     default_config layer (the CLI passes a registry lookup; tests may pass None)."""
     from agentrl import slime_args
 
-    argv, slime = slime_args.translate(argv)  # slime's launch-script flags (agentrl/slime_args.py)
+    argv, slime = slime_args.translate(argv, FIELDS, ALIASES)  # slime's launch-script flags (agentrl/slime_args.py)
     rest, passthrough = _split_passthrough(argv)
     passthrough["megatron_args"].update(slime.megatron)
     ns = (parser or build_parser()).parse_args(rest)

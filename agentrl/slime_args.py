@@ -233,19 +233,17 @@ def _as_words(name: str, value: Any) -> list[str]:
     return [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
 
 
-def apply_custom_config(path: str, flags: SlimeFlags) -> list[str]:
+def apply_custom_config(path: str, flags: SlimeFlags, fields, aliases: dict[str, str]) -> list[str]:
     """slime sets each key of the YAML on its args, over the command line. Here: an agentrl field
     (or its alias) goes to flags.custom_config, a layer over the command line's; a slime flag
     agentrl translates or passes through comes back as words for the end of argv; any other key
     only reaches slime's hooks (their args, agentrl/rollout/slime.py), and a notice says so."""
-    from agentrl.config import ALIASES, FIELDS
-
     words, hook_only = [], []
     for name, value in read_custom_config(path).items():
-        field_name = ALIASES.get("--" + name.replace("_", "-"), name)
+        field_name = aliases.get("--" + name.replace("_", "-"), name)
         if name == "custom_config_path":
             raise ConfigError(f"--custom-config-path {path}: names another custom_config_path")
-        if field_name in FIELDS:
+        if field_name in fields:
             flags.custom_config[field_name] = value
         elif _is_slime_flag(name):
             words += _as_words(name, value)
@@ -257,8 +255,9 @@ def apply_custom_config(path: str, flags: SlimeFlags) -> list[str]:
     return words
 
 
-def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
-    """slime's flags that are not agentrl fields -> (argv for agentrl's parser, SlimeFlags)."""
+def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None) -> tuple[list[str], SlimeFlags]:
+    """slime's flags that are not agentrl fields -> (argv for agentrl's parser, SlimeFlags).
+    fields, aliases: agentrl's config field names and flag aliases (a --custom-config-path key may name one)."""
     out, flags = [], SlimeFlags()
     argv = list(argv)  # --custom-config-path's slime flags are appended: read last, they win as in slime
     i = 0
@@ -307,7 +306,7 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
         elif name == "custom_config_path":
             if value is None:
                 raise ConfigError(f"{flag}: needs a YAML file")
-            argv += apply_custom_config(value, flags)
+            argv += apply_custom_config(value, flags, fields, aliases or {})
             out += [arg] if eq else [arg, *values]
         elif name == "update_weight_buffer_size":  # bytes -> MB
             if value is None:
@@ -438,6 +437,18 @@ def finish(cfg, flags: SlimeFlags) -> None:
     if flags.eval_top_k is not None and flags.eval_top_k != cfg.rollout.rollout_top_k:
         raise ConfigError(f"--eval-top-k {flags.eval_top_k}: agentrl samples evaluations with the rollout's top-k "
                           f"(--rollout-top-k {cfg.rollout.rollout_top_k}); give them the same value")
+    a = cfg.algo
+    if a.use_rollout_logprobs and (a.use_tis or a.recompute_old_logprobs):
+        raise ConfigError(f"--use-rollout-logprobs takes the engine's logprobs as the old policy's, so there is no "
+                          f"trainer/rollout gap to correct or recompute: drop "
+                          f"{'--use-tis' if a.use_tis else '--recompute-old-logprobs'} (slime refuses it with --use-tis too)")
+    if a.custom_reward_post_process_path:
+        from agentrl.plugins import load_function
+
+        load_function(a.custom_reward_post_process_path, flag="--custom-reward-post-process-path")  # a typo fails here
+        if a.overlong_buffer_len is not None:
+            raise ConfigError("--overlong-buffer-len shapes the rewards the estimator normalises; with "
+                              "--custom-reward-post-process-path the function's rewards are used as they are: drop one")
     if cfg.algo.reward_key not in (None, "score"):
         raise ConfigError(f"--reward-key {cfg.algo.reward_key}: agentrl's advantages read a dict reward's 'score' "
                           "entry; return the reward under 'score' (other keys are logged as they are)")
