@@ -472,6 +472,67 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+TIS_FLAG = "--custom-tis-function-path"
+
+
+@functools.lru_cache(maxsize=4)
+def _tis_function(spec: str):
+    from agentrl.plugins import load_function
+
+    return load_function(spec, flag=TIS_FLAG)
+
+
+def custom_tis_weights(algo, args, *, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                       seq_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """slime's --custom-tis-function-path: fn(args, *, pg_loss, train_log_probs, rollout_log_probs,
+    loss_masks, total_lengths, response_lengths) -> (pg_loss, modified_masks, metrics), with
+    per-sample 1-D tensors of the response tokens. slime's functions only scale pg_loss token by
+    token, so they are given pg_loss = 1 everywhere: what comes back is the weight, times the
+    mask they return (rejection). Returns (weights of mask's shape, per-token metric tensors)."""
+    seg, n = _segments(mask, seq_ids)
+    where = [torch.nonzero(seg == k).flatten() for k in range(n)]
+
+    def split(x: torch.Tensor) -> list[torch.Tensor]:
+        flat = x.detach().reshape(-1)
+        return [flat[w] for w in where]
+
+    lengths = [len(w) for w in where]
+    pg, masks, metrics = _tis_function(algo.custom_tis_function_path)(
+        args, pg_loss=torch.ones(sum(lengths), dtype=old_logprobs.dtype, device=old_logprobs.device),
+        train_log_probs=split(old_logprobs), rollout_log_probs=split(rollout_logprobs), loss_masks=split(mask),
+        total_lengths=lengths, response_lengths=lengths)
+    if pg.numel() != sum(lengths) or len(masks) != n:
+        raise ValueError(f"{TIS_FLAG} {algo.custom_tis_function_path}: expected pg_loss of {sum(lengths)} tokens and "
+                         f"{n} masks, got {pg.numel()} and {len(masks)}")
+    weights = torch.zeros(mask.numel(), dtype=old_logprobs.dtype, device=old_logprobs.device)
+    order = torch.cat(where) if where else torch.zeros(0, dtype=torch.long, device=mask.device)
+    weights[order] = pg.detach().reshape(-1).to(weights.dtype) * torch.cat([m.reshape(-1) for m in masks]).to(weights.dtype)
+    token_metrics = {}
+    for name, value in (metrics or {}).items():
+        value = torch.cat([v.reshape(-1) for v in value]) if isinstance(value, (list, tuple)) else value
+        if torch.is_tensor(value) and value.numel() == sum(lengths):  # per token: averaged over the trained ones
+            full = torch.zeros(mask.numel(), dtype=old_logprobs.dtype, device=old_logprobs.device)
+            full[order] = value.detach().reshape(-1).to(full.dtype)
+            token_metrics[name] = full.reshape(mask.shape)
+    return weights.reshape(mask.shape), token_metrics
+
+
+@functools.lru_cache(maxsize=4)
+def _custom_config(path: str) -> tuple:
+    from agentrl.slime_args import read_custom_config
+
+    return tuple(read_custom_config(path).items())
+
+
+def tis_args(algo):
+    """The `args` a --custom-tis-function-path function reads: the algorithm's config under slime's
+    names, and --custom-config-path's other keys (the mis.py example's bounds live there)."""
+    from types import SimpleNamespace
+
+    extra = dict(_custom_config(algo.custom_config_path)) if getattr(algo, "custom_config_path", None) else {}
+    return SimpleNamespace(**{**extra, **algo.model_dump()})
+
+
 def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                      mask: torch.Tensor, denom: float, ref_logprobs: torch.Tensor | None = None,
                      rollout_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
@@ -493,7 +554,14 @@ def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor
     if rollout_logprobs is not None and measure_gap:
         # no separate pass measured the engine-vs-trainer gap: this forward does (slime's, with the rollout's as old)
         stats["train_rollout_logprob_abs_diff"] = masked_mean((logprobs.detach() - rollout_logprobs).abs(), mask, denom)
-    if algo.use_tis:
+    if algo.use_tis and getattr(algo, "custom_tis_function_path", None):  # slime's function replaces the built-in
+        if rollout_logprobs is None:
+            raise ValueError("--use-tis needs the rollout logprobs")
+        weights, per_token = custom_tis_weights(algo, tis_args(algo), old_logprobs=old_logprobs,
+                                                rollout_logprobs=rollout_logprobs, mask=mask, seq_ids=seq_ids)
+        stats.update({f"tis/{k}": masked_mean(v, mask, denom) for k, v in per_token.items()})
+        stats["tis_weight"] = masked_mean(weights, mask, denom)
+    elif algo.use_tis:
         if rollout_logprobs is None:
             raise ValueError("--use-tis needs the rollout logprobs")
         iw = importance_weights(old_logprobs, rollout_logprobs, mask, mode=algo.tis_mode, low=algo.tis_clip_low,

@@ -187,6 +187,9 @@ class AlgoConfig(Section):
     """Upper bound of the --use-tis importance weights."""
     tis_clip_low: float = Field(0.0, ge=0)
     """Lower bound of the --use-tis importance weights."""
+    custom_tis_function_path: str | None = None
+    """--use-tis: slime's importance-weight function (e.g. its mis.py example's compute_mis_weights_with_cp)
+    in place of --tis-mode/--tis-level's; it reads its bounds from --custom-config-path's keys."""
     rs_veto_threshold: float | None = Field(None, gt=0, lt=1)
     """--use-tis: a trajectory with any trained token whose own ratio pi_old(train) / pi(rollout) is below this
     leaves the loss whole (slime's veto of catastrophic mismatches, e.g. 1e-4), whatever --tis-mode and

@@ -117,7 +117,6 @@ REFUSED: dict[str, str] = {
     "rollout_all_samples_process_path": "the run folder's trajectories/ holds every sample of every iteration",
     "eval_function_path": "evaluation runs the rollout path on --eval-prompt-data (agentrl/evaluation.py)",
     "data_source_path": "prompts come from --prompt-data or the env's dataset (agentrl/data.py)",
-    "custom_tis_function_path": "importance weights are --use-tis with --tis-mode and --tis-level",
     "rollout_sample_hook_path": "a --custom-generate-function-path can change the sample before it is scored",
     "rollout_data_postprocess_path": "loss masks come from the agent loop (policy tokens 1, the rest 0) and "
                                      "reach the trainer as recorded",
@@ -442,6 +441,13 @@ def finish(cfg, flags: SlimeFlags) -> None:
         raise ConfigError(f"--use-rollout-logprobs takes the engine's logprobs as the old policy's, so there is no "
                           f"trainer/rollout gap to correct or recompute: drop "
                           f"{'--use-tis' if a.use_tis else '--recompute-old-logprobs'} (slime refuses it with --use-tis too)")
+    if a.custom_tis_function_path:
+        from agentrl.plugins import load_function
+
+        load_function(a.custom_tis_function_path, flag="--custom-tis-function-path")
+        if not a.use_tis:  # slime calls it under --use-tis (its mis.yaml sets use_tis: true)
+            raise ConfigError("--custom-tis-function-path computes the --use-tis importance weights, which are off: "
+                              "add --use-tis (or use_tis: true in --custom-config-path's YAML)")
     if a.custom_reward_post_process_path:
         from agentrl.plugins import load_function
 

@@ -203,3 +203,62 @@ def test_stop_token_ids_end_a_turn_and_the_context_cap_bounds_prompt_plus_respon
     args = slime_args(cfg, engine_url="http://127.0.0.1:1", model_path="/m")
     assert args.rollout_stop_token_ids == [9] and args.rollout_max_context_len == 64
     assert json.loads(json.dumps(cfg.rollout.rollout_stop_token_ids)) == [9]
+
+
+TIS = """
+import torch
+
+def truncated(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths):
+    ratio = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))
+    weights = ratio.clamp(max=args.tis_upper_bound)
+    return pg_loss * weights, loss_masks, {"ratio": ratio}
+
+def reject_first(args, *, pg_loss, loss_masks, **kw):
+    masks = [m.clone() for m in loss_masks]
+    masks[0] = torch.zeros_like(masks[0])  # the first sequence rejected
+    return pg_loss, masks, {}
+"""
+
+
+def test_a_custom_tis_function_gives_the_importance_weights(tmp_path):
+    (tmp_path / "tis.py").write_text(TIS)
+    (tmp_path / "mis.yaml").write_text("use_tis: true\ntis_upper_bound: 1.1\n")
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 0.0]])
+    old = torch.tensor([[-1.0, -2.0, -0.5, -0.3], [-0.7, -1.2, -2.5, -0.1]])
+    rollout = old + torch.tensor([[-0.3, 0.05, 0.0, -0.02], [0.2, 0.0, -0.04, 0.0]])
+    kw = dict(old_logprobs=old, advantages=torch.tensor([[1.0] * 4, [-0.5] * 4]), mask=mask, denom=5.0,
+              rollout_logprobs=rollout)
+
+    def loss(algo, logprobs, **extra):
+        lp = logprobs.clone().requires_grad_()
+        value, stats = policy_objective(algo, logprobs=lp, **{**kw, **extra})
+        value.backward()
+        return value.item(), lp.grad, stats
+
+    custom = AlgoConfig(use_tis=True, custom_tis_function_path=f"{tmp_path / 'tis.py'}:truncated",
+                        custom_config_path=str(tmp_path / "mis.yaml"))
+    builtin = AlgoConfig(use_tis=True, tis_mode="truncate", tis_clip=1.1)
+    logprobs = old + 0.01
+    (v1, g1, s1), (v2, g2, _) = loss(custom, logprobs), loss(builtin, logprobs)
+    assert v1 == pytest.approx(v2) and torch.allclose(g1, g2)  # the same truncation, computed by the function
+    ratio = torch.exp(old - rollout)
+    assert s1["tis/ratio"].item() == pytest.approx((ratio * mask).sum().item() / 5, rel=1e-5)
+    packed = {"seq_ids": torch.tensor([0, 0, 0, 1, 1]), "mask": torch.ones(5), "denom": 5.0}  # the trained tokens, packed
+    pick = mask.bool()
+    v3, _, _ = loss(custom, logprobs[pick], old_logprobs=old[pick], rollout_logprobs=rollout[pick],
+                    advantages=kw["advantages"][pick], **packed)
+    assert v3 == pytest.approx(v1)  # the Megatron trainer's packed layout: the same sequences, the same loss
+    reject = custom.model_copy(update={"custom_tis_function_path": f"{tmp_path / 'tis.py'}:reject_first"})
+    _, grad, _ = loss(reject, logprobs)
+    assert grad[0].abs().sum() == 0 and grad[1].abs().sum() > 0  # a rejected sequence leaves the loss
+
+    argv = ["--custom-config-path", str(tmp_path / "mis.yaml"), "--custom-tis-function-path",
+            f"{tmp_path / 'tis.py'}:truncated", "--num-rollout", "2"]
+    proc = subprocess.run([agentrl_cli(), "train", "--dry-run", *argv], capture_output=True, text=True, env=run_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert yaml.safe_load(proc.stdout)["algo"]["custom_tis_function_path"].endswith("tis.py:truncated")
+    with pytest.raises(ConfigError, match="--custom-tis-function-path computes the --use-tis importance weights"):
+        parse_config(argv[2:])
+    with pytest.raises(ConfigError, match="--custom-tis-function-path .*tis.py:nope"):
+        parse_config(["--use-tis", "--custom-tis-function-path", f"{tmp_path / 'tis.py'}:nope"])
