@@ -433,6 +433,9 @@ class EvalConfig(Section):
     eval_max_response_len: int | None = Field(None, ge=1)
     """None: the rollout's."""
     skip_eval_before_train: bool = False
+    eval_config: str | None = None
+    """slime's YAML of eval sets (`eval: {defaults: {...}, datasets: [{name, path, ...}]}`), in place of
+    --eval-prompt-data; per set: rm_type, n_samples_per_eval_prompt, input/label/metadata keys."""
     """With --eval-interval, the starting model is evaluated before the first iteration (as slime
     does; its figures go in iteration 0's metrics row as eval_before_train/NAME/...): this skips it."""
 

@@ -32,6 +32,7 @@ from typing import Any, Callable
 from agentrl.errors import ConfigError
 
 SLIME_ENV, SLIME_ENV_MODULE = "slime", "agentrl.rm_hub.env"
+RM_HUB_REWARD = "agentrl.rm_hub.async_rm"  # what --rm-type scores with (a row's metadata rm_type wins)
 
 
 def _rope_theta(hf: dict):
@@ -138,7 +139,6 @@ REFUSED: dict[str, str] = {
     "custom_update_weight_post_write_path": "--weight-sync-mode disk writes to a local or POSIX path and needs no "
                                             "post-write step",
     "megatron_config_path": "one Megatron trainer config: give Megatron flags on the command line",
-    "eval_config": "give eval sets with --eval-prompt-data NAME PATH",
     "enable_mtp_training": "multi-token-prediction layers are not built (the model comes from the HF config.json)",
     "multimodal_keys": "agentrl trains on text only",
     "prefill_num_servers": "prefill/decode disaggregated engines are not launched",
@@ -210,6 +210,48 @@ def read_custom_config(path: str) -> dict[str, Any]:
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise ConfigError(f"{where}: the top level must map argument names to values")
     return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+# --eval-config's per-set keys agentrl honours per set, and those it takes only when every set agrees
+EVAL_SET_KEYS = ("name", "path", "rm_type", "n_samples_per_eval_prompt", "input_key", "label_key", "metadata_key")
+EVAL_SHARED_KEYS = {"temperature": "eval_temperature", "max_response_len": "eval_max_response_len",
+                    "top_p": "eval_top_p", "top_k": "eval_top_k"}
+
+
+def read_eval_config(path: str) -> list[dict[str, Any]]:
+    """--eval-config's YAML as slime reads it (an `eval` mapping, or the root): each dataset's keys
+    over `defaults`'s. A key agentrl cannot honour per set is an error naming it."""
+    import yaml
+
+    where = f"--eval-config {path}"
+    if not Path(path).is_file():
+        raise ConfigError(f"{where}: no such file")
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: malformed YAML: {exc}") from None
+    section = data.get("eval", data) if isinstance(data, dict) else None
+    datasets = section.get("datasets") if isinstance(section, dict) else None
+    if isinstance(datasets, dict):  # slime's ensure_dataset_list: a single dataset mapping
+        datasets = [datasets]
+    if not datasets or not isinstance(datasets, list) or not all(isinstance(d, dict) for d in datasets):
+        raise ConfigError(f"{where}: no datasets under eval.datasets (a list of {{name, path, ...}})")
+    defaults = section.get("defaults") or {}
+    sets = [{**defaults, **d} for d in datasets]
+    for i, d in enumerate(sets):
+        if not d.get("name") or not d.get("path"):
+            raise ConfigError(f"{where}: dataset {i} needs a name and a path")
+        unknown = sorted(set(d) - set(EVAL_SET_KEYS) - set(EVAL_SHARED_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: dataset {d['name']!r}: {', '.join(unknown)} not supported per eval set (agentrl "
+                              f"takes {', '.join(EVAL_SET_KEYS + tuple(EVAL_SHARED_KEYS))})")
+    for key in EVAL_SHARED_KEYS:
+        values = {repr(d[key]) for d in sets if key in d}
+        if len(values) > 1 or (values and len(values) == 1 and any(key not in d for d in sets)):
+            raise ConfigError(f"{where}: {key} differs between datasets ({', '.join(sorted(values))}, or unset); "
+                              f"agentrl evaluates every set with one --{EVAL_SHARED_KEYS[key].replace('_', '-')}: "
+                              "give it in defaults")
+    return sets
 
 
 def _is_slime_flag(name: str) -> bool:
@@ -397,13 +439,22 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
         else:
             flags.notices.append(f"--load {load}: no checkpoint there yet, so training starts from the reference "
                                  f"({model.get('model') or 'the built-in tiny model'}); --save writes there")
+    ev = layers.setdefault("eval", {})
+    if ev.get("eval_config"):  # slime: it overrides --eval-prompt-data
+        sets = read_eval_config(ev["eval_config"])
+        ev["eval_prompt_data"] = [str(x) for d in sets for x in (d["name"], d["path"])]
+        for key, name in EVAL_SHARED_KEYS.items():
+            if key in sets[0] and name in ("eval_top_p", "eval_top_k"):
+                setattr(flags, name, sets[0][key])  # checked against the rollout's in finish()
+            elif key in sets[0]:
+                ev[name] = sets[0][key]
     if run.get("env") == SLIME_ENV and SLIME_ENV_MODULE not in run.get("env_module", []):
         run["env_module"] = [*run.get("env_module", []), SLIME_ENV_MODULE]
     train = layers.setdefault("train", {})
     if train.get("balance_by_flops"):  # slime: it implies --balance-data (ranks balanced by FLOPs too)
         train["balance_data"] = True
     if algo.get("rm_type") and not algo.get("custom_rm_path"):
-        algo["custom_rm_path"] = "agentrl.rm_hub.async_rm"  # slime: --custom-rm-path wins over --rm-type
+        algo["custom_rm_path"] = RM_HUB_REWARD  # slime: --custom-rm-path wins over --rm-type
 
 
 def warmup(layers: dict, flags: SlimeFlags, sections: dict[str, Any]) -> None:
@@ -455,6 +506,11 @@ def finish(cfg, flags: SlimeFlags) -> None:
         if a.overlong_buffer_len is not None:
             raise ConfigError("--overlong-buffer-len shapes the rewards the estimator normalises; with "
                               "--custom-reward-post-process-path the function's rewards are used as they are: drop one")
+    if cfg.eval.eval_config and any(d.get("rm_type") for d in read_eval_config(cfg.eval.eval_config)) \
+            and a.custom_rm_path != RM_HUB_REWARD:
+        raise ConfigError(f"--eval-config {cfg.eval.eval_config}: a dataset's rm_type is read by rm_hub's reward "
+                          "(--rm-type, or the slime env), which this run does not score with"
+                          + (f" (--custom-rm-path {a.custom_rm_path})" if a.custom_rm_path else ": add --rm-type"))
     if cfg.algo.reward_key not in (None, "score"):
         raise ConfigError(f"--reward-key {cfg.algo.reward_key}: agentrl's advantages read a dict reward's 'score' "
                           "entry; return the reward under 'score' (other keys are logged as they are)")

@@ -262,3 +262,64 @@ def test_a_custom_tis_function_gives_the_importance_weights(tmp_path):
         parse_config(argv[2:])
     with pytest.raises(ConfigError, match="--custom-tis-function-path .*tis.py:nope"):
         parse_config(["--use-tis", "--custom-tis-function-path", f"{tmp_path / 'tis.py'}:nope"])
+
+
+def _eval_config(tmp_path, extra=""):
+    for name in ("aime", "gpqa"):
+        rows = [{"prompt": f"{name} q{i}", "label": str(i)} for i in range(2)]
+        rows[0]["metadata"] = {"rm_type": "math"}  # a row's own rm_type wins over its set's
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / "multi_task.yaml"  # the shape of slime's examples/eval_multi_task/multi_task.yaml
+    path.write_text(f"""eval:
+  defaults:
+    max_response_len: 24
+    top_p: 0.7
+  datasets:
+    - name: aime
+      path: {tmp_path / 'aime.jsonl'}
+      rm_type: deepscaler
+      n_samples_per_eval_prompt: 4
+    - name: gpqa
+      path: {tmp_path / 'gpqa.jsonl'}
+      rm_type: gpqa
+      n_samples_per_eval_prompt: 2
+{extra}""")
+    return path
+
+
+def test_eval_config_gives_the_eval_sets_with_their_own_settings(tmp_path):
+    from agentrl.build import load_eval_sets
+    from agentrl.evaluation import evaluate
+
+    path = _eval_config(tmp_path)
+    base = ["--rm-type", "deepscaler", "--rollout-top-p", "0.7", "--eval-interval", "2", "--num-rollout", "2"]
+    proc = subprocess.run([agentrl_cli(), "train", "--dry-run", "--eval-config", str(path), *base],
+                          capture_output=True, text=True, env=run_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ev = yaml.safe_load(proc.stdout)["eval"]
+    assert ev["eval_prompt_data"] == ["aime", str(tmp_path / "aime.jsonl"), "gpqa", str(tmp_path / "gpqa.jsonl")]
+    assert ev["eval_max_response_len"] == 24
+    cfg, _ = parse_config(["--eval-config", str(path), *base])
+    sets = load_eval_sets(cfg)
+    assert [(name, n) for name, _, n in sets] == [("aime", 4), ("gpqa", 2)]
+    assert [t["metadata"]["rm_type"] for t in sets[1][1]] == ["math", "gpqa"]
+
+    class Runner:  # the group runner's face: how many samples each set's groups get
+        n_samples = 1
+
+        async def run_group(self, task, group_id):
+            return [Sample(prompt_tokens=[1], reward=1.0) for _ in range(self.n_samples)]
+
+    out = asyncio.run(evaluate(Runner(), sets))
+    assert "eval/aime/pass@4" in out and "eval/gpqa/pass@2" in out
+
+    with pytest.raises(ConfigError, match="--eval-top-p 0.7: agentrl samples evaluations with the rollout's top-p"):
+        parse_config(["--eval-config", str(path), "--rm-type", "deepscaler"])
+    with pytest.raises(ConfigError, match="a dataset's rm_type is read by rm_hub's reward .*add --rm-type"):
+        parse_config(["--eval-config", str(path), "--rollout-top-p", "0.7"])
+    bad = _eval_config(tmp_path, "      min_new_tokens: 3\n")
+    with pytest.raises(ConfigError, match="dataset 'gpqa': min_new_tokens not supported per eval set"):
+        parse_config(["--eval-config", str(bad), *base])
+    bad = _eval_config(tmp_path, "      temperature: 0.5\n")
+    with pytest.raises(ConfigError, match="temperature differs between datasets"):
+        parse_config(["--eval-config", str(bad), *base])
