@@ -253,7 +253,7 @@ class AlgoConfig(Section):
     """--rm-type remote_rm: the URL POSTed {prompt, response, label}, answering the reward as JSON."""
     custom_reward_post_process_path: str | None = None
     """slime's `fn(args, samples) -> (raw_rewards, rewards)` replacing the group normalisation: its
-    rewards are the advantages of group estimators (grpo, dr_grpo, gspo, rloo, reinforce_plus_plus_baseline)."""
+    rewards are the group estimators' advantages and the token-level estimators' final rewards."""
     custom_config_path: str | None = None
     """slime's YAML of extra arguments: its keys set config fields and slime flags (overriding the
     command line); other keys reach slime's hooks as args attributes."""
@@ -433,11 +433,11 @@ class EvalConfig(Section):
     eval_max_response_len: int | None = Field(None, ge=1)
     """None: the rollout's."""
     skip_eval_before_train: bool = False
+    """With --eval-interval, the starting model is evaluated before the first iteration (as slime
+    does; its figures go in iteration 0's metrics row as eval_before_train/NAME/...): this skips it."""
     eval_config: str | None = None
     """slime's YAML of eval sets (`eval: {defaults: {...}, datasets: [{name, path, ...}]}`), in place of
     --eval-prompt-data; per set: rm_type, n_samples_per_eval_prompt, input/label/metadata keys."""
-    """With --eval-interval, the starting model is evaluated before the first iteration (as slime
-    does; its figures go in iteration 0's metrics row as eval_before_train/NAME/...): this skips it."""
 
 
 SECTIONS: dict[str, type[Section]] = {
