@@ -43,9 +43,11 @@ def post_process(args, samples):
 """
 
 
+@pytest.mark.e2e
 def test_the_flags_pass_agentrl_train_dry_run(tmp_path):
     (tmp_path / "mis.yaml").write_text(MIS_YAML)
     (tmp_path / "post.py").write_text(POST_PROCESS)
+    (tmp_path / "tis.py").write_text(TIS)
     proc = subprocess.run([agentrl_cli(), "train", "--dry-run", "--custom-config-path", str(tmp_path / "mis.yaml"),
                            "--tis-mode", "truncate", "--rollout-stop-token-ids", "151329", "151336",
                            "--rollout-max-context-len", "4096", "--custom-reward-post-process-path",
@@ -68,6 +70,15 @@ def test_the_flags_pass_agentrl_train_dry_run(tmp_path):
                            f"{tmp_path / 'post.py'}:post_proces"], capture_output=True, text=True, env=run_env(),
                           timeout=300)  # a typo fails the dry run, naming the flag
     assert proc.returncode != 0 and "--custom-reward-post-process-path" in proc.stderr
+    proc = subprocess.run([agentrl_cli(), "train", "--dry-run", "--custom-config-path", str(tmp_path / "mis.yaml"),
+                           "--custom-tis-function-path", f"{tmp_path / 'tis.py'}:truncated", "--eval-config",
+                           str(_eval_config(tmp_path)), "--rm-type", "deepscaler", "--rollout-top-p", "0.7",
+                           "--eval-interval", "2", "--num-rollout", "2"],
+                          capture_output=True, text=True, env=run_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = yaml.safe_load(proc.stdout)
+    assert cfg["algo"]["custom_tis_function_path"].endswith("tis.py:truncated")
+    assert cfg["eval"]["eval_prompt_data"][::2] == ["aime", "gpqa"] and cfg["eval"]["eval_max_response_len"] == 24
 
 
 def test_custom_config_keys_reach_fields_flags_and_hooks(tmp_path):
@@ -254,10 +265,7 @@ def test_a_custom_tis_function_gives_the_importance_weights(tmp_path):
 
     argv = ["--custom-config-path", str(tmp_path / "mis.yaml"), "--custom-tis-function-path",
             f"{tmp_path / 'tis.py'}:truncated", "--num-rollout", "2"]
-    proc = subprocess.run([agentrl_cli(), "train", "--dry-run", *argv], capture_output=True, text=True, env=run_env(),
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert yaml.safe_load(proc.stdout)["algo"]["custom_tis_function_path"].endswith("tis.py:truncated")
+    assert parse_config(argv)[0].algo.custom_tis_function_path.endswith("tis.py:truncated")
     with pytest.raises(ConfigError, match="--custom-tis-function-path computes the --use-tis importance weights"):
         parse_config(argv[2:])
     with pytest.raises(ConfigError, match="--custom-tis-function-path .*tis.py:nope"):
@@ -293,13 +301,9 @@ def test_eval_config_gives_the_eval_sets_with_their_own_settings(tmp_path):
 
     path = _eval_config(tmp_path)
     base = ["--rm-type", "deepscaler", "--rollout-top-p", "0.7", "--eval-interval", "2", "--num-rollout", "2"]
-    proc = subprocess.run([agentrl_cli(), "train", "--dry-run", "--eval-config", str(path), *base],
-                          capture_output=True, text=True, env=run_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ev = yaml.safe_load(proc.stdout)["eval"]
-    assert ev["eval_prompt_data"] == ["aime", str(tmp_path / "aime.jsonl"), "gpqa", str(tmp_path / "gpqa.jsonl")]
-    assert ev["eval_max_response_len"] == 24
     cfg, _ = parse_config(["--eval-config", str(path), *base])
+    assert cfg.eval.eval_prompt_data == ["aime", str(tmp_path / "aime.jsonl"), "gpqa", str(tmp_path / "gpqa.jsonl")]
+    assert cfg.eval.eval_max_response_len == 24
     sets = load_eval_sets(cfg)
     assert [(name, n) for name, _, n in sets] == [("aime", 4), ("gpqa", 2)]
     assert [t["metadata"]["rm_type"] for t in sets[1][1]] == ["math", "gpqa"]
