@@ -31,6 +31,7 @@ actions, so returns and GAE run over the trained tokens only and give the rest 0
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -174,6 +175,34 @@ def shaped_rewards(samples, algo) -> list[float]:
                                  factor=algo.overlong_penalty_factor) for r, s in zip(rewards, samples)]
 
 
+POST_PROCESS_FLAG = "--custom-reward-post-process-path"
+
+
+@functools.lru_cache(maxsize=4)
+def _post_process_function(spec: str):
+    from agentrl.plugins import load_function
+
+    return load_function(spec, flag=POST_PROCESS_FLAG)
+
+
+def post_processed_rewards(samples, algo) -> list[float] | None:
+    """slime's --custom-reward-post-process-path: fn(args, samples) -> (raw_rewards, rewards), one
+    reward per sample, in place of the group normalisation (args: the algorithm's config, which
+    carries slime's names; samples: the rollout's agentrl Samples); None when not set."""
+    spec = getattr(algo, "custom_reward_post_process_path", None)
+    if not spec:
+        return None
+    out = _post_process_function(spec)(algo, samples)
+    try:
+        _, rewards = out
+        rewards = [float(r) for r in (rewards.tolist() if hasattr(rewards, "tolist") else rewards)]
+    except (TypeError, ValueError):
+        raise ValueError(f"{POST_PROCESS_FLAG} {spec}: expected (raw_rewards, rewards), got {type(out).__name__}") from None
+    if len(rewards) != len(samples):
+        raise ValueError(f"{POST_PROCESS_FLAG} {spec}: {len(rewards)} rewards for {len(samples)} samples")
+    return rewards
+
+
 def compute_advantages(samples, algo, *, old_logprobs: list[list[float]] | None = None,
                        ref_logprobs: list[list[float]] | None = None,
                        values: list[list[float]] | None = None,
@@ -205,7 +234,10 @@ def _estimator_advantages(samples, algo, *, old_logprobs, ref_logprobs, values) 
         return Advantages(out, [list(r) for r in out] if est == "ppo" else None)
     shaped = shaped_rewards(samples, algo)
     rewards = torch.tensor([shaped[i] for i in idx], dtype=torch.float64)
-    if est in GROUP_ESTIMATORS or est == "reinforce_plus_plus":
+    post = post_processed_rewards(samples, algo)
+    if post is not None:  # slime: the function's rewards are what the group normalisation would give
+        scalar = [post[i] for i in idx]
+    elif est in GROUP_ESTIMATORS or est == "reinforce_plus_plus":
         groups = torch.tensor([samples[i].group_id for i in idx])
         scalar = group_advantages(rewards, groups, est).tolist()
     else:
@@ -440,6 +472,67 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+TIS_FLAG = "--custom-tis-function-path"
+
+
+@functools.lru_cache(maxsize=4)
+def _tis_function(spec: str):
+    from agentrl.plugins import load_function
+
+    return load_function(spec, flag=TIS_FLAG)
+
+
+def custom_tis_weights(algo, args, *, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                       seq_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """slime's --custom-tis-function-path: fn(args, *, pg_loss, train_log_probs, rollout_log_probs,
+    loss_masks, total_lengths, response_lengths) -> (pg_loss, modified_masks, metrics), with
+    per-sample 1-D tensors of the response tokens. slime's functions only scale pg_loss token by
+    token, so they are given pg_loss = 1 everywhere: what comes back is the weight, times the
+    mask they return (rejection). Returns (weights of mask's shape, per-token metric tensors)."""
+    seg, n = _segments(mask, seq_ids)
+    where = [torch.nonzero(seg == k).flatten() for k in range(n)]
+
+    def split(x: torch.Tensor) -> list[torch.Tensor]:
+        flat = x.detach().reshape(-1)
+        return [flat[w] for w in where]
+
+    lengths = [len(w) for w in where]
+    pg, masks, metrics = _tis_function(algo.custom_tis_function_path)(
+        args, pg_loss=torch.ones(sum(lengths), dtype=old_logprobs.dtype, device=old_logprobs.device),
+        train_log_probs=split(old_logprobs), rollout_log_probs=split(rollout_logprobs), loss_masks=split(mask),
+        total_lengths=lengths, response_lengths=lengths)
+    if pg.numel() != sum(lengths) or len(masks) != n:
+        raise ValueError(f"{TIS_FLAG} {algo.custom_tis_function_path}: expected pg_loss of {sum(lengths)} tokens and "
+                         f"{n} masks, got {pg.numel()} and {len(masks)}")
+    weights = torch.zeros(mask.numel(), dtype=old_logprobs.dtype, device=old_logprobs.device)
+    order = torch.cat(where) if where else torch.zeros(0, dtype=torch.long, device=mask.device)
+    weights[order] = pg.detach().reshape(-1).to(weights.dtype) * torch.cat([m.reshape(-1) for m in masks]).to(weights.dtype)
+    token_metrics = {}
+    for name, value in (metrics or {}).items():
+        value = torch.cat([v.reshape(-1) for v in value]) if isinstance(value, (list, tuple)) else value
+        if torch.is_tensor(value) and value.numel() == sum(lengths):  # per token: averaged over the trained ones
+            full = torch.zeros(mask.numel(), dtype=old_logprobs.dtype, device=old_logprobs.device)
+            full[order] = value.detach().reshape(-1).to(full.dtype)
+            token_metrics[name] = full.reshape(mask.shape)
+    return weights.reshape(mask.shape), token_metrics
+
+
+@functools.lru_cache(maxsize=4)
+def _custom_config(path: str) -> tuple:
+    from agentrl.slime_args import read_custom_config
+
+    return tuple(read_custom_config(path).items())
+
+
+def tis_args(algo):
+    """The `args` a --custom-tis-function-path function reads: the algorithm's config under slime's
+    names, and --custom-config-path's other keys (the mis.py example's bounds live there)."""
+    from types import SimpleNamespace
+
+    extra = dict(_custom_config(algo.custom_config_path)) if getattr(algo, "custom_config_path", None) else {}
+    return SimpleNamespace(**{**extra, **algo.model_dump()})
+
+
 def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                      mask: torch.Tensor, denom: float, ref_logprobs: torch.Tensor | None = None,
                      rollout_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
@@ -455,11 +548,20 @@ def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor
     (`train_rollout_logprob_abs_diff`) is measured here instead of in a separate pass."""
     weights = None
     stats: dict[str, torch.Tensor] = {}
+    measure_gap = old_logprobs is None or getattr(algo, "use_rollout_logprobs", False)
     if old_logprobs is None:
         old_logprobs = logprobs.detach()
-        if rollout_logprobs is not None:
-            stats["train_rollout_logprob_abs_diff"] = masked_mean((old_logprobs - rollout_logprobs).abs(), mask, denom)
-    if algo.use_tis:
+    if rollout_logprobs is not None and measure_gap:
+        # no separate pass measured the engine-vs-trainer gap: this forward does (slime's, with the rollout's as old)
+        stats["train_rollout_logprob_abs_diff"] = masked_mean((logprobs.detach() - rollout_logprobs).abs(), mask, denom)
+    if algo.use_tis and getattr(algo, "custom_tis_function_path", None):  # slime's function replaces the built-in
+        if rollout_logprobs is None:
+            raise ValueError("--use-tis needs the rollout logprobs")
+        weights, per_token = custom_tis_weights(algo, tis_args(algo), old_logprobs=old_logprobs,
+                                                rollout_logprobs=rollout_logprobs, mask=mask, seq_ids=seq_ids)
+        stats.update({f"tis/{k}": masked_mean(v, mask, denom) for k, v in per_token.items()})
+        stats["tis_weight"] = masked_mean(weights, mask, denom)
+    elif algo.use_tis:
         if rollout_logprobs is None:
             raise ValueError("--use-tis needs the rollout logprobs")
         iw = importance_weights(old_logprobs, rollout_logprobs, mask, mode=algo.tis_mode, low=algo.tis_clip_low,
@@ -493,6 +595,15 @@ def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor
         stats["entropy"] = ent.detach()
     stats["loss"] = loss.detach()
     return loss, stats
+
+
+def rollout_logprobs_as_old(samples) -> list[list[float]]:
+    """--use-rollout-logprobs: each sample's engine logprobs stand for the old policy's."""
+    for s in samples:
+        if s.trainable and len(s.rollout_logprobs) != s.response_length:
+            raise ValueError(f"--use-rollout-logprobs: trajectory {s.trajectory_id} has {len(s.rollout_logprobs)} "
+                             f"rollout logprobs for {s.response_length} response tokens")
+    return [list(s.rollout_logprobs) for s in samples]
 
 
 def reuses_training_logprobs(trainer, samples, algo, global_batch_size: int) -> bool:
@@ -533,10 +644,12 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
 
 
 def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: TrainProfiler) -> dict[str, float]:
-    reuse = reuses_training_logprobs(trainer, samples, algo, global_batch_size)
+    rollout_old = getattr(algo, "use_rollout_logprobs", False)  # slime's: the engine's logprobs are the old policy's
+    reuse = not rollout_old and reuses_training_logprobs(trainer, samples, algo, global_batch_size)
     with profiler.section("train_log_probs"):
         with profiler.label("old_logprobs"):
-            old = None if reuse else trainer.compute_logprobs(samples)
+            old = (rollout_logprobs_as_old(samples) if rollout_old
+                   else None if reuse else trainer.compute_logprobs(samples))
         with profiler.label("ref_logprobs"):
             ref = trainer.compute_logprobs(samples, trainer.ref_model) if trainer.ref_model is not None else None
         with profiler.label("values"):
@@ -563,12 +676,12 @@ def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: T
     out = {k: sum(v) / len(v) for k, v in metrics.items()}
     if "rs_veto_seqs" in metrics:  # a count: the rollout's vetoed sequences, over all its steps
         out["rs_veto_seqs"] = sum(metrics["rs_veto_seqs"])
-    if old is not None:  # else the one step's loss measured it (a token mean over the same tokens)
+    if old is not None and not rollout_old:  # else the steps' losses measured it (a token mean over the same tokens)
         mismatch = [abs(a - b) for s, o in zip(samples, old) if s.trainable
                     for a, b, m in zip(o, s.rollout_logprobs, s.loss_mask) if m]
         out["train_rollout_logprob_abs_diff"] = sum(mismatch) / len(mismatch) if mismatch else 0.0
     out.setdefault("train_rollout_logprob_abs_diff", 0.0)
-    out["old_logprob_pass"] = 0.0 if reuse else 1.0  # 1: the separate forward ran (several steps, --kl-coef, ...)
+    out["old_logprob_pass"] = 0.0 if reuse or rollout_old else 1.0  # 1: the separate forward ran (several steps, --kl-coef, ...)
     if teacher is not None:  # the mean per-token reverse KL to the teacher, over trained tokens
         kl = [o - t for s, lo, lt in zip(samples, old, teacher) if s.trainable
               for o, t, m in zip(lo, lt, s.loss_mask) if m]

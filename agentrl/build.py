@@ -27,6 +27,7 @@ from agentrl.rollout.control import RolloutControl
 from agentrl.rollout.manager import GroupRunner
 from agentrl.rollout.producer import nonzero_std_filter
 from agentrl.rollout.slime import DataSource, GenerateHook, RolloutHook, slime_args
+from agentrl.slime_args import read_eval_config
 from agentrl.types import Sample
 
 
@@ -73,13 +74,16 @@ def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, rewar
     r = cfg.rollout
     sampling = {"temperature": r.rollout_temperature if temperature is None else temperature,
                 "top_p": r.rollout_top_p, "top_k": r.rollout_top_k} | ({"ignore_eos": True} if r.rollout_ignore_eos else {})
+    if r.rollout_stop_token_ids:
+        sampling["stop_token_ids"] = list(r.rollout_stop_token_ids)
 
     def settings_for(env) -> LoopSettings:
         params = {**sampling, "stop": list(env.stop)} if getattr(env, "stop", None) else sampling
         return LoopSettings(max_response_len=max_response_len or r.rollout_max_response_len,
                             max_turns=r.max_turns or env.max_turns,
                             sampling_params=params, apply_chat_template=cfg.data.apply_chat_template,
-                            max_tokens_per_turn=r.rollout_max_tokens_per_turn)
+                            max_tokens_per_turn=r.rollout_max_tokens_per_turn,
+                            max_context_len=r.rollout_max_context_len)
 
     def make_env(name: str | None):
         name = name or cfg.run.env
@@ -152,17 +156,26 @@ def label_needed_by(name: str) -> str | None:
     return name if getattr(get_spec(name).load(), "needs_label", False) else None
 
 
-def load_eval_sets(cfg: Config) -> list[tuple[str, list[dict]]]:
-    """--eval-prompt-data NAME PATH ...: read (and so check) every eval set before any work."""
+def load_eval_sets(cfg: Config) -> list[tuple]:
+    """--eval-prompt-data NAME PATH ... (or --eval-config's datasets): read (and so check) every
+    eval set before any work. Each is (name, tasks) or, from --eval-config, (name, tasks,
+    n_samples_per_eval_prompt or None); a set's rm_type goes into its rows' metadata (a row's own wins)."""
     d, pairs = cfg.data, cfg.eval.eval_prompt_data
+    specs = (read_eval_config(cfg.eval.eval_config) if cfg.eval.eval_config
+             else [{"name": name, "path": path} for name, path in zip(pairs[::2], pairs[1::2])])
     sets = []
-    for name, path in zip(pairs[::2], pairs[1::2]):
-        tasks = read_rows(path, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
+    for spec in specs:
+        tasks = read_rows(str(spec["path"]), input_key=spec.get("input_key", d.input_key),
+                          label_key=spec.get("label_key", d.label_key),
+                          metadata_key=spec.get("metadata_key", d.metadata_key),
                           label_needed_by=label_needed_by(cfg.run.env))
         for task in tasks:
             if task.get("env"):
                 get_spec(task["env"])
-        sets.append((name, tasks))
+            if spec.get("rm_type"):
+                task["metadata"] = {"rm_type": spec["rm_type"], **(task.get("metadata") or {})}
+        name = str(spec["name"])
+        sets.append((name, tasks, spec.get("n_samples_per_eval_prompt")) if cfg.eval.eval_config else (name, tasks))
     return sets
 
 

@@ -76,6 +76,11 @@ class RolloutConfig(Section):
     """Token budget of a trajectory's response (all turns, policy and env tokens)."""
     rollout_max_tokens_per_turn: int | None = Field(None, ge=1)
     """Cap on the tokens of one assistant turn; None: the remaining response budget."""
+    rollout_max_context_len: int | None = Field(None, ge=2)
+    """Cap on prompt + response tokens of a trajectory (slime's; a prompt filling it ends truncated,
+    untrained); None: only --rollout-max-response-len."""
+    rollout_stop_token_ids: list[int] = []
+    """Token ids that end a turn, besides the tokenizer's EOS (slime's)."""
     rollout_temperature: float = Field(1.0, ge=0)
     """Sampling temperature of rollouts (the trainer's log-probs use it too)."""
     rollout_top_p: float = Field(1.0, gt=0, le=1)
@@ -182,10 +187,16 @@ class AlgoConfig(Section):
     """Upper bound of the --use-tis importance weights."""
     tis_clip_low: float = Field(0.0, ge=0)
     """Lower bound of the --use-tis importance weights."""
+    custom_tis_function_path: str | None = None
+    """--use-tis: slime's importance-weight function (e.g. its mis.py example's compute_mis_weights_with_cp)
+    in place of --tis-mode/--tis-level's; it reads its bounds from --custom-config-path's keys."""
     rs_veto_threshold: float | None = Field(None, gt=0, lt=1)
     """--use-tis: a trajectory with any trained token whose own ratio pi_old(train) / pi(rollout) is below this
     leaves the loss whole (slime's veto of catastrophic mismatches, e.g. 1e-4), whatever --tis-mode and
     --tis-level; None: off."""
+    use_rollout_logprobs: bool = False
+    """The engine's logprobs of the sampled tokens are the old policy's (slime's): no old-logprob pass,
+    the ratio is pi_train / pi_rollout; excludes --use-tis."""
     recompute_old_logprobs: bool = False
     """Always run the separate old-policy logprob pass before the optimizer steps. Without it the pass
     is skipped when the rollout is one optimizer step (--global-batch-size >= its samples) and nothing
@@ -240,6 +251,12 @@ class AlgoConfig(Section):
     or boxed_X (X on the last \\boxed{} answer); a row's metadata rm_type overrides it; --custom-rm-path wins."""
     rm_url: str | None = None
     """--rm-type remote_rm: the URL POSTed {prompt, response, label}, answering the reward as JSON."""
+    custom_reward_post_process_path: str | None = None
+    """slime's `fn(args, samples) -> (raw_rewards, rewards)` replacing the group normalisation: its
+    rewards are the group estimators' advantages and the token-level estimators' final rewards."""
+    custom_config_path: str | None = None
+    """slime's YAML of extra arguments: its keys set config fields and slime flags (overriding the
+    command line); other keys reach slime's hooks as args attributes."""
     reward_key: str | None = None
     """A dict reward's key the advantage uses (slime's --reward-key); None: its "score"."""
 
@@ -418,6 +435,9 @@ class EvalConfig(Section):
     skip_eval_before_train: bool = False
     """With --eval-interval, the starting model is evaluated before the first iteration (as slime
     does; its figures go in iteration 0's metrics row as eval_before_train/NAME/...): this skips it."""
+    eval_config: str | None = None
+    """slime's YAML of eval sets (`eval: {defaults: {...}, datasets: [{name, path, ...}]}`), in place of
+    --eval-prompt-data; per set: rm_type, n_samples_per_eval_prompt, input/label/metadata keys."""
 
 
 SECTIONS: dict[str, type[Section]] = {
@@ -608,7 +628,7 @@ def parse_config(argv: list[str], env_defaults_for=None, parser: argparse.Argume
     default_config layer (the CLI passes a registry lookup; tests may pass None)."""
     from agentrl import slime_args
 
-    argv, slime = slime_args.translate(argv)  # slime's launch-script flags (agentrl/slime_args.py)
+    argv, slime = slime_args.translate(argv, FIELDS, ALIASES)  # slime's launch-script flags (agentrl/slime_args.py)
     rest, passthrough = _split_passthrough(argv)
     passthrough["megatron_args"].update(slime.megatron)
     ns = (parser or build_parser()).parse_args(rest)
@@ -617,6 +637,7 @@ def parse_config(argv: list[str], env_defaults_for=None, parser: argparse.Argume
     if getattr(ns, "config", None):
         layers = _merge(layers, load_yaml(ns.config))
     layers = _merge(layers, _flat_to_nested(flags, "command line"))
+    layers = _merge(layers, _flat_to_nested(slime.custom_config, "--custom-config-path"))  # over flags, as in slime
     layers = _merge(slime_args.defaults(slime, passthrough["megatron_args"]), layers)
     slime_args.prepare(layers, slime)
     env_name = layers["run"].get("env", RunConfig.model_fields["env"].default)

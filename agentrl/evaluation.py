@@ -4,6 +4,7 @@ response lengths, pass@k), during a run or as `agentrl eval` on a model or check
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from datetime import datetime
 from pathlib import Path
@@ -93,15 +94,19 @@ async def evaluate(runner: GroupRunner, eval_sets: list[tuple[str, list[dict]]],
     pass@k (a sample passes when its reward is at least 1, as the envs' binary rewards).
     `save(name, samples)` keeps each set's trajectories."""
     out: dict[str, float] = {}
-    for name, tasks in eval_sets:
-        groups = await asyncio.gather(*[runner.run_group(t, EVAL_GROUP_BASE + i) for i, t in enumerate(tasks)])
+    for name, tasks, *per_set in eval_sets:
+        set_runner = runner
+        if per_set and per_set[0] and per_set[0] != runner.n_samples:  # --eval-config's n_samples_per_eval_prompt
+            set_runner = copy.copy(runner)
+            set_runner.n_samples = int(per_set[0])
+        groups = await asyncio.gather(*[set_runner.run_group(t, EVAL_GROUP_BASE + i) for i, t in enumerate(tasks)])
         if save is not None:
             save(name, [s for g in groups for s in g])
         done = [s for g in groups for s in g if s.status != SampleStatus.FAILED]
         out[f"{prefix}/{name}/reward_mean"] = float(np.mean([s.reward_value for s in done])) if done else 0.0
         out[f"{prefix}/{name}/response_len_mean"] = float(np.mean([s.response_length for s in done])) if done else 0.0
         out[f"{prefix}/{name}/failed"] = sum(len(g) for g in groups) - len(done)
-        k = runner.n_samples
+        k = set_runner.n_samples
         if k > 1:
             out[f"{prefix}/{name}/pass@{k}"] = float(np.mean([any(s.reward_value >= 1.0 for s in g) for g in groups]))
     return out

@@ -32,6 +32,7 @@ from typing import Any, Callable
 from agentrl.errors import ConfigError
 
 SLIME_ENV, SLIME_ENV_MODULE = "slime", "agentrl.rm_hub.env"
+RM_HUB_REWARD = "agentrl.rm_hub.async_rm"  # what --rm-type scores with (a row's metadata rm_type wins)
 
 
 def _rope_theta(hf: dict):
@@ -111,14 +112,12 @@ REFUSED: dict[str, str] = {
     "custom_loss_function_path": "agentrl's losses are its algorithms (--advantage-estimator, --loss-type); "
                                  "a custom loss would have to run inside the trainer actor's Megatron step",
     "custom_advantage_function_path": "advantages come from --advantage-estimator (agentrl/algorithms.py)",
-    "custom_reward_post_process_path": "group normalisation is the advantage estimator's (grpo, dr_grpo, rloo, ...)",
     "buffer_filter_path": "agentrl keeps no sample buffer between iterations (--over-sampling-batch-size "
                           "and --dynamic-sampling-filter-path select the groups)",
     "rollout_sample_filter_path": "use --dynamic-sampling-filter-path (whole groups, as agentrl trains them)",
     "rollout_all_samples_process_path": "the run folder's trajectories/ holds every sample of every iteration",
     "eval_function_path": "evaluation runs the rollout path on --eval-prompt-data (agentrl/evaluation.py)",
     "data_source_path": "prompts come from --prompt-data or the env's dataset (agentrl/data.py)",
-    "custom_tis_function_path": "importance weights are --use-tis with --tis-mode and --tis-level",
     "rollout_sample_hook_path": "a --custom-generate-function-path can change the sample before it is scored",
     "rollout_data_postprocess_path": "loss masks come from the agent loop (policy tokens 1, the rest 0) and "
                                      "reach the trainer as recorded",
@@ -140,13 +139,7 @@ REFUSED: dict[str, str] = {
     "custom_update_weight_post_write_path": "--weight-sync-mode disk writes to a local or POSIX path and needs no "
                                             "post-write step",
     "megatron_config_path": "one Megatron trainer config: give Megatron flags on the command line",
-    "custom_config_path": "give agentrl a YAML file with --config",
-    "eval_config": "give eval sets with --eval-prompt-data NAME PATH",
     "enable_mtp_training": "multi-token-prediction layers are not built (the model comes from the HF config.json)",
-    "use_rollout_logprobs": ("the old logprobs are the trainer's (its step's own forward when one step trains "
-                             "the rollout, else a separate pass); --use-tis corrects the rollout/trainer mismatch"),
-    "rollout_stop_token_ids": "a turn ends at EOS, the env's stop strings or its token budget",
-    "rollout_max_context_len": "--rollout-max-response-len bounds the whole trajectory",
     "multimodal_keys": "agentrl trains on text only",
     "prefill_num_servers": "prefill/decode disaggregated engines are not launched",
     "update_weight_local_checkpoint_dir": "--weight-sync-mode disk writes under the run folder",
@@ -171,6 +164,7 @@ class SlimeFlags:
     ref_ckpt_step: int | None = None  # --ref-ckpt-step: the iteration of --ref-load's Megatron checkpoint
     dynamic_batch_size: bool = False
     present: bool = False  # a slime run: model-shape flags or --ref-load
+    custom_config: dict[str, Any] = field(default_factory=dict)  # --custom-config-path's config-field keys
 
     def note(self, flag: str, why: str) -> None:
         self.notices.append(f"{flag}: accepted, no effect here: {why}")
@@ -202,9 +196,111 @@ def _layer_freq(text: str) -> int | list[int]:
     raise ConfigError(f"--moe-layer-freq: expected an int or a list of ints, got {text!r}")
 
 
-def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
-    """slime's flags that are not agentrl fields -> (argv for agentrl's parser, SlimeFlags)."""
+def read_custom_config(path: str) -> dict[str, Any]:
+    """--custom-config-path's YAML: a mapping of slime argument names to values."""
+    import yaml
+
+    where = f"--custom-config-path {path}"
+    if not Path(path).is_file():
+        raise ConfigError(f"{where}: no such file")
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: malformed YAML: {exc}") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise ConfigError(f"{where}: the top level must map argument names to values")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+# --eval-config's per-set keys agentrl honours per set, and those it takes only when every set agrees
+EVAL_SET_KEYS = ("name", "path", "rm_type", "n_samples_per_eval_prompt", "input_key", "label_key", "metadata_key")
+EVAL_SHARED_KEYS = {"temperature": "eval_temperature", "max_response_len": "eval_max_response_len",
+                    "top_p": "eval_top_p", "top_k": "eval_top_k"}
+
+
+def read_eval_config(path: str) -> list[dict[str, Any]]:
+    """--eval-config's YAML as slime reads it (an `eval` mapping, or the root): each dataset's keys
+    over `defaults`'s. A key agentrl cannot honour per set is an error naming it."""
+    import yaml
+
+    where = f"--eval-config {path}"
+    if not Path(path).is_file():
+        raise ConfigError(f"{where}: no such file")
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: malformed YAML: {exc}") from None
+    section = data.get("eval", data) if isinstance(data, dict) else None
+    datasets = section.get("datasets") if isinstance(section, dict) else None
+    if isinstance(datasets, dict):  # slime's ensure_dataset_list: a single dataset mapping
+        datasets = [datasets]
+    if not datasets or not isinstance(datasets, list) or not all(isinstance(d, dict) for d in datasets):
+        raise ConfigError(f"{where}: no datasets under eval.datasets (a list of {{name, path, ...}})")
+    defaults = section.get("defaults") or {}
+    sets = [{**defaults, **d} for d in datasets]
+    for i, d in enumerate(sets):
+        if not d.get("name") or not d.get("path"):
+            raise ConfigError(f"{where}: dataset {i} needs a name and a path")
+        unknown = sorted(set(d) - set(EVAL_SET_KEYS) - set(EVAL_SHARED_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: dataset {d['name']!r}: {', '.join(unknown)} not supported per eval set (agentrl "
+                              f"takes {', '.join(EVAL_SET_KEYS + tuple(EVAL_SHARED_KEYS))})")
+    for key in EVAL_SHARED_KEYS:
+        values = {repr(d[key]) for d in sets if key in d}
+        if len(values) > 1 or (values and len(values) == 1 and any(key not in d for d in sets)):
+            raise ConfigError(f"{where}: {key} differs between datasets ({', '.join(sorted(values))}, or unset); "
+                              f"agentrl evaluates every set with one --{EVAL_SHARED_KEYS[key].replace('_', '-')}: "
+                              "give it in defaults")
+    return sets
+
+
+def _is_slime_flag(name: str) -> bool:
+    """A flag translate() or the pass-through takes (not an agentrl field)."""
+    from agentrl.trainers.megatron.flags import is_megatron_flag
+
+    special = (*SHAPE_VALUES, *SHAPE_SWITCHES, *SHAPE_FROM_CONFIG, *NO_EFFECT, *REFUSED, *RENAMED, *MAPPED)
+    return name in special or name.startswith(("sglang_", "router_")) or is_megatron_flag(name)
+
+
+def _as_words(name: str, value: Any) -> list[str]:
+    """A YAML value as the command line would give the flag (a false or null switch: absent)."""
+    flag = "--" + name.replace("_", "-")
+    if value is None or value is False:
+        return []
+    if value is True:
+        return [flag]
+    if isinstance(value, list):
+        return [flag, *map(str, value)]
+    return [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+
+
+def apply_custom_config(path: str, flags: SlimeFlags, fields, aliases: dict[str, str]) -> list[str]:
+    """slime sets each key of the YAML on its args, over the command line. Here: an agentrl field
+    (or its alias) goes to flags.custom_config, a layer over the command line's; a slime flag
+    agentrl translates or passes through comes back as words for the end of argv; any other key
+    only reaches slime's hooks (their args, agentrl/rollout/slime.py), and a notice says so."""
+    words, hook_only = [], []
+    for name, value in read_custom_config(path).items():
+        field_name = aliases.get("--" + name.replace("_", "-"), name)
+        if name == "custom_config_path":
+            raise ConfigError(f"--custom-config-path {path}: names another custom_config_path")
+        if field_name in fields:
+            flags.custom_config[field_name] = value
+        elif _is_slime_flag(name):
+            words += _as_words(name, value)
+        else:
+            hook_only.append(name)
+    if hook_only:
+        flags.notices.append(f"--custom-config-path {path}: {', '.join(hook_only)}: no agentrl or slime flag; "
+                             "slime's hooks read them as args attributes")
+    return words
+
+
+def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None) -> tuple[list[str], SlimeFlags]:
+    """slime's flags that are not agentrl fields -> (argv for agentrl's parser, SlimeFlags).
+    fields, aliases: agentrl's config field names and flag aliases (a --custom-config-path key may name one)."""
     out, flags = [], SlimeFlags()
+    argv = list(argv)  # --custom-config-path's slime flags are appended: read last, they win as in slime
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -248,6 +344,11 @@ def translate(argv: list[str]) -> tuple[list[str], SlimeFlags]:
             raise ConfigError(f"{flag}: not supported by agentrl: {REFUSED[name]} (docs/slime.md)")
         elif name in RENAMED:
             out += [RENAMED[name], *values]
+        elif name == "custom_config_path":
+            if value is None:
+                raise ConfigError(f"{flag}: needs a YAML file")
+            argv += apply_custom_config(value, flags, fields, aliases or {})
+            out += [arg] if eq else [arg, *values]
         elif name == "update_weight_buffer_size":  # bytes -> MB
             if value is None:
                 raise ConfigError(f"{flag}: needs a value (bytes)")
@@ -338,13 +439,22 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
         else:
             flags.notices.append(f"--load {load}: no checkpoint there yet, so training starts from the reference "
                                  f"({model.get('model') or 'the built-in tiny model'}); --save writes there")
+    ev = layers.setdefault("eval", {})
+    if ev.get("eval_config"):  # slime: it overrides --eval-prompt-data
+        sets = read_eval_config(ev["eval_config"])
+        ev["eval_prompt_data"] = [str(x) for d in sets for x in (d["name"], d["path"])]
+        for key, name in EVAL_SHARED_KEYS.items():
+            if key in sets[0] and name in ("eval_top_p", "eval_top_k"):
+                setattr(flags, name, sets[0][key])  # checked against the rollout's in finish()
+            elif key in sets[0]:
+                ev[name] = sets[0][key]
     if run.get("env") == SLIME_ENV and SLIME_ENV_MODULE not in run.get("env_module", []):
         run["env_module"] = [*run.get("env_module", []), SLIME_ENV_MODULE]
     train = layers.setdefault("train", {})
     if train.get("balance_by_flops"):  # slime: it implies --balance-data (ranks balanced by FLOPs too)
         train["balance_data"] = True
     if algo.get("rm_type") and not algo.get("custom_rm_path"):
-        algo["custom_rm_path"] = "agentrl.rm_hub.async_rm"  # slime: --custom-rm-path wins over --rm-type
+        algo["custom_rm_path"] = RM_HUB_REWARD  # slime: --custom-rm-path wins over --rm-type
 
 
 def warmup(layers: dict, flags: SlimeFlags, sections: dict[str, Any]) -> None:
@@ -377,6 +487,30 @@ def finish(cfg, flags: SlimeFlags) -> None:
     if flags.eval_top_k is not None and flags.eval_top_k != cfg.rollout.rollout_top_k:
         raise ConfigError(f"--eval-top-k {flags.eval_top_k}: agentrl samples evaluations with the rollout's top-k "
                           f"(--rollout-top-k {cfg.rollout.rollout_top_k}); give them the same value")
+    a = cfg.algo
+    if a.use_rollout_logprobs and (a.use_tis or a.recompute_old_logprobs):
+        raise ConfigError(f"--use-rollout-logprobs takes the engine's logprobs as the old policy's, so there is no "
+                          f"trainer/rollout gap to correct or recompute: drop "
+                          f"{'--use-tis' if a.use_tis else '--recompute-old-logprobs'} (slime refuses it with --use-tis too)")
+    if a.custom_tis_function_path:
+        from agentrl.plugins import load_function
+
+        load_function(a.custom_tis_function_path, flag="--custom-tis-function-path")
+        if not a.use_tis:  # slime calls it under --use-tis (its mis.yaml sets use_tis: true)
+            raise ConfigError("--custom-tis-function-path computes the --use-tis importance weights, which are off: "
+                              "add --use-tis (or use_tis: true in --custom-config-path's YAML)")
+    if a.custom_reward_post_process_path:
+        from agentrl.plugins import load_function
+
+        load_function(a.custom_reward_post_process_path, flag="--custom-reward-post-process-path")  # a typo fails here
+        if a.overlong_buffer_len is not None:
+            raise ConfigError("--overlong-buffer-len shapes the rewards the estimator normalises; with "
+                              "--custom-reward-post-process-path the function's rewards are used as they are: drop one")
+    if cfg.eval.eval_config and any(d.get("rm_type") for d in read_eval_config(cfg.eval.eval_config)) \
+            and a.custom_rm_path != RM_HUB_REWARD:
+        raise ConfigError(f"--eval-config {cfg.eval.eval_config}: a dataset's rm_type is read by rm_hub's reward "
+                          "(--rm-type, or the slime env), which this run does not score with"
+                          + (f" (--custom-rm-path {a.custom_rm_path})" if a.custom_rm_path else ": add --rm-type"))
     if cfg.algo.reward_key not in (None, "score"):
         raise ConfigError(f"--reward-key {cfg.algo.reward_key}: agentrl's advantages read a dict reward's 'score' "
                           "entry; return the reward under 'score' (other keys are logged as they are)")

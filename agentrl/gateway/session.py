@@ -175,6 +175,8 @@ class Session:
         budget = self.settings.max_response_len - sample.response_length
         if self.settings.max_tokens_per_turn:
             budget = min(budget, self.settings.max_tokens_per_turn)
+        if self.settings.max_context_len is not None:  # --rollout-max-context-len: prompt + response
+            budget = min(budget, self.settings.max_context_len - len(sample.tokens))
         if budget <= 0:
             self.truncated = True
             raise RequestError(f"session {self.trajectory_id}: the token budget "

@@ -37,8 +37,9 @@ TRUNCATED_RESPONSE_LEN = "max_response_len"  # the policy's tokens used up --rol
 TRUNCATED_NO_ROOM = "no room for another turn"  # the env's next message would fill the rest of the budget
 TRUNCATED_BY_ENV = "env"  # the env's step returned truncated=True
 TRUNCATED_SAFETY = "safety_max_turns"  # an env without max_turns never terminated: SAFETY_MAX_TURNS cut it
+TRUNCATED_CONTEXT_LEN = "max_context_len"  # prompt + response reached --rollout-max-context-len
 TRUNCATION_REASONS = (TRUNCATED_MAX_TURNS, TRUNCATED_RESPONSE_LEN, TRUNCATED_NO_ROOM, TRUNCATED_BY_ENV,
-                      TRUNCATED_SAFETY)
+                      TRUNCATED_SAFETY, TRUNCATED_CONTEXT_LEN)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class LoopSettings:
     sampling_params: dict  # SGLang sampling params: temperature, top_p, top_k, stop_token_ids, ...
     apply_chat_template: bool = True
     max_tokens_per_turn: int | None = None  # None: a turn may use the whole remaining budget
+    max_context_len: int | None = None  # cap on prompt + response tokens (slime's --rollout-max-context-len)
 
 
 PROMPT_CACHE_SIZE = 256
@@ -299,12 +301,16 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
         stages["prompt_s"] = clock() - t0
         stops = set(settings.sampling_params.get("stop_token_ids") or []) | {renderer.tokenizer.eos_token_id}
         turn_limit = settings.max_turns or SAFETY_MAX_TURNS
+        # the response budget: prompt + response within the context cap, when that is the tighter one
+        max_len, length_reason = settings.max_response_len, TRUNCATED_RESPONSE_LEN
+        if settings.max_context_len is not None and settings.max_context_len - len(sample.prompt_tokens) < max_len:
+            max_len, length_reason = max(0, settings.max_context_len - len(sample.prompt_tokens)), TRUNCATED_CONTEXT_LEN
         limit_reason = TRUNCATED_MAX_TURNS if settings.max_turns else TRUNCATED_SAFETY
         status, truncation = SampleStatus.TRUNCATED, limit_reason  # why, if it ends truncated
         for turn in range(turn_limit):
-            budget = settings.max_response_len - sample.response_length
+            budget = max_len - sample.response_length
             if budget <= 0:
-                truncation = TRUNCATED_RESPONSE_LEN
+                truncation = length_reason
                 break
             if settings.max_tokens_per_turn:
                 budget = min(budget, settings.max_tokens_per_turn)
@@ -375,9 +381,9 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
             if terminated:
                 status = SampleStatus.COMPLETED
                 break
-            if truncated or sample.response_length >= settings.max_response_len or turn + 1 == turn_limit:
-                truncation = (TRUNCATED_BY_ENV if truncated else TRUNCATED_RESPONSE_LEN
-                              if sample.response_length >= settings.max_response_len else limit_reason)
+            if truncated or sample.response_length >= max_len or turn + 1 == turn_limit:
+                truncation = (TRUNCATED_BY_ENV if truncated else length_reason
+                              if sample.response_length >= max_len else limit_reason)
                 break
             obs = [_valid_message(m) for m in as_messages(obs)]
             messages += obs
@@ -393,7 +399,7 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
             t0 = clock()
             extra, rendered = renderer.extension(sample, seen, messages, tools, turn + 1)
             _add(stages, "render_s", clock() - t0)  # the chat template and the new suffix's tokens
-            if sample.response_length + len(extra) >= settings.max_response_len:
+            if sample.response_length + len(extra) >= max_len:
                 truncation = TRUNCATED_NO_ROOM  # the env's message fills the response budget
                 break
             sample.append_observation(extra)

@@ -196,7 +196,7 @@ def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
         sglang_router_ip=url.hostname, sglang_router_port=url.port,
         sglang_server_concurrency=r.max_concurrency,
         over_sampling_batch_size=r.over_sampling_batch_size or r.rollout_batch_size,
-        rollout_stop=env_stop(cfg.run.env), rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
+        rollout_stop=env_stop(cfg.run.env), rollout_stop_token_ids=r.rollout_stop_token_ids or None, rollout_skip_special_tokens=False,
         rollout_global_dataset=True, group_rm=False, eval_reward_key=None,
         use_rollout_routing_replay=False, sglang_dp_size=values.get("sglang_dp_size"), ci_test=False,
         # one engine group behind the router: slime's request limit is concurrency x engines
@@ -206,10 +206,13 @@ def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
         rm_type=values.get("rm_type"), rm_url=values.get("rm_url"), multimodal_keys=None,
         apply_chat_template_kwargs=values.get("apply_chat_template_kwargs") or {},
         sglang_enable_deterministic_inference=False, router_policy=values.get("router_policy"),
-        rollout_max_context_len=None,  # agentrl bounds a trajectory by --rollout-max-response-len
         **megatron_sizes(cfg.megatron_args),
         sglang_model_routers=None, eval_datasets=[],
     )
+    if cfg.algo.custom_config_path:  # slime sets every key on args; the keys agentrl took are in values already
+        from agentrl.slime_args import read_custom_config
+
+        values = {**read_custom_config(cfg.algo.custom_config_path), **values}
     args = SlimeArgs(**values)
     init_slime_http(args)
     return args
