@@ -227,12 +227,12 @@ def test_custom_rm_path_is_bounded_by_custom_rm_timeout(tmp_path):
                        "    return 0.75\n")
     cfg = Config()
     cfg = cfg.model_copy(update={"algo": cfg.algo.model_copy(update={"custom_rm_path": f"{rm_file}:rm",
-                                                                      "custom_rm_timeout": 0.3})})
+                                                                      "custom_rm_timeout": 2.0})})
     reward_fn = build_reward_fn(cfg)
 
     async def go():
         assert await reward_fn("fine") == 0.75
-        with pytest.raises(GradingTimeout, match="0.3 s limit"):
+        with pytest.raises(GradingTimeout, match="2 s limit"):
             await reward_fn("hang")
 
     asyncio.run(go())
@@ -298,7 +298,7 @@ def test_a_sync_reward_function_is_killed_at_its_bound_and_the_loop_goes_on(tmp_
         stalls, done = [], asyncio.Event()
         tick = asyncio.create_task(record_stalls(stalls, done))
         t0 = time.monotonic()
-        bad = asyncio.create_task(call_reward_fn(rm, None, "hostile", timeout=2.0))
+        bad = asyncio.create_task(call_reward_fn(rm, None, "hostile", timeout=limit))
         assert await call_reward_fn(rm, None, "fine", timeout=30) == {"score": 0.5}  # meanwhile
         with pytest.raises(GradingTimeout) as e:
             await bad
@@ -307,8 +307,10 @@ def test_a_sync_reward_function_is_killed_at_its_bound_and_the_loop_goes_on(tmp_
         await tick
         return e.value, elapsed, max(stalls)
 
+    # the memory bound, not the time limit, must stop the allocator: room for a loaded machine
+    limit = 20.0 if attack == "allocates" else 2.0
     error, elapsed, stall = asyncio.run(go())
-    assert elapsed < 6 and stall < 0.5, (elapsed, stall)
+    assert elapsed < limit + 4 and stall < 0.5, (elapsed, stall)
     assert ("memory bound" if attack == "allocates" else "2 s limit") in str(error), error
     started = [int(line) for line in pids.read_text().split()]
     assert len(started) >= 2 and all(pid != os.getpid() for pid in started)
