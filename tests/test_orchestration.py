@@ -67,6 +67,7 @@ def test_joins_a_running_cluster_with_ray_address(tmp_path):
                             "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"],
                            capture_output=True, text=True, timeout=180, env=env)
     if start.returncode != 0:
+        _stop_cluster(temp)  # a start that failed midway can leave its GCS and monitors running
         pytest.skip(f"ray start failed here: {start.stderr[-500:]}")
     try:
         out = tmp_path / "run"
