@@ -28,6 +28,11 @@ from agentrl.build import (build_env_lookup, build_group_filter, build_group_run
                            build_reward_fn, build_rollout_hook, latest_checkpoint, load_debug_rollouts,
                            engine_sglang_args, load_eval_sets, lora_engine_args, resolve_device, resolve_model,
                            seed_everything, start_sandbox_pool, turn_budget_warning)
+from agentrl.cluster.engine_actor import stop_engines
+from agentrl.cluster.node_watch import NodeWatch
+from agentrl.cluster.placement import reserve_placement
+from agentrl.cluster.ray_session import start_ray, stop_ray
+from agentrl.cluster.trainer_actor import RemoteTrainer
 from agentrl.config import Config
 from agentrl.data import PromptSource
 from agentrl.engines.group import EngineGroup, start_engines
@@ -36,7 +41,6 @@ from agentrl.fp8 import engine_model_path
 from agentrl.judge import close_judges
 from agentrl.metrics import RunContext, RunLog, Timeline, engine_log_steps, rollout_stage_metrics, start_wandb
 from agentrl.models import load_tokenizer
-from agentrl.orchestration import NodeWatch, RemoteTrainer, reserve_placement, start_ray, stop_engines, stop_ray
 from agentrl.profiling import summaries_since
 from agentrl.progress import Progress
 from agentrl.rollout.client import EngineClient

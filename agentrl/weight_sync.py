@@ -29,6 +29,10 @@ Three paths, the same for SGLang and the embedded engine (they speak one protoco
 
 Every path sends to all engines at once and ends with the new `weight_version` and a cache
 flush (a prefix cache built under old weights is never reused).
+
+`TrainerSync` is the trainer's side, run in its Ray actor (agentrl.cluster.trainer_actor): it
+picks the path for --weight-sync-mode, holds the process groups and what was last written, and
+with several trainer ranks has the others take part in each export (`LeadingRank`).
 """
 
 from __future__ import annotations
@@ -37,15 +41,18 @@ import asyncio
 import collections
 import os
 import re
+import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from agentrl.engines.embedded import encode_flattened_bucket, encode_named_tensors
 from agentrl.errors import EngineError
+from agentrl.fp8 import engine_tensors  # --sglang-quantization fp8: re-quantized at every sync
 from agentrl.rollout.client import EngineClient
 
 
@@ -566,3 +573,220 @@ class WeightUpdateGroup:
                                    for c in self.clients], return_exceptions=True)
             destroy(self.group)
             self.group = None
+
+
+CALL_TIMEOUT_S = 120.0  # rank 0's wait for the other ranks' part in an export, once its own is done
+
+
+class LeadingRank:
+    """Rank 0 of several, as its weight sync (TrainerSync) sees its trainer. Rank 0 alone talks to
+    the engines, but an export (`named_tensors`, `save_hf`) is collective: TP all-gathers and
+    PP broadcasts (trainers/megatron/weights.py) after which every rank holds the full HF
+    tensors (the LoRA adapter's `save_adapter` too). So each export first has every other rank run the same one
+    (`TrainerSync.take_part`, through the rank's actor), and ends by waiting for them. The rest is the trainer's."""
+
+    def __init__(self, trainer, others: list):
+        self.inner, self.others = trainer, others
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def named_tensors(self):
+        import ray
+
+        refs = [a.export.remote("named_tensors") for a in self.others]
+        stream = self.inner.named_tensors()
+        try:
+            for item in stream:
+                yield item
+        finally:  # left midway (an engine failed): finish the collectives the other ranks are in
+            for _ in stream:
+                pass
+            ray.get(refs, timeout=CALL_TIMEOUT_S)
+
+    def save_hf(self, folder, *args, **kwargs):
+        return self._collective("save_hf", folder, *args, **kwargs)
+
+    def save_adapter(self, folder):  # --lora-sync adapter: TP gathers and PP exchanges the adapters
+        return self._collective("save_adapter", folder)
+
+    def _collective(self, what: str, folder, *args, **kwargs):
+        import ray
+
+        refs = [a.export.remote(what, str(folder)) for a in self.others]
+        try:
+            return getattr(self.inner, what)(folder, *args, **kwargs)
+        finally:
+            ray.get(refs, timeout=CALL_TIMEOUT_S)
+
+
+class TrainerSync:
+    """The trainer's side of every weight sync, in its Ray actor (agentrl.cluster.trainer_actor),
+    so the weights go from the trainer's memory straight to the engines: which path
+    (--weight-sync-mode), the process groups held with the engines (distributed), what was last
+    written (disk, --lora-sync adapter). Rank 0 of several leads the others (`lead`), which
+    take part in each of its exports (`take_part`)."""
+
+    def __init__(self, cfg, trainer):
+        self.cfg = cfg
+        self.trainer = trainer  # what the exports read: a LeadingRank once rank 0 leads others
+        self.groups: dict[str, Any] = {}  # engine url -> WeightUpdateGroup (--weight-sync-mode distributed)
+        self.group_count = 0
+        self.saved_version: int | None = None  # what --weight-sync-mode disk last wrote
+        self.lora_synced: int | None = None  # the adapter version the engines last loaded (--lora-sync adapter)
+        self.engine_index: dict[str, int] = {}  # engine url -> its index in the placement (rank 0 of several)
+        self.placement = None  # agentrl.cluster.placement.Placement, for the per-rank colocated sync
+
+    def lead(self, others: list) -> None:
+        """Rank 0 of several (`others`: the other ranks' actors): every export runs on every rank."""
+        self.trainer = LeadingRank(self.trainer, others)
+
+    def engines_placed(self, urls: list[str], placement) -> None:
+        self.engine_index, self.placement = {u: i for i, u in enumerate(urls)}, placement
+
+    def take_part(self, what: str, *args) -> None:
+        """A rank other than 0: its part in one of rank 0's exports (the same TP/PP collectives);
+        rank 0 alone sends the result to the engines."""
+        if what in ("save_hf", "save_adapter"):
+            getattr(self.trainer, what)(*args)
+        elif what == "per_rank":  # its own copy of every bucket to rank 0
+            bucket_bytes, kind = args
+            serve_weights_per_rank(engine_tensors(self.cfg, self.trainer.named_tensors()), bucket_bytes=bucket_bytes,
+                                   kind=kind,
+                                   gather=RankGather())
+        else:
+            for _ in self.trainer.named_tensors():
+                pass
+
+    async def sync(self, urls: list[str], version: int, fresh: bool = False) -> dict[str, Any]:
+        """Bucketed weights to every engine (--weight-sync-mode); an engine that fails is named in
+        "failed_engines" (the others still got the update) instead of failing the run. `fresh`:
+        the engines were just (re)started, so a process group held with them is gone."""
+        import aiohttp
+
+        unreachable = (EngineError, OSError, aiohttp.ClientError, asyncio.TimeoutError)  # e.g. killed meanwhile
+        if fresh:
+            for url in urls:
+                await self._drop_group(url)
+        clients = [EngineClient(u, request_timeout_s=self.cfg.rollout.request_timeout_s) for u in urls]
+        try:
+            try:
+                return {**await self._send(clients, version), "failed_engines": []}
+            except unreachable:
+                failed, out = [], {}
+                for c in clients:  # find the failing ones; the rest get the weights
+                    try:
+                        out = await self._send([c], version)
+                    except unreachable:
+                        failed.append(c.base_url)
+                return {**out, "failed_engines": failed}
+        finally:
+            await asyncio.gather(*[c.close() for c in clients])
+
+    def mode(self) -> str:
+        """--weight-sync-mode, `auto` resolved for this trainer and its engines."""
+        mode = self.cfg.train.weight_sync_mode
+        if mode == "auto":  # CUDA IPC needs the engine on the trainer's GPU; else a process group
+            apart = self.cfg.rollout.rollout_engine == "sglang" and not self.cfg.run.colocate
+            mode = "distributed" if apart and str(self.trainer.device).startswith("cuda") else "tensor"
+        return mode
+
+    async def _send(self, clients, version: int) -> dict[str, float]:
+        bucket = self.cfg.train.update_weight_buffer_size or int(self.cfg.train.weight_sync_bucket_mb * 2**20)
+        mode = self.mode()
+        if self.cfg.train.lora_rank and self.cfg.train.lora_sync == "adapter":
+            return await self._sync_adapter(clients, version)
+        if mode == "disk":
+            folder = Path(self.cfg.run.output_dir or tempfile.gettempdir()) / "weight_sync"
+            t0 = time.perf_counter()
+            if self.saved_version != version:  # once per version: retries and catch-ups load the same folder
+                await asyncio.to_thread(self.trainer.save_hf, folder)
+                self.saved_version = version
+            saved = time.perf_counter() - t0
+            out = await sync_weights_from_disk(clients, str(folder), version=version)
+            return {**out, "weight_sync_save_s": saved}
+        if mode == "distributed":
+            out = {}
+            for c in clients:  # a group per engine: a dead engine breaks only its own
+                group = await self._group(c.base_url)
+                try:
+                    out = await group.sync(engine_tensors(self.cfg, self.trainer.named_tensors()), version=version,
+                                           bucket_bytes=bucket)
+                except BaseException:
+                    await self._drop_group(c.base_url)
+                    raise
+            return out
+        if per_rank := await self._per_rank_sources(clients):
+            return await self._sync_per_rank(clients, version, bucket, *per_rank)
+        return await sync_weights_from_tensor(clients, engine_tensors(self.cfg, self.trainer.named_tensors()),
+                                              version=version,
+                                              bucket_bytes=bucket)
+
+    async def _per_rank_sources(self, clients) -> tuple[list[list[int]], str] | None:
+        """(the trainer rank feeding each engine TP rank, the engines' kind) where every engine
+        sits on the trainer's GPUs (or the CPU) and the trainer has several ranks; else None."""
+        if not isinstance(self.trainer, LeadingRank) or self.placement is None:
+            return None
+        kinds = {await c.kind() for c in clients}
+        if len(kinds) != 1 or any(c.base_url not in self.engine_index for c in clients):
+            return None
+        sources = [self.placement.engine_rank_sources(self.engine_index[c.base_url], await _tp_size(c))
+                   for c in clients]
+        return None if None in sources else (sources, kinds.pop())
+
+    async def _sync_per_rank(self, clients, version: int, bucket: int, sources, kind: str) -> dict[str, float]:
+        """Every trainer rank serializes its own copy (sync_weights_per_rank)."""
+        import ray
+
+        lead: LeadingRank = self.trainer
+        refs = [a.export.remote("per_rank", bucket, kind) for a in lead.others]
+        try:
+            return await sync_weights_per_rank(clients, engine_tensors(self.cfg, lead.inner.named_tensors()),
+                                               version=version,
+                                               bucket_bytes=bucket, sources=sources, kind=kind, gather=RankGather())
+        finally:  # the other ranks are done once rank 0 is (the same buckets, the same verdicts)
+            await asyncio.to_thread(ray.get, refs, timeout=CALL_TIMEOUT_S)
+
+    async def _sync_adapter(self, clients, version: int) -> dict[str, float]:
+        """--lora-sync adapter: the peft adapter folder of `version` (written once), loaded by every engine."""
+        folder = Path(self.cfg.run.output_dir or tempfile.gettempdir()) / "lora_sync" / f"v{version}"
+        t0 = time.perf_counter()
+        if not (folder / "adapter_config.json").exists():
+            await asyncio.to_thread(self.trainer.save_adapter, folder)
+        saved = time.perf_counter() - t0
+        out = await sync_lora_adapter(clients, str(folder), version=version, previous=self.lora_synced)
+        if self.lora_synced is not None and self.lora_synced != version:  # no engine reads the old folder again
+            shutil.rmtree(folder.parent / f"v{self.lora_synced}", ignore_errors=True)
+        self.lora_synced = version
+        return {**out, "weight_sync_save_s": saved}
+
+    async def _group(self, url: str):
+        """The process group with one engine, made at its first distributed sync."""
+        from urllib.parse import urlparse
+
+        from agentrl.cluster.ray_session import node_ip
+
+        if url not in self.groups:
+            client = EngineClient(url, request_timeout_s=self.cfg.rollout.request_timeout_s)
+            self.group_count += 1
+            # an engine on another node connects back to this node's address
+            local = urlparse(url).hostname in ("127.0.0.1", "localhost")
+            group = WeightUpdateGroup([client], group_name=f"agentrl-weights-{self.group_count}",
+                                      master_address="127.0.0.1" if local else node_ip(),
+                                      timeout_s=self.cfg.rollout.request_timeout_s)
+            try:
+                await group.init(str(self.trainer.device))
+            except BaseException:
+                await client.close()
+                raise
+            self.groups[url] = group
+        return self.groups[url]
+
+    async def _drop_group(self, url: str) -> None:
+        from agentrl.engines.distributed import destroy
+
+        group = self.groups.pop(url, None)
+        if group is not None:  # the engine side is gone or will be replaced: only ours to undo
+            if group.group is not None:
+                destroy(group.group)
+            await asyncio.gather(*[c.close() for c in group.clients])

@@ -69,6 +69,7 @@ def test_joins_a_running_cluster_with_ray_address(tmp_path):
                             "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"],
                            capture_output=True, text=True, timeout=180, env=env)
     if start.returncode != 0:
+        _stop_cluster(temp)  # a start that failed midway can leave its GCS and monitors running
         pytest.skip(f"ray start failed here: {start.stderr[-500:]}")
     try:
         out = tmp_path / "run"
@@ -111,7 +112,7 @@ def _stop_cluster(temp: str) -> None:
 
 def test_out_of_memory_names_the_knobs():
     from agentrl.config import parse_config
-    from agentrl.orchestration import out_of_memory_hint
+    from agentrl.cluster.trainer_actor import out_of_memory_hint
 
     cfg, _ = parse_config(["--colocate", "--sglang-mem-fraction-static", "0.5", "--micro-batch-size", "8"])
     msg = out_of_memory_hint(cfg, {"used_gib": 79.0, "total_gib": 79.6, "mine_gib": 40.0}, 256)
@@ -124,7 +125,7 @@ def test_ray_workers_run_at_the_drivers_priority():
     any other load on a shared machine (a parallel test made the trainer 40x slower)."""
     code = ("import os, ray\n"
             "from agentrl.config import Config\n"
-            "from agentrl.orchestration import start_ray\n"
+            "from agentrl.cluster.ray_session import start_ray\n"
             "start_ray(Config())\n"
             "print(ray.get(ray.remote(lambda: os.nice(0)).remote()), os.nice(0))\n"
             "ray.shutdown()\n")
@@ -139,8 +140,8 @@ def test_ray_workers_run_at_the_drivers_priority():
 @pytest.mark.skipif(os.geteuid() != 0, reason="lowering a nice value takes root (CAP_SYS_NICE)")
 def test_actors_of_a_joined_cluster_return_to_nice_0():
     """A cluster started with `ray start` (no RAY_worker_niceness) runs workers at nice 15;
-    the trainer and engine actors put themselves back at 0 (orchestration.normal_priority)."""
-    code = "import os\nfrom agentrl.orchestration import normal_priority\nnormal_priority()\nprint(os.nice(0))\n"
+    the trainer and engine actors put themselves back at 0 (agentrl.cluster.ray_session.normal_priority)."""
+    code = "import os\nfrom agentrl.cluster.ray_session import normal_priority\nnormal_priority()\nprint(os.nice(0))\n"
     proc = subprocess.run(["nice", "-n", "15", str(BIN / "python"), "-c", code], capture_output=True, text=True,
                           timeout=120, env=run_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -152,7 +153,7 @@ def test_a_trainer_that_fails_to_build_says_what_it_raised():
     raised in its creation task ...)"; the user is told the constructor's own error instead: a
     ConfigError as itself, anything else named with its type."""
     from agentrl.errors import AgentRLError, ConfigError
-    from agentrl.orchestration import init_failure
+    from agentrl.cluster.ray_session import init_failure
 
     ray_text = ("The actor died because of an error raised in its creation task, ray::TrainerWorker.__init__() "
                 "(pid=1, ip=10.0.0.1)\n  File \"trainer.py\", line 70, in __init__\n    raise ConfigError(...)\n"

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from agentrl.metrics import RunContext, Timeline, engine_log_steps, rollout_stage_metrics
-from agentrl.orchestration import stop_engines
+from agentrl.cluster.engine_actor import stop_engines
 from agentrl.rollout.control import RolloutControl
 from agentrl.train import Background
 from agentrl.types import Sample

@@ -9,7 +9,7 @@ import pytest
 
 from agentrl.config import parse_config
 from agentrl.errors import ConfigError
-from agentrl.orchestration import CPU_SLICE, plan_placement
+from agentrl.cluster.placement import CPU_SLICE, plan_placement
 
 
 def slots(gpus):
@@ -62,7 +62,7 @@ def test_reserved_on_ray_with_fake_gpus_and_engines_owned_by_actors(tmp_path, ti
     ray = pytest.importorskip("ray")
     from agentrl.config import RolloutConfig
     from agentrl.engines.group import start_engines
-    from agentrl.orchestration import reserve_placement
+    from agentrl.cluster.placement import reserve_placement
 
     if ray.is_initialized():
         pytest.skip("Ray already runs in this process")
@@ -81,8 +81,8 @@ def test_reserved_on_ray_with_fake_gpus_and_engines_owned_by_actors(tmp_path, ti
             plan.release()
         # the CPU default: one trainer and two embedded engines, each engine server under an actor;
         # the driver seen as another node, so the actors bind their node's address on ports of their own
-        from agentrl import orchestration
-        monkeypatch.setattr(orchestration, "node_ip", lambda: "10.255.255.1")
+        from agentrl.cluster import engine_actor
+        monkeypatch.setattr(engine_actor, "node_ip", lambda: "10.255.255.1")
         cfg, _ = parse_config(["--num-engines", "2", "--engine-num-threads", "1", "--use-router", "never"])
         plan = reserve_placement(cfg, "cpu", trainer=True, engines=True, timeout_s=60)
         group = None
@@ -117,7 +117,7 @@ def test_reserved_on_ray_with_fake_gpus_and_engines_owned_by_actors(tmp_path, ti
 
 
 def test_trainer_ranks_megatron_only():
-    from agentrl.orchestration import trainer_ranks
+    from agentrl.cluster.placement import trainer_ranks
 
     cfg, _ = parse_config(["--trainer", "megatron", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4"])
     assert trainer_ranks(cfg) == 8
@@ -127,7 +127,7 @@ def test_trainer_ranks_megatron_only():
 
 
 def test_gpu_sharing_is_a_fact_of_the_run_not_a_config_rewrite():
-    from agentrl.orchestration import gpu_sharing
+    from agentrl.cluster.placement import gpu_sharing
 
     cfg, _ = parse_config([])
     # embedded engines on one GPU with the trainer: they share it, and say why
@@ -146,7 +146,7 @@ def test_gpu_sharing_is_a_fact_of_the_run_not_a_config_rewrite():
 
 
 def test_each_engine_tp_rank_is_fed_by_the_trainer_rank_on_its_gpu():
-    from agentrl.orchestration import pin_to_resources
+    from agentrl.cluster.placement import pin_to_resources
 
     # TP=2 x DP=2 trainer colocated with two TP=2 engines: engine 1's TP ranks sit on slots 2, 3
     p = plan_placement(gpus=4, trainer_ranks=4, trainer_on_gpu=True, num_engines=2, gpus_per_engine=2,
@@ -170,7 +170,7 @@ def test_each_engine_tp_rank_is_fed_by_the_trainer_rank_on_its_gpu():
 
 
 def test_an_engine_split_across_nodes_is_refused_and_nodes_are_named():
-    from agentrl.orchestration import check_engines_on_one_node
+    from agentrl.cluster.placement import check_engines_on_one_node
 
     p = plan_placement(gpus=4, trainer_ranks=2, trainer_on_gpu=True, num_engines=1, gpus_per_engine=2,
                        rollout_gpus=2, colocate=False)

@@ -390,7 +390,7 @@ def test_load_resumes_from_the_last_checkpoint_after_a_signal(tmp_path, signum):
 
 SLOW_CLEANUP = """
 import os, signal, sys, time
-from agentrl.orchestration import stop_on_signals
+from agentrl.cluster.ray_session import stop_on_signals
 
 stop_on_signals()
 try:

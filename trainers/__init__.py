@@ -14,7 +14,7 @@ from agentrl.types import Sample
 
 
 class Trainer(Protocol):
-    """What the rest of agentrl asks of a trainer (the trainer actor in agentrl.orchestration,
+    """What the rest of agentrl asks of a trainer (the trainer actor in agentrl.cluster.trainer_actor,
     agentrl sft, the benches). tests/trainers/test_trainer_protocol.py checks both trainers
     against it, names and parameters."""
 

@@ -114,7 +114,7 @@ def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int
                   sglang_args: dict | None = None, router_args: dict | None = None,
                   dtype: str = "float32", placement=None, lora_max_rank: int = 0,
                   lora_target_modules: list[str] | None = None) -> EngineGroup:
-    """`placement` (agentrl.orchestration.Placement, reserved): each engine's server process is
+    """`placement` (agentrl.cluster.placement.Placement, reserved): each engine's server process is
     owned by a Ray actor in its bundle (as `agentrl train` runs them); None: by this process.
     `lora_max_rank` > 0: launched engines serve LoRA adapters of that rank on `lora_target_modules`
     (--lora-sync adapter; SGLang's --enable-lora --max-lora-rank --lora-target-modules, which
@@ -122,7 +122,7 @@ def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int
     sglang_args, router_args = dict(sglang_args or {}), dict(router_args or {})
     launch = _local_launcher
     if placement is not None:
-        from agentrl.orchestration import actor_launcher
+        from agentrl.cluster.engine_actor import actor_launcher
 
         launch = actor_launcher(placement)
     attach = _split_urls(cfg.rollout_engine_urls)

@@ -129,7 +129,7 @@ def test_resident_budget_leaves_the_engines_their_share_and_a_headroom():
 def test_engine_memory_fraction_follows_the_flags():
     from agentrl.config import parse_config
     from agentrl.engines.sglang import DEFAULT_SHARED_MEM_FRACTION
-    from agentrl.orchestration import engine_memory_fraction
+    from agentrl.cluster.trainer_actor import engine_memory_fraction
 
     def load_config(argv):
         return parse_config(argv)[0]
