@@ -204,7 +204,16 @@ async def llm_judge(args, sample) -> float:
 
 
 async def close_judges() -> None:
-    """Close the judges llm_judge opened on this event loop (their HTTP sessions)."""
-    loop = asyncio.get_running_loop()
-    for key in [k for k in _judges if k[-1] is loop]:
-        await _judges.pop(key).aclose()
+    """Close the judges llm_judge opened (their HTTP sessions), each on the loop it was opened on:
+    this one, or the loop async reward functions run on (agentrl/grading.py)."""
+    here = asyncio.get_running_loop()
+    for key in list(_judges):
+        judge, loop = _judges.pop(key), key[-1]
+        if loop is here:
+            await judge.aclose()
+        elif loop.is_running():
+            closing = asyncio.run_coroutine_threadsafe(judge.aclose(), loop)
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(closing), 10)
+            except Exception:  # noqa: BLE001 - a blocked reward loop: its sessions end with the process
+                closing.cancel()
