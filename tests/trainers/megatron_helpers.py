@@ -123,3 +123,13 @@ def one_process_reference(model, algo: dict) -> dict:
     metrics = trainer.train_rollout(samples)
     return {"before": before, "metrics": metrics, "after": trainer.compute_logprobs(samples),
             "names": sorted(n for n, _ in trainer.named_tensors())}
+
+
+def assert_same_step(a: dict, b: dict) -> None:
+    """Two run_ranks results took the same optimizer step: loss, gradient norm and weights after."""
+    import pytest
+
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-5, abs=1e-7), key
+    diff = max(abs(x - y) for ra, rb in zip(a["after"], b["after"]) for x, y in zip(ra, rb))
+    assert diff < 1e-5, diff
