@@ -75,7 +75,9 @@ def test_bench_replays_a_multi_turn_run(tmp_path):
                 assert t.turns[2][1] == 70 - (t.turns[2][0] - len(s["prompt_tokens"])) < 8, (t.turns, s["prompt_tokens"])
         assert sum(n for t in batch for _, n in t.turns) == row["generated_tokens"]
     assert turn_counts == {1, 2, 3}, turn_counts
-    assert turn_sizes == {8}, turn_sizes  # --rollout-max-tokens-per-turn
+    # --rollout-max-tokens-per-turn: no turn past 8; a turn is shorter only when the random model
+    # samples its stop token early (CI saw a 7 once)
+    assert max(turn_sizes) == 8 and turn_sizes <= set(range(1, 9)), turn_sizes
 
     # the bench, as a user runs it
     out = tmp_path / "report.json"
