@@ -214,6 +214,12 @@ def _resolve_prctl() -> Callable | None:
 _PRCTL = _resolve_prctl()
 
 
+def _die_with_parent() -> None:
+    """PR_SET_PDEATHSIG, SIGKILL: a busy child goes with the thread (or process) that started it."""
+    if _PRCTL is not None:
+        _PRCTL(1, 9)
+
+
 def _child(fn: Callable, args: tuple, out: int, memory_mb: int) -> None:
     """The forked child: fn(*args), its value (or exception) pickled to `out`; never returns."""
     try:
@@ -221,8 +227,7 @@ def _child(fn: Callable, args: tuple, out: int, memory_mb: int) -> None:
         # by page) and run finalizers of objects that belong to the parent's other threads.
         gc.disable()
         os.setpgid(0, 0)  # its own group: the kill reaches what it started
-        if _PRCTL is not None:
-            _PRCTL(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: it goes with the thread that forked it
+        _die_with_parent()
         limit = _vm_bytes() + (memory_mb << 20)  # on top of what it inherited mapped
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         try:
@@ -415,14 +420,6 @@ async def call_reward_fn(rm: Callable, *args: Any, timeout: float) -> Any:
 
 
 # ---- the worker's side ------------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: a busy worker goes with its parent
-    except (OSError, AttributeError):
-        pass
-
-
 def _serve(memory_mb: int, preload: list[str]) -> None:
     import resource
 
