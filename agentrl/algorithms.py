@@ -178,11 +178,12 @@ def shaped_rewards(samples, algo) -> list[float]:
 POST_PROCESS_FLAG = "--custom-reward-post-process-path"
 
 
-@functools.lru_cache(maxsize=4)
-def _post_process_function(spec: str):
+@functools.lru_cache(maxsize=8)
+def _slime_function(spec: str, flag: str):
+    """A slime hook named by `flag`, imported once."""
     from agentrl.plugins import load_function
 
-    return load_function(spec, flag=POST_PROCESS_FLAG)
+    return load_function(spec, flag=flag)
 
 
 def post_processed_rewards(samples, algo) -> list[float] | None:
@@ -192,7 +193,7 @@ def post_processed_rewards(samples, algo) -> list[float] | None:
     spec = getattr(algo, "custom_reward_post_process_path", None)
     if not spec:
         return None
-    out = _post_process_function(spec)(algo, samples)
+    out = _slime_function(spec, POST_PROCESS_FLAG)(algo, samples)
     try:
         _, rewards = out
         rewards = [float(r) for r in (rewards.tolist() if hasattr(rewards, "tolist") else rewards)]
@@ -475,13 +476,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 TIS_FLAG = "--custom-tis-function-path"
 
 
-@functools.lru_cache(maxsize=4)
-def _tis_function(spec: str):
-    from agentrl.plugins import load_function
-
-    return load_function(spec, flag=TIS_FLAG)
-
-
 def custom_tis_weights(algo, args, *, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
                        seq_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """slime's --custom-tis-function-path: fn(args, *, pg_loss, train_log_probs, rollout_log_probs,
@@ -497,7 +491,7 @@ def custom_tis_weights(algo, args, *, old_logprobs: torch.Tensor, rollout_logpro
         return [flat[w] for w in where]
 
     lengths = [len(w) for w in where]
-    pg, masks, metrics = _tis_function(algo.custom_tis_function_path)(
+    pg, masks, metrics = _slime_function(algo.custom_tis_function_path, TIS_FLAG)(
         args, pg_loss=torch.ones(sum(lengths), dtype=old_logprobs.dtype, device=old_logprobs.device),
         train_log_probs=split(old_logprobs), rollout_log_probs=split(rollout_logprobs), loss_masks=split(mask),
         total_lengths=lengths, response_lengths=lengths)
