@@ -55,6 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from agentrl.errors import AgentFault, AgentRLError
+from agentrl.parent_death import die_with_parent
 
 __all__ = ["GraderPool", "GradingTimeout", "GradingError", "grading_pool", "call_reward_fn", "call_in_fork"]
 
@@ -201,25 +202,6 @@ def _vm_bytes() -> int:
         return 0
 
 
-def _resolve_prctl() -> Callable | None:
-    try:
-        import ctypes
-        return ctypes.CDLL(None).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-# Resolved here, in the parent: a forked child must not dlopen/dlsym, whose loader lock another
-# thread of the parent may have held at the fork (the child would wait on it forever).
-_PRCTL = _resolve_prctl()
-
-
-def _die_with_parent() -> None:
-    """PR_SET_PDEATHSIG, SIGKILL: a busy child goes with the thread (or process) that started it."""
-    if _PRCTL is not None:
-        _PRCTL(1, 9)
-
-
 def _child(fn: Callable, args: tuple, out: int, memory_mb: int) -> None:
     """The forked child: fn(*args), its value (or exception) pickled to `out`; never returns."""
     try:
@@ -227,7 +209,7 @@ def _child(fn: Callable, args: tuple, out: int, memory_mb: int) -> None:
         # by page) and run finalizers of objects that belong to the parent's other threads.
         gc.disable()
         os.setpgid(0, 0)  # its own group: the kill reaches what it started
-        _die_with_parent()
+        die_with_parent()
         limit = _vm_bytes() + (memory_mb << 20)  # on top of what it inherited mapped
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         try:
@@ -423,7 +405,7 @@ async def call_reward_fn(rm: Callable, *args: Any, timeout: float) -> Any:
 def _serve(memory_mb: int, preload: list[str]) -> None:
     import resource
 
-    _die_with_parent()
+    die_with_parent()
     limit = memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     for name in preload:

@@ -4,7 +4,6 @@ them on exit. A failed start raises with the server's last log lines."""
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import random
 import signal
@@ -19,6 +18,7 @@ import tenacity
 
 from agentrl.errors import EngineError
 from agentrl.http import http_ok
+from agentrl.parent_death import die_with_parent
 
 
 # The environment of every engine server agentrl starts. SGLang's /health runs a one-token
@@ -81,18 +81,6 @@ def poll(check: Callable[[], T], *, timeout_s: float, interval_s: float) -> T:
                              retry_error_callback=lambda state: state.outcome.result())(check)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: the kernel kills it when the parent dies, even by SIGKILL,
-    so a killed training run leaves no engine behind (Linux; elsewhere atexit must do).
-    The signal follows the *thread* that started the child: start servers from the main
-    thread (or a thread that lives as long as they should)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class ServerProcess:
     """A child HTTP server with a log file, a health URL and a guaranteed stop."""
 
@@ -109,7 +97,7 @@ class ServerProcess:
         self._log = open(self.log_path, "ab")
         # A new process group, so stopping it also stops anything it spawned.
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         self._swept = False
 
     def restart(self, argv: list[str] | None = None) -> None:
