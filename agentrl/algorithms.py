@@ -634,7 +634,10 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
     profiler = getattr(trainer, "profiler", None) or TrainProfiler()  # --use-pytorch-profiler
     profiler.begin_step()
     with profiler.section("train_overall"):
-        return _train_iteration(trainer, samples, algo, global_batch_size, profiler)
+        metrics = _train_iteration(trainer, samples, algo, global_batch_size, profiler)
+    if lines := profiler.take_summaries():  # not a metric: train_step prints and drops it
+        metrics["profile_summaries"] = lines
+    return metrics
 
 
 def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: TrainProfiler) -> dict[str, float]:

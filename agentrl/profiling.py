@@ -38,6 +38,8 @@ class TrainProfiler:
         self.folder = Path(train.profile_dir or "profile") if self.on else None
         self.step = -1  # train iterations begun in this process
         self._active = False  # a profiler is recording now: inner sections are labels in it
+        self._ranges: set[str] = set()  # our own labelled ranges: not kernels, left out of the ranking
+        self._summaries: list[str] = []  # written since the last take_summaries()
 
     def begin_step(self) -> None:
         self.step += 1
@@ -55,6 +57,7 @@ class TrainProfiler:
         import torch
 
         if self._active:
+            self._ranges.add(target)
             with torch.profiler.record_function(target):
                 yield
             return
@@ -79,7 +82,14 @@ class TrainProfiler:
             return contextlib.nullcontext()
         import torch
 
+        self._ranges.add(name)
         return torch.profiler.record_function(name)
+
+    def take_summaries(self) -> list[str]:
+        """The one-line summaries of the tables written since the last call: they travel back with
+        the step's metrics, so the driver prints them wherever this rank runs (another node too)."""
+        out, self._summaries = self._summaries, []
+        return out
 
     def _write(self, prof, target: str, *, cuda: bool) -> None:
         import torch.distributed as dist
@@ -90,13 +100,16 @@ class TrainProfiler:
         sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
         averages = prof.key_averages()
         self_time = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-        total = sum(self_time(e) for e in averages) or 1
-        top = sorted(averages, key=self_time, reverse=True)[:5]
+        # a labelled range's GPU "self time" spans the kernels inside it: counted, it would rank first
+        work = [e for e in averages if e.key not in self._ranges]
+        total = sum(self_time(e) for e in work) or 1
+        top = sorted(work, key=self_time, reverse=True)[:5]
         summary = (f"profile of train step {self.step} ({target}, rank {rank}): {stem}.json.gz; most self "
                    f"{'GPU' if cuda else 'CPU'} time: " + ", ".join(f"{e.key} {100 * self_time(e) / total:.0f}%"
                                                                   for e in top))
         table = averages.table(sort_by=sort_by, row_limit=40)
         stem.with_suffix(".txt").write_text(summary + "\n\n" + table + "\n")
+        self._summaries.append(summary)
         with tempfile.NamedTemporaryFile(suffix=".json", dir=self.folder, delete=False) as tmp:
             raw = Path(tmp.name)
         try:
@@ -106,12 +119,3 @@ class TrainProfiler:
                 shutil.copyfileobj(src, dst)
         finally:
             raw.unlink(missing_ok=True)
-
-
-def summaries_since(folder: str | Path | None, since: float) -> list[str]:
-    """The first lines (what was profiled, where the time went) of the tables written in `folder`
-    since `since` (time.time()): the driver prints them, as the trainer's own output is not shown."""
-    if not folder or not Path(folder).is_dir():
-        return []
-    tables = sorted((p for p in Path(folder).glob("*.txt") if p.stat().st_mtime >= since), key=lambda p: p.name)
-    return [p.read_text().split("\n", 1)[0] for p in tables]

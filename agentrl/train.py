@@ -41,7 +41,6 @@ from agentrl.fp8 import engine_model_path
 from agentrl.judge import close_judges
 from agentrl.metrics import RunContext, RunLog, Timeline, engine_log_steps, rollout_stage_metrics, start_wandb
 from agentrl.models import load_tokenizer
-from agentrl.profiling import summaries_since
 from agentrl.progress import Progress
 from agentrl.rollout.client import EngineClient
 from agentrl.rollout.control import RolloutControl
@@ -359,10 +358,9 @@ async def train_step(run: Run, samples: list[Sample], weights_lock: asyncio.Lock
         t0 = time.perf_counter()
         run.progress.phase("train", f"{len(samples)} samples")
         await score_with_teacher(run.cfg, samples)  # --opd-type sglang: the served teacher's logprobs
-        started = time.time()
         out = await run.trainer.train_rollout(samples)
         t_train = time.perf_counter() - t0
-        for line in summaries_since(run.cfg.train.profile_dir, started):  # --use-pytorch-profiler
+        for line in out.pop("profile_summaries", []):  # --use-pytorch-profiler, from whichever node trained
             run.progress.note(line)
         run.state.policy_version += 1
         if run.engines is not None:

@@ -32,9 +32,15 @@ def test_overall_profiles_only_the_asked_steps_with_each_phase_labelled(tiny_mod
     t = trainer(tiny_model, tmp_path, use_pytorch_profiler=True, profile_step_start=1, profile_step_end=2,
                 profile_target=["train_overall", "train_actor"])
     samples = make_samples(6)
-    for _ in range(3):
-        t.train_rollout(samples)
+    outs = [t.train_rollout(samples) for _ in range(3)]
     folder = tmp_path / "profile"
+    # the profiled step's summary travels back with its metrics (the driver prints it, on any node)
+    assert ["profile_summaries" in out for out in outs] == [False, True, False]
+    [summary] = outs[1]["profile_summaries"]
+    assert summary == (folder / "train_overall_rank0_step1.txt").read_text().split("\n", 1)[0]
+    # ranked by real work: our own labelled ranges span their kernels and are left out
+    ranked = summary.split("most self CPU time: ", 1)[1]
+    assert not any(f"{name} " in ranked for name in ("policy_step", "train_actor", "old_logprobs", "advantages"))
     # train_actor was asked too, but inside the overall recording it is a range of that trace
     assert sorted(p.name for p in folder.iterdir()) == ["train_overall_rank0_step1.json.gz",
                                                          "train_overall_rank0_step1.txt"]
@@ -62,6 +68,7 @@ def test_the_step_is_the_same_with_the_profiler(tiny_model, tmp_path):
     plain = trainer(tiny_model, tmp_path / "a").train_rollout(samples)
     profiled = trainer(tiny_model, tmp_path / "b", use_pytorch_profiler=True, profile_step_start=0,
                        profile_step_end=1).train_rollout(samples)
+    assert len(profiled.pop("profile_summaries")) == 1
     assert plain.keys() == profiled.keys()
     for k in plain:
         assert profiled[k] == pytest.approx(plain[k], rel=1e-5, abs=1e-7), k
