@@ -86,6 +86,25 @@ def test_torch_trainer_reads_the_kl_reference_from_ref_load(tiny_model, other_re
         assert abs(same.train_rollout(make_samples())["kl_loss"]) < 1e-7
 
 
+def test_a_slime_command_line_keeps_the_kl_at_its_ref_load(tiny_model, other_ref):
+    """slime's flags through the config to the trainer: the actor starts from --load (an HF
+    folder), the KL at iteration 0 is the start's against --ref-load's; 0 for the same folder."""
+    from agentrl.build import build_trainer
+    from agentrl.config import parse_config
+
+    def kl(ref) -> float:
+        cfg, _ = parse_config(["--load", str(tiny_model), "--ref-load", str(ref), "--trainer", "torch", "--dtype",
+                               "float32", "--use-kl-loss", "--kl-loss-coef", "0.5", "--kl-loss-type", "low_var_kl",
+                               "--rollout-temperature", "0.8", "--global-batch-size", "6", "--micro-batch-size", "2",
+                               "--rollout-batch-size", "2", "--n-samples-per-prompt", "3",
+                               "--rm-type", "math"])
+        assert cfg.model.model == str(tiny_model) and cfg.run.ref_load == str(ref)
+        return build_trainer(cfg, cfg.model.model, "cpu").train_rollout(make_samples())["kl_loss"]
+
+    assert kl(other_ref) == pytest.approx(direct_kl(tiny_model, other_ref, make_samples()), rel=1e-4)
+    assert abs(kl(tiny_model)) < 1e-7
+
+
 def test_the_reference_logprobs_are_the_ref_folders_models(tiny_model, other_ref):
     """--ref-load other than the start: the reference the KL terms read (--use-kl-loss, --kl-coef)
     scores with the ref folder's weights, the policy with the start's."""
