@@ -420,6 +420,11 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
         if not ref:
             raise ConfigError("--ref-ckpt-step: names an iteration of --ref-load's checkpoint; give --ref-load")
         ref = run["ref_load"] = str(Path(ref) / f"iter_{flags.ref_ckpt_step:07d}")
+    if load and not _has_checkpoint(Path(load)) and megatron_checkpoint_dir(load) is not None:
+        # slime would start its actor from it; starting from the reference instead would be a quiet restart
+        raise ConfigError(f"--load {load}: a Megatron checkpoint (slime's torch_dist), which agentrl does not read "
+                          "as the actor's start yet: give --load the HF folder it converts to (slime's "
+                          "tools/convert_torch_dist_to_hf.py), or an agentrl checkpoint to resume")
     start = load and (_has_checkpoint(Path(load)) or _is_hf(load))  # slime: else the actor starts from --ref-load
     if ref and _is_hf(ref) and not start:
         given = model.get("model")

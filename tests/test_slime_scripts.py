@@ -164,6 +164,13 @@ def test_load_as_slime_reads_it(tmp_path):
     cfg, _ = parse_config(["--ref-load", str(model), "--hf-checkpoint", str(other), "--load", str(run),
                            "--rm-type", "math"])
     assert (cfg.model.model, cfg.run.ref_load, cfg.run.load) == (str(other), str(model), str(run))
+    # slime's torch_dist in --load: slime starts its actor from it; here refused, never a quiet restart
+    dist = tmp_path / "torch_dist"
+    (dist / "iter_0000002").mkdir(parents=True)
+    (dist / "iter_0000002" / "metadata.json").write_text("{}")
+    (dist / "latest_checkpointed_iteration.txt").write_text("2")
+    with pytest.raises(ConfigError, match=rf"--load {dist}: a Megatron checkpoint \(slime's torch_dist\)"):
+        parse_config(["--ref-load", str(model), "--load", str(dist), "--rm-type", "math"])
 
 
 def test_ref_load_is_checked_where_a_kl_term_reads_it(tmp_path):
