@@ -231,7 +231,7 @@ def dry_run_checks(cfg) -> None:
 
     check_hooks(cfg)
     if cfg.run.ref_load and needs_reference(cfg.algo):  # read only for a KL term, as in slime
-        check_reference(cfg.run.ref_load, cfg.train.trainer)
+        check_reference(cfg.run.ref_load, cfg.train.trainer, start=cfg.model.model)
     if cfg.train.trainer == "megatron":
         from agentrl.trainers.megatron.args import parse_megatron_args
 

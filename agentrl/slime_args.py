@@ -420,6 +420,11 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
         if not ref:
             raise ConfigError("--ref-ckpt-step: names an iteration of --ref-load's checkpoint; give --ref-load")
         ref = run["ref_load"] = str(Path(ref) / f"iter_{flags.ref_ckpt_step:07d}")
+    if load and not _has_checkpoint(Path(load)) and megatron_checkpoint_dir(load) is not None:
+        # slime would start its actor from it; starting from the reference instead would be a quiet restart
+        raise ConfigError(f"--load {load}: a Megatron checkpoint (slime's torch_dist), which agentrl does not read "
+                          "as the actor's start yet: give --load the HF folder it converts to (slime's "
+                          "tools/convert_torch_dist_to_hf.py), or an agentrl checkpoint to resume")
     start = load and (_has_checkpoint(Path(load)) or _is_hf(load))  # slime: else the actor starts from --ref-load
     if ref and _is_hf(ref) and not start:
         given = model.get("model")
@@ -488,6 +493,11 @@ def finish(cfg, flags: SlimeFlags) -> None:
         raise ConfigError(f"--eval-top-k {flags.eval_top_k}: agentrl samples evaluations with the rollout's top-k "
                           f"(--rollout-top-k {cfg.rollout.rollout_top_k}); give them the same value")
     a = cfg.algo
+    ref, start = cfg.run.ref_load, cfg.model.model
+    kl = a.use_kl_loss and a.kl_loss_coef > 0 or a.kl_coef > 0  # algorithms.needs_reference (it imports this module)
+    if ref and not kl and not (start and Path(start).resolve() == Path(ref).resolve()):
+        flags.notices.append(f"--ref-load {ref}: unused, not loaded: no KL term reads a reference (--use-kl-loss "
+                             f"with --kl-loss-coef above 0, or --kl-coef above 0)")
     if a.use_rollout_logprobs and (a.use_tis or a.recompute_old_logprobs):
         raise ConfigError(f"--use-rollout-logprobs takes the engine's logprobs as the old policy's, so there is no "
                           f"trainer/rollout gap to correct or recompute: drop "
@@ -581,10 +591,13 @@ def _is_hf(folder: str) -> bool:
     return (Path(folder) / "config.json").is_file()
 
 
-def check_reference(ref: str, trainer: str) -> None:
+def check_reference(ref: str, trainer: str, start: str | None = None) -> None:
     """--ref-load is a checkpoint `trainer` reads: an HF folder (either trainer), or a Megatron
-    distributed checkpoint (the Megatron trainer), else an error naming it (slime's too)."""
+    distributed checkpoint (the Megatron trainer), else an error naming it (slime's too). An HF
+    folder other than the start model `start` must score the actor's tokens: check_compatible."""
     if _is_hf(ref):
+        if start and _is_hf(start) and Path(ref).resolve() != Path(start).resolve():
+            check_compatible(ref, start, trainer)
         return
     if megatron_checkpoint_dir(ref) is None:
         raise ConfigError(f"--ref-load {ref}: neither an HF folder (config.json) nor a Megatron checkpoint "
@@ -592,6 +605,36 @@ def check_reference(ref: str, trainer: str) -> None:
     if trainer != "megatron":
         raise ConfigError(f"--ref-load {ref}: a Megatron checkpoint is read by the Megatron trainer only "
                           "(use --trainer megatron, or give the reference as an HF folder)")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_compatible(ref: str, start: str, trainer: str) -> None:
+    """The HF reference `ref` reads the start model's token ids as the same tokens: the same
+    vocab_size, and the same tokenizer when both folders hold one. The
+    Megatron trainer builds the reference in the policy's shape, so there the shape must match too."""
+    ref_hf, start_hf = read_hf_config(ref, ["ref_load"]), read_hf_config(start, ["ref_load"])
+    keys = {"vocab_size": lambda hf: hf.get("vocab_size")}
+    if trainer == "megatron":  # max_position_embeddings sizes no weight: a longer-context fine-tune is fine
+        shape = {k: v for k, v in SHAPE_VALUES.items() if k != "max_position_embeddings"}
+        keys = {"model_type": lambda hf: hf.get("model_type"), **keys, **shape, **SHAPE_SWITCHES}
+    for key, value in keys.items():
+        try:
+            got, want = value(ref_hf), value(start_hf)
+        except (KeyError, TypeError):  # a key one family lacks (MLA's ranks on a dense model): model_type decides
+            continue
+        if got != want:
+            why = ("the KL reference must score the actor's token ids" if key == "vocab_size" else
+                   "the Megatron trainer builds the reference in the policy's shape")
+            raise ConfigError(f"--ref-load {ref}: {key} {got} differs from the start model {start}'s {want}: {why}")
+    if not all(any((Path(m) / f).is_file() for f in TOKENIZER_FILES) for m in (ref, start)):
+        return  # a folder without a tokenizer: its token ids are the vocab_size checked above
+    from agentrl.models import load_tokenizer
+
+    if load_tokenizer(ref).get_vocab() != load_tokenizer(start).get_vocab():
+        raise ConfigError(f"--ref-load {ref}: its tokenizer differs from the start model {start}'s (another "
+                          "vocabulary or token ids): the KL reference must read the actor's token ids as the same tokens")
 
 
 def megatron_checkpoint_dir(folder: str | Path) -> Path | None:

@@ -164,6 +164,13 @@ def test_load_as_slime_reads_it(tmp_path):
     cfg, _ = parse_config(["--ref-load", str(model), "--hf-checkpoint", str(other), "--load", str(run),
                            "--rm-type", "math"])
     assert (cfg.model.model, cfg.run.ref_load, cfg.run.load) == (str(other), str(model), str(run))
+    # slime's torch_dist in --load: slime starts its actor from it; here refused, never a quiet restart
+    dist = tmp_path / "torch_dist"
+    (dist / "iter_0000002").mkdir(parents=True)
+    (dist / "iter_0000002" / "metadata.json").write_text("{}")
+    (dist / "latest_checkpointed_iteration.txt").write_text("2")
+    with pytest.raises(ConfigError, match=rf"--load {dist}: a Megatron checkpoint \(slime's torch_dist\)"):
+        parse_config(["--ref-load", str(model), "--load", str(dist), "--rm-type", "math"])
 
 
 def test_ref_load_is_checked_where_a_kl_term_reads_it(tmp_path):
@@ -194,6 +201,35 @@ def test_ref_load_is_checked_where_a_kl_term_reads_it(tmp_path):
         dry_run_checks(parse_config(base + ["--kl-loss-coef", "0.01", "--ref-ckpt-step", "4"])[0])
     with pytest.raises(ConfigError, match="read by the Megatron trainer only"):
         dry_run_checks(parse_config(base + ["--kl-loss-coef", "0.01", "--trainer", "torch"])[0])
+
+
+def test_a_script_with_an_hf_reference_other_than_its_start_runs(tmp_path, hooks_importable):
+    """slime's SFT start with the KL kept at the base: --load the SFT model's HF folder, --ref-load
+    the base's. The dry run checks the reference against the start (vocab_size, the policy's shape
+    for the Megatron trainer, the tokenizer where both have one) and refuses a mismatch naming it."""
+    args = localize(checked_in("qwen3-4B"), tmp_path, "qwen3-4B")
+    sft, base = tmp_path / "sft", tmp_path / "base"
+    for folder in (sft, base):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(HF_CONFIGS["qwen3-4B"]))
+    args[args.index("--ref-load") + 1], args[args.index("--load") + 1] = str(base), str(sft)
+    args[args.index("--kl-loss-coef") + 1] = "0.01"
+    cfg, ns = parse_config(args)
+    assert (cfg.model.model, cfg.run.ref_load, cfg.run.load) == (str(sft), str(base), None)
+    assert not any("unused" in n for n in ns.slime_notices)
+    dry_run_checks(cfg)
+    for key, value, shown in (("vocab_size", 151937, "vocab_size 151937 differs"),
+                              ("num_hidden_layers", 35, "num_layers 35 differs")):
+        (base / "config.json").write_text(json.dumps({**HF_CONFIGS["qwen3-4B"], key: value}))
+        with pytest.raises(ConfigError, match=rf"--ref-load {base}: {shown} from the start model {sft}'s"):
+            dry_run_checks(cfg)
+    # the torch trainer builds the reference from its own config.json: only the token ids must agree
+    dry_run_checks(parse_config(args + ["--trainer", "torch"])[0])
+    # no KL term: the reference is not read, and a notice says so
+    args[args.index("--kl-loss-coef") + 1] = "0.00"
+    cfg, ns = parse_config(args)
+    dry_run_checks(cfg)
+    assert any(n.startswith(f"--ref-load {base}: unused, not loaded") for n in ns.slime_notices)
 
 
 def test_slime_flags_without_an_effect_say_so_and_refused_ones_say_why(tmp_path, monkeypatch):

@@ -56,7 +56,7 @@ class TorchTrainer:
         if needs_reference(algo):
             if ref_load:
                 from agentrl.slime_args import check_reference
-                check_reference(ref_load, "torch")
+                check_reference(ref_load, "torch", start=model_path)
             self.ref_model = load_model(self.ref_path, device=device, dtype=dtype).eval().requires_grad_(False)
         self.teacher_model = None  # --use-opd: the teacher whose logprobs the advantages are pulled toward
         if teacher_in_trainer(algo):

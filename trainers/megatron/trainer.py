@@ -106,7 +106,7 @@ class MegatronTrainer:
         self.ref_model, self.ref_path, self.ref_given = None, str(ref_load or self.model_path), bool(ref_load)
         if needs_reference(algo):
             if ref_load:
-                check_reference(ref_load, "megatron")
+                check_reference(ref_load, "megatron", start=self.model_path)
             self.ref_model = self._frozen_model(self.ref_path, dtype, device)
         self.teacher_model = None  # --use-opd: the teacher whose logprobs the advantages are pulled toward
         if teacher_in_trainer(algo):
