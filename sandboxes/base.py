@@ -84,6 +84,7 @@ def inodes_for(size_mb: int) -> int:
     return max(1024, (size_mb << 20) // 4096)
 
 
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 MAX_STRAY_LINES = 64  # answers with a wrong id skipped per request before the channel counts as broken
 RUN_ID = os.environ.get("AGENTRL_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
 
@@ -145,6 +146,21 @@ class SandboxLimits:
     timeout_s: float = 60.0      # default wall-time of one exec
     output_bytes: int = 1 << 20  # per stream (stdout, stderr) kept of one exec; the rest is dropped
     nofile: int = 1024           # open files per process
+    ipc_mb: int = 64             # SysV shared memory, all segments together (docker; see ipc_sysctls)
+    ipc_objects: int = 64        # SysV shared memory segments, message queues, semaphore sets: each
+
+
+def ipc_sysctls(limits: SandboxLimits) -> dict[str, str]:
+    """The SysV IPC caps of a sandbox's own IPC namespace, as namespaced sysctls. The kernel's
+    defaults are per namespace and nearly unbounded (shmall 2^64 pages, 4096 segments, 32000
+    queues and semaphore sets): shared memory outlives its maker and is charged to the sandbox's
+    memory, so without a cap one command pins all of it for the rest of the trajectory."""
+    pages = max(1, (limits.ipc_mb << 20) // PAGE_BYTES)
+    n = max(1, limits.ipc_objects)
+    return {"kernel.shmmax": str(limits.ipc_mb << 20), "kernel.shmall": str(pages), "kernel.shmmni": str(n),
+            "kernel.msgmni": str(n), "kernel.msgmnb": "16384", "kernel.msgmax": "8192",
+            # per set, in all, per semop call, sets
+            "kernel.sem": f"250 {250 * n} 32 {n}"}
 
 
 @dataclass

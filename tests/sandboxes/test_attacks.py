@@ -481,6 +481,59 @@ def test_a_sandbox_cannot_exhaust_anothers_message_queues(backend):
             assert int(other[0]) >= 1, other
     run(go())
 
+# SysV IPC: shared memory outlives its maker and is charged to the sandbox's memory, and the kernel's
+# defaults per IPC namespace are nearly unbounded (shmmax 2^64, 4096 segments, 32000 queues and sets)
+SYSV_HOLD = r"""
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+huge = libc.shmget(0, 1 << 30, 0o1600)  # one segment of 1 GiB
+segments = 0
+while segments < 4096 and libc.shmget(0, 1 << 20, 0o1600) >= 0:
+    segments += 1
+queues = 0
+while queues < 40000 and libc.msgget(0, 0o1600) >= 0:
+    queues += 1
+sets = 0
+while sets < 40000 and libc.semget(0, 1, 0o1600) >= 0:
+    sets += 1
+print(huge, segments, queues, sets, flush=True)
+time.sleep(120)
+"""
+SYSV_SOME = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+ids = [libc.shmget(0, 4 << 20, 0o1600) for _ in range(4)]
+addr = libc.shmat(ids[0], None, 0)
+ctypes.memset(addr, 1, 4 << 20)
+print(min(ids) >= 0, libc.msgget(0, 0o1600) >= 0, libc.semget(0, 4, 0o1600) >= 0)
+"""
+
+
+def test_sysv_ipc_is_capped_per_sandbox(backend):
+    """docker: a container's SysV IPC is its own namespace, capped (SandboxLimits.ipc_mb,
+    ipc_objects through namespaced sysctls): a 1 GiB segment is refused, segments, queues and
+    semaphore sets stop at the cap, and a sandbox beside it holding all of them makes its own."""
+    from agentrl.sandboxes.base import ipc_sysctls
+
+    if backend != "docker":
+        pytest.skip("local: each spawn has an IPC namespace of its own, charged to the sandbox's memory "
+                    "(as root); its sysctls are the kernel's defaults (docs/security.md)")
+    caps = ipc_sysctls(SMALL)
+
+    async def go():
+        async with sandbox(backend) as a, sandbox(backend) as b:
+            hog = await a.spawn(["python3", "-c", SYSV_HOLD], cwd="/")
+            huge, segments, queues, sets = map(int, (await asyncio.wait_for(hog.stdout.readline(), 60)).split())
+            n = SMALL.ipc_objects
+            assert huge == -1 and segments == min(n, int(caps["kernel.shmall"]) // 256), (huge, segments)
+            assert (queues, sets) == (n, n), (queues, sets)
+            r = await b.exec(["python3", "-c", SYSV_SOME])
+            assert r.stdout == "True True True\n", r
+    run(go())
+
+
 # Empty files cost no bytes of a tmpfs's size but about 1 KiB of kernel memory each (inode and
 # dentry), outside the size cap and the memory limit: a tmpfs's default file count is half the
 # host's RAM pages (millions), so a sandbox could pin gigabytes of the host's kernel memory
