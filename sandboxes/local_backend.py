@@ -61,8 +61,11 @@ QUOTA_SHARES = 8  # a sandbox's share of the user's inotify limits: 1/8
 _QUOTA = ('echo "$1" > /proc/sys/user/max_inotify_instances && echo "$2" > /proc/sys/user/max_inotify_watches '
           '|| exit 125; shift 2; exec "$@"')
 # The holder (not as root): in a user and mount namespace of its own, the sandbox's tmpfs on its fs dir
-# (only that namespace sees it), /work and /tmp in it; then it waits, holding both namespaces open.
+# (only that namespace sees it), /work and /tmp in it, and that namespace's inotify limits set to the
+# sandbox's share, which every spawn (nested in it) counts against: the share holds for the sandbox as
+# a whole, not per process tree. Then it waits, holding both namespaces open.
 _HOLD = ('mount -t tmpfs -o "size=$1,nr_inodes=$2,mode=0700" sandbox "$3" && mkdir -m 0700 "$3/work" "$3/tmp" '
+         '&& echo "$4" > /proc/sys/user/max_inotify_instances && echo "$5" > /proc/sys/user/max_inotify_watches '
          '|| exit 125; echo ready; exec sleep infinity')
 HOLDER_START_S = 30.0
 
@@ -82,12 +85,16 @@ def _host_limit(name: str, default: int) -> int:
         return default
 
 
+def inotify_share() -> list[str]:
+    """A sandbox's share of the user's inotify instances and watches (not as root)."""
+    return [str(max(1, _host_limit("max_user_instances", 128) // QUOTA_SHARES)),
+            str(max(1, _host_limit("max_user_watches", 8192) // QUOTA_SHARES))]
+
+
 def userns_quota_argv() -> list[str]:
     """The prefix that runs a spawn in a user namespace of its own with a share of the user's
     inotify limits (not as root); [] where the kernel refuses (said once, loudly)."""
-    argv = ["unshare", "--user", "--map-root-user", "/bin/sh", "-c", _QUOTA, "sh",
-            str(max(1, _host_limit("max_user_instances", 128) // QUOTA_SHARES)),
-            str(max(1, _host_limit("max_user_watches", 8192) // QUOTA_SHARES))]
+    argv = ["unshare", "--user", "--map-root-user", "/bin/sh", "-c", _QUOTA, "sh", *inotify_share()]
     return argv if _userns_quota_works(tuple(argv)) else []
 
 
@@ -109,7 +116,7 @@ def _start_holder(fs: Path, size_mb: int) -> subprocess.Popen | None:
     """Not as root: the process holding the sandbox's user and mount namespace, with a tmpfs of
     `size_mb` (and `inodes_for` files) at `fs` in it; None (said once, loudly) where it cannot."""
     argv = ["unshare", "--user", "--map-root-user", "--mount", "/bin/sh", "-c", _HOLD, "sh",
-            str(size_mb << 20), str(inodes_for(size_mb)), str(fs)]
+            str(size_mb << 20), str(inodes_for(size_mb)), str(fs), *inotify_share()]
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
