@@ -41,7 +41,8 @@ from typing import Mapping, Sequence
 
 from . import bridge, seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
-                   cap_stderr, inodes_for, kill_cgroup, log, owner_alive, process_start_time, reap_once, state_root)
+                   cap_stderr, inodes_for, ipc_sysctls, kill_cgroup, log, owner_alive, process_start_time, reap_once,
+                   state_root)
 
 HOST_UID = 65534  # what sandboxed processes are on the host when we are not given one of their own
 # As root, each sandbox runs as a host uid of its own from this range (claimed in `$state_root/.uids`):
@@ -68,6 +69,11 @@ _HOLD = ('mount -t tmpfs -o "size=$1,nr_inodes=$2,mode=0700" sandbox "$3" && mkd
          '&& echo "$4" > /proc/sys/user/max_inotify_instances && echo "$5" > /proc/sys/user/max_inotify_watches '
          '|| exit 125; echo ready; exec sleep infinity')
 HOLDER_START_S = 30.0
+# SysV IPC (base.ipc_sysctls): each spawn gets an IPC namespace of its own from `unshare --ipc`, whose
+# caps this sets before bubblewrap starts in it (bubblewrap's own would have the kernel's nearly unbounded
+# defaults). Not as root the namespace is the quota namespace's, whose root the agent's uid maps to: the
+# kernel lets that uid write these sysctls, so bubblewrap mounts /proc/sys read-only.
+_IPC_CAPS = 'while [ "$1" != -- ]; do echo "$2" > "/proc/sys/$1" || exit 125; shift 2; done; shift; exec "$@"'
 
 
 def local_available() -> tuple[bool, str]:
@@ -322,7 +328,7 @@ class LocalSandbox(Sandbox):
             self._stage_mounts()
         # the fixed part of bubblewrap's command line reaches it through a file descriptor (--args), so
         # its pid 1's command line, which the agent can read, names no host path
-        fixed = [*_rootfs_args(etc), "--proc", "/proc", "--dev", "/dev",
+        fixed = [*_rootfs_args(etc), "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev",
                  "--bind", str(self.fs / "work"), WORKDIR, "--bind", str(self.fs / "tmp"), "/tmp"]
         if self.network:
             fixed += ["--share-net", "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
@@ -410,10 +416,16 @@ class LocalSandbox(Sandbox):
             if self.holder is not None:
                 quota = ["nsenter", f"--target={self.holder.pid}", "--user", "--mount", "--preserve-credentials",
                          *quota]
+        ipc = []  # where we may own the IPC namespace (root, or the quota namespace's root): capped
+        if os.geteuid() == 0 or quota:
+            caps = [x for k, v in ipc_sysctls(lim).items() for x in (k.replace(".", "/"), v)]
+            ipc = ["unshare", "--ipc", "/bin/sh", "-c", _IPC_CAPS, "sh", *caps, "--"]
         # fd 4 (`bwrap_args`): the root file system, /proc, /dev, /work and /tmp, a /dev/shm of its own
         # (size-capped where bwrap can) and /dev read-only (the agent's uid owns bwrap's /dev, where
         # files would outlive a reset), the network if asked, the read-only mounts
-        bwrap = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+        unshare = ["--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                   *([] if ipc else ["--unshare-ipc"])]
+        bwrap = [shutil.which("bwrap") or "bwrap", *unshare, "--die-with-parent", "--new-session",
                  "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
                  "--cap-drop", "ALL", *(["--seccomp", "3"] if bpf else []), "--args", "4",
                  "--remount-ro", "/", "--clearenv"]
@@ -422,7 +434,8 @@ class LocalSandbox(Sandbox):
         bwrap += ["--chdir", cwd or WORKDIR, "--", *argv]
         return cap_stderr(["env", "-i", "PATH=/usr/bin:/bin:/usr/sbin:/sbin", f"BWRAP_ARGS={self.bwrap_args}",
                            *([f"SECCOMP_BPF={bpf}"] if bpf else []),
-                           "/bin/sh", "-c", join, "sh", *procs_files, "--", *quota, "prlimit", *rlimits, *demote, *bwrap])
+                           "/bin/sh", "-c", join, "sh", *procs_files, "--", *quota, *ipc, "prlimit", *rlimits, *demote,
+                           *bwrap])
 
     async def _alive(self) -> bool:
         return self.fs.is_dir() and not self.closed and (self.holder is None or self.holder.poll() is None)
