@@ -146,8 +146,9 @@ class SandboxLimits:
     timeout_s: float = 60.0      # default wall-time of one exec
     output_bytes: int = 1 << 20  # per stream (stdout, stderr) kept of one exec; the rest is dropped
     nofile: int = 1024           # open files per process
-    ipc_mb: int = 64             # SysV shared memory, all segments together (docker; see ipc_sysctls)
+    ipc_mb: int = 64             # SysV shared memory, all segments of one IPC namespace (ipc_sysctls)
     ipc_objects: int = 64        # SysV shared memory segments, message queues, semaphore sets: each
+    # (one IPC namespace: docker's per container, local's per spawn)
 
 
 def ipc_sysctls(limits: SandboxLimits) -> dict[str, str]:

@@ -4,8 +4,10 @@ Each sandbox is a state directory `$AGENTRL_SANDBOX_DIR/<id>` (default
 /tmp/agentrl-sandboxes) holding `owner.json` and `fs/{work,tmp}`, bound at /work and /tmp
 inside. Every process (the exec server, `spawn`s) is started as:
 
-    sh -c 'join cgroups' -> prlimit (rlimits) -> setpriv (drop to a host uid of its own, root only)
-       -> bwrap (new user/pid/net/ipc/uts/cgroup namespaces, read-only /usr /etc ...,
+    sh -c 'join cgroups' -> [not root: nsenter the holder, unshare --user (quota)]
+       -> unshare --ipc (SysV IPC capped: base.ipc_sysctls) -> prlimit (rlimits)
+       -> setpriv (drop to a host uid of its own, root only)
+       -> bwrap (new user/pid/net/uts/cgroup namespaces, read-only /usr /etc /proc/sys ...,
                  private /proc /dev, clean env, no capabilities, uid 1000 inside,
                  the seccomp filter of seccomp.py)
 
@@ -53,8 +55,9 @@ CGROOT = Path("/sys/fs/cgroup")
 # Not as root, every sandbox runs as the user, and the kernel charges per-user objects (inotify
 # instances and watches, RLIMIT_NPROC, RLIMIT_MSGQUEUE) to it up the user-namespace hierarchy, so a
 # user namespace alone does not separate them. But each namespace level checks its own limit:
-# a spawn runs in a user namespace of its own (`unshare --user --map-root-user`) whose root sets
-# that namespace's inotify limits to a share of the user's (/proc/sys/user/max_inotify_*) and then
+# the sandbox's holder keeps a user namespace whose root sets its inotify limits to a share of the user's
+# (/proc/sys/user/max_inotify_*: the share of the sandbox as a whole), and in it each spawn runs in a
+# user namespace of its own (`unshare --user --map-root-user`) with the same share, and then
 # starts bubblewrap, whose nested namespace holds the agent without capabilities in the outer one
 # (so it cannot raise them); the rlimits are set inside, so they are counted per namespace too.
 MSGQUEUE_BYTES = 64 << 10  # POSIX message queues of a sandbox (RLIMIT_MSGQUEUE; the kernel's default per user: 800 KiB)
