@@ -61,16 +61,18 @@ CGROOT = Path("/sys/fs/cgroup")
 # starts bubblewrap, whose nested namespace holds the agent without capabilities in the outer one
 # (so it cannot raise them); the rlimits are set inside, so they are counted per namespace too.
 MSGQUEUE_BYTES = 64 << 10  # POSIX message queues of a sandbox (RLIMIT_MSGQUEUE; the kernel's default per user: 800 KiB)
-QUOTA_SHARES = 8  # a sandbox's share of the user's inotify limits: 1/8
-_QUOTA = ('echo "$1" > /proc/sys/user/max_inotify_instances && echo "$2" > /proc/sys/user/max_inotify_watches '
-          '|| exit 125; shift 2; exec "$@"')
+QUOTA_SHARES = 8  # a sandbox's share of the user's inotify and fanotify limits: 1/8
+# writes `share()`'s pairs (/proc/sys/user/NAME VALUE ... --) into the current user namespace's limits
+_SHARE = ('while [ "$1" != -- ]; do [ ! -e "/proc/sys/user/$1" ] || echo "$2" > "/proc/sys/user/$1" || exit 125; '
+          'shift 2; done; shift; ')
+_QUOTA = _SHARE + 'exec "$@"'
+
 # The holder (not as root): in a user and mount namespace of its own, the sandbox's tmpfs on its fs dir
 # (only that namespace sees it), /work and /tmp in it, and that namespace's inotify limits set to the
 # sandbox's share, which every spawn (nested in it) counts against: the share holds for the sandbox as
 # a whole, not per process tree. Then it waits, holding both namespaces open.
 _HOLD = ('mount -t tmpfs -o "size=$1,nr_inodes=$2,mode=0700" sandbox "$3" && mkdir -m 0700 "$3/work" "$3/tmp" '
-         '&& echo "$4" > /proc/sys/user/max_inotify_instances && echo "$5" > /proc/sys/user/max_inotify_watches '
-         '|| exit 125; echo ready; exec sleep infinity')
+         '|| exit 125; shift 3; ' + _SHARE + 'echo ready; exec sleep infinity')
 HOLDER_START_S = 30.0
 # SysV IPC (base.ipc_sysctls): each spawn gets an IPC namespace of its own from `unshare --ipc`, whose
 # caps this sets before bubblewrap starts in it (bubblewrap's own would have the kernel's nearly unbounded
@@ -87,23 +89,28 @@ def local_available() -> tuple[bool, str]:
     return True, "bubblewrap (cgroups)" if cgroup_mode() and os.geteuid() == 0 else "bubblewrap (rlimits)"
 
 
-def _host_limit(name: str, default: int) -> int:
+def _host_limit(path: str, default: int) -> int:
     try:
-        return int(Path(f"/proc/sys/fs/inotify/{name}").read_text())
+        return int(Path(path).read_text())
     except (OSError, ValueError):
         return default
 
 
-def inotify_share() -> list[str]:
-    """A sandbox's share of the user's inotify instances and watches (not as root)."""
-    return [str(max(1, _host_limit("max_user_instances", 128) // QUOTA_SHARES)),
-            str(max(1, _host_limit("max_user_watches", 8192) // QUOTA_SHARES))]
+def share() -> list[str]:
+    """A sandbox's share of the user's inotify instances and watches and fanotify groups and marks
+    (not as root), as /proc/sys/user NAME VALUE pairs, then "--". Each is counted per user up the
+    user-namespace hierarchy (the fanotify ones exist from Linux 5.13; a missing one is skipped)."""
+    limits = {"max_inotify_instances": _host_limit("/proc/sys/fs/inotify/max_user_instances", 128),
+              "max_inotify_watches": _host_limit("/proc/sys/fs/inotify/max_user_watches", 8192),
+              "max_fanotify_groups": _host_limit("/proc/sys/user/max_fanotify_groups", 128),
+              "max_fanotify_marks": _host_limit("/proc/sys/user/max_fanotify_marks", 8192)}
+    return [x for name, n in limits.items() for x in (name, str(max(1, n // QUOTA_SHARES)))] + ["--"]
 
 
 def userns_quota_argv() -> list[str]:
     """The prefix that runs a spawn in a user namespace of its own with a share of the user's
     inotify limits (not as root); [] where the kernel refuses (said once, loudly)."""
-    argv = ["unshare", "--user", "--map-root-user", "/bin/sh", "-c", _QUOTA, "sh", *inotify_share()]
+    argv = ["unshare", "--user", "--map-root-user", "/bin/sh", "-c", _QUOTA, "sh", *share()]
     return argv if _userns_quota_works(tuple(argv)) else []
 
 
@@ -125,7 +132,7 @@ def _start_holder(fs: Path, size_mb: int) -> subprocess.Popen | None:
     """Not as root: the process holding the sandbox's user and mount namespace, with a tmpfs of
     `size_mb` (and `inodes_for` files) at `fs` in it; None (said once, loudly) where it cannot."""
     argv = ["unshare", "--user", "--map-root-user", "--mount", "/bin/sh", "-c", _HOLD, "sh",
-            str(size_mb << 20), str(inodes_for(size_mb)), str(fs), *inotify_share()]
+            str(size_mb << 20), str(inodes_for(size_mb)), str(fs), *share()]
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)

@@ -402,7 +402,7 @@ def test_a_sandbox_cannot_exhaust_anothers_inotify(backend):
             for _ in range(4):
                 hog = await a.spawn(["python3", "-c", INOTIFY_HOLD], cwd="/")
                 held.append(int((await asyncio.wait_for(hog.stdout.readline(), 30)).split()[0]))
-            user_limit = _host_limit("max_user_instances", 128)
+            user_limit = _host_limit("/proc/sys/fs/inotify/max_user_instances", 128)
             if backend == "local" and os.geteuid() != 0 and getattr(a, "holder", None) is not None:
                 # the sandbox's share, across all its spawns
                 assert held[0] >= 8 and sum(held) <= user_limit // QUOTA_SHARES, held
@@ -410,6 +410,40 @@ def test_a_sandbox_cannot_exhaust_anothers_inotify(backend):
                 assert held[0] >= 100 and sum(held) <= user_limit, held
             r = await b.exec(["python3", "-c", INOTIFY_ONE])
             assert r.stdout == "True\n", r
+    run(go())
+
+
+FANOTIFY_HOLD = r"""
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+groups = 0
+while groups < 4096 and libc.fanotify_init(0x200, 0) >= 0:  # FAN_REPORT_FID: what a user may, unprivileged
+    groups += 1
+print(groups, ctypes.get_errno(), flush=True)
+time.sleep(120)
+"""
+FANOTIFY_ONE = "import ctypes; print(ctypes.CDLL(None, use_errno=True).fanotify_init(0x200, 0) >= 0)"
+
+
+def test_a_sandbox_cannot_exhaust_anothers_fanotify(backend):
+    """fanotify groups, which a user may make unprivileged since Linux 5.13, are counted per user
+    like inotify instances (/proc/sys/user/max_fanotify_groups, 128): one sandbox holding all it can
+    get from several spawns must leave the next sandbox its own (a uid of its own: docker, local
+    as root; local not as root: the sandbox's share in its holder's user namespace)."""
+    from agentrl.sandboxes.local_backend import QUOTA_SHARES
+
+    async def go():
+        async with sandbox(backend) as a, sandbox(backend) as b:
+            held = []
+            for _ in range(3):
+                hog = await a.spawn(["python3", "-c", FANOTIFY_HOLD], cwd="/")
+                held.append(int((await asyncio.wait_for(hog.stdout.readline(), 30)).split()[0]))
+            if held[0] == 0:
+                pytest.skip("fanotify_init is refused in the sandbox here (kernel < 5.13 or a filter)")
+            if backend == "local" and os.geteuid() != 0 and getattr(a, "holder", None) is not None:
+                assert sum(held) <= 128 // QUOTA_SHARES, held
+            r = await b.exec(["python3", "-c", FANOTIFY_ONE])
+            assert r.stdout == "True\n", (held, r)
     run(go())
 
 
