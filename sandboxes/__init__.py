@@ -55,15 +55,15 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .base import (RUN_ID, ExecResult, ImageNotFoundError, Sandbox, SandboxError, SandboxLimits,
-                   SyncSandbox, run_sync)
+from .base import (RUN_ID, ExecResult, ImageNotFoundError, Sandbox, SandboxError, SandboxFileError,
+                   SandboxLimits, SyncSandbox, run_sync)
 from .backends import BACKENDS, create, create_sync, resolve_backend
 from .docker_backend import DEFAULT_IMAGE, DockerSandbox, engine_available
 from .local_backend import LocalSandbox, local_available
 from .pool import SandboxPool, default_max_active
 
 __all__ = ["create", "create_sync", "resolve_backend", "reap", "agentrl_source_mounts",
-           "Sandbox", "SyncSandbox", "SandboxLimits", "ExecResult", "SandboxError",
+           "Sandbox", "SyncSandbox", "SandboxLimits", "ExecResult", "SandboxError", "SandboxFileError",
            "ImageNotFoundError", "SandboxPool", "default_max_active", "DEFAULT_IMAGE", "RUN_ID"]
 
 log = logging.getLogger("agentrl.sandboxes")

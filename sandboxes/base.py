@@ -84,13 +84,46 @@ def inodes_for(size_mb: int) -> int:
     return max(1024, (size_mb << 20) // 4096)
 
 
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 MAX_STRAY_LINES = 64  # answers with a wrong id skipped per request before the channel counts as broken
 RUN_ID = os.environ.get("AGENTRL_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
 
 
 class SandboxError(AgentRLError):
     """Infrastructure failure: the sandbox cannot start, died, or its engine is gone.
-    Not a failed command (that is an `ExecResult` with a non-zero exit code)."""
+    Not a failed command (that is an `ExecResult` with a non-zero exit code). `sandbox_id`: the
+    sandbox it is about, where one is ("" otherwise), so a caller holding several can tell."""
+
+    def __init__(self, message: str = "", sandbox_id: str = ""):
+        super().__init__(message)
+        self.sandbox_id = sandbox_id
+
+
+class SandboxFileError(Exception):
+    """A file operation that the sandbox answered with a refusal: the file is missing, not a
+    regular file, too large, on a read-only path, or the disk is full. What is in the sandbox,
+    not the sandbox failing. Raised as FileNotFoundError, OSError or ValueError too (what
+    `read_file`/`write_file` raised before), with `sandbox_id` set."""
+
+    sandbox_id = ""
+
+
+class SandboxFileMissing(SandboxFileError, FileNotFoundError):
+    pass
+
+
+class SandboxFileRefused(SandboxFileError, OSError):
+    pass
+
+
+class SandboxFileTooLarge(SandboxFileError, ValueError):
+    pass
+
+
+def _file_error(cls: type[SandboxFileError], sandbox_id: str, message: str) -> SandboxFileError:
+    exc = cls(message)
+    exc.sandbox_id = sandbox_id
+    return exc
 
 
 class ImageNotFoundError(SandboxError):
@@ -113,6 +146,22 @@ class SandboxLimits:
     timeout_s: float = 60.0      # default wall-time of one exec
     output_bytes: int = 1 << 20  # per stream (stdout, stderr) kept of one exec; the rest is dropped
     nofile: int = 1024           # open files per process
+    ipc_mb: int = 64             # SysV shared memory, all segments of one IPC namespace (ipc_sysctls)
+    ipc_objects: int = 64        # SysV shared memory segments, message queues, semaphore sets: each
+    # (one IPC namespace: docker's per container, local's per spawn)
+
+
+def ipc_sysctls(limits: SandboxLimits) -> dict[str, str]:
+    """The SysV IPC caps of a sandbox's own IPC namespace, as namespaced sysctls. The kernel's
+    defaults are per namespace and nearly unbounded (shmall 2^64 pages, 4096 segments, 32000
+    queues and semaphore sets): shared memory outlives its maker and is charged to the sandbox's
+    memory, so without a cap one command pins all of it for the rest of the trajectory."""
+    pages = max(1, (limits.ipc_mb << 20) // PAGE_BYTES)
+    n = max(1, limits.ipc_objects)
+    return {"kernel.shmmax": str(limits.ipc_mb << 20), "kernel.shmall": str(pages), "kernel.shmmni": str(n),
+            "kernel.msgmni": str(n), "kernel.msgmnb": "16384", "kernel.msgmax": "8192",
+            # per set, in all, per semop call, sets
+            "kernel.sem": f"250 {250 * n} 32 {n}"}
 
 
 @dataclass
@@ -387,7 +436,7 @@ class Sandbox:
             if "python3" in err and ("not found" in err or "No such file" in err):
                 hint = " (the image has no python3: the sandbox needs it; build from the base image)"
             raise SandboxError(f"{self.backend} sandbox {self.id}: exec server did not start{hint}: "
-                               f"{hello.get('error', '')} {err.strip()[-2000:]}")
+                               f"{hello.get('error', '')} {err.strip()[-2000:]}", self.id)
         self.shell = "/bin/bash"  # the base image and Debian hosts have it; fall back below
         res = await self._request({"op": "exec", "argv": ["/bin/sh", "-c", "command -v bash"],
                                    "timeout": 10}, 20)
@@ -430,20 +479,20 @@ class Sandbox:
     async def _recover(self, what: str) -> None:
         """The server is gone. If the sandbox still runs, restart it; else SandboxError."""
         if self.closed:
-            raise SandboxError(f"sandbox {self.id} is closed")
+            raise SandboxError(f"sandbox {self.id} is closed", self.id)
         await _kill_proc(self._chan)
         if not await self._alive():
-            raise SandboxError(f"{self.backend} sandbox {self.id} died during {what}")
+            raise SandboxError(f"{self.backend} sandbox {self.id} died during {what}", self.id)
         self.taint(f"its exec server died during {what}")
         log.warning("sandbox %s: exec server died during %s; restarting it", self.id, what)
         try:
             await self._start_server()
         except SandboxError as e:
-            raise SandboxError(f"sandbox {self.id}: cannot restart after {what}: {e}") from None
+            raise SandboxError(f"sandbox {self.id}: cannot restart after {what}: {e}", self.id) from None
 
     def _check_open(self) -> None:
         if not self.started or self.closed:
-            raise SandboxError(f"sandbox {self.id} is {'closed' if self.closed else 'not started'}")
+            raise SandboxError(f"sandbox {self.id} is {'closed' if self.closed else 'not started'}", self.id)
 
     # ---- API -----------------------------------------------------------------------
     async def exec(self, cmd: str | Sequence[str], timeout: float | None = None, *,
@@ -472,7 +521,7 @@ class Sandbox:
             return ExecResult(137, "", "sandbox: the command killed the sandbox's exec server "
                               "(it was restarted)\n", duration_s=time.perf_counter() - t0)
         if "error" in resp:
-            raise SandboxError(f"sandbox {self.id}: exec server error: {resp['error']}")
+            raise SandboxError(f"sandbox {self.id}: exec server error: {resp['error']}", self.id)
         out = base64.b64decode(resp["stdout"])
         return ExecResult(resp["exit_code"], out.decode(errors="replace"),
                           base64.b64decode(resp["stderr"]).decode(errors="replace"),
@@ -486,7 +535,7 @@ class Sandbox:
 
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         """Write a file (parents created); relative paths are under the workdir.
-        Raises OSError when the sandbox refuses (read-only path, full disk)."""
+        Raises SandboxFileRefused (an OSError) when the sandbox refuses (read-only path, full disk)."""
         self._check_open()
         if isinstance(data, str):
             data = data.encode()
@@ -494,24 +543,25 @@ class Sandbox:
                                     "data": base64.b64encode(data).decode()}, 60)
         if resp is None:
             await self._recover("write_file")
-            raise SandboxError(f"sandbox {self.id}: exec server died during write_file")
+            raise SandboxError(f"sandbox {self.id}: exec server died during write_file", self.id)
         if "error" in resp:
-            raise OSError(f"sandbox write_file({path!r}): {resp['error']}")
+            raise _file_error(SandboxFileRefused, self.id, f"sandbox write_file({path!r}): {resp['error']}")
 
     async def read_file(self, path: str, max_bytes: int = 64 << 20) -> bytes:
-        """Read a file from the sandbox. FileNotFoundError/OSError if it cannot be read,
-        ValueError if it is larger than max_bytes."""
+        """Read a file from the sandbox. SandboxFileMissing/SandboxFileRefused (FileNotFoundError/
+        OSError) if it cannot be read, SandboxFileTooLarge (ValueError) if larger than max_bytes."""
         self._check_open()
         resp = await self._request({"op": "read", "path": self._abs(path), "limit": max_bytes}, 60)
         if resp is None:
             await self._recover("read_file")
-            raise SandboxError(f"sandbox {self.id}: exec server died during read_file")
+            raise SandboxError(f"sandbox {self.id}: exec server died during read_file", self.id)
         if "error" in resp:
             err = resp["error"]
-            cls = FileNotFoundError if err.startswith("FileNotFoundError") else OSError
-            raise cls(f"sandbox read_file({path!r}): {err}")
+            cls = SandboxFileMissing if err.startswith("FileNotFoundError") else SandboxFileRefused
+            raise _file_error(cls, self.id, f"sandbox read_file({path!r}): {err}")
         if resp["truncated"]:
-            raise ValueError(f"sandbox read_file({path!r}): larger than max_bytes={max_bytes}")
+            raise _file_error(SandboxFileTooLarge, self.id,
+                              f"sandbox read_file({path!r}): larger than max_bytes={max_bytes}")
         return base64.b64decode(resp["data"])
 
     async def spawn(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,

@@ -33,7 +33,8 @@ from typing import Mapping, Sequence
 from . import bridge
 from .local_backend import claim_host_uid, release_host_uid, release_orphan_claims
 from .base import (OWNER_PID, OWNER_START, RUN_ID, WORKDIR, ImageNotFoundError,
-                   Sandbox, SandboxError, cap_stderr, inodes_for, kill_cgroup, log, owner_alive, reap_once)
+                   Sandbox, SandboxError, cap_stderr, inodes_for, ipc_sysctls, kill_cgroup, log, owner_alive,
+                   reap_once)
 
 DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
 LABEL = "agentrl.sandbox"
@@ -151,6 +152,9 @@ class DockerSandbox(Sandbox):
                 volumes={**{h: {"bind": s, "mode": "ro"} for h, s in self.mounts.items()}, **self._etc_mounts(),
                          str(self.bridge_dir): {"bind": bridge.INSIDE, "mode": "ro"}},
                 cgroupns="private",
+                # SysV IPC: an IPC namespace of its own, its objects capped (docker lets these sysctls
+                # be set only with a private one); not inherited from the daemon's default mode
+                ipc_mode="private", sysctls=ipc_sysctls(lim),
                 environment={**self.env, "AGENTRL_SANDBOX_UID": str(self.uid)}, working_dir=WORKDIR)
         except docker.errors.APIError as e:
             raise SandboxError(f"docker sandbox {self.id}: cannot start a container of "

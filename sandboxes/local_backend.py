@@ -4,8 +4,10 @@ Each sandbox is a state directory `$AGENTRL_SANDBOX_DIR/<id>` (default
 /tmp/agentrl-sandboxes) holding `owner.json` and `fs/{work,tmp}`, bound at /work and /tmp
 inside. Every process (the exec server, `spawn`s) is started as:
 
-    sh -c 'join cgroups' -> prlimit (rlimits) -> setpriv (drop to a host uid of its own, root only)
-       -> bwrap (new user/pid/net/ipc/uts/cgroup namespaces, read-only /usr /etc ...,
+    sh -c 'join cgroups' -> [not root: nsenter the holder, unshare --user (quota)]
+       -> unshare --ipc (SysV IPC capped: base.ipc_sysctls) -> prlimit (rlimits)
+       -> setpriv (drop to a host uid of its own, root only)
+       -> bwrap (new user/pid/net/uts/cgroup namespaces, read-only /usr /etc /proc/sys ...,
                  private /proc /dev, clean env, no capabilities, uid 1000 inside,
                  the seccomp filter of seccomp.py)
 
@@ -41,7 +43,8 @@ from typing import Mapping, Sequence
 
 from . import bridge, seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
-                   cap_stderr, inodes_for, kill_cgroup, log, owner_alive, process_start_time, reap_once, state_root)
+                   cap_stderr, inodes_for, ipc_sysctls, kill_cgroup, log, owner_alive, process_start_time, reap_once,
+                   state_root)
 
 HOST_UID = 65534  # what sandboxed processes are on the host when we are not given one of their own
 # As root, each sandbox runs as a host uid of its own from this range (claimed in `$state_root/.uids`):
@@ -52,19 +55,30 @@ CGROOT = Path("/sys/fs/cgroup")
 # Not as root, every sandbox runs as the user, and the kernel charges per-user objects (inotify
 # instances and watches, RLIMIT_NPROC, RLIMIT_MSGQUEUE) to it up the user-namespace hierarchy, so a
 # user namespace alone does not separate them. But each namespace level checks its own limit:
-# a spawn runs in a user namespace of its own (`unshare --user --map-root-user`) whose root sets
-# that namespace's inotify limits to a share of the user's (/proc/sys/user/max_inotify_*) and then
+# the sandbox's holder keeps a user namespace whose root sets its inotify limits to a share of the user's
+# (/proc/sys/user/max_inotify_*: the share of the sandbox as a whole), and in it each spawn runs in a
+# user namespace of its own (`unshare --user --map-root-user`) with the same share, and then
 # starts bubblewrap, whose nested namespace holds the agent without capabilities in the outer one
 # (so it cannot raise them); the rlimits are set inside, so they are counted per namespace too.
 MSGQUEUE_BYTES = 64 << 10  # POSIX message queues of a sandbox (RLIMIT_MSGQUEUE; the kernel's default per user: 800 KiB)
-QUOTA_SHARES = 8  # a sandbox's share of the user's inotify limits: 1/8
-_QUOTA = ('echo "$1" > /proc/sys/user/max_inotify_instances && echo "$2" > /proc/sys/user/max_inotify_watches '
-          '|| exit 125; shift 2; exec "$@"')
+QUOTA_SHARES = 8  # a sandbox's share of the user's inotify and fanotify limits: 1/8
+# writes `share()`'s pairs (/proc/sys/user/NAME VALUE ... --) into the current user namespace's limits
+_SHARE = ('while [ "$1" != -- ]; do [ ! -e "/proc/sys/user/$1" ] || echo "$2" > "/proc/sys/user/$1" || exit 125; '
+          'shift 2; done; shift; ')
+_QUOTA = _SHARE + 'exec "$@"'
+
 # The holder (not as root): in a user and mount namespace of its own, the sandbox's tmpfs on its fs dir
-# (only that namespace sees it), /work and /tmp in it; then it waits, holding both namespaces open.
+# (only that namespace sees it), /work and /tmp in it, and that namespace's inotify limits set to the
+# sandbox's share, which every spawn (nested in it) counts against: the share holds for the sandbox as
+# a whole, not per process tree. Then it waits, holding both namespaces open.
 _HOLD = ('mount -t tmpfs -o "size=$1,nr_inodes=$2,mode=0700" sandbox "$3" && mkdir -m 0700 "$3/work" "$3/tmp" '
-         '|| exit 125; echo ready; exec sleep infinity')
+         '|| exit 125; shift 3; ' + _SHARE + 'echo ready; exec sleep infinity')
 HOLDER_START_S = 30.0
+# SysV IPC (base.ipc_sysctls): each spawn gets an IPC namespace of its own from `unshare --ipc`, whose
+# caps this sets before bubblewrap starts in it (bubblewrap's own would have the kernel's nearly unbounded
+# defaults). Not as root the namespace is the quota namespace's, whose root the agent's uid maps to: the
+# kernel lets that uid write these sysctls, so bubblewrap mounts /proc/sys read-only.
+_IPC_CAPS = 'while [ "$1" != -- ]; do echo "$2" > "/proc/sys/$1" || exit 125; shift 2; done; shift; exec "$@"'
 
 
 def local_available() -> tuple[bool, str]:
@@ -75,19 +89,28 @@ def local_available() -> tuple[bool, str]:
     return True, "bubblewrap (cgroups)" if cgroup_mode() and os.geteuid() == 0 else "bubblewrap (rlimits)"
 
 
-def _host_limit(name: str, default: int) -> int:
+def _host_limit(path: str, default: int) -> int:
     try:
-        return int(Path(f"/proc/sys/fs/inotify/{name}").read_text())
+        return int(Path(path).read_text())
     except (OSError, ValueError):
         return default
+
+
+def share() -> list[str]:
+    """A sandbox's share of the user's inotify instances and watches and fanotify groups and marks
+    (not as root), as /proc/sys/user NAME VALUE pairs, then "--". Each is counted per user up the
+    user-namespace hierarchy (the fanotify ones exist from Linux 5.13; a missing one is skipped)."""
+    limits = {"max_inotify_instances": _host_limit("/proc/sys/fs/inotify/max_user_instances", 128),
+              "max_inotify_watches": _host_limit("/proc/sys/fs/inotify/max_user_watches", 8192),
+              "max_fanotify_groups": _host_limit("/proc/sys/user/max_fanotify_groups", 128),
+              "max_fanotify_marks": _host_limit("/proc/sys/user/max_fanotify_marks", 8192)}
+    return [x for name, n in limits.items() for x in (name, str(max(1, n // QUOTA_SHARES)))] + ["--"]
 
 
 def userns_quota_argv() -> list[str]:
     """The prefix that runs a spawn in a user namespace of its own with a share of the user's
     inotify limits (not as root); [] where the kernel refuses (said once, loudly)."""
-    argv = ["unshare", "--user", "--map-root-user", "/bin/sh", "-c", _QUOTA, "sh",
-            str(max(1, _host_limit("max_user_instances", 128) // QUOTA_SHARES)),
-            str(max(1, _host_limit("max_user_watches", 8192) // QUOTA_SHARES))]
+    argv = ["unshare", "--user", "--map-root-user", "/bin/sh", "-c", _QUOTA, "sh", *share()]
     return argv if _userns_quota_works(tuple(argv)) else []
 
 
@@ -109,7 +132,7 @@ def _start_holder(fs: Path, size_mb: int) -> subprocess.Popen | None:
     """Not as root: the process holding the sandbox's user and mount namespace, with a tmpfs of
     `size_mb` (and `inodes_for` files) at `fs` in it; None (said once, loudly) where it cannot."""
     argv = ["unshare", "--user", "--map-root-user", "--mount", "/bin/sh", "-c", _HOLD, "sh",
-            str(size_mb << 20), str(inodes_for(size_mb)), str(fs)]
+            str(size_mb << 20), str(inodes_for(size_mb)), str(fs), *share()]
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
@@ -315,7 +338,7 @@ class LocalSandbox(Sandbox):
             self._stage_mounts()
         # the fixed part of bubblewrap's command line reaches it through a file descriptor (--args), so
         # its pid 1's command line, which the agent can read, names no host path
-        fixed = [*_rootfs_args(etc), "--proc", "/proc", "--dev", "/dev",
+        fixed = [*_rootfs_args(etc), "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev",
                  "--bind", str(self.fs / "work"), WORKDIR, "--bind", str(self.fs / "tmp"), "/tmp"]
         if self.network:
             fixed += ["--share-net", "--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
@@ -403,10 +426,16 @@ class LocalSandbox(Sandbox):
             if self.holder is not None:
                 quota = ["nsenter", f"--target={self.holder.pid}", "--user", "--mount", "--preserve-credentials",
                          *quota]
+        ipc = []  # where we may own the IPC namespace (root, or the quota namespace's root): capped
+        if os.geteuid() == 0 or quota:
+            caps = [x for k, v in ipc_sysctls(lim).items() for x in (k.replace(".", "/"), v)]
+            ipc = ["unshare", "--ipc", "/bin/sh", "-c", _IPC_CAPS, "sh", *caps, "--"]
         # fd 4 (`bwrap_args`): the root file system, /proc, /dev, /work and /tmp, a /dev/shm of its own
         # (size-capped where bwrap can) and /dev read-only (the agent's uid owns bwrap's /dev, where
         # files would outlive a reset), the network if asked, the read-only mounts
-        bwrap = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+        unshare = ["--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                   *([] if ipc else ["--unshare-ipc"])]
+        bwrap = [shutil.which("bwrap") or "bwrap", *unshare, "--die-with-parent", "--new-session",
                  "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
                  "--cap-drop", "ALL", *(["--seccomp", "3"] if bpf else []), "--args", "4",
                  "--remount-ro", "/", "--clearenv"]
@@ -415,7 +444,8 @@ class LocalSandbox(Sandbox):
         bwrap += ["--chdir", cwd or WORKDIR, "--", *argv]
         return cap_stderr(["env", "-i", "PATH=/usr/bin:/bin:/usr/sbin:/sbin", f"BWRAP_ARGS={self.bwrap_args}",
                            *([f"SECCOMP_BPF={bpf}"] if bpf else []),
-                           "/bin/sh", "-c", join, "sh", *procs_files, "--", *quota, "prlimit", *rlimits, *demote, *bwrap])
+                           "/bin/sh", "-c", join, "sh", *procs_files, "--", *quota, *ipc, "prlimit", *rlimits, *demote,
+                           *bwrap])
 
     async def _alive(self) -> bool:
         return self.fs.is_dir() and not self.closed and (self.holder is None or self.holder.poll() is None)

@@ -15,8 +15,10 @@ backend) and returns ``info["tools"]``; each `astep` parses the action with the 
 `tool_parser`, runs the calls concurrently and returns the ``tool`` messages; an action
 with no tool call goes to `final_answer`. `aclose` stops the servers and the sandbox. An
 `AgentFault` raised in a step (the model's code killed its tool server; a grader found the
-agent sabotaged its own solution) ends the episode with reward 0 and ``info["agent_fault"]``;
-infrastructure failures raise, and the trajectory is FAILED (masked), as before.
+agent sabotaged its own solution), or an operation on the trajectory's sandbox that failed
+while the sandbox still answers (a server that cannot restart, an exec server killed, a file
+the agent left missing or unwritable), ends the episode with reward 0 and
+``info["agent_fault"]``; infrastructure failures raise, and the trajectory is FAILED (masked).
 External MCP servers join through the constructor (``mcp_servers=["name=cmd ..."]``).
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -38,6 +41,7 @@ from agentrl.tools.spec import MCPServerSpec, as_spec, builtin_spec, tool_sandbo
 __all__ = ["ToolEnv"]
 log = logging.getLogger("agentrl.tools")
 _warned: set[str] = set()
+SANDBOX_CHECK_S = 30.0  # how long the sandbox of a failed operation gets to answer a ping
 
 
 def _warn_once(msg: str) -> None:
@@ -185,30 +189,45 @@ class ToolEnv(Env):
         """One turn. What the model's own actions broke (`AgentFault`: it killed its tool server,
         left a file the grader cannot read, ...) ends the episode with reward 0 and the reason in
         ``info["agent_fault"]``, rather than raising: a raise marks the trajectory FAILED, which
-        is masked and re-run, and would let the policy veto a group it is losing."""
+        is masked and re-run, and would let the policy veto a group it is losing. So does an
+        operation on the trajectory's sandbox that failed while the sandbox still answers
+        (`_broken_by_the_agent`)."""
         try:
             return await self._astep(action)
         except AgentFault as e:
             log.info("%s: the agent's actions broke its episode: %s", type(self).__name__, e)
             return [], 0.0, True, False, {"agent_fault": f"{type(e).__name__}: {e}"}
-        except ToolServerError as e:
-            if not await self._broken_by_the_agent():
+        except Exception as e:
+            if not await self._broken_by_the_agent(e):
                 raise
-            log.info("%s: a tool server in the agent's sandbox cannot restart: %s", type(self).__name__, e)
+            log.info("%s: the agent broke its sandbox: %s", type(self).__name__, e)
+            self.sandbox_instance.taint(f"the agent broke it: {type(e).__name__}: {str(e)[:500]}")
             return [], 0.0, True, False, {"agent_fault": f"{type(e).__name__}: {str(e)[:2000]}"}
 
-    async def _broken_by_the_agent(self) -> bool:
-        """A tool server that ran in the trajectory's sandbox is down (it failed to restart:
-        `chmod 000 /work`, a full disk, a killed server, all the agent's doing), while the sandbox
-        itself still answers: what broke it is what the agent did there, not the infrastructure.
-        A server on the host, or a sandbox that died, stays an infrastructure failure."""
+    async def _broken_by_the_agent(self, exc: Exception) -> bool:
+        """`exc` came from the trajectory's sandbox, which still answers a ping (which restarts a
+        killed exec server): what broke is what the agent did there, not the infrastructure. The
+        same rule as a command agent's (agentrl.gateway.agent_env). From the sandbox: a tool server
+        in it that is down (it failed to restart: `chmod 000 /work`, a full disk, memory pinned);
+        its exec raising SandboxError (the exec server killed and unable to restart); a file
+        operation it refused (`SandboxFileError`: the agent's file missing, a FIFO, too large, a
+        full or unwritable workdir). A server on the host, another sandbox (the grader's), or a
+        sandbox that died or does not answer within 30 s stays an infrastructure failure."""
         sb, toolset = self.sandbox_instance, self.toolset
-        if sb is None or toolset is None:
+        if sb is None:
             return False
-        if not any(c.in_sandbox and c.session is None for c in toolset.connections.values()):
+        if isinstance(exc, ToolServerError):
+            if toolset is None or not any(c.in_sandbox and c.session is None for c in toolset.connections.values()):
+                return False
+        elif "agentrl.sandboxes" in sys.modules:
+            from agentrl.sandboxes import SandboxError, SandboxFileError
+
+            if not isinstance(exc, (SandboxError, SandboxFileError)) or exc.sandbox_id != sb.id:
+                return False
+        else:
             return False
         try:
-            await asyncio.wait_for(sb.ping(), 30)
+            await asyncio.wait_for(sb.ping(), SANDBOX_CHECK_S)
         except Exception:  # noqa: BLE001 - any failure to answer: the sandbox is what broke
             return False
         return True
@@ -253,7 +272,10 @@ class ToolEnv(Env):
         full.parent.mkdir(parents=True, exist_ok=True)
         full.write_bytes(content.encode() if isinstance(content, str) else content)
 
-    async def read_file(self, path: str) -> bytes:
+    async def read_file(self, path: str, max_bytes: int = 64 << 20) -> bytes:
+        """A file where the tools see it. In a sandbox, what the agent left unreadable there (missing,
+        a FIFO, larger than max_bytes) raises `SandboxFileError` (also FileNotFoundError/OSError/
+        ValueError): raised out of a step, the agent's fault."""
         if self.sandbox_instance is not None:
-            return await self.sandbox_instance.read_file(path)
+            return await self.sandbox_instance.read_file(path, max_bytes=max_bytes)
         return (Path(self.workdir or ".") / path).read_bytes()

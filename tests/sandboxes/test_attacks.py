@@ -388,18 +388,62 @@ INOTIFY_ONE = "import ctypes; print(ctypes.CDLL(None, use_errno=True).inotify_in
 
 
 def test_a_sandbox_cannot_exhaust_anothers_inotify(backend):
-    """Inotify instances (and watches) are counted per host uid: one sandbox holding all it can get
-    must leave the next sandbox its own (a host uid per sandbox: local as root, and docker, where the
-    agent's uid in each container is one of its own; local not as root: a user namespace per spawn
-    whose limit is a share of the user's, test_local_nonroot runs this as a non-root uid)."""
+    """Inotify instances (and watches) are counted per host uid: one sandbox holding all it can get,
+    in every process it can start (four spawns: its tool servers, the exec server's commands), must
+    leave the next sandbox its own (a host uid per sandbox: local as root, and docker, where the
+    agent's uid in each container is one of its own; local not as root: the sandbox's user namespace,
+    kept by its holder, whose limit is a share of the user's, and a namespace per spawn inside it;
+    test_local_nonroot runs this as a non-root uid)."""
+    from agentrl.sandboxes.local_backend import QUOTA_SHARES, _host_limit
 
     async def go():
         async with sandbox(backend) as a, sandbox(backend) as b:
-            hog = await a.spawn(["python3", "-c", INOTIFY_HOLD], cwd="/")
-            held = (await asyncio.wait_for(hog.stdout.readline(), 30)).split()
-            assert int(held[0]) >= 100 or (os.geteuid() != 0 and int(held[0]) >= 8), held  # its whole share
+            held = []
+            for _ in range(4):
+                hog = await a.spawn(["python3", "-c", INOTIFY_HOLD], cwd="/")
+                held.append(int((await asyncio.wait_for(hog.stdout.readline(), 30)).split()[0]))
+            user_limit = _host_limit("/proc/sys/fs/inotify/max_user_instances", 128)
+            if backend == "local" and os.geteuid() != 0 and getattr(a, "holder", None) is not None:
+                # the sandbox's share, across all its spawns
+                assert held[0] >= 8 and sum(held) <= user_limit // QUOTA_SHARES, held
+            else:  # a uid of its own: all the uid may have
+                assert held[0] >= 100 and sum(held) <= user_limit, held
             r = await b.exec(["python3", "-c", INOTIFY_ONE])
             assert r.stdout == "True\n", r
+    run(go())
+
+
+FANOTIFY_HOLD = r"""
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+groups = 0
+while groups < 4096 and libc.fanotify_init(0x200, 0) >= 0:  # FAN_REPORT_FID: what a user may, unprivileged
+    groups += 1
+print(groups, ctypes.get_errno(), flush=True)
+time.sleep(120)
+"""
+FANOTIFY_ONE = "import ctypes; print(ctypes.CDLL(None, use_errno=True).fanotify_init(0x200, 0) >= 0)"
+
+
+def test_a_sandbox_cannot_exhaust_anothers_fanotify(backend):
+    """fanotify groups, which a user may make unprivileged since Linux 5.13, are counted per user
+    like inotify instances (/proc/sys/user/max_fanotify_groups, 128): one sandbox holding all it can
+    get from several spawns must leave the next sandbox its own (a uid of its own: docker, local
+    as root; local not as root: the sandbox's share in its holder's user namespace)."""
+    from agentrl.sandboxes.local_backend import QUOTA_SHARES
+
+    async def go():
+        async with sandbox(backend) as a, sandbox(backend) as b:
+            held = []
+            for _ in range(3):
+                hog = await a.spawn(["python3", "-c", FANOTIFY_HOLD], cwd="/")
+                held.append(int((await asyncio.wait_for(hog.stdout.readline(), 30)).split()[0]))
+            if held[0] == 0:
+                pytest.skip("fanotify_init is refused in the sandbox here (kernel < 5.13 or a filter)")
+            if backend == "local" and os.geteuid() != 0 and getattr(a, "holder", None) is not None:
+                assert sum(held) <= 128 // QUOTA_SHARES, held
+            r = await b.exec(["python3", "-c", FANOTIFY_ONE])
+            assert r.stdout == "True\n", (held, r)
     run(go())
 
 
@@ -480,6 +524,59 @@ def test_a_sandbox_cannot_exhaust_anothers_message_queues(backend):
             other = (await asyncio.wait_for(r.stdout.readline(), 60)).split()
             assert int(other[0]) >= 1, other
     run(go())
+
+# SysV IPC: shared memory outlives its maker and is charged to the sandbox's memory, and the kernel's
+# defaults per IPC namespace are nearly unbounded (shmmax 2^64, 4096 segments, 32000 queues and sets)
+SYSV_HOLD = r"""
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+huge = libc.shmget(0, 1 << 30, 0o1600)  # one segment of 1 GiB
+segments = 0
+while segments < 4096 and libc.shmget(0, 1 << 20, 0o1600) >= 0:
+    segments += 1
+queues = 0
+while queues < 40000 and libc.msgget(0, 0o1600) >= 0:
+    queues += 1
+sets = 0
+while sets < 40000 and libc.semget(0, 1, 0o1600) >= 0:
+    sets += 1
+print(huge, segments, queues, sets, flush=True)
+time.sleep(120)
+"""
+SYSV_SOME = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+ids = [libc.shmget(0, 4 << 20, 0o1600) for _ in range(4)]
+addr = libc.shmat(ids[0], None, 0)
+ctypes.memset(addr, 1, 4 << 20)
+print(min(ids) >= 0, libc.msgget(0, 0o1600) >= 0, libc.semget(0, 4, 0o1600) >= 0)
+"""
+
+
+def test_sysv_ipc_is_capped_per_sandbox(backend):
+    """A sandbox's SysV IPC is a namespace of its own (docker: per container; local: per spawn, made
+    before bubblewrap starts in it), capped (SandboxLimits.ipc_mb, ipc_objects, as namespaced
+    sysctls the agent cannot write back): a 1 GiB segment is refused, segments, queues and
+    semaphore sets stop at the cap, and a sandbox beside it holding all of them makes its own."""
+    from agentrl.sandboxes.base import ipc_sysctls
+
+    caps = ipc_sysctls(SMALL)
+
+    async def go():
+        async with sandbox(backend) as a, sandbox(backend) as b:
+            hog = await a.spawn(["python3", "-c", SYSV_HOLD], cwd="/")
+            huge, segments, queues, sets = map(int, (await asyncio.wait_for(hog.stdout.readline(), 60)).split())
+            n = SMALL.ipc_objects
+            assert huge == -1 and segments == min(n, int(caps["kernel.shmall"]) // 256), (huge, segments)
+            assert (queues, sets) == (n, n), (queues, sets)
+            r = await a.exec("echo 4294967296 > /proc/sys/kernel/shmmax; cat /proc/sys/kernel/shmmax")
+            assert r.stdout == caps["kernel.shmmax"] + "\n" and r.exit_code == 0, r  # not to be raised
+            r = await b.exec(["python3", "-c", SYSV_SOME])
+            assert r.stdout == "True True True\n", r
+    run(go())
+
 
 # Empty files cost no bytes of a tmpfs's size but about 1 KiB of kernel memory each (inode and
 # dentry), outside the size cap and the memory limit: a tmpfs's default file count is half the

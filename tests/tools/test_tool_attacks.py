@@ -483,3 +483,105 @@ def test_environment_set_by_one_call_reaches_no_other_command(arun, backend):
         assert obs[0]["content"] == "(None, False, '/work\\n')", obs
     finally:
         arun(env.aclose())
+
+
+class GradedInTheSandbox(AttackEnv):
+    """Grades as a repository task would: the agent's answer read from its sandbox, a check written
+    there and run there, after the agent's turns."""
+    sandbox_limits = {"memory_mb": 512, "workdir_mb": 16, "tmp_mb": 16}
+
+    async def final_answer(self, action):
+        answer = await self.read_file("answer.txt", max_bytes=1 << 16)
+        await self.write_file("check.py", "print(open('answer.txt').read().strip() == '42')\n")
+        r = await self.sandbox_instance.exec(["python3", "-I", "check.py"], timeout=20)
+        return [], float(answer.strip() == b"42" and r.stdout.strip() == "True"), True, False, {}
+
+
+# what the agent does to its own sandbox before it answers: name -> (bash command, the fault's type)
+BREAK_THE_GRADING = {
+    "honest": ("echo 42 > answer.txt", None),
+    "no answer": ("true", "SandboxFileMissing"),
+    "answer is a FIFO": ("mkfifo answer.txt", "SandboxFileRefused"),
+    "answer is a directory": ("mkdir answer.txt", "SandboxFileRefused"),
+    "answer is too large": ("head -c 100000 /dev/zero > answer.txt", "SandboxFileTooLarge"),
+    "chmod 000 the workdir": ("echo 42 > answer.txt; chmod 000 /work", "SandboxFileRefused"),
+    "fill the workdir": ("echo 42 > answer.txt; cat /dev/zero > /work/fill 2>/dev/null", "SandboxFileRefused"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grading_the_agent_broke_in_its_sandbox_is_its_fault(arun, backend):
+    """Whatever the agent did to its sandbox that makes the env's own reads, writes or execs there
+    fail (its answer missing, a FIFO, a directory, too large; the workdir chmod 000 or full) ends
+    the episode as its fault: reward 0, the reason recorded, the sandbox never reused. Raised, it
+    would make the trajectory FAILED: a group the policy could veto."""
+    sandbox_backend_or_skip(backend)
+    for name, (command, fault) in BREAK_THE_GRADING.items():
+        env = GradedInTheSandbox(sandbox=backend)
+        try:
+            arun(env.areset(options={"prompt": "hi"}))
+            _bash(arun, env, command)
+            if name == "fill the workdir" and backend == "local" and not env.sandbox_instance.mounted:
+                continue  # local, not root, without a mount namespace: the host's disk, not a tmpfs
+            obs, reward, done, _, info = arun(env.astep("my answer"))
+            if fault is None:
+                assert (reward, done, info) == (1.0, True, {}), (name, info)
+                continue
+            assert (obs, reward, done) == ([], 0.0, True), (name, obs, reward, info)
+            assert info["agent_fault"].startswith(fault), (name, info)
+            assert env.sandbox_instance.tainted, name
+        finally:
+            arun(env.aclose())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sandbox_that_died_under_the_grading_is_infrastructure(arun, backend):
+    """The other side of the rule: the sandbox torn down from the host (its container or namespaces
+    gone, nothing the agent did) while the env grades in it raises SandboxError: FAILED, masked."""
+    from agentrl.sandboxes import SandboxError
+
+    sandbox_backend_or_skip(backend)
+    env = GradedInTheSandbox(sandbox=backend)
+    try:
+        arun(env.areset(options={"prompt": "hi"}))
+        _bash(arun, env, "echo 42 > answer.txt")
+        arun(env.sandbox_instance._destroy())
+        with pytest.raises(SandboxError, match="died"):
+            arun(env.astep("my answer"))
+    finally:
+        arun(env.aclose())
+
+
+def test_only_errors_of_the_trajectorys_own_sandbox_that_still_answers_are_the_agents(arun):
+    """SandboxError from the trajectory's sandbox while it answers a ping: the agent's fault. From
+    another sandbox (the grader's own), or while the trajectory's answers no ping: raised."""
+    from agentrl.sandboxes import SandboxError
+
+    class Box:
+        id, tainted, answers = "sbx-agent", "", True
+
+        async def ping(self):
+            if not self.answers:
+                raise SandboxError("sandbox sbx-agent died during ping", "sbx-agent")
+
+        def taint(self, why):
+            self.tainted = why
+
+    class Grades(ToolEnv):
+        async def final_answer(self, action):
+            raise SandboxError(f"sandbox {action}: cannot restart after exec", action)
+
+    for raised_by, answers, is_fault in (("sbx-agent", True, True), ("sbx-grader", True, False),
+                                         ("sbx-agent", False, False)):
+        env, box = Grades(), Box()
+        arun(env.areset(options={"prompt": "hi"}))
+        box.answers, env.sandbox_instance = answers, box
+        if is_fault:
+            obs, reward, done, _, info = arun(env.astep(raised_by))
+            assert (obs, reward, done) == ([], 0.0, True) and box.tainted, info
+            assert info["agent_fault"] == "SandboxError: sandbox sbx-agent: cannot restart after exec", info
+        else:
+            with pytest.raises(SandboxError):
+                arun(env.astep(raised_by))
+        env.sandbox_instance = None
+        arun(env.aclose())
