@@ -144,10 +144,18 @@ class RolloutConfig(Section):
 class AlgoConfig(Section):
     """The RL algorithm: advantage estimator, policy-loss clipping, KL and entropy terms, importance weights, reward."""
 
-    advantage_estimator: Literal["grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus",
+    advantage_estimator: Literal["grpo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus",
                                  "reinforce_plus_plus_baseline", "ppo"] = "grpo"
     """grpo, dr_grpo (no std normalization), gspo (sequence-level ratio; use small clips such as
-    --eps-clip 3e-4 --eps-clip-high 4e-4), rloo, reinforce_plus_plus(_baseline), ppo (critic + GAE)."""
+    --eps-clip 3e-4 --eps-clip-high 4e-4), cispo (grpo's advantages, MiniMax-M1's loss: the ratio clipped
+    to [1 - eps_clip, 1 + eps_clip_high] as a detached weight on -A * logprob; canonical: --eps-clip 1
+    --eps-clip-high 4), rloo, reinforce_plus_plus(_baseline), ppo (critic + GAE)."""
+    disable_rewards_normalization: bool = False
+    """slime's: the group estimators (grpo, dr_grpo, gspo, cispo, rloo, reinforce_plus_plus_baseline) take
+    each sample's raw reward as its advantage, with no group mean subtracted and no std division."""
+    normalize_advantages: bool = False
+    """slime's: whiten the final advantages (after --use-opd's term) over the rollout's trained tokens:
+    (A - mean) / sqrt(var + 1e-8), var Bessel-corrected (reinforce_plus_plus(_baseline) and ppo always whiten)."""
     eps_clip: float = Field(0.2, ge=0)
     """PPO clip range (low side, and high side unless eps_clip_high is set)."""
     eps_clip_high: float | None = Field(None, ge=0)
@@ -160,6 +168,9 @@ class AlgoConfig(Section):
     """Weight of the KL loss (--use-kl-loss)."""
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
     """KL estimator of the KL loss."""
+    use_unbiased_kl: bool = False
+    """slime's (DeepSeek-V3.2): each token's KL-loss estimate is multiplied by pi / pi_old (the policy
+    loss's ratio, gradient through it), unbiased for tokens sampled from pi_old; needs --use-kl-loss."""
     entropy_coef: float = Field(0.0, ge=0)
     """Weight of the entropy bonus in the policy loss (0: none)."""
     kl_coef: float = Field(0.0, ge=0)
@@ -769,6 +780,18 @@ def resolve(layers: dict) -> Config:
     if a.judge_url and a.judge_load:
         raise ConfigError("--judge-url (a judge already serving) and --judge-load (a judge engine group the run "
                           "starts) exclude each other: give one")
+    if a.use_unbiased_kl and not (a.use_kl_loss and a.kl_loss_coef > 0):
+        raise ConfigError("--use-unbiased-kl weights the KL loss by pi/pi_old, and there is no KL loss: add "
+                          "--use-kl-loss --kl-loss-coef C (> 0)")
+    if a.disable_rewards_normalization and a.advantage_estimator in ("reinforce_plus_plus", "ppo"):
+        raise ConfigError(f"--disable-rewards-normalization drops the group baseline of the group estimators; "
+                          f"{a.advantage_estimator} has none to drop")
+    if a.disable_rewards_normalization and a.custom_reward_post_process_path:
+        raise ConfigError("--disable-rewards-normalization: --custom-reward-post-process-path already replaces the "
+                          "group normalisation (its rewards are used as they are): drop one")
+    if a.advantage_estimator == "cispo" and a.dual_clip_c is not None:
+        raise ConfigError("--dual-clip-c bounds the PPO surrogate; cispo's loss has none (its ratio is a clipped, "
+                          "detached weight): drop --dual-clip-c")
     if cfg.algo.overlong_buffer_len is not None:
         if cfg.algo.overlong_buffer_len >= cfg.algo.overlong_max_len:
             raise ConfigError(f"--overlong-buffer-len ({cfg.algo.overlong_buffer_len}) must be shorter than the length "

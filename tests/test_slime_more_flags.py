@@ -1,0 +1,135 @@
+"""slime's --disable-rewards-normalization, --normalize-advantages, --use-unbiased-kl and the cispo
+estimator: each one's numbers against slime's formulas written out here, and the combinations that
+cannot work refused when the config is parsed."""
+
+import math
+
+import pytest
+import torch
+
+from agentrl.algorithms import compute_advantages, policy_objective
+from agentrl.config import AlgoConfig, parse_config
+from agentrl.errors import ConfigError
+from agentrl.types import Sample, SampleStatus
+
+
+def _sample(reward, mask, group=0):
+    s = Sample(prompt_tokens=[1, 2], group_id=group, reward=reward, status=SampleStatus.COMPLETED)
+    for m in mask:  # 1: a token the policy sampled, 0: an env token (context, not trained)
+        if m:
+            s.append_generated([5], [-1.0], 0)
+        else:
+            s.append_observation([6])
+    return s
+
+
+def test_disable_rewards_normalization_gives_the_raw_rewards():
+    samples = [_sample(r, [1, 1]) for r in (1.0, 0.0, 0.0, 0.5)]
+    normalised = compute_advantages(samples, AlgoConfig(advantage_estimator="grpo")).advantages
+    assert normalised[0][0] != pytest.approx(1.0)
+    for est in ("grpo", "dr_grpo", "gspo", "cispo", "rloo"):
+        adv = compute_advantages(samples, AlgoConfig(advantage_estimator=est, disable_rewards_normalization=True))
+        assert [a[0] for a in adv.advantages] == [1.0, 0.0, 0.0, 0.5], est
+    # reinforce_plus_plus_baseline: the raw reward is the final reward (no group mean), then whitened
+    two = [_sample(1.0, [1], 0), _sample(0.0, [1], 0), _sample(1.0, [1], 1), _sample(1.0, [1], 1)]
+    base = dict(advantage_estimator="reinforce_plus_plus_baseline")
+    raw, plain_rpp, centred = ([a[0] for a in compute_advantages(two, algo).advantages] for algo in (
+        AlgoConfig(**base, disable_rewards_normalization=True), AlgoConfig(advantage_estimator="reinforce_plus_plus"),
+        AlgoConfig(**base)))
+    assert raw == pytest.approx(plain_rpp)
+    assert raw[1] < raw[0] == pytest.approx(raw[2])  # the rewards 1, 0, 1, 1 whitened
+    assert centred[2] != pytest.approx(centred[0])  # centred, group 1's samples sit at the group mean
+    # a failed sample gives and gets nothing either way
+    failed = _sample(9.0, [1, 1])
+    failed.status = SampleStatus.FAILED
+    adv = compute_advantages([*samples, failed], AlgoConfig(disable_rewards_normalization=True)).advantages
+    assert adv[-1] == [0.0, 0.0]
+
+
+def test_normalize_advantages_whitens_over_the_trained_tokens():
+    # dr_grpo advantages 0.75, -0.25, -0.25, -0.25 on 3, 1, 2 and 1 trained tokens (env tokens between)
+    samples = [_sample(1.0, [1, 0, 1, 1]), _sample(0.0, [1]), _sample(0.0, [1, 0, 1]), _sample(0.0, [0, 1])]
+    algo = AlgoConfig(advantage_estimator="dr_grpo", normalize_advantages=True)
+    adv = compute_advantages(samples, algo).advantages
+    trained = [a for s, row in zip(samples, adv) for a, m in zip(row, s.loss_mask) if m]
+    plain = [0.75] * 3 + [-0.25] * 4
+    mean = sum(plain) / 7
+    var = sum((x - mean) ** 2 for x in plain) / 6  # slime: Bessel-corrected, eps inside the root
+    assert trained == pytest.approx([(x - mean) / math.sqrt(var + 1e-8) for x in plain])
+    assert adv[0][1] == 0.0 and adv[3][0] == 0.0  # env tokens stay untrained
+    assert compute_advantages(samples, AlgoConfig(advantage_estimator="dr_grpo")).advantages[0][0] == 0.75
+    # after OPD's per-token term, as slime orders them
+    teacher = [[-2.0] * s.response_length for s in samples]
+    old = [[-1.0] * s.response_length for s in samples]
+    opd = dict(advantage_estimator="dr_grpo", use_opd=True, opd_kl_coef=1.0, opd_teacher_load="/t")
+    with_opd = compute_advantages(samples, AlgoConfig(**opd, normalize_advantages=True), old_logprobs=old,
+                                  teacher_logprobs=teacher).advantages
+    assert with_opd[0][0] == pytest.approx(adv[0][0])  # a constant -1 everywhere is removed by the whitening
+    assert compute_advantages(samples, AlgoConfig(**opd), old_logprobs=old,
+                              teacher_logprobs=teacher).advantages[0][0] == pytest.approx(-0.25)
+
+
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+
+
+def test_cispo_weights_minus_advantage_times_logprob_by_the_clipped_detached_ratio():
+    samples = [_sample(r, [1]) for r in (1.0, 0.0, 0.0, 1.0)]
+    grpo = compute_advantages(samples, AlgoConfig(advantage_estimator="grpo")).advantages
+    assert compute_advantages(samples, AlgoConfig(advantage_estimator="cispo")).advantages == grpo
+
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+    lp = torch.tensor([[-1.0, -0.5, -1.6, -1.0]], requires_grad=True)  # ratios 1, e^0.5 = 1.65, e^-0.6 = 0.55
+    adv = torch.tensor([[1.0, 1.0, -1.0, 5.0]])
+    algo = AlgoConfig(advantage_estimator="cispo", eps_clip=0.2, eps_clip_high=0.28)
+    loss, stats = policy_objective(algo, logprobs=lp, old_logprobs=old, advantages=adv, mask=MASK, denom=3.0)
+    w = torch.tensor([1.0, 1.28, 0.8])
+    expected = -(w * adv[0, :3] * lp[0, :3].detach()).sum() / 3
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert stats["clipfrac"].item() == pytest.approx(2 / 3)
+    loss.backward()
+    # the gradient flows through the logprob with the clipped ratio as its weight, clipped tokens included
+    assert lp.grad[0].tolist() == pytest.approx([-1 / 3, -1.28 / 3, 0.8 / 3, 0.0])
+    lp.grad = None
+    ppo, _ = policy_objective(AlgoConfig(eps_clip=0.2, eps_clip_high=0.28), logprobs=lp, old_logprobs=old,
+                              advantages=adv, mask=MASK, denom=3.0)
+    ppo.backward()
+    assert lp.grad[0, 1].item() == 0.0 and lp.grad[0, 2].item() == 0.0  # PPO's clip drops them: the difference
+
+
+def test_unbiased_kl_weights_each_tokens_kl_by_pi_over_pi_old():
+    old = torch.tensor([[-1.0, -1.0, -2.0, -1.0]])
+    ref = torch.tensor([[-1.5, -0.7, -2.0, -1.0]])
+    lp = torch.tensor([[-0.8, -1.1, -2.3, -1.0]], requires_grad=True)
+    adv = torch.zeros(1, 4)
+    base = dict(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k3")
+    _, plain = policy_objective(AlgoConfig(**base), logprobs=lp, old_logprobs=old, advantages=adv, mask=MASK,
+                                denom=3.0, ref_logprobs=ref)
+    loss, stats = policy_objective(AlgoConfig(**base, use_unbiased_kl=True), logprobs=lp, old_logprobs=old,
+                                   advantages=adv, mask=MASK, denom=3.0, ref_logprobs=ref)
+    d = (lp - ref).detach()[0, :3]
+    k3 = torch.exp(-d) - 1 + d
+    ratio = torch.exp(lp.detach() - old)[0, :3]
+    assert plain["kl_loss"].item() == pytest.approx((k3.sum() / 3).item(), rel=1e-6)
+    assert stats["kl_loss"].item() == pytest.approx(((ratio * k3).sum() / 3).item(), rel=1e-6)
+    loss.backward()  # the ratio carries gradient too (slime's is not detached): d/dlp [r * k3] = r * k3 + r * k3'
+    grad = (ratio * k3 + ratio * (1 - torch.exp(-d))) / 3
+    assert lp.grad[0, :3].tolist() == pytest.approx(grad.tolist(), rel=1e-5)
+
+
+def test_the_flags_parse_and_bad_combinations_are_refused():
+    cfg, _ = parse_config(["--advantage-estimator", "cispo", "--normalize-advantages", "--disable-rewards-normalization",
+                           "--use-kl-loss", "--kl-loss-coef", "0.01", "--use-unbiased-kl", "--eps-clip", "1",
+                           "--eps-clip-high", "4"])
+    a = cfg.algo
+    assert (a.advantage_estimator, a.normalize_advantages, a.disable_rewards_normalization, a.use_unbiased_kl) == \
+        ("cispo", True, True, True)
+    with pytest.raises(ConfigError, match="--use-unbiased-kl .* --use-kl-loss"):
+        parse_config(["--use-unbiased-kl"])
+    with pytest.raises(ConfigError, match="--use-unbiased-kl"):
+        parse_config(["--use-unbiased-kl", "--use-kl-loss"])  # a KL loss of weight 0
+    with pytest.raises(ConfigError, match="--disable-rewards-normalization .* ppo has none"):
+        parse_config(["--disable-rewards-normalization", "--advantage-estimator", "ppo"])
+    with pytest.raises(ConfigError, match="--disable-rewards-normalization: --custom-reward-post-process-path"):
+        parse_config(["--disable-rewards-normalization", "--custom-reward-post-process-path", "m:f"])
+    with pytest.raises(ConfigError, match="--dual-clip-c"):
+        parse_config(["--advantage-estimator", "cispo", "--dual-clip-c", "3"])
