@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -680,6 +681,21 @@ def reuses_training_logprobs(trainer, samples, algo, global_batch_size: int) -> 
             and trainer.critic is None)
 
 
+@torch.no_grad()
+def copy_parameters(target: torch.nn.Module, named: Iterator[tuple[str, torch.Tensor]], where: str) -> None:
+    """--ref-update-interval: the (name, tensor) pairs into target's parameters of those names;
+    every parameter of target must be given (the reference and the policy share an architecture)."""
+    params = dict(target.named_parameters())
+    done = set()
+    for name, tensor in named:
+        if name not in params:
+            raise ValueError(f"{where}: the policy's {name} has no parameter of that name in the reference")
+        params[name].copy_(tensor)
+        done.add(name)
+    if missing := sorted(set(params) - done):
+        raise ValueError(f"{where}: the policy gave no weights for the reference's {missing[:3]}")
+
+
 def has_dropout(modules, attention_dropout: float = 0.0) -> bool:
     """Whether a training-mode forward of `modules` drops anything (then it differs from the
     eval-mode logprob pass): a Dropout module with p > 0, or attention dropout inside kernels."""
@@ -748,6 +764,14 @@ def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: T
         kl = [o - t for s, lo, lt in zip(samples, old, teacher) if s.trainable
               for o, t, m in zip(lo, lt, s.loss_mask) if m]
         out["opd_reverse_kl"] = sum(kl) / len(kl) if kl else 0.0
+    if getattr(algo, "ref_update_interval", None):
+        # slime: after rollout k's training, the reference becomes the policy when (k + 1) % N == 0; the
+        # trainer counts its rollouts (a resumed run from the checkpoint's rollout id)
+        trainer.rollouts_trained = getattr(trainer, "rollouts_trained", 0) + 1
+        out["ref_updated"] = 0.0
+        if trainer.rollouts_trained % algo.ref_update_interval == 0:
+            trainer.update_reference()
+            out["ref_updated"] = 1.0
     if getattr(algo, "overlong_buffer_len", None) is not None:
         penalties = [r - s.reward_value for r, s in zip(shaped_rewards(samples, algo), samples) if s.trainable]
         out["overlong_penalty_mean"] = sum(penalties) / len(penalties) if penalties else 0.0

@@ -168,6 +168,9 @@ class AlgoConfig(Section):
     """Weight of the KL loss (--use-kl-loss)."""
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
     """KL estimator of the KL loss."""
+    ref_update_interval: int | None = Field(None, ge=1)
+    """slime's: every N rollouts (after rollout k's training, when (k + 1) % N == 0) the KL reference
+    becomes the current policy; needs a reference in use (--use-kl-loss with --kl-loss-coef > 0, or --kl-coef)."""
     use_unbiased_kl: bool = False
     """slime's (DeepSeek-V3.2): each token's KL-loss estimate is multiplied by pi / pi_old (the policy
     loss's ratio, gradient through it), unbiased for tokens sampled from pi_old; needs --use-kl-loss."""
@@ -783,6 +786,9 @@ def resolve(layers: dict) -> Config:
     if a.use_unbiased_kl and not (a.use_kl_loss and a.kl_loss_coef > 0):
         raise ConfigError("--use-unbiased-kl weights the KL loss by pi/pi_old, and there is no KL loss: add "
                           "--use-kl-loss --kl-loss-coef C (> 0)")
+    if a.ref_update_interval and not ((a.use_kl_loss and a.kl_loss_coef > 0) or a.kl_coef > 0):
+        raise ConfigError(f"--ref-update-interval {a.ref_update_interval} refreshes the KL reference, and none is in "
+                          "use: add --use-kl-loss --kl-loss-coef C (> 0) or --kl-coef C (> 0)")
     if a.disable_rewards_normalization and a.advantage_estimator in ("reinforce_plus_plus", "ppo"):
         raise ConfigError(f"--disable-rewards-normalization drops the group baseline of the group estimators; "
                           f"{a.advantage_estimator} has none to drop")

@@ -69,6 +69,20 @@ def test_normalize_advantages_whitens_over_the_trained_tokens():
                               teacher_logprobs=teacher).advantages[0][0] == pytest.approx(-0.25)
 
 
+def make_samples():
+    """Six trajectories of random tokens (policy, env, policy), two groups, rewards 0/1."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(6):
+        s = Sample(prompt_tokens=torch.randint(3, 500, (5 + i,), generator=g).tolist(), group_id=i // 3,
+                   reward=float(i % 2), trajectory_id=f"t{i}")
+        s.append_generated(torch.randint(3, 500, (4,), generator=g).tolist(), [-6.0] * 4, 0)
+        s.append_observation(torch.randint(3, 500, (3,), generator=g).tolist())
+        s.append_generated(torch.randint(3, 500, (2 + i,), generator=g).tolist(), [-6.0] * (2 + i), 0)
+        out.append(s)
+    return out
+
+
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
 
 
@@ -133,3 +147,72 @@ def test_the_flags_parse_and_bad_combinations_are_refused():
         parse_config(["--disable-rewards-normalization", "--custom-reward-post-process-path", "m:f"])
     with pytest.raises(ConfigError, match="--dual-clip-c"):
         parse_config(["--advantage-estimator", "cispo", "--dual-clip-c", "3"])
+
+
+def test_ref_update_interval_makes_the_policy_the_reference_every_n_rollouts(tiny_model, tmp_path):
+    from agentrl.config import TrainConfig
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+    train = TrainConfig(lr=1e-2, global_batch_size=6, micro_batch_size=6)
+    kl = dict(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k3")
+
+    def run(algo, n):
+        trainer = TorchTrainer(str(tiny_model), train=train, algo=algo, temperature=1.0)
+        return trainer, [trainer.train_rollout(make_samples()) for _ in range(n)]
+
+    _, fixed = run(AlgoConfig(**kl), 3)
+    trainer, moving = run(AlgoConfig(**kl, ref_update_interval=2), 3)
+    assert [m["ref_updated"] for m in moving] == [0.0, 1.0, 0.0]
+    assert moving[1]["kl_loss"] == pytest.approx(fixed[1]["kl_loss"]) and fixed[1]["kl_loss"] > 1e-6
+    # rollout 3 trains from the policy that became the reference after rollout 2: no KL left; without it, some
+    assert abs(moving[2]["kl_loss"]) < 1e-9 < fixed[2]["kl_loss"]
+
+    # a resumed run counts from the checkpoint's rollout id, as slime's (rollout_id + 1) % N
+    trainer.save(tmp_path / "ckpt", {"rollout_id": 3})
+    resumed = TorchTrainer(str(tiny_model), train=train, algo=AlgoConfig(**kl, ref_update_interval=2), temperature=1.0)
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.train_rollout(make_samples())["ref_updated"] == 1.0
+
+    # LoRA: the reference takes the merged weights
+    lora = TorchTrainer(str(tiny_model), train=TrainConfig(lr=1e-2, global_batch_size=6, micro_batch_size=6,
+                                                           lora_rank=4), algo=AlgoConfig(**kl), temperature=1.0)
+    lora.train_rollout(make_samples())
+    lora.train_rollout(make_samples())  # the adapters' B moves off 0 after the first step: a nonzero delta now
+    lora.update_reference()
+    merged = dict(lora.named_tensors())
+    ref = dict(lora.ref_model.named_parameters())
+    assert all(torch.equal(ref[name], t) for name, t in merged.items())
+    assert any(not torch.equal(t, p) for (name, t), p in
+               zip(merged.items(), [dict(lora._base_tensors())[n] for n in merged]))
+
+
+def test_ref_update_interval_needs_a_reference():
+    with pytest.raises(ConfigError, match="--ref-update-interval 2 refreshes the KL reference, and none is in use"):
+        parse_config(["--ref-update-interval", "2"])
+    cfg, _ = parse_config(["--ref-update-interval", "2", "--use-kl-loss", "--kl-loss-coef", "0.1"])
+    assert cfg.algo.ref_update_interval == 2
+
+
+def test_ref_update_interval_in_the_megatron_trainer(tiny_model):
+    """The same refresh in the Megatron trainer (CPU, gloo: tests/trainers/megatron_cpu_shim.py);
+    with --lora-rank it is refused, naming why."""
+    import sys
+    from pathlib import Path
+
+    megatron_trainer = pytest.importorskip("agentrl.trainers.megatron.trainer")
+    sys.path.insert(0, str(Path(__file__).parent / "trainers"))
+    import megatron_cpu_shim
+
+    from agentrl.config import TrainConfig
+
+    megatron_cpu_shim.apply()
+    train = TrainConfig(lr=1e-2, global_batch_size=6, micro_batch_size=6)
+    algo = AlgoConfig(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k3", ref_update_interval=2)
+    trainer = megatron_trainer.MegatronTrainer(str(tiny_model), train=train, algo=algo, temperature=1.0,
+                                               device="cpu", dtype="float32")
+    out = [trainer.train_rollout(make_samples()) for _ in range(3)]
+    assert [m["ref_updated"] for m in out] == [0.0, 1.0, 0.0]
+    assert out[1]["kl_loss"] > 1e-6 and abs(out[2]["kl_loss"]) < 1e-9
+    with pytest.raises(ConfigError, match="--ref-update-interval with --lora-rank"):
+        megatron_trainer.MegatronTrainer(str(tiny_model), train=TrainConfig(lr=1e-2, global_batch_size=6, lora_rank=4),
+                                         algo=algo, temperature=1.0, device="cpu", dtype="float32")

@@ -14,8 +14,8 @@ from typing import Iterator
 
 import torch
 
-from agentrl.algorithms import (check_algo, entropy_from_logits, has_dropout, needs_reference, policy_objective,
-                                sft_loss, teacher_in_trainer, train_iteration, value_loss)
+from agentrl.algorithms import (check_algo, copy_parameters, entropy_from_logits, has_dropout, needs_reference,
+                                policy_objective, sft_loss, teacher_in_trainer, train_iteration, value_loss)
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.models import load_model, load_tokenizer
 from agentrl.profiling import TrainProfiler
@@ -300,6 +300,10 @@ class TorchTrainer:
             if ".lora_" not in name:
                 yield name.replace(".base_layer.", "."), param.detach()
 
+    def update_reference(self) -> None:
+        """--ref-update-interval: the KL reference takes the policy's current weights (LoRA: merged)."""
+        copy_parameters(self.ref_model, self.named_tensors(), "--ref-update-interval")
+
     def load(self, folder: Path) -> dict:
         if self.lora:
             if not (folder / "adapter").is_dir():
@@ -317,6 +321,7 @@ class TorchTrainer:
         set_rng_state(torch.load(folder / "rng.pt", weights_only=False), self.device)
         state = json.loads((folder / "trainer_state.json").read_text())
         self.version = state["version"]
+        self.rollouts_trained = state.get("rollout_id", 0)  # --ref-update-interval counts from here, as slime
         ref = state.get("ref_model_path")
         if (self.ref_model is not None and not self.ref_given and ref and Path(ref).exists()
                 and Path(ref).resolve() != Path(self.ref_path).resolve()):

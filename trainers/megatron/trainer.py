@@ -24,8 +24,8 @@ from typing import Iterator
 
 import torch
 
-from agentrl.algorithms import (check_algo, has_dropout, needs_reference, policy_objective, sft_loss,
-                                teacher_in_trainer, train_iteration, value_loss)
+from agentrl.algorithms import (check_algo, copy_parameters, has_dropout, needs_reference, policy_objective,
+                                sft_loss, teacher_in_trainer, train_iteration, value_loss)
 from agentrl.balance import cost_micro_batches, forward_flops, karmarkar_karp
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.errors import ConfigError
@@ -108,6 +108,10 @@ class MegatronTrainer:
             if ref_load:
                 check_reference(ref_load, "megatron")
             self.ref_model = self._frozen_model(self.ref_path, dtype, device)
+        if algo.ref_update_interval and self.lora:
+            raise ConfigError("--ref-update-interval with --lora-rank: the Megatron trainer's reference is a model "
+                              "without adapters and the merged weights exist only as HF tensors for the engines; "
+                              "use the torch trainer, or train without LoRA")
         self.teacher_model = None  # --use-opd: the teacher whose logprobs the advantages are pulled toward
         if teacher_in_trainer(algo):
             self.teacher_model = self._frozen_model(algo.opd_teacher_load, dtype, device)
@@ -694,6 +698,13 @@ class MegatronTrainer:
     def _distributed_optimizer(self) -> bool:
         return bool(self.margs.ddp.get("use_distributed_optimizer"))
 
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """--ref-update-interval: each of this rank's reference chunks takes its policy chunk's weights
+        (same layout: the reference is built as the policy is)."""
+        for ref_chunk, chunk in zip(model_chunks(self.ref_model), model_chunks(self.model), strict=True):
+            copy_parameters(ref_chunk, chunk.named_parameters(), "--ref-update-interval")
+
     def load(self, folder: Path) -> dict:
         import torch.distributed as dist
         from megatron.core import dist_checkpointing
@@ -741,6 +752,7 @@ class MegatronTrainer:
                     s.load_state_dict(sched[key])
         state = json.loads((folder / "trainer_state.json").read_text())
         self.version = state["version"]
+        self.rollouts_trained = state.get("rollout_id", 0)  # --ref-update-interval counts from here, as slime
         ref = state.get("ref_model_path")
         if (self.ref_model is not None and not self.ref_given and ref
                 and Path(ref).resolve() != Path(self.ref_path).resolve()):
