@@ -93,7 +93,7 @@ def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, rewar
             kwargs.pop("sandbox", None)
         return make(name, **kwargs, **extra), name
 
-    renderer = Renderer(tokenizer, cfg.data.apply_chat_template)
+    renderer = Renderer(tokenizer, cfg.data.apply_chat_template, cfg.data.apply_chat_template_kwargs)
     generate_fn = None
     if r.custom_generate_function_path:
         generate_fn = GenerateHook(r.custom_generate_function_path, renderer=renderer, sampling_params=sampling,

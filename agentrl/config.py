@@ -50,6 +50,9 @@ class DataConfig(Section):
     """Row key of a dict passed to the env as task metadata."""
     apply_chat_template: bool = True
     """Render prompts and turns with the tokenizer's chat template (else plain concatenation)."""
+    apply_chat_template_kwargs: dict[str, Any] = {}
+    """slime's: extra variables of the chat template, a JSON object such as '{"enable_thinking": false}',
+    given to every rendering (each turn's prompt too, not only the first)."""
     rollout_shuffle: bool = True
     """Shuffle the dataset each epoch (seeded)."""
     tool_key: str = "tools"
@@ -459,6 +462,9 @@ SECTIONS: dict[str, type[Section]] = {
     "algo": AlgoConfig, "train": TrainConfig, "run": RunConfig, "eval": EvalConfig,
 }
 PAIRED_LISTS = {"eval_prompt_data"}  # flags taking several values at once (slime's NAME PATH pairs)
+# what the renderer gives apply_chat_template itself: not --apply-chat-template-kwargs' to set
+TEMPLATE_CALL_ARGS = {"conversation", "messages", "tools", "documents", "tokenize", "add_generation_prompt",
+                      "continue_final_message", "return_dict", "chat_template"}
 ALIASES = {"--hf-checkpoint": "model", "--model-path": "model", "--async": "async_rollout"}
 
 
@@ -786,6 +792,11 @@ def resolve(layers: dict) -> Config:
     if a.use_unbiased_kl and not (a.use_kl_loss and a.kl_loss_coef > 0):
         raise ConfigError("--use-unbiased-kl weights the KL loss by pi/pi_old, and there is no KL loss: add "
                           "--use-kl-loss --kl-loss-coef C (> 0)")
+    kw = cfg.data.apply_chat_template_kwargs
+    if kw and not cfg.data.apply_chat_template:
+        raise ConfigError("--apply-chat-template-kwargs: the chat template is off (--no-apply-chat-template)")
+    if taken := sorted(set(kw) & TEMPLATE_CALL_ARGS):
+        raise ConfigError(f"--apply-chat-template-kwargs: {', '.join(taken)} set by agentrl's renderer itself")
     if a.ref_update_interval and not ((a.use_kl_loss and a.kl_loss_coef > 0) or a.kl_coef > 0):
         raise ConfigError(f"--ref-update-interval {a.ref_update_interval} refreshes the KL reference, and none is in "
                           "use: add --use-kl-loss --kl-loss-coef C (> 0) or --kl-coef C (> 0)")

@@ -216,3 +216,33 @@ def test_ref_update_interval_in_the_megatron_trainer(tiny_model):
     with pytest.raises(ConfigError, match="--ref-update-interval with --lora-rank"):
         megatron_trainer.MegatronTrainer(str(tiny_model), train=TrainConfig(lr=1e-2, global_batch_size=6, lora_rank=4),
                                          algo=algo, temperature=1.0, device="cpu", dtype="float32")
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                     "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and not enable_thinking %}"
+                     "<think></think>{% endif %}{% endif %}")
+
+
+def test_apply_chat_template_kwargs_reach_every_rendering(tiny_model):
+    from agentrl.models import load_tokenizer
+    from agentrl.rollout.agent_loop import Renderer
+
+    tokenizer = load_tokenizer(tiny_model)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    cfg, _ = parse_config(["--apply-chat-template-kwargs", '{"enable_thinking": false}'])
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    plain, off = Renderer(tokenizer), Renderer(tokenizer, True, cfg.data.apply_chat_template_kwargs)
+    turns = [{"role": "user", "content": "hi"}]
+    assert plain.render(turns, None) == "<user>hi<assistant>"
+    assert off.render(turns, None) == "<user>hi<assistant><think></think>"
+    # a message the direct path does not take (a None value) goes through tokenizer.apply_chat_template: the same
+    odd = [{"role": "user", "content": "hi", "name": None}]
+    assert off.render(odd, None) == "<user>hi<assistant><think></think>"
+    assert off.prompt(turns, None)[1] == tokenizer.encode("<user>hi<assistant><think></think>", add_special_tokens=False)
+
+    with pytest.raises(ConfigError, match="--apply-chat-template-kwargs: the chat template is off"):
+        parse_config(["--apply-chat-template-kwargs", '{"enable_thinking": false}', "--no-apply-chat-template"])
+    with pytest.raises(ConfigError, match="add_generation_prompt set by agentrl's renderer"):
+        parse_config(["--apply-chat-template-kwargs", '{"add_generation_prompt": false}'])
+    with pytest.raises(SystemExit):  # argparse: not a JSON object
+        parse_config(["--apply-chat-template-kwargs", "[1]"])

@@ -153,13 +153,14 @@ def _own_backend(tokenizer):
 class Renderer:
     """Renders a conversation to text, with the chat template or by plain concatenation."""
 
-    def __init__(self, tokenizer, apply_chat_template: bool = True):
+    def __init__(self, tokenizer, apply_chat_template: bool = True, template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
         self.apply_chat_template = apply_chat_template
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
             raise TemplateDriftError("--apply-chat-template is set but the tokenizer has no chat template")
         self._backend = _own_backend(tokenizer)
-        self._template_kwargs = dict(tokenizer.special_tokens_map) if apply_chat_template else {}
+        self._extra = dict(template_kwargs or {})  # --apply-chat-template-kwargs: the template's own variables
+        self._template_kwargs = {**tokenizer.special_tokens_map, **self._extra} if apply_chat_template else {}
         self._direct = _compile_jinja_template is not None and _is_plain_json(self._template_kwargs)
         self._prompts: dict[str, tuple[str, list[int]]] = {}  # a group's members share their first rendering
         self._suffixes: dict[str, tuple[int, ...]] = {}  # text between turns -> its tokens (_encode_suffix)
@@ -209,7 +210,8 @@ class Renderer:
             return self._compiled(self.tokenizer.get_chat_template(None, tools)).render(
                 messages=turns, tools=tools, documents=None, add_generation_prompt=True, **self._template_kwargs)
         if _render_jinja_template is None or not all(type(m) is dict and None not in m.values() for m in turns):
-            return self.tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                      **self._extra)
         template = self.tokenizer.get_chat_template(None, tools)
         rendered, _ = _render_jinja_template(conversations=[turns], tools=tools, chat_template=template,
                                              add_generation_prompt=True, **self._template_kwargs)
