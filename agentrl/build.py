@@ -83,7 +83,8 @@ def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, rewar
                             max_turns=r.max_turns or env.max_turns,
                             sampling_params=params, apply_chat_template=cfg.data.apply_chat_template,
                             max_tokens_per_turn=r.rollout_max_tokens_per_turn,
-                            max_context_len=r.rollout_max_context_len)
+                            max_context_len=r.rollout_max_context_len,
+                            skip_special_tokens=r.rollout_skip_special_tokens)
 
     def make_env(name: str | None):
         name = name or cfg.run.env

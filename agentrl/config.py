@@ -90,6 +90,9 @@ class RolloutConfig(Section):
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches p (1: all)."""
     rollout_top_k: int = -1
     """Sample among the k most likely tokens (-1: all)."""
+    rollout_skip_special_tokens: bool = False
+    """slime's: the text of each assistant turn that the env (and so the reward) reads is decoded without
+    special tokens; the trained tokens and the conversation the template renders keep them."""
     rollout_ignore_eos: bool = False
     """Generate every response to the length limit, past EOS (SGLang's ignore_eos): a fixed
     workload for benchmarks and memory tests."""

@@ -246,3 +246,56 @@ def test_apply_chat_template_kwargs_reach_every_rendering(tiny_model):
         parse_config(["--apply-chat-template-kwargs", '{"add_generation_prompt": false}'])
     with pytest.raises(SystemExit):  # argparse: not a JSON object
         parse_config(["--apply-chat-template-kwargs", "[1]"])
+
+
+class SpecialClient:
+    """Each turn: two plain tokens, <|im_start|> (special, not a stop), a plain one, then the length limit."""
+
+    async def generate(self, input_ids, sampling_params, **kw):
+        from agentrl.rollout.client import GenerateResult
+
+        ids = [3, 4, 1, 5][:sampling_params["max_new_tokens"]]
+        return GenerateResult(ids, [-0.5] * len(ids), "length", len(input_ids), 0, "0")
+
+
+class RecordingEnv:
+    max_turns, stop = 2, None
+
+    def __init__(self):
+        self.actions = []
+
+    async def areset(self, seed=None, options=None):
+        return [{"role": "user", "content": "go"}], {}
+
+    async def astep(self, action):
+        self.actions.append(str(action))
+        return [{"role": "user", "content": "more"}], 0.0, False, False, {}
+
+    async def aclose(self):
+        pass
+
+
+def test_rollout_skip_special_tokens_gives_the_env_text_without_them(tokenizer):
+    import asyncio
+
+    from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory
+    from agentrl.rollout.slime import slime_args
+
+    def play(skip):
+        env = RecordingEnv()
+        sample = asyncio.run(run_trajectory(
+            env, {}, renderer=Renderer(tokenizer, True), client=SpecialClient(), trajectory_id="t", group_id=0, seed=0,
+            settings=LoopSettings(max_response_len=40, max_turns=2, sampling_params={}, max_tokens_per_turn=4,
+                                  skip_special_tokens=skip)))
+        return sample, env
+
+    kept, env_kept = play(False)
+    skipped, env_skipped = play(True)
+    assert env_kept.actions == [tokenizer.decode([3, 4, 1, 5])] * 2 and "<|im_start|>" in env_kept.actions[0]
+    assert env_skipped.actions == [tokenizer.decode([3, 4, 5])] * 2  # both turns: no template drift in between
+    # what trains and what the template rendered are the same either way
+    assert skipped.tokens == kept.tokens and skipped.loss_mask == kept.loss_mask
+    cfg, _ = parse_config(["--rollout-skip-special-tokens"])
+    assert cfg.rollout.rollout_skip_special_tokens
+    args = slime_args(cfg, engine_url="http://127.0.0.1:1", model_path="/m")
+    assert args.rollout_skip_special_tokens  # slime's hooks ask SGLang for it (slime_sampling_params)

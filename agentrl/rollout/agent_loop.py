@@ -50,6 +50,7 @@ class LoopSettings:
     apply_chat_template: bool = True
     max_tokens_per_turn: int | None = None  # None: a turn may use the whole remaining budget
     max_context_len: int | None = None  # cap on prompt + response tokens (slime's --rollout-max-context-len)
+    skip_special_tokens: bool = False  # the env reads each turn's text without special tokens (slime's)
 
 
 PROMPT_CACHE_SIZE = 256
@@ -238,10 +239,10 @@ class Renderer:
             return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def decode(self, tokens: list[int]) -> str:
+    def decode(self, tokens: list[int], skip_special_tokens: bool = False) -> str:
         if self._backend is not None:
-            return self._backend.decode(tokens, skip_special_tokens=False)
-        return self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            return self._backend.decode(tokens, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def extension(self, sample: Sample, seen: str, messages: list[dict], tools: list[dict] | None,
                   turn: int) -> tuple[list[int], str]:
@@ -357,9 +358,12 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 break
             t0 = clock()
             content_ids = out[:-1] if result.finish_reason == "stop" and out and out[-1] in stops else out
-            action = Action.build(renderer.decode(content_ids), content_ids, renderer.decode)
+            text = renderer.decode(content_ids)
+            skip = settings.skip_special_tokens  # the env's text only: the template must extend what the model saw
+            action = Action.build(renderer.decode(content_ids, skip_special_tokens=True) if skip else text,
+                                  content_ids, renderer.decode)
             _add(stages, "decode_s", clock() - t0)
-            messages.append({"role": "assistant", "content": str(action)})
+            messages.append({"role": "assistant", "content": text})
 
             t0 = time.perf_counter()
             try:
