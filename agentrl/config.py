@@ -84,6 +84,9 @@ class RolloutConfig(Section):
     untrained); None: only --rollout-max-response-len."""
     rollout_stop_token_ids: list[int] = []
     """Token ids that end a turn, besides the tokenizer's EOS (slime's)."""
+    rollout_max_prompt_len: int | None = Field(None, ge=1)
+    """slime's: --prompt-data rows whose prompt, rendered by the chat template (the row's messages alone,
+    with the generation prompt), is longer than this many tokens are left out when the data is loaded."""
     rollout_temperature: float = Field(1.0, ge=0)
     """Sampling temperature of rollouts (the trainer's log-probs use it too)."""
     rollout_top_p: float = Field(1.0, gt=0, le=1)
@@ -795,6 +798,14 @@ def resolve(layers: dict) -> Config:
     if a.use_unbiased_kl and not (a.use_kl_loss and a.kl_loss_coef > 0):
         raise ConfigError("--use-unbiased-kl weights the KL loss by pi/pi_old, and there is no KL loss: add "
                           "--use-kl-loss --kl-loss-coef C (> 0)")
+    r = cfg.rollout
+    if r.rollout_max_prompt_len is not None and not cfg.data.prompt_data:
+        raise ConfigError("--rollout-max-prompt-len filters --prompt-data's rows when they are loaded; without "
+                          "--prompt-data the env makes its own prompts")
+    if r.rollout_max_prompt_len is not None and r.rollout_max_context_len is not None \
+            and r.rollout_max_prompt_len > r.rollout_max_context_len - 1:
+        raise ConfigError(f"--rollout-max-prompt-len ({r.rollout_max_prompt_len}) must be below --rollout-max-context-len "
+                          f"({r.rollout_max_context_len}): at least one generated token to train on (as slime asserts)")
     kw = cfg.data.apply_chat_template_kwargs
     if kw and not cfg.data.apply_chat_template:
         raise ConfigError("--apply-chat-template-kwargs: the chat template is off (--no-apply-chat-template)")

@@ -299,3 +299,36 @@ def test_rollout_skip_special_tokens_gives_the_env_text_without_them(tokenizer):
     assert cfg.rollout.rollout_skip_special_tokens
     args = slime_args(cfg, engine_url="http://127.0.0.1:1", model_path="/m")
     assert args.rollout_skip_special_tokens  # slime's hooks ask SGLang for it (slime_sampling_params)
+
+
+def test_rollout_max_prompt_len_leaves_long_prompts_out_at_load(tiny_model, tmp_path):
+    import json
+
+    from agentrl.build import build_prompt_source
+    from agentrl.models import load_tokenizer
+    from agentrl.rollout.agent_loop import Renderer
+
+    rows = [{"prompt": "hi", "label": "1"}, {"prompt": "word " * 60, "label": "2"},
+            {"prompt": [{"role": "user", "content": "a short one"}], "label": "3"}]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    renderer = Renderer(load_tokenizer(tiny_model))
+    lengths = [len(renderer.prompt([{"role": "user", "content": r["prompt"]}] if isinstance(r["prompt"], str)
+                                   else r["prompt"], None)[1]) for r in rows]
+    limit = max(lengths[0], lengths[2])
+    assert lengths[1] > limit  # the long one is over the limit, the others at or under it
+
+    def labels(*flags):
+        cfg, _ = parse_config(["--model", str(tiny_model), "--prompt-data", str(data), "--no-rollout-shuffle", *flags])
+        return sorted(t["label"] for t in build_prompt_source(cfg, None).tasks)
+
+    assert labels() == ["1", "2", "3"]
+    assert labels("--rollout-max-prompt-len", str(limit)) == ["1", "3"]
+    assert labels("--rollout-max-prompt-len", str(limit - 1)) == sorted(
+        r["label"] for r, n in zip(rows, lengths) if n <= limit - 1)
+    with pytest.raises(ConfigError, match="every one of the 3 prompts"):
+        labels("--rollout-max-prompt-len", "1")
+    with pytest.raises(ConfigError, match="must be below --rollout-max-context-len"):
+        labels("--rollout-max-prompt-len", "64", "--rollout-max-context-len", "64")
+    with pytest.raises(ConfigError, match="without --prompt-data"):
+        parse_config(["--rollout-max-prompt-len", "64"])
