@@ -343,6 +343,9 @@ class TrainConfig(Section):
     memory). Megatron trainer."""
     save_hf: str | None = None
     """Megatron: also write an HF checkpoint here at every save ({rollout_id} is filled in)."""
+    no_save_optim: bool = False
+    """slime's: checkpoints hold no optimizer state (smaller); --load then starts the optimizer afresh
+    (slime's --no-load-optim follows it), so the resume is not exact."""
     lora_rank: int = Field(0, ge=0)
     """LoRA adapter rank; 0 trains every weight. With a rank the base weights are frozen (no grads, no
     optimizer state) and only the adapters train (PyTorch: peft; Megatron: adapters on its parallel linears)."""

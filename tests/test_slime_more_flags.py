@@ -332,3 +332,62 @@ def test_rollout_max_prompt_len_leaves_long_prompts_out_at_load(tiny_model, tmp_
         labels("--rollout-max-prompt-len", "64", "--rollout-max-context-len", "64")
     with pytest.raises(ConfigError, match="without --prompt-data"):
         parse_config(["--rollout-max-prompt-len", "64"])
+
+
+def test_no_save_optim_checkpoints_hold_no_optimizer_state(tiny_model, tmp_path):
+    from agentrl.config import TrainConfig
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+    def trainer(no_save_optim):
+        train = TrainConfig(lr=1e-2, global_batch_size=6, micro_batch_size=6, no_save_optim=no_save_optim)
+        return TorchTrainer(str(tiny_model), train=train, algo=AlgoConfig(), temperature=1.0)
+
+    full, light = trainer(False), trainer(True)
+    for t, folder in ((full, "full"), (light, "light")):
+        t.train_rollout(make_samples())
+        t.save(tmp_path / folder, {"rollout_id": 1})
+    assert (tmp_path / "full" / "optimizer.pt").exists() and not (tmp_path / "light" / "optimizer.pt").exists()
+    resumed = trainer(True)
+    resumed.load(tmp_path / "light")  # the weights come back, the optimizer starts afresh (slime's --no-load-optim)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed.named_tensors(), light.named_tensors()))
+    assert not resumed.optimizer.state
+    with pytest.raises(ConfigError, match="saved with --no-save-optim"):
+        trainer(False).load(tmp_path / "light")
+    exact = trainer(False)
+    exact.load(tmp_path / "full")
+    assert exact.optimizer.state  # without the flag a full checkpoint resumes Adam's moments
+
+
+def test_no_save_optim_in_the_megatron_trainer(tiny_model, tmp_path):
+    import sys
+    from pathlib import Path
+
+    megatron_trainer = pytest.importorskip("agentrl.trainers.megatron.trainer")
+    sys.path.insert(0, str(Path(__file__).parent / "trainers"))
+    import megatron_cpu_shim
+    from megatron.core import dist_checkpointing
+
+    from agentrl.config import TrainConfig
+
+    megatron_cpu_shim.apply()
+
+    def trainer(no_save_optim):
+        train = TrainConfig(lr=1e-2, global_batch_size=6, micro_batch_size=6, no_save_optim=no_save_optim)
+        return megatron_trainer.MegatronTrainer(str(tiny_model), train=train, algo=AlgoConfig(), temperature=1.0,
+                                                device="cpu", dtype="float32")
+
+    light = trainer(True)
+    light.train_rollout(make_samples())
+    light.save(tmp_path / "light", {"rollout_id": 1})
+    keys = list(dist_checkpointing.load_tensors_metadata(str(tmp_path / "light" / "megatron")))
+    assert keys and not [k for k in keys if k.startswith("optimizer.")]
+    resumed = trainer(True)
+    resumed.load(tmp_path / "light")
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed.named_tensors(), light.named_tensors()))
+    with pytest.raises(ConfigError, match="saved with --no-save-optim"):
+        trainer(False).load(tmp_path / "light")
+    full = trainer(False)
+    full.train_rollout(make_samples())
+    full.save(tmp_path / "full", {"rollout_id": 1})
+    assert [k for k in dist_checkpointing.load_tensors_metadata(str(tmp_path / "full" / "megatron"))
+            if k.startswith("optimizer.")]

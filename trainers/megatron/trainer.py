@@ -639,6 +639,12 @@ class MegatronTrainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _sharded_state(self, is_loading: bool = False) -> dict:
+        state = self._model_and_optimizer_state(is_loading)
+        if self.train_cfg.no_save_optim:  # --no-save-optim: neither saved nor loaded (slime's --no-load-optim)
+            state = {k: v for k, v in state.items() if k not in ("optimizer", "critic_optimizer")}
+        return state
+
+    def _model_and_optimizer_state(self, is_loading: bool) -> dict:
         # The distributed optimizer's state in megatron-core's fully reshardable format: its
         # default (fully_sharded_model_space) builds flattened ShardedTensors, which this
         # megatron-core refuses at save; this one loads into any TP/PP/EP/DP layout.
@@ -719,7 +725,11 @@ class MegatronTrainer:
             # megatron-core keeps Adam's state in another format for each kind: any layout, not another kind
             raise ConfigError(f"--load {folder}: saved {'with' if saved_kind else 'without'} "
                               f"--use-distributed-optimizer; resume it {'with' if saved_kind else 'without'} it too")
-        for optimizer in (self.optimizer, self.critic_optimizer):
+        optim = not self.train_cfg.no_save_optim
+        if optim and not any(k.startswith("optimizer.") for k in dist_checkpointing.load_tensors_metadata(str(dist_dir))):
+            raise ConfigError(f"--load {folder}: saved with --no-save-optim (no optimizer state); resume with "
+                              "--no-save-optim to start the optimizer afresh")
+        for optimizer in (self.optimizer, self.critic_optimizer) if optim else ():
             _prepare_load(optimizer)
         loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(dist_dir))
         if self.lora:
@@ -732,11 +742,13 @@ class MegatronTrainer:
                 chunk.load_state_dict(loaded[f"model{i}"])
         else:
             self.model.load_state_dict(loaded["model"])
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        if optim:
+            self.optimizer.load_state_dict(loaded["optimizer"])
         if self.critic is not None:
             self.critic.load_state_dict({k.removeprefix("critic."): v for k, v in loaded["critic"].items()})
-            self.critic_optimizer.load_state_dict(loaded["critic_optimizer"])
-        for optimizer in (self.optimizer, self.critic_optimizer):
+            if optim:
+                self.critic_optimizer.load_state_dict(loaded["critic_optimizer"])
+        for optimizer in (self.optimizer, self.critic_optimizer) if optim else ():
             _own_steps(optimizer)
         rng_file = dist_dir / f"rng_rank{self.rank:05d}.pt"
         if rng_file.exists():
