@@ -401,6 +401,9 @@ class RunConfig(Section):
     load: str | None = None
     """Resume from this checkpoint folder (latest iteration inside it); as in slime, a folder with no
     checkpoint yet starts from the reference, and an HF checkpoint folder is the model to start from."""
+    start_rollout_id: int | None = Field(None, ge=0)
+    """slime's: the first iteration's rollout id (the run goes on to --num-rollout), over the one --load
+    restores; None: --load's, or 0. Weights, optimizer and data position still come from --load."""
     ref_load: str | None = None
     """slime's reference checkpoint, the KL reference (--use-kl-loss, --kl-coef): an HF folder (either trainer)
     or a Megatron distributed checkpoint (slime's torch_dist, an agentrl checkpoint; Megatron trainer). As in
@@ -802,6 +805,9 @@ def resolve(layers: dict) -> Config:
         raise ConfigError("--use-unbiased-kl weights the KL loss by pi/pi_old, and there is no KL loss: add "
                           "--use-kl-loss --kl-loss-coef C (> 0)")
     r = cfg.rollout
+    if cfg.run.start_rollout_id is not None and cfg.run.start_rollout_id >= r.num_rollout:
+        raise ConfigError(f"--start-rollout-id {cfg.run.start_rollout_id}: the run ends before it (--num-rollout "
+                          f"{r.num_rollout}): nothing would train")
     if r.rollout_max_prompt_len is not None and not cfg.data.prompt_data:
         raise ConfigError("--rollout-max-prompt-len filters --prompt-data's rows when they are loaded; without "
                           "--prompt-data the env makes its own prompts")

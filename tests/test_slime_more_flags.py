@@ -391,3 +391,23 @@ def test_no_save_optim_in_the_megatron_trainer(tiny_model, tmp_path):
     full.save(tmp_path / "full", {"rollout_id": 1})
     assert [k for k in dist_checkpointing.load_tensors_metadata(str(tmp_path / "full" / "megatron"))
             if k.startswith("optimizer.")]
+
+
+@pytest.mark.e2e  # the lane: runs agentrl train end to end (docs/development.md, "Test lanes")
+def test_start_rollout_id_is_the_first_iteration_of_the_run(tmp_path):
+    import json
+    import subprocess
+
+    from spine_helpers import agentrl_cli, run_env
+
+    proc = subprocess.run([agentrl_cli(), "train", "--num-rollout", "3", "--start-rollout-id", "2", "--output-dir",
+                           str(tmp_path), "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+                           "--global-batch-size", "8", "--no-progress", "--advantage-estimator", "cispo",
+                           "--normalize-advantages"], capture_output=True, text=True, timeout=600, env=run_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_id"] for r in rows] == [2]  # slime's loop: range(start_rollout_id, num_rollout)
+    state = json.loads((tmp_path / "checkpoints" / "iter_000003" / "trainer_state.json").read_text())
+    assert state["rollout_id"] == 3 and state["version"] == 1
+    with pytest.raises(ConfigError, match="--start-rollout-id 3: the run ends before it"):
+        parse_config(["--num-rollout", "3", "--start-rollout-id", "3"])
