@@ -10,11 +10,16 @@ Estimators (`--advantage-estimator`):
 - grpo: (r - group mean) / (group std + eps), one scalar per trajectory;
 - dr_grpo: r - group mean (Dr. GRPO: no std normalization);
 - gspo: GRPO's advantages with GSPO's sequence-level importance ratio in the loss;
+- cispo: GRPO's advantages with MiniMax-M1's CISPO loss (`cispo_loss`);
 - rloo: r - mean of the other members of the group;
 - reinforce_plus_plus: per-token returns of the reward (at the last trained token) plus the
   per-token KL penalty (`--kl-coef`), whitened over the batch's trained tokens;
 - reinforce_plus_plus_baseline: the same with r - group mean as the final reward;
 - ppo: GAE(gamma, lambda) over a critic's values, whitened; the critic learns the returns.
+
+slime's `--disable-rewards-normalization` gives the group estimators the raw rewards (no group
+baseline, no std), and `--normalize-advantages` whitens the final advantages over the rollout's
+trained tokens (`masked_whiten`).
 
 `sft_loss` is the supervised warm start's loss (mean NLL of the assistant tokens).
 
@@ -33,15 +38,17 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from agentrl.profiling import TrainProfiler
 
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                        "ppo")
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus",
+                        "reinforce_plus_plus_baseline", "ppo")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus_baseline")
+STD_ESTIMATORS = ("grpo", "gspo", "cispo")  # the group baseline divided by the group's std
 TOKEN_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 
 
@@ -95,7 +102,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: 
                      eps: float = 1e-6) -> torch.Tensor:
     """One scalar per sample from its group's rewards.  rewards, group_ids: [B]
 
-    grpo, gspo: (r - mean) / (std + eps);  dr_grpo, reinforce_plus_plus_baseline: r - mean;
+    grpo, gspo, cispo: (r - mean) / (std + eps);  dr_grpo, reinforce_plus_plus_baseline: r - mean;
     rloo: r - mean of the other members;  reinforce_plus_plus: r (no baseline).
     """
     if estimator not in ADVANTAGE_ESTIMATORS or estimator == "ppo":
@@ -111,7 +118,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: 
             adv[idx] = (r - (r.sum() - r) / (n - 1)) if n > 1 else torch.zeros_like(r)
             continue
         centered = r - r.mean()
-        if estimator in ("grpo", "gspo"):
+        if estimator in STD_ESTIMATORS:
             std = r.std(unbiased=True) if n > 1 else torch.tensor(0.0)
             centered = centered / (std + eps)
         adv[idx] = centered
@@ -140,6 +147,27 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float = 1.0, lam: fl
         last = delta + gamma * lam * last
         adv[t] = last
     return adv, adv + values
+
+
+def masked_whiten(values: list[list[float]], masks: list[list[int]], eps: float = 1e-8) -> list[list[float]]:
+    """--normalize-advantages (slime's distributed_masked_whiten with shift_mean): (x - mean) /
+    sqrt(var + eps), the mean and the Bessel-corrected variance over the masked elements of all the
+    lists together; every element is transformed (an unmasked one is not trained anyway)."""
+    flat = torch.tensor([x for v in values for x in v], dtype=torch.float64)
+    m = torch.tensor([float(bool(x)) for mk in masks for x in mk], dtype=torch.float64)
+    n = m.sum()
+    if n == 0:
+        return [list(v) for v in values]
+    mean = (flat * m).sum() / n
+    var = (flat.pow(2) * m).sum() / n - mean**2
+    if n >= 2:
+        var = var * n / (n - 1)
+    out = ((flat - mean) * torch.rsqrt(var + eps)).tolist()
+    split, k = [], 0
+    for v in values:
+        split.append(out[k:k + len(v)])
+        k += len(v)
+    return split
 
 
 def whiten(values: list[torch.Tensor], eps: float = 1e-8) -> list[torch.Tensor]:
@@ -222,6 +250,10 @@ def compute_advantages(samples, algo, *, old_logprobs: list[list[float]] | None 
             if s.trainable:  # slime's apply_opd_kl_to_advantages: after the estimator, per token
                 adv.advantages[i] = [a - algo.opd_kl_coef * (o - t) if m else a for a, o, t, m in
                                      zip(adv.advantages[i], old_logprobs[i], teacher_logprobs[i], s.loss_mask)]
+    if getattr(algo, "normalize_advantages", False):  # slime: last, after OPD, over the trainable samples' tokens
+        idx = [i for i, s in enumerate(samples) if s.trainable]
+        for i, a in zip(idx, masked_whiten([adv.advantages[i] for i in idx], [samples[i].loss_mask for i in idx])):
+            adv.advantages[i] = [x if m else 0.0 for x, m in zip(a, samples[i].loss_mask)]
     return adv
 
 
@@ -238,6 +270,8 @@ def _estimator_advantages(samples, algo, *, old_logprobs, ref_logprobs, values) 
     post = post_processed_rewards(samples, algo)
     if post is not None:  # slime: the function's rewards are what the group normalisation would give
         scalar = [post[i] for i in idx]
+    elif getattr(algo, "disable_rewards_normalization", False) and est in GROUP_ESTIMATORS:
+        scalar = rewards.tolist()  # slime: the raw rewards, no group baseline
     elif est in GROUP_ESTIMATORS or est == "reinforce_plus_plus":
         groups = torch.tensor([samples[i].group_id for i in idx])
         scalar = group_advantages(rewards, groups, est).tolist()
@@ -295,20 +329,27 @@ def sample_advantages(samples, estimator: str) -> list[float]:
 
 
 # -- KL ------------------------------------------------------------------------------------------
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3",
+               importance_ratio: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token KL estimate of pi vs pi_ref from sampled tokens (elementwise).
 
     k1: log r;  k2: (log r)^2 / 2;  k3 (low variance): exp(-log r) - 1 + log r, with
-    log r = logprobs - ref_logprobs.
+    log r = logprobs - ref_logprobs. importance_ratio (--use-unbiased-kl, DeepSeek-V3.2):
+    pi / pi_old of each token multiplies the estimate, which makes it unbiased for tokens
+    sampled from pi_old (before k3's clamp, as slime applies it).
     """
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio.pow(2)
-    if kind in ("k3", "low_var_kl"):
-        return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(max=10.0)
-    raise ValueError(f"unknown KL kind {kind!r}; choose k1, k2 or k3")
+        kl = log_ratio
+    elif kind == "k2":
+        kl = 0.5 * log_ratio.pow(2)
+    elif kind in ("k3", "low_var_kl"):
+        kl = torch.exp(-log_ratio) - 1 + log_ratio
+    else:
+        raise ValueError(f"unknown KL kind {kind!r}; choose k1, k2 or k3")
+    if importance_ratio is not None:
+        kl = importance_ratio * kl
+    return kl.clamp(max=10.0) if kind in ("k3", "low_var_kl") else kl
 
 
 # -- losses --------------------------------------------------------------------------------------
@@ -374,6 +415,25 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return PolicyLossOutput(
         loss=masked_mean(loss, mask, denom),
         clipfrac=masked_mean(clipped, mask, denom).detach(),
+        ppo_kl=masked_mean(-(logprobs - old_logprobs), mask, denom).detach(),
+    )
+
+
+def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+               clip_low: float, clip_high: float, denom: float | None = None,
+               token_weights: torch.Tensor | None = None) -> PolicyLossOutput:
+    """CISPO (MiniMax-M1, as slime's compute_cispo_loss): -sg(clip(ratio, 1 - clip_low, 1 + clip_high))
+    * A * logprob on every trained token. The clipped ratio is a detached weight and the gradient
+    flows through the logprob, so a clipped token still trains (PPO's clip drops its gradient).
+    clipfrac: the share of trained tokens whose ratio the bounds changed."""
+    ratio = torch.exp(logprobs - old_logprobs).detach()
+    truncated = ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = -truncated * advantages * logprobs
+    if token_weights is not None:
+        loss = loss * token_weights.detach()
+    return PolicyLossOutput(
+        loss=masked_mean(loss, mask, denom),
+        clipfrac=masked_mean((truncated != ratio).float(), mask, denom).detach(),
         ppo_kl=masked_mean(-(logprobs - old_logprobs), mask, denom).detach(),
     )
 
@@ -572,14 +632,20 @@ def policy_objective(algo, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor
             stats["rs_veto_seqs"] = count  # a count: the step's micro-batches add up to the step's
             stats["rs_veto_token_frac"] = masked_mean(vetoed, mask, denom)
     clip_high = algo.eps_clip_high if algo.eps_clip_high is not None else algo.eps_clip
-    out = policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=algo.eps_clip, clip_high=clip_high,
-                      dual_clip_c=algo.dual_clip_c, denom=denom,
-                      ratio_level="sequence" if algo.advantage_estimator == "gspo" else "token",
-                      seq_ids=seq_ids, token_weights=weights)
+    if algo.advantage_estimator == "cispo":
+        out = cispo_loss(logprobs, old_logprobs, advantages, mask, clip_low=algo.eps_clip, clip_high=clip_high,
+                         denom=denom, token_weights=weights)
+    else:
+        out = policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=algo.eps_clip, clip_high=clip_high,
+                          dual_clip_c=algo.dual_clip_c, denom=denom,
+                          ratio_level="sequence" if algo.advantage_estimator == "gspo" else "token",
+                          seq_ids=seq_ids, token_weights=weights)
     loss = out.loss
     stats.update(pg_loss=out.loss.detach(), clipfrac=out.clipfrac, ppo_kl=out.ppo_kl)
     if algo.use_kl_loss and ref_logprobs is not None:
-        kl = masked_mean(kl_penalty(logprobs, ref_logprobs, algo.kl_loss_type), mask, denom)
+        # --use-unbiased-kl: weighted by pi / pi_old (the policy loss's old), the gradient through both, as slime
+        ratio = torch.exp(logprobs - old_logprobs) if getattr(algo, "use_unbiased_kl", False) else None
+        kl = masked_mean(kl_penalty(logprobs, ref_logprobs, algo.kl_loss_type, importance_ratio=ratio), mask, denom)
         loss = loss + algo.kl_loss_coef * kl
         stats["kl_loss"] = kl.detach()
     if entropy is not None:
@@ -613,6 +679,21 @@ def reuses_training_logprobs(trainer, samples, algo, global_batch_size: int) -> 
             and len(samples) <= global_batch_size
             and algo.kl_coef == 0 and not getattr(algo, "use_opd", False)
             and trainer.critic is None)
+
+
+@torch.no_grad()
+def copy_parameters(target: torch.nn.Module, named: Iterator[tuple[str, torch.Tensor]], where: str) -> None:
+    """--ref-update-interval: the (name, tensor) pairs into target's parameters of those names;
+    every parameter of target must be given (the reference and the policy share an architecture)."""
+    params = dict(target.named_parameters())
+    done = set()
+    for name, tensor in named:
+        if name not in params:
+            raise ValueError(f"{where}: the policy's {name} has no parameter of that name in the reference")
+        params[name].copy_(tensor)
+        done.add(name)
+    if missing := sorted(set(params) - done):
+        raise ValueError(f"{where}: the policy gave no weights for the reference's {missing[:3]}")
 
 
 def has_dropout(modules, attention_dropout: float = 0.0) -> bool:
@@ -683,6 +764,14 @@ def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: T
         kl = [o - t for s, lo, lt in zip(samples, old, teacher) if s.trainable
               for o, t, m in zip(lo, lt, s.loss_mask) if m]
         out["opd_reverse_kl"] = sum(kl) / len(kl) if kl else 0.0
+    if getattr(algo, "ref_update_interval", None):
+        # slime: after rollout k's training, the reference becomes the policy when (k + 1) % N == 0; the
+        # trainer counts its rollouts (a resumed run from the checkpoint's rollout id)
+        trainer.rollouts_trained = getattr(trainer, "rollouts_trained", 0) + 1
+        out["ref_updated"] = 0.0
+        if trainer.rollouts_trained % algo.ref_update_interval == 0:
+            trainer.update_reference()
+            out["ref_updated"] = 1.0
     if getattr(algo, "overlong_buffer_len", None) is not None:
         penalties = [r - s.reward_value for r, s in zip(shaped_rewards(samples, algo), samples) if s.trainable]
         out["overlong_penalty_mean"] = sum(penalties) / len(penalties) if penalties else 0.0

@@ -83,7 +83,8 @@ def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, rewar
                             max_turns=r.max_turns or env.max_turns,
                             sampling_params=params, apply_chat_template=cfg.data.apply_chat_template,
                             max_tokens_per_turn=r.rollout_max_tokens_per_turn,
-                            max_context_len=r.rollout_max_context_len)
+                            max_context_len=r.rollout_max_context_len,
+                            skip_special_tokens=r.rollout_skip_special_tokens)
 
     def make_env(name: str | None):
         name = name or cfg.run.env
@@ -93,7 +94,7 @@ def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, rewar
             kwargs.pop("sandbox", None)
         return make(name, **kwargs, **extra), name
 
-    renderer = Renderer(tokenizer, cfg.data.apply_chat_template)
+    renderer = Renderer(tokenizer, cfg.data.apply_chat_template, cfg.data.apply_chat_template_kwargs)
     generate_fn = None
     if r.custom_generate_function_path:
         generate_fn = GenerateHook(r.custom_generate_function_path, renderer=renderer, sampling_params=sampling,
@@ -220,6 +221,23 @@ def build_env_lookup(cfg: Config):
     return env_cls
 
 
+def drop_long_prompts(tasks: list[dict], cfg: Config) -> list[dict]:
+    """--rollout-max-prompt-len (slime's, at load): the tasks whose prompt, rendered as slime's
+    dataset renders it (the row's messages, the chat template with its kwargs, the generation
+    prompt), has at most that many tokens; none left is an error."""
+    from agentrl.env import as_messages
+    from agentrl.models import load_tokenizer
+
+    limit, d = cfg.rollout.rollout_max_prompt_len, cfg.data
+    renderer = Renderer(load_tokenizer(cfg.model.model or build_tiny_model()), d.apply_chat_template,
+                        d.apply_chat_template_kwargs)
+    kept = [t for t in tasks if len(renderer.prompt(as_messages(t["prompt"]), None)[1]) <= limit]
+    if not kept:
+        raise ConfigError(f"--rollout-max-prompt-len {limit}: every one of the {len(tasks)} prompts of {d.prompt_data} "
+                          "is longer")
+    return kept
+
+
 def build_prompt_source(cfg: Config, env_cls) -> PromptSource:
     d = cfg.data
     if d.prompt_data:
@@ -228,6 +246,8 @@ def build_prompt_source(cfg: Config, env_cls) -> PromptSource:
         for task in tasks:  # rows naming their env must name a known one, before any work starts
             if task.get("env"):
                 get_spec(task["env"])
+        if cfg.rollout.rollout_max_prompt_len is not None:
+            tasks = drop_long_prompts(tasks, cfg)
         return PromptSource(tasks, shuffle=d.rollout_shuffle, seed=cfg.run.seed, difficulty_window=d.difficulty_window,
                             revisit_prob=d.difficulty_revisit_prob)
     if d.difficulty_window is not None:

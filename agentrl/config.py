@@ -50,6 +50,9 @@ class DataConfig(Section):
     """Row key of a dict passed to the env as task metadata."""
     apply_chat_template: bool = True
     """Render prompts and turns with the tokenizer's chat template (else plain concatenation)."""
+    apply_chat_template_kwargs: dict[str, Any] = {}
+    """slime's: extra variables of the chat template, a JSON object such as '{"enable_thinking": false}',
+    given to every rendering (each turn's prompt too, not only the first)."""
     rollout_shuffle: bool = True
     """Shuffle the dataset each epoch (seeded)."""
     tool_key: str = "tools"
@@ -81,12 +84,18 @@ class RolloutConfig(Section):
     untrained); None: only --rollout-max-response-len."""
     rollout_stop_token_ids: list[int] = []
     """Token ids that end a turn, besides the tokenizer's EOS (slime's)."""
+    rollout_max_prompt_len: int | None = Field(None, ge=1)
+    """slime's: --prompt-data rows whose prompt, rendered by the chat template (the row's messages alone,
+    with the generation prompt), is longer than this many tokens are left out when the data is loaded."""
     rollout_temperature: float = Field(1.0, ge=0)
     """Sampling temperature of rollouts (the trainer's log-probs use it too)."""
     rollout_top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches p (1: all)."""
     rollout_top_k: int = -1
     """Sample among the k most likely tokens (-1: all)."""
+    rollout_skip_special_tokens: bool = False
+    """slime's: the text of each assistant turn that the env (and so the reward) reads is decoded without
+    special tokens; the trained tokens and the conversation the template renders keep them."""
     rollout_ignore_eos: bool = False
     """Generate every response to the length limit, past EOS (SGLang's ignore_eos): a fixed
     workload for benchmarks and memory tests."""
@@ -144,10 +153,18 @@ class RolloutConfig(Section):
 class AlgoConfig(Section):
     """The RL algorithm: advantage estimator, policy-loss clipping, KL and entropy terms, importance weights, reward."""
 
-    advantage_estimator: Literal["grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus",
+    advantage_estimator: Literal["grpo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus",
                                  "reinforce_plus_plus_baseline", "ppo"] = "grpo"
     """grpo, dr_grpo (no std normalization), gspo (sequence-level ratio; use small clips such as
-    --eps-clip 3e-4 --eps-clip-high 4e-4), rloo, reinforce_plus_plus(_baseline), ppo (critic + GAE)."""
+    --eps-clip 3e-4 --eps-clip-high 4e-4), cispo (grpo's advantages, MiniMax-M1's loss: the ratio clipped
+    to [1 - eps_clip, 1 + eps_clip_high] as a detached weight on -A * logprob; canonical: --eps-clip 1
+    --eps-clip-high 4), rloo, reinforce_plus_plus(_baseline), ppo (critic + GAE)."""
+    disable_rewards_normalization: bool = False
+    """slime's: the group estimators (grpo, dr_grpo, gspo, cispo, rloo, reinforce_plus_plus_baseline) take
+    each sample's raw reward as its advantage, with no group mean subtracted and no std division."""
+    normalize_advantages: bool = False
+    """slime's: whiten the final advantages (after --use-opd's term) over the rollout's trained tokens:
+    (A - mean) / sqrt(var + 1e-8), var Bessel-corrected (reinforce_plus_plus(_baseline) and ppo always whiten)."""
     eps_clip: float = Field(0.2, ge=0)
     """PPO clip range (low side, and high side unless eps_clip_high is set)."""
     eps_clip_high: float | None = Field(None, ge=0)
@@ -160,6 +177,12 @@ class AlgoConfig(Section):
     """Weight of the KL loss (--use-kl-loss)."""
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
     """KL estimator of the KL loss."""
+    ref_update_interval: int | None = Field(None, ge=1)
+    """slime's: every N rollouts (after rollout k's training, when (k + 1) % N == 0) the KL reference
+    becomes the current policy; needs a reference in use (--use-kl-loss with --kl-loss-coef > 0, or --kl-coef)."""
+    use_unbiased_kl: bool = False
+    """slime's (DeepSeek-V3.2): each token's KL-loss estimate is multiplied by pi / pi_old (the policy
+    loss's ratio, gradient through it), unbiased for tokens sampled from pi_old; needs --use-kl-loss."""
     entropy_coef: float = Field(0.0, ge=0)
     """Weight of the entropy bonus in the policy loss (0: none)."""
     kl_coef: float = Field(0.0, ge=0)
@@ -320,6 +343,9 @@ class TrainConfig(Section):
     memory). Megatron trainer."""
     save_hf: str | None = None
     """Megatron: also write an HF checkpoint here at every save ({rollout_id} is filled in)."""
+    no_save_optim: bool = False
+    """slime's: checkpoints hold no optimizer state (smaller); --load then starts the optimizer afresh
+    (slime's --no-load-optim follows it), so the resume is not exact."""
     lora_rank: int = Field(0, ge=0)
     """LoRA adapter rank; 0 trains every weight. With a rank the base weights are frozen (no grads, no
     optimizer state) and only the adapters train (PyTorch: peft; Megatron: adapters on its parallel linears)."""
@@ -375,6 +401,9 @@ class RunConfig(Section):
     load: str | None = None
     """Resume from this checkpoint folder (latest iteration inside it); as in slime, a folder with no
     checkpoint yet starts from the reference, and an HF checkpoint folder is the model to start from."""
+    start_rollout_id: int | None = Field(None, ge=0)
+    """slime's: the first iteration's rollout id (the run goes on to --num-rollout), over the one --load
+    restores; None: --load's, or 0. Weights, optimizer and data position still come from --load."""
     ref_load: str | None = None
     """slime's reference checkpoint, the KL reference (--use-kl-loss, --kl-coef): an HF folder (either trainer)
     or a Megatron distributed checkpoint (slime's torch_dist, an agentrl checkpoint; Megatron trainer). As in
@@ -445,6 +474,9 @@ SECTIONS: dict[str, type[Section]] = {
     "algo": AlgoConfig, "train": TrainConfig, "run": RunConfig, "eval": EvalConfig,
 }
 PAIRED_LISTS = {"eval_prompt_data"}  # flags taking several values at once (slime's NAME PATH pairs)
+# what the renderer gives apply_chat_template itself: not --apply-chat-template-kwargs' to set
+TEMPLATE_CALL_ARGS = {"conversation", "messages", "tools", "documents", "tokenize", "add_generation_prompt",
+                      "continue_final_message", "return_dict", "chat_template"}
 ALIASES = {"--hf-checkpoint": "model", "--model-path": "model", "--async": "async_rollout"}
 
 
@@ -769,6 +801,37 @@ def resolve(layers: dict) -> Config:
     if a.judge_url and a.judge_load:
         raise ConfigError("--judge-url (a judge already serving) and --judge-load (a judge engine group the run "
                           "starts) exclude each other: give one")
+    if a.use_unbiased_kl and not (a.use_kl_loss and a.kl_loss_coef > 0):
+        raise ConfigError("--use-unbiased-kl weights the KL loss by pi/pi_old, and there is no KL loss: add "
+                          "--use-kl-loss --kl-loss-coef C (> 0)")
+    r = cfg.rollout
+    if cfg.run.start_rollout_id is not None and cfg.run.start_rollout_id >= r.num_rollout:
+        raise ConfigError(f"--start-rollout-id {cfg.run.start_rollout_id}: the run ends before it (--num-rollout "
+                          f"{r.num_rollout}): nothing would train")
+    if r.rollout_max_prompt_len is not None and not cfg.data.prompt_data:
+        raise ConfigError("--rollout-max-prompt-len filters --prompt-data's rows when they are loaded; without "
+                          "--prompt-data the env makes its own prompts")
+    if r.rollout_max_prompt_len is not None and r.rollout_max_context_len is not None \
+            and r.rollout_max_prompt_len > r.rollout_max_context_len - 1:
+        raise ConfigError(f"--rollout-max-prompt-len ({r.rollout_max_prompt_len}) must be below --rollout-max-context-len "
+                          f"({r.rollout_max_context_len}): at least one generated token to train on (as slime asserts)")
+    kw = cfg.data.apply_chat_template_kwargs
+    if kw and not cfg.data.apply_chat_template:
+        raise ConfigError("--apply-chat-template-kwargs: the chat template is off (--no-apply-chat-template)")
+    if taken := sorted(set(kw) & TEMPLATE_CALL_ARGS):
+        raise ConfigError(f"--apply-chat-template-kwargs: {', '.join(taken)} set by agentrl's renderer itself")
+    if a.ref_update_interval and not ((a.use_kl_loss and a.kl_loss_coef > 0) or a.kl_coef > 0):
+        raise ConfigError(f"--ref-update-interval {a.ref_update_interval} refreshes the KL reference, and none is in "
+                          "use: add --use-kl-loss --kl-loss-coef C (> 0) or --kl-coef C (> 0)")
+    if a.disable_rewards_normalization and a.advantage_estimator in ("reinforce_plus_plus", "ppo"):
+        raise ConfigError(f"--disable-rewards-normalization drops the group baseline of the group estimators; "
+                          f"{a.advantage_estimator} has none to drop")
+    if a.disable_rewards_normalization and a.custom_reward_post_process_path:
+        raise ConfigError("--disable-rewards-normalization: --custom-reward-post-process-path already replaces the "
+                          "group normalisation (its rewards are used as they are): drop one")
+    if a.advantage_estimator == "cispo" and a.dual_clip_c is not None:
+        raise ConfigError("--dual-clip-c bounds the PPO surrogate; cispo's loss has none (its ratio is a clipped, "
+                          "detached weight): drop --dual-clip-c")
     if cfg.algo.overlong_buffer_len is not None:
         if cfg.algo.overlong_buffer_len >= cfg.algo.overlong_max_len:
             raise ConfigError(f"--overlong-buffer-len ({cfg.algo.overlong_buffer_len}) must be shorter than the length "

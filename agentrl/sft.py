@@ -107,7 +107,7 @@ def _special_texts(tokenizer) -> list[str]:
 
 def load_sft_samples(data: DataConfig, tokenizer) -> list[Sample]:
     """Every row of --prompt-data as a Sample, checked before training starts."""
-    renderer = Renderer(tokenizer, data.apply_chat_template)
+    renderer = Renderer(tokenizer, data.apply_chat_template, data.apply_chat_template_kwargs)
     samples = []
     for where, messages, tools in read_conversations(data.prompt_data, input_key=data.input_key,
                                                      tool_key=data.tool_key):

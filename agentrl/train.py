@@ -88,6 +88,8 @@ def train(cfg: Config) -> Path:
         model_path = ckpt / "model"
         progress.note(f"resumed from {ckpt}: iteration {state.rollout_id}, data position {state.data}, "
                       f"{len(state.pending_tasks)} launched tasks to re-run")
+    if cfg.run.start_rollout_id is not None:  # slime's: the loop starts there, whatever --load restored
+        state.rollout_id = cfg.run.start_rollout_id
     save_dir = Path(cfg.run.save or out / "checkpoints")
     context.record(device=device, model_path=str(model_path), resumed_from=state.rollout_id if cfg.run.load else None)
     # The driver's own set-up (prompts, tokenizer, eval sets, the metrics writers) needs neither Ray

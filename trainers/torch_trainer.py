@@ -14,9 +14,10 @@ from typing import Iterator
 
 import torch
 
-from agentrl.algorithms import (check_algo, entropy_from_logits, has_dropout, needs_reference, policy_objective,
-                                sft_loss, teacher_in_trainer, train_iteration, value_loss)
+from agentrl.algorithms import (check_algo, copy_parameters, entropy_from_logits, has_dropout, needs_reference,
+                                policy_objective, sft_loss, teacher_in_trainer, train_iteration, value_loss)
 from agentrl.config import AlgoConfig, TrainConfig
+from agentrl.errors import ConfigError
 from agentrl.models import load_model, load_tokenizer
 from agentrl.profiling import TrainProfiler
 from agentrl.trainers import rng_state, set_rng_state
@@ -276,10 +277,12 @@ class TorchTrainer:
             self.model.save_pretrained(folder / "adapter")  # float32, as it trains: an exact resume
         else:
             self.save_hf(folder / "model")
-        torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+        optim = not self.train_cfg.no_save_optim  # --no-save-optim: no optimizer state (and none loaded back)
+        if optim:
+            torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
         if self.critic is not None:
-            torch.save({"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},
-                       folder / "critic.pt")
+            torch.save({"model": self.critic.state_dict()} | ({"optimizer": self.critic_optimizer.state_dict()}
+                                                              if optim else {}), folder / "critic.pt")
         torch.save(rng_state(self.device), folder / "rng.pt")
         (folder / "trainer_state.json").write_text(json.dumps(
             {"version": self.version, "ref_model_path": str(Path(self.ref_path).resolve()), **extra_state}, indent=1))
@@ -300,6 +303,10 @@ class TorchTrainer:
             if ".lora_" not in name:
                 yield name.replace(".base_layer.", "."), param.detach()
 
+    def update_reference(self) -> None:
+        """--ref-update-interval: the KL reference takes the policy's current weights (LoRA: merged)."""
+        copy_parameters(self.ref_model, self.named_tensors(), "--ref-update-interval")
+
     def load(self, folder: Path) -> dict:
         if self.lora:
             if not (folder / "adapter").is_dir():
@@ -309,14 +316,21 @@ class TorchTrainer:
         else:
             fresh = load_model(folder / "model", device=self.device)
             self.model.load_state_dict(fresh.state_dict())
-        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        optim = not self.train_cfg.no_save_optim  # slime: --no-save-optim implies --no-load-optim
+        if optim and not (folder / "optimizer.pt").exists():
+            raise ConfigError(f"--load {folder}: saved with --no-save-optim (no optimizer.pt); resume with "
+                              "--no-save-optim to start the optimizer afresh")
+        if optim:
+            self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
         if self.critic is not None and (folder / "critic.pt").exists():
             critic = torch.load(folder / "critic.pt", weights_only=False)
             self.critic.load_state_dict(critic["model"])
-            self.critic_optimizer.load_state_dict(critic["optimizer"])
+            if optim:
+                self.critic_optimizer.load_state_dict(critic["optimizer"])
         set_rng_state(torch.load(folder / "rng.pt", weights_only=False), self.device)
         state = json.loads((folder / "trainer_state.json").read_text())
         self.version = state["version"]
+        self.rollouts_trained = state.get("rollout_id", 0)  # --ref-update-interval counts from here, as slime
         ref = state.get("ref_model_path")
         if (self.ref_model is not None and not self.ref_given and ref and Path(ref).exists()
                 and Path(ref).resolve() != Path(self.ref_path).resolve()):

@@ -50,6 +50,7 @@ class LoopSettings:
     apply_chat_template: bool = True
     max_tokens_per_turn: int | None = None  # None: a turn may use the whole remaining budget
     max_context_len: int | None = None  # cap on prompt + response tokens (slime's --rollout-max-context-len)
+    skip_special_tokens: bool = False  # the env reads each turn's text without special tokens (slime's)
 
 
 PROMPT_CACHE_SIZE = 256
@@ -153,13 +154,14 @@ def _own_backend(tokenizer):
 class Renderer:
     """Renders a conversation to text, with the chat template or by plain concatenation."""
 
-    def __init__(self, tokenizer, apply_chat_template: bool = True):
+    def __init__(self, tokenizer, apply_chat_template: bool = True, template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
         self.apply_chat_template = apply_chat_template
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
             raise TemplateDriftError("--apply-chat-template is set but the tokenizer has no chat template")
         self._backend = _own_backend(tokenizer)
-        self._template_kwargs = dict(tokenizer.special_tokens_map) if apply_chat_template else {}
+        self._extra = dict(template_kwargs or {})  # --apply-chat-template-kwargs: the template's own variables
+        self._template_kwargs = {**tokenizer.special_tokens_map, **self._extra} if apply_chat_template else {}
         self._direct = _compile_jinja_template is not None and _is_plain_json(self._template_kwargs)
         self._prompts: dict[str, tuple[str, list[int]]] = {}  # a group's members share their first rendering
         self._suffixes: dict[str, tuple[int, ...]] = {}  # text between turns -> its tokens (_encode_suffix)
@@ -209,7 +211,8 @@ class Renderer:
             return self._compiled(self.tokenizer.get_chat_template(None, tools)).render(
                 messages=turns, tools=tools, documents=None, add_generation_prompt=True, **self._template_kwargs)
         if _render_jinja_template is None or not all(type(m) is dict and None not in m.values() for m in turns):
-            return self.tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                      **self._extra)
         template = self.tokenizer.get_chat_template(None, tools)
         rendered, _ = _render_jinja_template(conversations=[turns], tools=tools, chat_template=template,
                                              add_generation_prompt=True, **self._template_kwargs)
@@ -236,10 +239,10 @@ class Renderer:
             return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def decode(self, tokens: list[int]) -> str:
+    def decode(self, tokens: list[int], skip_special_tokens: bool = False) -> str:
         if self._backend is not None:
-            return self._backend.decode(tokens, skip_special_tokens=False)
-        return self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            return self._backend.decode(tokens, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def extension(self, sample: Sample, seen: str, messages: list[dict], tools: list[dict] | None,
                   turn: int) -> tuple[list[int], str]:
@@ -355,9 +358,12 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 break
             t0 = clock()
             content_ids = out[:-1] if result.finish_reason == "stop" and out and out[-1] in stops else out
-            action = Action.build(renderer.decode(content_ids), content_ids, renderer.decode)
+            text = renderer.decode(content_ids)
+            skip = settings.skip_special_tokens  # the env's text only: the template must extend what the model saw
+            action = Action.build(renderer.decode(content_ids, skip_special_tokens=True) if skip else text,
+                                  content_ids, renderer.decode)
             _add(stages, "decode_s", clock() - t0)
-            messages.append({"role": "assistant", "content": str(action)})
+            messages.append({"role": "assistant", "content": text})
 
             t0 = time.perf_counter()
             try:

@@ -196,7 +196,7 @@ def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
         sglang_router_ip=url.hostname, sglang_router_port=url.port,
         sglang_server_concurrency=r.max_concurrency,
         over_sampling_batch_size=r.over_sampling_batch_size or r.rollout_batch_size,
-        rollout_stop=env_stop(cfg.run.env), rollout_stop_token_ids=r.rollout_stop_token_ids or None, rollout_skip_special_tokens=False,
+        rollout_stop=env_stop(cfg.run.env), rollout_stop_token_ids=r.rollout_stop_token_ids or None, rollout_skip_special_tokens=r.rollout_skip_special_tokens,
         rollout_global_dataset=True, group_rm=False, eval_reward_key=None,
         use_rollout_routing_replay=False, sglang_dp_size=values.get("sglang_dp_size"), ci_test=False,
         # one engine group behind the router: slime's request limit is concurrency x engines

@@ -24,8 +24,8 @@ from typing import Iterator
 
 import torch
 
-from agentrl.algorithms import (check_algo, has_dropout, needs_reference, policy_objective, sft_loss,
-                                teacher_in_trainer, train_iteration, value_loss)
+from agentrl.algorithms import (check_algo, copy_parameters, has_dropout, needs_reference, policy_objective,
+                                sft_loss, teacher_in_trainer, train_iteration, value_loss)
 from agentrl.balance import cost_micro_batches, forward_flops, karmarkar_karp
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.errors import ConfigError
@@ -108,6 +108,10 @@ class MegatronTrainer:
             if ref_load:
                 check_reference(ref_load, "megatron", start=self.model_path)
             self.ref_model = self._frozen_model(self.ref_path, dtype, device)
+        if algo.ref_update_interval and self.lora:
+            raise ConfigError("--ref-update-interval with --lora-rank: the Megatron trainer's reference is a model "
+                              "without adapters and the merged weights exist only as HF tensors for the engines; "
+                              "use the torch trainer, or train without LoRA")
         self.teacher_model = None  # --use-opd: the teacher whose logprobs the advantages are pulled toward
         if teacher_in_trainer(algo):
             self.teacher_model = self._frozen_model(algo.opd_teacher_load, dtype, device)
@@ -635,6 +639,12 @@ class MegatronTrainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _sharded_state(self, is_loading: bool = False) -> dict:
+        state = self._model_and_optimizer_state(is_loading)
+        if self.train_cfg.no_save_optim:  # --no-save-optim: neither saved nor loaded (slime's --no-load-optim)
+            state = {k: v for k, v in state.items() if k not in ("optimizer", "critic_optimizer")}
+        return state
+
+    def _model_and_optimizer_state(self, is_loading: bool) -> dict:
         # The distributed optimizer's state in megatron-core's fully reshardable format: its
         # default (fully_sharded_model_space) builds flattened ShardedTensors, which this
         # megatron-core refuses at save; this one loads into any TP/PP/EP/DP layout.
@@ -694,6 +704,13 @@ class MegatronTrainer:
     def _distributed_optimizer(self) -> bool:
         return bool(self.margs.ddp.get("use_distributed_optimizer"))
 
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """--ref-update-interval: each of this rank's reference chunks takes its policy chunk's weights
+        (same layout: the reference is built as the policy is)."""
+        for ref_chunk, chunk in zip(model_chunks(self.ref_model), model_chunks(self.model), strict=True):
+            copy_parameters(ref_chunk, chunk.named_parameters(), "--ref-update-interval")
+
     def load(self, folder: Path) -> dict:
         import torch.distributed as dist
         from megatron.core import dist_checkpointing
@@ -708,7 +725,11 @@ class MegatronTrainer:
             # megatron-core keeps Adam's state in another format for each kind: any layout, not another kind
             raise ConfigError(f"--load {folder}: saved {'with' if saved_kind else 'without'} "
                               f"--use-distributed-optimizer; resume it {'with' if saved_kind else 'without'} it too")
-        for optimizer in (self.optimizer, self.critic_optimizer):
+        optim = not self.train_cfg.no_save_optim
+        if optim and not any(k.startswith("optimizer.") for k in dist_checkpointing.load_tensors_metadata(str(dist_dir))):
+            raise ConfigError(f"--load {folder}: saved with --no-save-optim (no optimizer state); resume with "
+                              "--no-save-optim to start the optimizer afresh")
+        for optimizer in (self.optimizer, self.critic_optimizer) if optim else ():
             _prepare_load(optimizer)
         loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(dist_dir))
         if self.lora:
@@ -721,11 +742,13 @@ class MegatronTrainer:
                 chunk.load_state_dict(loaded[f"model{i}"])
         else:
             self.model.load_state_dict(loaded["model"])
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        if optim:
+            self.optimizer.load_state_dict(loaded["optimizer"])
         if self.critic is not None:
             self.critic.load_state_dict({k.removeprefix("critic."): v for k, v in loaded["critic"].items()})
-            self.critic_optimizer.load_state_dict(loaded["critic_optimizer"])
-        for optimizer in (self.optimizer, self.critic_optimizer):
+            if optim:
+                self.critic_optimizer.load_state_dict(loaded["critic_optimizer"])
+        for optimizer in (self.optimizer, self.critic_optimizer) if optim else ():
             _own_steps(optimizer)
         rng_file = dist_dir / f"rng_rank{self.rank:05d}.pt"
         if rng_file.exists():
@@ -741,6 +764,7 @@ class MegatronTrainer:
                     s.load_state_dict(sched[key])
         state = json.loads((folder / "trainer_state.json").read_text())
         self.version = state["version"]
+        self.rollouts_trained = state.get("rollout_id", 0)  # --ref-update-interval counts from here, as slime
         ref = state.get("ref_model_path")
         if (self.ref_model is not None and not self.ref_given and ref
                 and Path(ref).resolve() != Path(self.ref_path).resolve()):
