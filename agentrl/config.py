@@ -330,6 +330,14 @@ class TrainConfig(Section):
     target_modules: list[str] = ["all-linear"]
     """Linear layers that get adapters, by peft's names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
     down_proj, or all-linear (every one of them; never the LM head) [repeatable or comma-separated]."""
+    lora_trainable_modules: list[str] = ["auto"]
+    """With --lora-rank, whole modules trained beside the adapters (peft's modules_to_save), by the
+    end of their HF name. auto: model.norm, the final RMSNorm, for the PyTorch trainer: adapters on the
+    linears cannot scale the logits, and on a small model with tied embeddings (the built-in tiny
+    one: std 0.02) the final norm caps every logit near 2.6, so LoRA alone cannot learn there.
+    `none`: adapters only (the Megatron trainer's only choice). With --lora-sync adapter these
+    tensors reach the engines by the full-weight path in the same sync (SGLang's adapters carry
+    only lora_A/lora_B) [repeatable or comma-separated]."""
     use_pytorch_profiler: bool = False
     """Profile the train steps from --profile-step-start to before --profile-step-end with torch.profiler
     on every trainer rank: a Chrome trace and a table of operators by self time per step, in --profile-dir
@@ -673,6 +681,15 @@ def lora_target_modules(names: list[str]) -> list[str]:
     return list(LORA_MODULES) if "all-linear" in wanted else list(dict.fromkeys(wanted))
 
 
+def lora_trainable_modules(names: list[str], trainer: str = "torch") -> list[str]:
+    """--lora-trainable-modules -> peft's modules_to_save (comma lists split, `none` empties it;
+    `auto`: the final norm for the PyTorch trainer, none for Megatron's adapters-only LoRA)."""
+    wanted = [n.strip() for name in names for n in name.split(",") if n.strip()]
+    if wanted == ["auto"]:
+        return ["model.norm"] if trainer == "torch" else []
+    return [] if wanted in ([], ["none"]) else list(dict.fromkeys(wanted))
+
+
 def _given(section: Section, *names: str) -> str | None:
     """The flag of the first of `names` whose value is not its default, if any (by value, not by
     whether it was given: a run's config.yaml gives every field and must load back)."""
@@ -688,6 +705,9 @@ def resolve(layers: dict) -> Config:
         layers["train"]["lr"] = (SFT_CHECKPOINT_LR if sft else CHECKPOINT_LR) if has_model else TINY_MODEL_LR
         if layers["train"].get("lora_rank"):
             layers["train"]["lr"] = float(f"{layers['train']['lr'] * LORA_LR_FACTOR:.6g}")  # 1e-05, not 9.99..e-06
+    train = layers["train"]  # the trainer's default resolved here, so config.yaml says what trained
+    train["lora_trainable_modules"] = lora_trainable_modules(train.get("lora_trainable_modules", ["auto"]),
+                                                             train.get("trainer", "torch"))
     algo = layers.get("algo", {})
     if algo.get("overlong_buffer_len") is not None and algo.get("overlong_max_len") is None:
         budget = layers.get("rollout", {}).get("rollout_max_response_len",
@@ -702,6 +722,13 @@ def resolve(layers: dict) -> Config:
         )
         raise ConfigError(f"invalid config: {problems}") from None
     lora_target_modules(cfg.train.target_modules)
+    whole = cfg.train.lora_trainable_modules
+    if whole and cfg.train.lora_rank and cfg.train.trainer == "megatron":
+        raise ConfigError(f"--lora-trainable-modules {','.join(whole)}: the Megatron trainer trains adapters only "
+                          "(pass --lora-trainable-modules none)")
+    if whole and cfg.train.lora_rank and cfg.train.lora_sync == "adapter" and cfg.train.weight_sync_mode == "disk":
+        raise ConfigError("--lora-sync adapter with --lora-trainable-modules needs --weight-sync-mode tensor or "
+                          "distributed (the trained modules go by the full-weight path; disk loads whole checkpoints)")
     hook = cfg.rollout.custom_generate_function_path or cfg.rollout.rollout_function_path
     if cfg.train.lora_rank and cfg.train.lora_sync == "adapter" and hook:
         # slime's functions post their own /generate requests, which name no adapter: they would

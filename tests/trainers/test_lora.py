@@ -83,13 +83,21 @@ def test_target_modules_flags():
     assert (cfg.train.trainer, cfg.train.lora_rank) == ("megatron", 8)
 
 
-def test_base_frozen_only_adapters_train(tiny_model):
-    trainer = lora_trainer(tiny_model, target_modules=["q_proj", "v_proj"])
+@pytest.mark.parametrize("whole", [["none"], ["auto"]])
+def test_base_frozen_only_adapters_train(tiny_model, whole):
+    """The base is frozen; the adapters train, and (default `auto`) a copy of the final norm, at
+    full fine-tuning's rate (--lr / 10)."""
+    trainer = lora_trainer(tiny_model, target_modules=["q_proj", "v_proj"], lora_trainable_modules=whole)
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
-    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
-    assert all(("q_proj" in n or "v_proj" in n) for n in trainable)
-    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
-    assert optimized == {id(p) for n, p in trainer.model.named_parameters() if p.requires_grad}
+    adapters = {n for n in trainable if ".lora_A." in n or ".lora_B." in n}
+    assert adapters and all(("q_proj" in n or "v_proj" in n) for n in adapters)
+    norm = {"base_model.model.model.norm.modules_to_save.default.weight"}
+    assert trainable - adapters == (norm if whole == ["auto"] else set())
+    groups = [{id(p) for p in g["params"]} for g in trainer.optimizer.param_groups]
+    named = dict(trainer.model.named_parameters())
+    assert groups[0] == {id(named[n]) for n in adapters}
+    assert groups[1:] == ([{id(named[n]) for n in norm}] if whole == ["auto"] else [])
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [1e-2, 1e-3][:len(groups)]
     base_before = {n: t.clone() for n, t in trainer._base_tensors()}
     sample = Sample(prompt_tokens=[5, 6, 7], response_tokens=[8, 9, 10], loss_mask=[1, 1, 1],
                     rollout_logprobs=[-1.0, -1.0, -1.0], reward=1.0, status=SampleStatus.COMPLETED)
@@ -100,6 +108,7 @@ def test_base_frozen_only_adapters_train(tiny_model):
     assert len(state) == len(trainable)  # no optimizer state for the base
     assert all(torch.equal(t, base_before[n]) for n, t in trainer._base_tensors())
     assert any(p.abs().sum() > 0 for n, p in trainer.model.named_parameters() if ".lora_B." in n)
+    assert all(not torch.equal(named[n], base_before["model.norm.weight"]) for n in trainable - adapters)
 
 
 def test_merged_export_equals_adapted_model(tiny_model, tmp_path):
@@ -107,6 +116,7 @@ def test_merged_export_equals_adapted_model(tiny_model, tmp_path):
 
     trainer = lora_trainer(tiny_model)
     randomize_adapter(trainer)
+    randomize_adapter(trainer, seed=5, marker="modules_to_save")  # the trained final norm is exported too
     plain = load_model(str(tiny_model))
     merged = dict(trainer.named_tensors())
     assert set(merged) == {n for n, _ in plain.named_parameters()}  # the engine's names, no peft ones
@@ -128,6 +138,7 @@ def test_checkpoint_is_peft_and_resumes(tiny_model, tmp_path):
 
     trainer = lora_trainer(tiny_model)
     randomize_adapter(trainer, seed=1)
+    randomize_adapter(trainer, seed=4, marker="modules_to_save")  # the trained final norm goes along
     trainer.version = 3
     trainer.save(tmp_path / "ckpt", {"rollout_id": 3})
     ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
@@ -221,6 +232,44 @@ def test_engine_serves_adapter_on_policy(tiny_model, tokenizer, tmp_path):
     assert max(abs(a - b) for a, b in zip(trainer.compute_logprobs([v2])[0], v2.rollout_logprobs)) < TOLERANCE
 
 
+def test_adapter_sync_carries_the_trained_norm(tiny_model, tokenizer, tmp_path):
+    """--lora-sync adapter with the trained final norm: TrainerSync sends the norm by the
+    full-weight path (SGLang's adapters hold only lora_A/lora_B) and the adapter folder in the
+    same sync, so the engine's logprobs under the new version are the trainer's."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from agentrl.engines.embedded import EmbeddedEngine
+    from agentrl.weight_sync import TrainerSync, lora_adapter_name
+
+    cfg, _ = parse_config(["--lora-rank", "4", "--lora-alpha", "8", "--lora-sync", "adapter",
+                           "--output-dir", str(tmp_path)])
+    assert cfg.train.lora_trainable_modules == ["model.norm"]
+    trainer = lora_trainer(tiny_model)
+    randomize_adapter(trainer, seed=2)
+    with torch.no_grad():  # a trained norm: far from the base's ones
+        trainer.model.get_base_model().model.norm.modules_to_save["default"].weight.mul_(3.0)
+    engine = EmbeddedEngine(str(tiny_model), enable_lora=True, prefix_cache_tokens=4096)
+    prompt = tokenizer.encode("tell me about the river")
+
+    async def go():
+        async with TestClient(TestServer(engine.app())) as http:
+            stats = await TrainerSync(cfg, trainer).sync([str(http.make_url("")).rstrip("/")], version=1)
+            body = {"input_ids": prompt, "return_logprob": True, "lora_path": lora_adapter_name(1),
+                    "sampling_params": {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}}
+            return stats, await (await http.post("/generate", json=body)).json()
+
+    stats, reply = asyncio.run(go())
+    assert stats["failed_engines"] == [] and stats["weight_sync_modules_mb"] > 0
+    trained = dict(trainer.trained_module_tensors())
+    assert list(trained) == ["model.norm.weight"] and float(trained["model.norm.weight"].mean()) == 3.0
+    torch.testing.assert_close(engine.model.model.norm.weight, trained["model.norm.weight"])  # not the base's 1s
+    pairs = reply["meta_info"]["output_token_logprobs"]
+    sample = Sample(prompt_tokens=prompt, response_tokens=[p[1] for p in pairs], loss_mask=[1] * len(pairs),
+                    rollout_logprobs=[p[0] for p in pairs], reward=0.0, status=SampleStatus.COMPLETED)
+    recomputed = trainer.compute_logprobs([sample])[0]
+    assert max(abs(a - b) for a, b in zip(recomputed, sample.rollout_logprobs)) < TOLERANCE
+
+
 def test_logprobs_are_computed_without_dropout(tiny_model):
     """--lora-dropout acts in the training steps only: the recomputed logprobs (the PPO ratio's
     old side, the on-policy check against the engine's) are those of the whole adapter, the
@@ -251,8 +300,11 @@ def test_synced_adapter_is_in_the_engines_dtype_checkpoint_in_float32(tiny_model
     synced = load_file(str(trainer.save_adapter(tmp_path / "sync") / "adapter_model.safetensors"))
     trainer.save(tmp_path / "ckpt", {})
     kept = load_file(str(tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors"))
-    assert synced.keys() == kept.keys() and synced
+    # the checkpoint also holds the final norm (--lora-trainable-modules' default); the sync folder adapters only
+    assert synced.keys() == {k for k in kept if ".lora_" in k} and synced
+    assert set(kept) - set(synced) == {"base_model.model.model.norm.weight"}
     assert {t.dtype for t in synced.values()} == {torch.bfloat16}
-    assert {t.dtype for t in kept.values()} == {torch.float32}
-    for k in kept:
+    assert {t.dtype for k, t in kept.items() if ".lora_" in k} == {torch.float32}
+    assert kept["base_model.model.model.norm.weight"].dtype == torch.bfloat16  # peft's copy trains in the model's dtype
+    for k in synced:
         torch.testing.assert_close(synced[k], kept[k].to(torch.bfloat16), atol=0, rtol=0)
