@@ -277,7 +277,9 @@ class TrainConfig(Section):
     """Samples per forward/backward (gradient accumulation within a global batch)."""
     lr: float | None = Field(None, gt=0)
     """Learning rate; default 3e-3 for the built-in tiny model, 1e-6 for a --model checkpoint (1e-5 for SFT),
-    times 10 with --lora-rank (LoRA's adapters learn at about 10x full fine-tuning's rate)."""
+    times 10 with --lora-rank on a checkpoint (LoRA's adapters learn at about 10x full fine-tuning's rate;
+    the tiny model's LoRA also trains its embeddings, whole weights, and keeps 3e-3: at 3e-2 they collapse
+    the policy onto one word)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -332,12 +334,14 @@ class TrainConfig(Section):
     down_proj, or all-linear (every one of them; never the LM head) [repeatable or comma-separated]."""
     lora_trainable_modules: list[str] = ["auto"]
     """With --lora-rank, whole modules trained beside the adapters (peft's modules_to_save), by the
-    end of their HF name. auto: model.norm, the final RMSNorm, for the PyTorch trainer: adapters on the
-    linears cannot scale the logits, and on a small model with tied embeddings (the built-in tiny
-    one: std 0.02) the final norm caps every logit near 2.6, so LoRA alone cannot learn there.
-    `none`: adapters only (the Megatron trainer's only choice). With --lora-sync adapter these
-    tensors reach the engines by the full-weight path in the same sync (SGLang's adapters carry
-    only lora_A/lora_B) [repeatable or comma-separated]."""
+    end of their HF name, at --lr. auto: on the built-in tiny model (PyTorch trainer) its tied
+    embeddings and final norm, embed_tokens,model.norm: they cap every logit near 2.6 (embeddings of
+    std 0.02 through the norm), which adapters on the linears cannot lift, so LoRA alone does not
+    learn there (docs/benchmarks.md); on a --model checkpoint none (its logits are not capped, and
+    whole embeddings would be most of an adapter sync). `none`: adapters only (the Megatron
+    trainer's only choice). With --lora-sync adapter these tensors reach the engines by the
+    full-weight path in the same sync (SGLang's adapters carry only lora_A/lora_B) [repeatable or
+    comma-separated]."""
     use_pytorch_profiler: bool = False
     """Profile the train steps from --profile-step-start to before --profile-step-end with torch.profiler
     on every trainer rank: a Chrome trace and a table of operators by self time per step, in --profile-dir
@@ -681,12 +685,16 @@ def lora_target_modules(names: list[str]) -> list[str]:
     return list(LORA_MODULES) if "all-linear" in wanted else list(dict.fromkeys(wanted))
 
 
-def lora_trainable_modules(names: list[str], trainer: str = "torch") -> list[str]:
+TINY_LORA_MODULES = ["embed_tokens", "model.norm"]
+
+
+def lora_trainable_modules(names: list[str], trainer: str = "torch", tiny: bool = True) -> list[str]:
     """--lora-trainable-modules -> peft's modules_to_save (comma lists split, `none` empties it;
-    `auto`: the final norm for the PyTorch trainer, none for Megatron's adapters-only LoRA)."""
+    `auto`: the tied embeddings and final norm on the built-in tiny model with the PyTorch trainer,
+    else none)."""
     wanted = [n.strip() for name in names for n in name.split(",") if n.strip()]
     if wanted == ["auto"]:
-        return ["model.norm"] if trainer == "torch" else []
+        return list(TINY_LORA_MODULES) if trainer == "torch" and tiny else []
     return [] if wanted in ([], ["none"]) else list(dict.fromkeys(wanted))
 
 
@@ -699,15 +707,16 @@ def _given(section: Section, *names: str) -> str | None:
 
 def resolve(layers: dict) -> Config:
     layers = {**layers, "train": dict(layers.get("train", {}))}
-    if layers["train"].get("lr") is None:
-        has_model = bool(layers.get("model", {}).get("model"))
-        sft = layers["train"].get("loss_type") == "sft_loss"
-        layers["train"]["lr"] = (SFT_CHECKPOINT_LR if sft else CHECKPOINT_LR) if has_model else TINY_MODEL_LR
-        if layers["train"].get("lora_rank"):
-            layers["train"]["lr"] = float(f"{layers['train']['lr'] * LORA_LR_FACTOR:.6g}")  # 1e-05, not 9.99..e-06
-    train = layers["train"]  # the trainer's default resolved here, so config.yaml says what trained
+    train = layers["train"]
+    has_model = bool(layers.get("model", {}).get("model"))
+    # the trainer's and model's default resolved here, so config.yaml says what trained
     train["lora_trainable_modules"] = lora_trainable_modules(train.get("lora_trainable_modules", ["auto"]),
-                                                             train.get("trainer", "torch"))
+                                                             train.get("trainer", "torch"), tiny=not has_model)
+    if train.get("lr") is None:
+        sft = train.get("loss_type") == "sft_loss"
+        train["lr"] = (SFT_CHECKPOINT_LR if sft else CHECKPOINT_LR) if has_model else TINY_MODEL_LR
+        if train.get("lora_rank") and has_model:  # the tiny model's LoRA trains whole weights too: full's rate
+            train["lr"] = float(f"{train['lr'] * LORA_LR_FACTOR:.6g}")  # 1e-05, not 9.99..e-06
     algo = layers.get("algo", {})
     if algo.get("overlong_buffer_len") is not None and algo.get("overlong_max_len") is None:
         budget = layers.get("rollout", {}).get("rollout_max_response_len",

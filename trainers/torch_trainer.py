@@ -61,7 +61,7 @@ class TorchTrainer:
         self.teacher_model = None  # --use-opd: the teacher whose logprobs the advantages are pulled toward
         if teacher_in_trainer(algo):
             self.teacher_model = load_model(algo.opd_teacher_load, device=device, dtype=dtype).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(trainable_groups(self.model, train), lr=train.lr,
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
                                            weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2))
         self.critic = self.critic_optimizer = None
         if algo.advantage_estimator == "ppo":  # the critic: the policy's backbone with a scalar head
@@ -354,21 +354,10 @@ class TorchTrainer:
 ORIGINAL, TRAINED = ".original_module.", ".modules_to_save.default."
 
 
-def trainable_groups(model, train: TrainConfig) -> list[dict]:
-    """The optimizer's parameter groups. With LoRA, modules trained whole (--lora-trainable-modules)
-    learn at full fine-tuning's rate (--lr / LORA_LR_FACTOR): LoRA's 10x is for the low-rank
-    product; the tiny model's tied embeddings at 10x collapse the policy onto one word in ~8 iterations."""
-    from agentrl.config import LORA_LR_FACTOR
-
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    whole = [p for n, p in params if TRAINED in n] if train.lora_rank else []
-    rest = [p for n, p in params if not (train.lora_rank and TRAINED in n)]
-    return [{"params": rest}] + ([{"params": whole, "lr": train.lr / LORA_LR_FACTOR}] if whole else [])
-
-
 def wrap_lora(model, train: TrainConfig):
     """The HF model with peft LoRA adapters on --target-modules (base weights frozen) and the
-    --lora-trainable-modules trained whole (peft's modules_to_save)."""
+    --lora-trainable-modules trained whole (peft's modules_to_save; a tied embedding stays tied
+    to the LM head)."""
     from peft import LoraConfig, get_peft_model
 
     from agentrl.config import lora_target_modules, lora_trainable_modules
