@@ -277,9 +277,9 @@ class TrainConfig(Section):
     """Samples per forward/backward (gradient accumulation within a global batch)."""
     lr: float | None = Field(None, gt=0)
     """Learning rate; default 3e-3 for the built-in tiny model, 1e-6 for a --model checkpoint (1e-5 for SFT),
-    times 10 with --lora-rank on a checkpoint (LoRA's adapters learn at about 10x full fine-tuning's rate;
-    the tiny model's LoRA also trains its embeddings, whole weights, and keeps 3e-3: at 3e-2 they collapse
-    the policy onto one word)."""
+    times 10 with --lora-rank when only adapters train (LoRA's adapters learn at about 10x full
+    fine-tuning's rate); with --lora-trainable-modules (the tiny model's default) the full rate: at
+    3e-2 the tiny model's embeddings collapse the policy onto one word."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -715,7 +715,7 @@ def resolve(layers: dict) -> Config:
     if train.get("lr") is None:
         sft = train.get("loss_type") == "sft_loss"
         train["lr"] = (SFT_CHECKPOINT_LR if sft else CHECKPOINT_LR) if has_model else TINY_MODEL_LR
-        if train.get("lora_rank") and has_model:  # the tiny model's LoRA trains whole weights too: full's rate
+        if train.get("lora_rank") and not train["lora_trainable_modules"]:  # whole weights trained: full's rate
             train["lr"] = float(f"{train['lr'] * LORA_LR_FACTOR:.6g}")  # 1e-05, not 9.99..e-06
     algo = layers.get("algo", {})
     if algo.get("overlong_buffer_len") is not None and algo.get("overlong_max_len") is None:

@@ -768,6 +768,7 @@ class TrainerSync:
         if self.lora_synced is not None and self.lora_synced != version:  # no engine reads the old folder again
             shutil.rmtree(folder.parent / f"v{self.lora_synced}", ignore_errors=True)
         self.lora_synced = version
+        out["weight_sync_s"] += whole.get("weight_sync_s", 0.0)  # the whole sync: modules and adapter
         return {**out, "weight_sync_save_s": saved,
                 **{f"weight_sync_modules_{k.removeprefix('weight_sync_')}": v for k, v in whole.items()}}
 

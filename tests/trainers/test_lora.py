@@ -312,6 +312,7 @@ def test_adapter_sync_carries_the_trained_norm(tiny_model, tokenizer, tmp_path):
 
     stats, reply = asyncio.run(go())
     assert stats["failed_engines"] == [] and stats["weight_sync_modules_mb"] > 0
+    assert stats["weight_sync_s"] >= stats["weight_sync_modules_s"] > 0
     trained = dict(trainer.trained_module_tensors())
     assert list(trained) == ["model.embed_tokens.weight", "model.norm.weight"]
     assert float(trained["model.norm.weight"].mean()) == 3.0
