@@ -300,7 +300,9 @@ class TrainConfig(Section):
     """Samples per forward/backward (gradient accumulation within a global batch)."""
     lr: float | None = Field(None, gt=0)
     """Learning rate; default 3e-3 for the built-in tiny model, 1e-6 for a --model checkpoint (1e-5 for SFT),
-    times 10 with --lora-rank (LoRA's adapters learn at about 10x full fine-tuning's rate)."""
+    times 10 with --lora-rank when only adapters train (LoRA's adapters learn at about 10x full
+    fine-tuning's rate); with --lora-trainable-modules (the tiny model's default) the full rate: at
+    3e-2 the tiny model's embeddings collapse the policy onto one word."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -356,6 +358,16 @@ class TrainConfig(Section):
     target_modules: list[str] = ["all-linear"]
     """Linear layers that get adapters, by peft's names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
     down_proj, or all-linear (every one of them; never the LM head) [repeatable or comma-separated]."""
+    lora_trainable_modules: list[str] = ["auto"]
+    """With --lora-rank, whole modules trained beside the adapters (peft's modules_to_save), by the
+    end of their HF name, at --lr. auto: on the built-in tiny model (PyTorch trainer) its tied
+    embeddings and final norm, embed_tokens,model.norm: they cap every logit near 2.6 (embeddings of
+    std 0.02 through the norm), which adapters on the linears cannot lift, so LoRA alone does not
+    learn there (docs/benchmarks.md); on a --model checkpoint none (its logits are not capped, and
+    whole embeddings would be most of an adapter sync). `none`: adapters only (the Megatron
+    trainer's only choice). With --lora-sync adapter these tensors reach the engines by the
+    full-weight path in the same sync (SGLang's adapters carry only lora_A/lora_B) [repeatable or
+    comma-separated]."""
     use_pytorch_profiler: bool = False
     """Profile the train steps from --profile-step-start to before --profile-step-end with torch.profiler
     on every trainer rank: a Chrome trace and a table of operators by self time per step, in --profile-dir
@@ -705,6 +717,19 @@ def lora_target_modules(names: list[str]) -> list[str]:
     return list(LORA_MODULES) if "all-linear" in wanted else list(dict.fromkeys(wanted))
 
 
+TINY_LORA_MODULES = ["embed_tokens", "model.norm"]
+
+
+def lora_trainable_modules(names: list[str], trainer: str = "torch", tiny: bool = True) -> list[str]:
+    """--lora-trainable-modules -> peft's modules_to_save (comma lists split, `none` empties it;
+    `auto`: the tied embeddings and final norm on the built-in tiny model with the PyTorch trainer,
+    else none)."""
+    wanted = [n.strip() for name in names for n in name.split(",") if n.strip()]
+    if wanted == ["auto"]:
+        return list(TINY_LORA_MODULES) if trainer == "torch" and tiny else []
+    return [] if wanted in ([], ["none"]) else list(dict.fromkeys(wanted))
+
+
 def _given(section: Section, *names: str) -> str | None:
     """The flag of the first of `names` whose value is not its default, if any (by value, not by
     whether it was given: a run's config.yaml gives every field and must load back)."""
@@ -714,12 +739,16 @@ def _given(section: Section, *names: str) -> str | None:
 
 def resolve(layers: dict) -> Config:
     layers = {**layers, "train": dict(layers.get("train", {}))}
-    if layers["train"].get("lr") is None:
-        has_model = bool(layers.get("model", {}).get("model"))
-        sft = layers["train"].get("loss_type") == "sft_loss"
-        layers["train"]["lr"] = (SFT_CHECKPOINT_LR if sft else CHECKPOINT_LR) if has_model else TINY_MODEL_LR
-        if layers["train"].get("lora_rank"):
-            layers["train"]["lr"] = float(f"{layers['train']['lr'] * LORA_LR_FACTOR:.6g}")  # 1e-05, not 9.99..e-06
+    train = layers["train"]
+    has_model = bool(layers.get("model", {}).get("model"))
+    # the trainer's and model's default resolved here, so config.yaml says what trained
+    train["lora_trainable_modules"] = lora_trainable_modules(train.get("lora_trainable_modules", ["auto"]),
+                                                             train.get("trainer", "torch"), tiny=not has_model)
+    if train.get("lr") is None:
+        sft = train.get("loss_type") == "sft_loss"
+        train["lr"] = (SFT_CHECKPOINT_LR if sft else CHECKPOINT_LR) if has_model else TINY_MODEL_LR
+        if train.get("lora_rank") and not train["lora_trainable_modules"]:  # whole weights trained: full's rate
+            train["lr"] = float(f"{train['lr'] * LORA_LR_FACTOR:.6g}")  # 1e-05, not 9.99..e-06
     algo = layers.get("algo", {})
     if algo.get("overlong_buffer_len") is not None and algo.get("overlong_max_len") is None:
         budget = layers.get("rollout", {}).get("rollout_max_response_len",
@@ -734,6 +763,13 @@ def resolve(layers: dict) -> Config:
         )
         raise ConfigError(f"invalid config: {problems}") from None
     lora_target_modules(cfg.train.target_modules)
+    whole = cfg.train.lora_trainable_modules
+    if whole and cfg.train.lora_rank and cfg.train.trainer == "megatron":
+        raise ConfigError(f"--lora-trainable-modules {','.join(whole)}: the Megatron trainer trains adapters only "
+                          "(pass --lora-trainable-modules none)")
+    if whole and cfg.train.lora_rank and cfg.train.lora_sync == "adapter" and cfg.train.weight_sync_mode == "disk":
+        raise ConfigError("--lora-sync adapter with --lora-trainable-modules needs --weight-sync-mode tensor or "
+                          "distributed (the trained modules go by the full-weight path; disk loads whole checkpoints)")
     hook = cfg.rollout.custom_generate_function_path or cfg.rollout.rollout_function_path
     if cfg.train.lora_rank and cfg.train.lora_sync == "adapter" and hook:
         # slime's functions post their own /generate requests, which name no adapter: they would

@@ -25,7 +25,9 @@ Three paths, the same for SGLang and the embedded engine (they speak one protoco
   loads it with /update_weights_from_disk.
 - LoRA adapters only (`sync_lora_adapter`, --lora-sync adapter): the trainer writes the peft
   adapter folder (MBs, not GBs), every engine loads it with /load_lora_adapter under the
-  version's name, and requests name it in /generate's `lora_path`.
+  version's name, and requests name it in /generate's `lora_path`. Modules trained whole
+  beside the adapters (--lora-trainable-modules, the final norm by default) go first by the
+  tensor or distributed path in the same sync: SGLang's adapters carry only lora_A/lora_B.
 
 Every path sends to all engines at once and ends with the new `weight_version` and a cache
 flush (a prefix cache built under old weights is never reused).
@@ -695,7 +697,7 @@ class TrainerSync:
         bucket = self.cfg.train.update_weight_buffer_size or int(self.cfg.train.weight_sync_bucket_mb * 2**20)
         mode = self.mode()
         if self.cfg.train.lora_rank and self.cfg.train.lora_sync == "adapter":
-            return await self._sync_adapter(clients, version)
+            return await self._sync_adapter(clients, version, bucket)
         if mode == "disk":
             folder = Path(self.cfg.run.output_dir or tempfile.gettempdir()) / "weight_sync"
             t0 = time.perf_counter()
@@ -705,21 +707,23 @@ class TrainerSync:
             saved = time.perf_counter() - t0
             out = await sync_weights_from_disk(clients, str(folder), version=version)
             return {**out, "weight_sync_save_s": saved}
-        if mode == "distributed":
+        if mode == "tensor" and (per_rank := await self._per_rank_sources(clients)):
+            return await self._sync_per_rank(clients, version, bucket, *per_rank)
+        return await self._send_tensors(clients, version, bucket, self.trainer.named_tensors)
+
+    async def _send_tensors(self, clients, version: int, bucket: int, named) -> dict[str, float]:
+        """The tensors `named()` yields, by the distributed or the tensor path (--weight-sync-mode)."""
+        if self.mode() == "distributed":
             out = {}
             for c in clients:  # a group per engine: a dead engine breaks only its own
                 group = await self._group(c.base_url)
                 try:
-                    out = await group.sync(engine_tensors(self.cfg, self.trainer.named_tensors()), version=version,
-                                           bucket_bytes=bucket)
+                    out = await group.sync(engine_tensors(self.cfg, named()), version=version, bucket_bytes=bucket)
                 except BaseException:
                     await self._drop_group(c.base_url)
                     raise
             return out
-        if per_rank := await self._per_rank_sources(clients):
-            return await self._sync_per_rank(clients, version, bucket, *per_rank)
-        return await sync_weights_from_tensor(clients, engine_tensors(self.cfg, self.trainer.named_tensors()),
-                                              version=version,
+        return await sync_weights_from_tensor(clients, engine_tensors(self.cfg, named()), version=version,
                                               bucket_bytes=bucket)
 
     async def _per_rank_sources(self, clients) -> tuple[list[list[int]], str] | None:
@@ -747,8 +751,14 @@ class TrainerSync:
         finally:  # the other ranks are done once rank 0 is (the same buckets, the same verdicts)
             await asyncio.to_thread(ray.get, refs, timeout=CALL_TIMEOUT_S)
 
-    async def _sync_adapter(self, clients, version: int) -> dict[str, float]:
-        """--lora-sync adapter: the peft adapter folder of `version` (written once), loaded by every engine."""
+    async def _sync_adapter(self, clients, version: int, bucket: int) -> dict[str, float]:
+        """--lora-sync adapter: the peft adapter folder of `version` (written once), loaded by every
+        engine. The --lora-trainable-modules (trained whole: the final norm by default) go first by
+        the full-weight path, as SGLang's adapters carry only lora_A/lora_B: the engines' base then
+        holds the trained module, under the adapter, before any request names the new version."""
+        whole = {}
+        if self.cfg.train.lora_trainable_modules:
+            whole = await self._send_tensors(clients, version, bucket, self.trainer.trained_module_tensors)
         folder = Path(self.cfg.run.output_dir or tempfile.gettempdir()) / "lora_sync" / f"v{version}"
         t0 = time.perf_counter()
         if not (folder / "adapter_config.json").exists():
@@ -758,7 +768,9 @@ class TrainerSync:
         if self.lora_synced is not None and self.lora_synced != version:  # no engine reads the old folder again
             shutil.rmtree(folder.parent / f"v{self.lora_synced}", ignore_errors=True)
         self.lora_synced = version
-        return {**out, "weight_sync_save_s": saved}
+        out["weight_sync_s"] += whole.get("weight_sync_s", 0.0)  # the whole sync: modules and adapter
+        return {**out, "weight_sync_save_s": saved,
+                **{f"weight_sync_modules_{k.removeprefix('weight_sync_')}": v for k, v in whole.items()}}
 
     async def _group(self, url: str):
         """The process group with one engine, made at its first distributed sync."""

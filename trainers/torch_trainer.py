@@ -62,8 +62,8 @@ class TorchTrainer:
         self.teacher_model = None  # --use-opd: the teacher whose logprobs the advantages are pulled toward
         if teacher_in_trainer(algo):
             self.teacher_model = load_model(algo.opd_teacher_load, device=device, dtype=dtype).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr, weight_decay=train.weight_decay,
-                                           betas=(train.adam_beta1, train.adam_beta2))
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
+                                           weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2))
         self.critic = self.critic_optimizer = None
         if algo.advantage_estimator == "ppo":  # the critic: the policy's backbone with a scalar head
             self.critic = ValueModel(load_model(model_path, device=device, dtype=dtype)).to(device)
@@ -239,10 +239,10 @@ class TorchTrainer:
             return
         base = self.model.get_base_model()
         for name, param in base.named_parameters():
-            if ".lora_" in name:
+            if ".lora_" in name or ORIGINAL in name:  # the trained copy of a --lora-trainable-modules one
                 continue
             if ".base_layer." not in name:
-                yield name, param.detach()
+                yield name.replace(TRAINED, "."), param.detach()
                 continue
             layer_name, _, leaf = name.partition(".base_layer.")
             tensor = param.detach()
@@ -264,10 +264,30 @@ class TorchTrainer:
         what `peft.PeftModel.from_pretrained` and SGLang's /load_lora_adapter read. In the base
         weights' dtype, what the engines compute in (peft trains adapters in float32: half the bytes
         to sync in bfloat16); checkpoints keep float32 (`save`)."""
+        import copy
+
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
         dtype = self.model.get_base_model().dtype
-        self.model.save_pretrained(folder, state_dict={k: v.to(dtype) for k, v in self.model.state_dict().items()
-                                                       if "lora_" in k})
+        # SGLang serves lora_A/lora_B only: the --lora-trainable-modules go by the full-weight path
+        # (trained_module_tensors), so this folder neither holds nor names them
+        weights = {k: v.to(dtype).contiguous() for k, v in get_peft_model_state_dict(self.model).items()
+                   if ".lora_" in k}
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(Path(folder) / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = copy.copy(self.model.peft_config["default"])
+        config.modules_to_save = None
+        config.save_pretrained(str(folder))
         return Path(folder)
+
+    def trained_module_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The --lora-trainable-modules weights (trained whole, beside the adapters) in HF names and
+        the base weights' dtype: what --lora-sync adapter sends by the full-weight path."""
+        base = self.model.get_base_model()
+        for name, param in base.named_parameters():
+            if TRAINED in name:
+                yield name.replace(TRAINED, "."), param.detach().to(base.dtype)
 
     def save(self, folder: Path, extra_state: dict) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -288,11 +308,14 @@ class TorchTrainer:
             {"version": self.version, "ref_model_path": str(Path(self.ref_path).resolve()), **extra_state}, indent=1))
 
     def load_adapter_weights(self, folder: str | Path) -> None:
-        """The adapter weights of a peft folder (save_adapter's) into this trainer's adapters."""
-        from peft import set_peft_model_state_dict
+        """The adapter weights of a peft folder into this trainer's adapters; a checkpoint's (`save`)
+        also holds the --lora-trainable-modules, a sync folder's (`save_adapter`) does not: those keep
+        their weights."""
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
         from safetensors.torch import load_file
 
         adapter = load_file(str(Path(folder) / "adapter_model.safetensors"), device=str(self.device))
+        adapter = {**{k: v for k, v in get_peft_model_state_dict(self.model).items() if ".lora_" not in k}, **adapter}
         result = set_peft_model_state_dict(self.model, adapter)
         if result.unexpected_keys:
             raise ValueError(f"{folder}: adapter weights this model has no place for: {result.unexpected_keys[:5]}")
@@ -300,8 +323,8 @@ class TorchTrainer:
     def _base_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """With LoRA: the frozen base weights in HF names (no adapter)."""
         for name, param in self.model.get_base_model().named_parameters():
-            if ".lora_" not in name:
-                yield name.replace(".base_layer.", "."), param.detach()
+            if ".lora_" not in name and TRAINED not in name:
+                yield name.replace(".base_layer.", ".").replace(ORIGINAL, "."), param.detach()
 
     def update_reference(self) -> None:
         """--ref-update-interval: the KL reference takes the policy's current weights (LoRA: merged)."""
@@ -340,15 +363,29 @@ class TorchTrainer:
         return state
 
 
+# peft's names in a --lora-trainable-modules module (ModulesToSaveWrapper): the frozen original
+# and the trained copy; both stand for the one HF weight without them
+ORIGINAL, TRAINED = ".original_module.", ".modules_to_save.default."
+
+
 def wrap_lora(model, train: TrainConfig):
-    """The HF model with peft LoRA adapters on --target-modules (base weights frozen)."""
+    """The HF model with peft LoRA adapters on --target-modules (base weights frozen) and the
+    --lora-trainable-modules trained whole (peft's modules_to_save; a tied embedding stays tied
+    to the LM head)."""
     from peft import LoraConfig, get_peft_model
 
-    from agentrl.config import lora_target_modules
+    from agentrl.config import lora_target_modules, lora_trainable_modules
 
+    whole = lora_trainable_modules(train.lora_trainable_modules)
     config = LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, lora_dropout=train.lora_dropout,
-                        target_modules=lora_target_modules(train.target_modules), bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+                        target_modules=lora_target_modules(train.target_modules), bias="none", task_type="CAUSAL_LM",
+                        modules_to_save=whole or None, ensure_weight_tying=bool(whole))
+    model = get_peft_model(model, config)
+    trained = [n.removesuffix(".modules_to_save") for n, _ in model.named_modules() if n.endswith(".modules_to_save")]
+    missing = [w for w in whole if not any(t == w or t.endswith("." + w) for t in trained)]
+    if missing:  # peft skips a name that matches nothing
+        raise ValueError(f"--lora-trainable-modules: the model has no module {missing} (e.g. model.norm, lm_head)")
+    return model
 
 
 class ValueModel(torch.nn.Module):

@@ -66,6 +66,45 @@ def test_torch_lora_learns_target_token(tiny_model):
     learn_target_token(lora_trainer(tiny_model, lr=5e-3))
 
 
+def maximise_one_token(trainer, steps: int = 30) -> tuple[float, float]:
+    """P(the named word) after target-token's prompt, before and after `steps` Adam steps on -log P."""
+    from agentrl.models import load_tokenizer
+
+    tokens = load_tokenizer(trainer.ref_path)("Repeat the word: " + " ".join(["the"] * 8))["input_ids"]
+    ids, target = torch.tensor([tokens]), tokens[-1]
+
+    def p():
+        return torch.softmax(trainer.model(input_ids=ids).logits[0, -1].float(), -1)[target]
+
+    with torch.no_grad():
+        before = float(p())
+    for _ in range(steps):
+        trainer.optimizer.zero_grad()
+        (-p().log()).backward()
+        trainer.optimizer.step()
+    with torch.no_grad():
+        return before, float(p())
+
+
+def test_lora_with_the_tiny_models_embeddings_learns_as_full_fine_tuning(tiny_model):
+    """The tiny model's tied embeddings (std 0.02) through its final norm cap every logit near 2.6:
+    adapters on the linears alone cannot raise one token's probability past a few percent, with
+    the embeddings and norm trained whole (--lora-trainable-modules auto) LoRA gets where full
+    fine-tuning does (each at its default rate)."""
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+    def trainer(**train):
+        torch.manual_seed(0)
+        return TorchTrainer(str(tiny_model), train=TrainConfig(**train), algo=AlgoConfig(), temperature=1.0)
+
+    full = maximise_one_token(trainer(lr=3e-3))
+    adapters_only = maximise_one_token(trainer(lr=3e-3, lora_rank=8, lora_alpha=16, lora_trainable_modules=["none"]))
+    lora = maximise_one_token(trainer(lr=3e-3, lora_rank=8, lora_alpha=16))
+    print(f"P(target) full {full}, LoRA adapters only {adapters_only}, LoRA + embeddings and norm {lora}")
+    assert max(full[0], adapters_only[0], lora[0]) < 0.01
+    assert full[1] > 0.95 and lora[1] > 0.95 and adapters_only[1] < 0.1
+
+
 def test_target_modules_flags():
     assert lora_target_modules(["all-linear"]) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                    "down_proj"]
@@ -80,16 +119,35 @@ def test_target_modules_flags():
     with pytest.raises(ConfigError, match="--lora-sync merged"):  # slime's requests name no adapter
         parse_config(["--lora-rank", "8", "--lora-sync", "adapter", "--custom-generate-function-path", "m.generate"])
     cfg, _ = parse_config(["--lora-rank", "8", "--trainer", "megatron"])  # both trainers take LoRA
-    assert (cfg.train.trainer, cfg.train.lora_rank) == ("megatron", 8)
+    assert (cfg.train.trainer, cfg.train.lora_rank, cfg.train.lora_trainable_modules) == ("megatron", 8, [])
+    # --lora-trainable-modules: auto is the tiny model's tied embeddings and final norm (PyTorch trainer),
+    # none on a checkpoint; lists as --target-modules; none
+    assert parse_config(["--lora-rank", "8"])[0].train.lora_trainable_modules == ["embed_tokens", "model.norm"]
+    assert parse_config(["--lora-rank", "8", "--model", "/ckpt"])[0].train.lora_trainable_modules == []
+    cfg, _ = parse_config(["--lora-rank", "8", "--lora-trainable-modules", "embed_tokens,model.norm", "model.norm"])
+    assert cfg.train.lora_trainable_modules == ["embed_tokens", "model.norm"]
+    assert parse_config(["--lora-rank", "8", "--lora-trainable-modules", "none"])[0].train.lora_trainable_modules == []
+    with pytest.raises(ConfigError, match="Megatron trainer trains adapters only"):
+        parse_config(["--lora-rank", "8", "--trainer", "megatron", "--lora-trainable-modules", "model.norm"])
+    with pytest.raises(ConfigError, match="--weight-sync-mode tensor or distributed"):
+        parse_config(["--lora-rank", "8", "--lora-sync", "adapter", "--weight-sync-mode", "disk"])
 
 
-def test_base_frozen_only_adapters_train(tiny_model):
-    trainer = lora_trainer(tiny_model, target_modules=["q_proj", "v_proj"])
+@pytest.mark.parametrize("whole", [["none"], ["auto"]])
+def test_base_frozen_only_adapters_train(tiny_model, whole):
+    """The base is frozen; the adapters train, and (default `auto`) copies of the tied embeddings
+    (still tied to the LM head) and of the final norm."""
+    trainer = lora_trainer(tiny_model, target_modules=["q_proj", "v_proj"], lora_trainable_modules=whole)
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
-    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
-    assert all(("q_proj" in n or "v_proj" in n) for n in trainable)
+    adapters = {n for n in trainable if ".lora_A." in n or ".lora_B." in n}
+    assert adapters and all(("q_proj" in n or "v_proj" in n) for n in adapters)
+    wholes = {f"base_model.model.model.{m}.modules_to_save.default.weight" for m in ("embed_tokens", "norm")}
+    assert trainable - adapters == (wholes if whole == ["auto"] else set())
+    base = trainer.model.get_base_model()
+    assert base.lm_head.weight is base.model.embed_tokens.weight  # peft's copy, still tied
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
-    assert optimized == {id(p) for n, p in trainer.model.named_parameters() if p.requires_grad}
+    named = dict(trainer.model.named_parameters())
+    assert optimized == {id(named[n]) for n in trainable}
     base_before = {n: t.clone() for n, t in trainer._base_tensors()}
     sample = Sample(prompt_tokens=[5, 6, 7], response_tokens=[8, 9, 10], loss_mask=[1, 1, 1],
                     rollout_logprobs=[-1.0, -1.0, -1.0], reward=1.0, status=SampleStatus.COMPLETED)
@@ -100,6 +158,8 @@ def test_base_frozen_only_adapters_train(tiny_model):
     assert len(state) == len(trainable)  # no optimizer state for the base
     assert all(torch.equal(t, base_before[n]) for n, t in trainer._base_tensors())
     assert any(p.abs().sum() > 0 for n, p in trainer.model.named_parameters() if ".lora_B." in n)
+    for n in trainable - adapters:  # the trained copies moved, the base's (in _base_tensors) did not
+        assert not torch.equal(named[n], base_before[n.removeprefix("base_model.model.").replace(".modules_to_save.default.", ".")])
 
 
 def test_merged_export_equals_adapted_model(tiny_model, tmp_path):
@@ -107,6 +167,7 @@ def test_merged_export_equals_adapted_model(tiny_model, tmp_path):
 
     trainer = lora_trainer(tiny_model)
     randomize_adapter(trainer)
+    randomize_adapter(trainer, seed=5, marker="modules_to_save")  # the trained final norm is exported too
     plain = load_model(str(tiny_model))
     merged = dict(trainer.named_tensors())
     assert set(merged) == {n for n, _ in plain.named_parameters()}  # the engine's names, no peft ones
@@ -128,6 +189,7 @@ def test_checkpoint_is_peft_and_resumes(tiny_model, tmp_path):
 
     trainer = lora_trainer(tiny_model)
     randomize_adapter(trainer, seed=1)
+    randomize_adapter(trainer, seed=4, marker="modules_to_save")  # the trained final norm goes along
     trainer.version = 3
     trainer.save(tmp_path / "ckpt", {"rollout_id": 3})
     ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
@@ -221,6 +283,48 @@ def test_engine_serves_adapter_on_policy(tiny_model, tokenizer, tmp_path):
     assert max(abs(a - b) for a, b in zip(trainer.compute_logprobs([v2])[0], v2.rollout_logprobs)) < TOLERANCE
 
 
+def test_adapter_sync_carries_the_trained_norm(tiny_model, tokenizer, tmp_path):
+    """--lora-sync adapter with modules trained whole (the tiny model's embeddings and final norm):
+    TrainerSync sends them by the full-weight path (SGLang's adapters hold only lora_A/lora_B) and
+    the adapter folder in the same sync, so the engine's logprobs under the new version are the trainer's."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from agentrl.engines.embedded import EmbeddedEngine
+    from agentrl.weight_sync import TrainerSync, lora_adapter_name
+
+    cfg, _ = parse_config(["--lora-rank", "4", "--lora-alpha", "8", "--lora-sync", "adapter",
+                           "--output-dir", str(tmp_path)])
+    assert cfg.train.lora_trainable_modules == ["embed_tokens", "model.norm"]
+    trainer = lora_trainer(tiny_model)
+    randomize_adapter(trainer, seed=2)
+    randomize_adapter(trainer, seed=3, marker="embed_tokens.modules_to_save")
+    with torch.no_grad():  # a trained norm: far from the base's ones
+        trainer.model.get_base_model().model.norm.modules_to_save["default"].weight.mul_(3.0)
+    engine = EmbeddedEngine(str(tiny_model), enable_lora=True, prefix_cache_tokens=4096)
+    prompt = tokenizer.encode("tell me about the river")
+
+    async def go():
+        async with TestClient(TestServer(engine.app())) as http:
+            stats = await TrainerSync(cfg, trainer).sync([str(http.make_url("")).rstrip("/")], version=1)
+            body = {"input_ids": prompt, "return_logprob": True, "lora_path": lora_adapter_name(1),
+                    "sampling_params": {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}}
+            return stats, await (await http.post("/generate", json=body)).json()
+
+    stats, reply = asyncio.run(go())
+    assert stats["failed_engines"] == [] and stats["weight_sync_modules_mb"] > 0
+    assert stats["weight_sync_s"] >= stats["weight_sync_modules_s"] > 0
+    trained = dict(trainer.trained_module_tensors())
+    assert list(trained) == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert float(trained["model.norm.weight"].mean()) == 3.0
+    torch.testing.assert_close(engine.model.model.norm.weight, trained["model.norm.weight"])  # not the base's 1s
+    torch.testing.assert_close(engine.model.model.embed_tokens.weight, trained["model.embed_tokens.weight"])
+    pairs = reply["meta_info"]["output_token_logprobs"]
+    sample = Sample(prompt_tokens=prompt, response_tokens=[p[1] for p in pairs], loss_mask=[1] * len(pairs),
+                    rollout_logprobs=[p[0] for p in pairs], reward=0.0, status=SampleStatus.COMPLETED)
+    recomputed = trainer.compute_logprobs([sample])[0]
+    assert max(abs(a - b) for a, b in zip(recomputed, sample.rollout_logprobs)) < TOLERANCE
+
+
 def test_logprobs_are_computed_without_dropout(tiny_model):
     """--lora-dropout acts in the training steps only: the recomputed logprobs (the PPO ratio's
     old side, the on-policy check against the engine's) are those of the whole adapter, the
@@ -251,8 +355,12 @@ def test_synced_adapter_is_in_the_engines_dtype_checkpoint_in_float32(tiny_model
     synced = load_file(str(trainer.save_adapter(tmp_path / "sync") / "adapter_model.safetensors"))
     trainer.save(tmp_path / "ckpt", {})
     kept = load_file(str(tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors"))
-    assert synced.keys() == kept.keys() and synced
+    # the checkpoint also holds the modules trained whole (--lora-trainable-modules); the sync folder adapters only
+    assert synced.keys() == {k for k in kept if ".lora_" in k} and synced
+    assert set(kept) - set(synced) == {f"base_model.model.{m}.weight" for m in ("model.norm", "model.embed_tokens",
+                                                                                "lm_head")}  # peft names the tied head too
     assert {t.dtype for t in synced.values()} == {torch.bfloat16}
-    assert {t.dtype for t in kept.values()} == {torch.float32}
-    for k in kept:
+    assert {t.dtype for k, t in kept.items() if ".lora_" in k} == {torch.float32}
+    assert kept["base_model.model.model.norm.weight"].dtype == torch.bfloat16  # peft's copies train in the model's dtype
+    for k in synced:
         torch.testing.assert_close(synced[k], kept[k].to(torch.bfloat16), atol=0, rtol=0)
