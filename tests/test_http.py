@@ -128,6 +128,16 @@ def server():
             elif self.path == "/garbled":
                 self.send_response(200)
                 out = b"{not json"
+            elif self.path == "/big":
+                self.send_response(200)
+                out = BIG
+            elif self.path == "/cut":  # promises more than it sends, then closes
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(BIG)))
+                self.end_headers()
+                self.wfile.write(BIG[: len(BIG) // 2])
+                self.close_connection = True
+                return
             else:
                 self.send_response(200)
                 out = b""
@@ -167,6 +177,20 @@ def test_request_json_errors_name_the_url_and_the_status(server):
     with pytest.raises(HTTPCallError, match=f"POST {url}: URLError.*refused") as err:
         request_json("POST", url, {}, timeout=5)
     assert err.value.status is None and not err.value.timed_out
+
+
+BIG = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MB: several of download's 1-MB reads
+
+
+def test_download_streams_to_the_file_and_leaves_nothing_on_failure(server, tmp_path):
+    from agentrl.http import download
+
+    download(server + "/big", tmp_path / "big", timeout=5)
+    assert (tmp_path / "big").read_bytes() == BIG
+    for path, match in (("/status/404", "HTTP 404"), ("/cut", "IncompleteRead")):
+        with pytest.raises(HTTPCallError, match=f"GET {server}{path}: .*{match}"):
+            download(server + path, tmp_path / "part", timeout=5)
+        assert not (tmp_path / "part").exists()
 
 
 def test_http_ok_is_a_yes_or_no(server):
