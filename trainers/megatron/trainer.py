@@ -595,34 +595,45 @@ class MegatronTrainer:
         from safetensors.torch import save_file
 
         folder = Path(folder)
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
+        if self.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            for old in folder.glob("model*.safetensors*"):
+                old.unlink()
+        # rank 0 writes each shard as it fills (held on the host: one shard and one bucket, never
+        # the whole model); the names say "of N" once N is known
+        files: list[Path] = []
+        weight_map: dict[str, int] = {}
+        shard: dict[str, torch.Tensor] = {}
+        size = total = 0
+
+        def flush():
+            nonlocal shard, size
+            if shard:
+                files.append(folder / f"model-part{len(files) + 1:05d}.safetensors")
+                save_file(shard, str(files[-1]), metadata={"format": "pt"})
+                weight_map.update({name: len(files) - 1 for name in shard})
+            shard, size = {}, 0
+
         for bucket in self.hf_buckets(bucket_bytes=256 * 2**20, merged=merged):
             if self.rank != 0:
                 continue
             for name, t in bucket:
                 n = t.numel() * t.element_size()
-                if shards[-1] and size + n > max_shard_bytes:
-                    shards.append({})
-                    size = 0
-                shards[-1][name] = t.detach().to("cpu", copy=True).contiguous()
-                size += n
+                if shard and size + n > max_shard_bytes:
+                    flush()
+                shard[name] = t.detach().to("cpu", copy=True).contiguous()
+                size, total = size + n, total + n
         if self.rank == 0:
-            folder.mkdir(parents=True, exist_ok=True)
-            for old in folder.glob("model*.safetensors*"):
-                old.unlink()
-            if len(shards) == 1:
-                save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+            flush()
+            if len(files) == 1:
+                files[0].rename(folder / "model.safetensors")
             else:
-                weight_map, total = {}, 0
-                for k, shard in enumerate(shards):
-                    fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-                    save_file(shard, str(folder / fname), metadata={"format": "pt"})
-                    for name, t in shard.items():
-                        weight_map[name] = fname
-                        total += t.numel() * t.element_size()
-                (folder / "model.safetensors.index.json").write_text(
-                    json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+                names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+                for f, name in zip(files, names):
+                    f.rename(folder / name)
+                (folder / "model.safetensors.index.json").write_text(json.dumps(
+                    {"metadata": {"total_size": total}, "weight_map": {n: names[k] for n, k in weight_map.items()}},
+                    indent=1))
             config = self.hf_config.__class__.from_dict(self.hf_config.to_dict())
             config.torch_dtype = self._dtype_name()
             config.save_pretrained(folder)
