@@ -94,6 +94,8 @@ def worker(args) -> None:
     import megatron_cpu_shim
 
     megatron_cpu_shim.apply()
+    import torch
+
     from agentrl.config import AlgoConfig, TrainConfig
     from agentrl.trainers.megatron.trainer import MegatronTrainer
     from megatron_helpers import make_samples
@@ -104,6 +106,15 @@ def worker(args) -> None:
                               megatron_args=margs)
     trainer.train_rollout(make_samples())  # fills Adam's moments
     result = measure(trainer, Path(args.ckpt))
+    # the saved optimizer state reads back as it was (the save gathers it in pieces, by owner)
+    states = [t for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+              for group in opt.optimizer.param_groups for p in group["params"]
+              for t in (p, *opt.optimizer.state[p].values()) if t.dim() > 0]
+    saved = [t.clone() for t in states]
+    for t in states:
+        t.zero_()
+    trainer.load(Path(args.ckpt))
+    result["roundtrip"] = all(torch.equal(a, b) for a, b in zip(saved, states))
     Path(args.out).with_suffix(f".rank{trainer.rank}.json").write_text(json.dumps(result))
 
 

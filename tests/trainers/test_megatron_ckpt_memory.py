@@ -41,6 +41,7 @@ def test_each_rank_saves_within_about_its_own_shard(tmp_path):
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(rows) == 4
     for r in rows:
+        assert r["roundtrip"], f"rank {r['rank']}: the optimizer state did not load back as saved"
         shard = sum(r["shard_bytes"].values())
         assert shard > 400 * MB  # large enough that the margin cannot hide a DP-wide gather
         for phase, growth in r["growth"].items():

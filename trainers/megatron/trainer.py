@@ -819,6 +819,9 @@ def _save_owned_param_state(optimizer) -> None:
             opt.sharded_param_state_fully_reshardable = partial(_owned_param_state, opt)
 
 
+_PIECE = 2**20  # elements: a 4 MB receive buffer
+
+
 def _owned_param_state(opt, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -849,16 +852,21 @@ def _owned_param_state(opt, model_sharded_state_dict, is_loading: bool = False, 
         for key in ("param", "exp_avg", "exp_avg_sq"):
             full = torch.empty(p.numel(), dtype=torch.float32) if owner[i] == me else None
             for r, (start, end) in enumerate(s[i] for s in slices):
-                if end <= start:
+                if end <= start:  # that rank holds none of this parameter
                     continue
                 if r == me and full is not None:
                     full[start:end].copy_(local[key].detach().view(-1))
-                elif r == me:
-                    dist.send(local[key].detach().float().contiguous().view(-1), ranks[owner[i]], group=group)
-                elif full is not None:
-                    part = torch.empty(end - start, dtype=torch.float32, device=p.device)  # NCCL: on the GPU
-                    dist.recv(part, ranks[r], group=group)
-                    full[start:end].copy_(part)
+                    continue
+                # in pieces of _PIECE elements: a bounded receive buffer (on the GPU with NCCL)
+                for a in range(start, end, _PIECE):
+                    b = min(a + _PIECE, end)
+                    if r == me:
+                        piece = local[key].detach().view(-1)[a - start:b - start]
+                        dist.send(piece.float().contiguous(), ranks[owner[i]], group=group)
+                    elif full is not None:
+                        part = torch.empty(b - a, dtype=torch.float32, device=p.device)
+                        dist.recv(part, ranks[r], group=group)
+                        full[a:b].copy_(part)
             out[key] = full
         if owner[i] != me:
             continue
