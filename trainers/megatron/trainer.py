@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Iterator
@@ -598,34 +599,45 @@ class MegatronTrainer:
         from safetensors.torch import save_file
 
         folder = Path(folder)
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
+        if self.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            for old in folder.glob("model*.safetensors*"):
+                old.unlink()
+        # rank 0 writes each shard as it fills (held on the host: one shard and one bucket, never
+        # the whole model); the names say "of N" once N is known
+        files: list[Path] = []
+        weight_map: dict[str, int] = {}
+        shard: dict[str, torch.Tensor] = {}
+        size = total = 0
+
+        def flush():
+            nonlocal shard, size
+            if shard:
+                files.append(folder / f"model-part{len(files) + 1:05d}.safetensors")
+                save_file(shard, str(files[-1]), metadata={"format": "pt"})
+                weight_map.update({name: len(files) - 1 for name in shard})
+            shard, size = {}, 0
+
         for bucket in self.hf_buckets(bucket_bytes=256 * 2**20, merged=merged):
             if self.rank != 0:
                 continue
             for name, t in bucket:
                 n = t.numel() * t.element_size()
-                if shards[-1] and size + n > max_shard_bytes:
-                    shards.append({})
-                    size = 0
-                shards[-1][name] = t.detach().to("cpu", copy=True).contiguous()
-                size += n
+                if shard and size + n > max_shard_bytes:
+                    flush()
+                shard[name] = t.detach().to("cpu", copy=True).contiguous()
+                size, total = size + n, total + n
         if self.rank == 0:
-            folder.mkdir(parents=True, exist_ok=True)
-            for old in folder.glob("model*.safetensors*"):
-                old.unlink()
-            if len(shards) == 1:
-                save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+            flush()
+            if len(files) == 1:
+                files[0].rename(folder / "model.safetensors")
             else:
-                weight_map, total = {}, 0
-                for k, shard in enumerate(shards):
-                    fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-                    save_file(shard, str(folder / fname), metadata={"format": "pt"})
-                    for name, t in shard.items():
-                        weight_map[name] = fname
-                        total += t.numel() * t.element_size()
-                (folder / "model.safetensors.index.json").write_text(
-                    json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+                names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+                for f, name in zip(files, names):
+                    f.rename(folder / name)
+                (folder / "model.safetensors.index.json").write_text(json.dumps(
+                    {"metadata": {"total_size": total}, "weight_map": {n: names[k] for n, k in weight_map.items()}},
+                    indent=1))
             config = self.hf_config.__class__.from_dict(self.hf_config.to_dict())
             config.torch_dtype = self._dtype_name()
             config.save_pretrained(folder)
@@ -649,6 +661,8 @@ class MegatronTrainer:
         # default (fully_sharded_model_space) builds flattened ShardedTensors, which this
         # megatron-core refuses at save; this one loads into any TP/PP/EP/DP layout.
         opt = dict(is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        for optimizer in (self.optimizer, self.critic_optimizer):
+            _save_owned_param_state(optimizer)
         if isinstance(self.model, torch.nn.ModuleList):  # virtual stages: megatron.training's model0, model1, ...
             # the chunks' local names repeat (each numbers its layers from 0): the optimizer maps its
             # parameters to sharded tensors over the nested dict, as megatron.training passes it
@@ -810,6 +824,87 @@ def _prepare_load(optimizer) -> None:
                 dst[key].copy_(value)
 
         opt._set_main_param_and_optimizer_states = set_states
+
+
+def _save_owned_param_state(optimizer) -> None:
+    """Save the distributed optimizer's fully_reshardable state without its host blow-up.
+
+    megatron-core (0.16 to 0.19) builds that state by all-gathering the whole DP group's Adam
+    state into one fp32 host buffer on every rank (DP x this rank's shard, plus bucket-sized
+    copies), then clones each parameter's slice of it as it writes: at 7B, TP=2 x DP=2, over
+    100 GB per rank. Here each parameter's state is gathered onto one DP rank (owners spread
+    by size), which alone lists it, under the same keys and shapes: the checkpoint is the
+    one megatron-core writes, so its fully_reshardable load still reads it into any layout,
+    and a rank holds about its own shard. Only the save is replaced on this optimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
+        if isinstance(opt, DistributedOptimizer) and not opt.ddp_config.use_megatron_fsdp:
+            opt.sharded_param_state_fully_reshardable = partial(_owned_param_state, opt)
+
+
+_PIECE = 2**20  # elements: a 4 MB receive buffer
+
+
+def _owned_param_state(opt, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    if is_loading:  # the load side is megatron-core's
+        return type(opt).sharded_param_state_fully_reshardable(opt, model_sharded_state_dict, is_loading, metadata)
+    group = opt.data_parallel_group
+    me, ranks = group.rank(), dist.get_process_group_ranks(group)
+    sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    meta = {sh.data: sh for sh in nested_values(sharded)}
+    # the parameters in fully_reshardable's order, and this rank's slice of each (flattened)
+    params = [p for gbuf_idx, maps in enumerate(opt.gbuf_ranges) for _ in maps
+              for p in opt.buffers[gbuf_idx].param_index_map]
+    mine = {p: (r["param"].start, r["param"].end) for maps in opt.gbuf_ranges for per_bucket in maps.values()
+            for bucket in per_bucket for p, r in bucket["param_map"].items()}
+    slices: list = [None] * group.size()
+    dist.all_gather_object(slices, [mine.get(p, (0, 0)) for p in params], group=group)
+    owner, load = {}, [0] * group.size()
+    for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+        owner[i] = load.index(min(load))
+        load[owner[i]] += params[i].numel()
+    state = {}
+    for i, p in enumerate(params):
+        local = opt._get_main_param_and_optimizer_states(p) if p in mine else {}
+        out = {}
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            full = torch.empty(p.numel(), dtype=torch.float32) if owner[i] == me else None
+            for r, (start, end) in enumerate(s[i] for s in slices):
+                if end <= start:  # that rank holds none of this parameter
+                    continue
+                if r == me and full is not None:
+                    full[start:end].copy_(local[key].detach().view(-1))
+                    continue
+                # in pieces of _PIECE elements: a bounded receive buffer (on the GPU with NCCL)
+                for a in range(start, end, _PIECE):
+                    b = min(a + _PIECE, end)
+                    if r == me:
+                        piece = local[key].detach().view(-1)[a - start:b - start]
+                        dist.send(piece.float().contiguous(), ranks[owner[i]], group=group)
+                    elif full is not None:
+                        part = torch.empty(b - a, dtype=torch.float32, device=p.device)
+                        dist.recv(part, ranks[r], group=group)
+                        full[a:b].copy_(part)
+            out[key] = full
+        if owner[i] != me:
+            continue
+        sh = meta[p]
+        tensors = {}
+        for key, full in out.items():
+            kw = dict(key=f"optimizer.state.{key}.{sh.key}", data=full.view(sh.data.shape), dtype=full.dtype,
+                      replica_id=(*sh.replica_id[:-1], 0))  # the owner is this state's main replica
+            if isinstance(sh, ShardedTensorFactory):
+                kw.pop("dtype")
+            tensors[key] = replace(sh, **kw)
+            tensors[key].validate_metadata_integrity()
+        state[i] = tensors
+    return state
 
 
 def _own_steps(optimizer) -> None:
