@@ -17,6 +17,7 @@ on the response tokens, normalised by the global batch's trained-token count.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import replace
 from functools import partial
@@ -740,7 +741,10 @@ class MegatronTrainer:
             raise ConfigError(f"--load {folder}: saved {'with' if saved_kind else 'without'} "
                               f"--use-distributed-optimizer; resume it {'with' if saved_kind else 'without'} it too")
         optim = not self.train_cfg.no_save_optim
-        if optim and not any(k.startswith("optimizer.") for k in dist_checkpointing.load_tensors_metadata(str(dist_dir))):
+        # the optimizer's sharded keys: "optimizer.state..." or, chained (MoE: dense + expert), "chained_N.optimizer..."
+        saved_optim = (re.match(r"(chained_\d+\.)?optimizer\.", k)
+                       for k in dist_checkpointing.load_tensors_metadata(str(dist_dir)))
+        if optim and not any(saved_optim):
             raise ConfigError(f"--load {folder}: saved with --no-save-optim (no optimizer state); resume with "
                               "--no-save-optim to start the optimizer afresh")
         for optimizer in (self.optimizer, self.critic_optimizer) if optim else ():
