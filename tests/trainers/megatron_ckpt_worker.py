@@ -17,7 +17,7 @@ import megatron_cpu_shim  # noqa: E402
 megatron_cpu_shim.apply()
 
 from agentrl.config import AlgoConfig, TrainConfig  # noqa: E402
-from megatron_helpers import make_samples  # noqa: E402
+from megatron_helpers import leave_together, make_samples  # noqa: E402
 
 
 def main() -> None:
@@ -45,6 +45,7 @@ def main() -> None:
     if trainer.rank == 0:
         Path(args.out).write_text(json.dumps({"version": trainer.version, "before": before, "metrics": metrics,
                                               "after": after}))
+    leave_together()
 
 
 if __name__ == "__main__":  # dist_checkpointing's writers are spawned processes, which import this file

@@ -33,6 +33,17 @@ def make_samples(n: int = 6, vocab: int = 500, seed: int = 0):
     return out
 
 
+def leave_together() -> None:
+    """A worker's last line: every rank reaches the barrier, then the process group goes. A rank
+    that exits while another still holds its gloo connection can abort at exit ("terminate
+    called without an active exception": CI saw it on a CP x EP run whose results were fine)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,7 +22,7 @@ from safetensors.torch import load_file  # noqa: E402
 from agentrl.config import AlgoConfig, TrainConfig  # noqa: E402
 from agentrl.models import build_tiny_model  # noqa: E402
 from agentrl.trainers.megatron.weights import HFCheckpoint  # noqa: E402
-from megatron_helpers import make_samples  # noqa: E402
+from megatron_helpers import leave_together, make_samples  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -54,3 +54,4 @@ merged_matches = sorted(merged) == sorted(want) and all(torch.allclose(merged[k]
 if trainer.rank == 0:
     Path(args.out).write_text(json.dumps({"before": before, "metrics": metrics, "after": after,
                                           "merged_matches": merged_matches}))
+leave_together()

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from agentrl.config import AlgoConfig, TrainConfig  # noqa: E402
 from agentrl.models import build_tiny_model  # noqa: E402
 from agentrl.trainers.megatron.weights import HFCheckpoint  # noqa: E402
-from megatron_helpers import make_samples  # noqa: E402
+from megatron_helpers import leave_together, make_samples  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -46,3 +46,4 @@ after = trainer.compute_logprobs(samples)
 if trainer.rank == 0:
     Path(args.out).write_text(json.dumps({"roundtrip": roundtrip, "names": sorted(exported), "before": before,
                                           "metrics": metrics, "after": after}))
+leave_together()
