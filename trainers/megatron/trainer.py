@@ -155,6 +155,7 @@ class MegatronTrainer:
         opt_kw["lr"] = lr
         no_apex.install_multi_tensor_ops()  # grad norm and weight copies on the device, without host syncs
         optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), ddps)
+        _save_owned_param_state(optimizer)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [d.no_sync for d in ddps]
         config.grad_scale_func = optimizer.scale_loss
@@ -662,8 +663,6 @@ class MegatronTrainer:
         # default (fully_sharded_model_space) builds flattened ShardedTensors, which this
         # megatron-core refuses at save; this one loads into any TP/PP/EP/DP layout.
         opt = dict(is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
-        for optimizer in (self.optimizer, self.critic_optimizer):
-            _save_owned_param_state(optimizer)
         if isinstance(self.model, torch.nn.ModuleList):  # virtual stages: megatron.training's model0, model1, ...
             # the chunks' local names repeat (each numbers its layers from 0): the optimizer maps its
             # parameters to sharded tensors over the nested dict, as megatron.training passes it
@@ -742,9 +741,8 @@ class MegatronTrainer:
                               f"--use-distributed-optimizer; resume it {'with' if saved_kind else 'without'} it too")
         optim = not self.train_cfg.no_save_optim
         # the optimizer's sharded keys: "optimizer.state..." or, chained (MoE: dense + expert), "chained_N.optimizer..."
-        saved_optim = (re.match(r"(chained_\d+\.)?optimizer\.", k)
-                       for k in dist_checkpointing.load_tensors_metadata(str(dist_dir)))
-        if optim and not any(saved_optim):
+        if optim and not any(re.match(r"(chained_\d+\.)?optimizer\.", k)
+                             for k in dist_checkpointing.load_tensors_metadata(str(dist_dir))):
             raise ConfigError(f"--load {folder}: saved with --no-save-optim (no optimizer state); resume with "
                               "--no-save-optim to start the optimizer afresh")
         for optimizer in (self.optimizer, self.critic_optimizer) if optim else ():
@@ -839,7 +837,8 @@ def _save_owned_param_state(optimizer) -> None:
     100 GB per rank. Here each parameter's state is gathered onto one DP rank (owners spread
     by size), which alone lists it, under the same keys and shapes: the checkpoint is the
     one megatron-core writes, so its fully_reshardable load still reads it into any layout,
-    and a rank holds about its own shard. Only the save is replaced on this optimizer."""
+    and a rank holds about its own shard. Only the save is replaced on this optimizer; set once,
+    where the optimizer is built."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
