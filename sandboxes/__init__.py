@@ -56,7 +56,7 @@ import logging
 from pathlib import Path
 
 from .base import (RUN_ID, ExecResult, ImageNotFoundError, Sandbox, SandboxError, SandboxFileError,
-                   SandboxLimits, SyncSandbox, run_sync)
+                   SandboxLimits, SyncSandbox, run_sync, still_answers)
 from .backends import BACKENDS, create, create_sync, resolve_backend
 from .docker_backend import DEFAULT_IMAGE, DockerSandbox, engine_available
 from .local_backend import LocalSandbox, local_available
@@ -64,7 +64,7 @@ from .pool import SandboxPool, default_max_active
 
 __all__ = ["create", "create_sync", "resolve_backend", "reap", "agentrl_source_mounts",
            "Sandbox", "SyncSandbox", "SandboxLimits", "ExecResult", "SandboxError", "SandboxFileError",
-           "ImageNotFoundError", "SandboxPool", "default_max_active", "DEFAULT_IMAGE", "RUN_ID"]
+           "ImageNotFoundError", "SandboxPool", "default_max_active", "DEFAULT_IMAGE", "RUN_ID", "still_answers"]
 
 log = logging.getLogger("agentrl.sandboxes")
 

@@ -89,6 +89,25 @@ MAX_STRAY_LINES = 64  # answers with a wrong id skipped per request before the c
 RUN_ID = os.environ.get("AGENTRL_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
 
 
+ANSWER_WAIT_S = 30.0  # how long a sandbox whose operation failed gets to answer a ping
+
+
+async def still_answers(sandbox) -> bool:
+    """Whether `sandbox`, after one of its operations failed, still answers a ping (which restarts
+    an exec server that was killed, or that could not restart at first). True: the sandbox lives
+    and works, so what broke the operation was the agent's own doing (reward 0, never a FAILED
+    trajectory the policy could use to veto its group). False: the sandbox (container,
+    namespaces) is gone or silent for ANSWER_WAIT_S: infrastructure. A host-side hiccup that
+    passes within the wait counts as the agent's: the price of that rule."""
+    if sandbox is None:
+        return False
+    try:
+        await asyncio.wait_for(sandbox.ping(), ANSWER_WAIT_S)
+    except Exception:  # noqa: BLE001 - any failure to answer: the sandbox is what broke
+        return False
+    return True
+
+
 class SandboxError(AgentRLError):
     """Infrastructure failure: the sandbox cannot start, died, or its engine is gone.
     Not a failed command (that is an `ExecResult` with a non-zero exit code). `sandbox_id`: the

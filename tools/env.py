@@ -41,7 +41,6 @@ from agentrl.tools.spec import MCPServerSpec, as_spec, builtin_spec, tool_sandbo
 __all__ = ["ToolEnv"]
 log = logging.getLogger("agentrl.tools")
 _warned: set[str] = set()
-SANDBOX_CHECK_S = 30.0  # how long the sandbox of a failed operation gets to answer a ping
 
 
 def _warn_once(msg: str) -> None:
@@ -212,7 +211,7 @@ class ToolEnv(Env):
         its exec raising SandboxError (the exec server killed and unable to restart); a file
         operation it refused (`SandboxFileError`: the agent's file missing, a FIFO, too large, a
         full or unwritable workdir). A server on the host, another sandbox (the grader's), or a
-        sandbox that died or does not answer within 30 s stays an infrastructure failure."""
+        sandbox that died or does not answer (still_answers) stays an infrastructure failure."""
         sb, toolset = self.sandbox_instance, self.toolset
         if sb is None:
             return False
@@ -226,11 +225,9 @@ class ToolEnv(Env):
                 return False
         else:
             return False
-        try:
-            await asyncio.wait_for(sb.ping(), SANDBOX_CHECK_S)
-        except Exception:  # noqa: BLE001 - any failure to answer: the sandbox is what broke
-            return False
-        return True
+        from agentrl.sandboxes import still_answers
+
+        return await still_answers(sb)
 
     async def _astep(self, action: str):
         if self.toolset is None:

@@ -427,23 +427,13 @@ class AgentRunner:
         return float(out), fault
 
 
-SANDBOX_CHECK_S = 30.0  # how long a sandbox whose exec raised gets to answer a ping
-
-
 async def _sandbox_answers(sandbox) -> bool:
-    """Whether `sandbox`, whose exec raised SandboxError, still answers a ping (which restarts an
-    exec server that was killed, or that could not restart at first). True: the sandbox lives and
-    works, so what broke the exec was the agent's own doing. False: the sandbox (container,
-    namespaces) is gone or does not answer within SANDBOX_CHECK_S: infrastructure. A host-side
-    hiccup that passes within the check counts as the agent's: the price of never letting a
-    policy veto its group by breaking its own sandbox."""
+    """agentrl.sandboxes.still_answers, imported only when a sandbox exists (function agents never load it)."""
     if sandbox is None:
         return False
-    try:
-        await asyncio.wait_for(sandbox.ping(), SANDBOX_CHECK_S)
-    except Exception:  # noqa: BLE001 - any failure to answer: the sandbox is what broke
-        return False
-    return True
+    from agentrl.sandboxes import still_answers
+
+    return await still_answers(sandbox)
 
 
 def _is_sandbox_error(exc: BaseException | None) -> bool:
