@@ -54,6 +54,49 @@ def test_greedy_is_deterministic_and_concurrent_requests_are_batched(engine, tok
     assert after["requests"] - before["requests"] == 16 and batches < 16, (before, after)
 
 
+def test_a_sampling_seed_fixes_the_tokens_whatever_the_batch(engine, tokenizer):
+    """SGLang's sampling_seed (deterministic inference): a seeded request samples the same tokens
+    alone or among others, another seed samples others; an unseeded one varies from run to run."""
+    async def go():
+        async with EngineClient(engine.url) as c:
+            def params(seed):
+                extra = {} if seed is None else {"sampling_seed": seed}
+                return {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, **extra}
+            prompt = tokenizer.encode("the capital of")
+            alone = await c.generate(prompt, params(7))
+            crowd = await asyncio.gather(*[c.generate(tokenizer.encode(f"other {i}"), params(i)) for i in range(12)],
+                                         c.generate(prompt, params(7)))
+            others = [await c.generate(prompt, params(s)) for s in (8, 9)]
+            free = [await c.generate(prompt, params(None)) for _ in range(3)]
+            bad = await _post(engine.url, "/generate", {"input_ids": prompt, "sampling_params": {"sampling_seed": "x"}})
+            return alone, crowd[-1], others, free, bad
+
+    alone, in_crowd, others, free, bad = run(go())
+    assert in_crowd.output_ids == alone.output_ids
+    assert in_crowd.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+    assert all(o.output_ids != alone.output_ids for o in others)
+    assert len({tuple(f.output_ids) for f in free}) > 1
+    assert bad[0] == 400 and "sampling_seed" in bad[1]["error"]["message"]
+
+
+def test_seeded_draws_follow_the_distribution():
+    """The hashed Gumbel noise samples each token at its probability: over 20,000 (seed, position)
+    pairs every share is within 4 standard errors of the distribution's."""
+    from agentrl.engines.embedded import seeded_sample
+
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03, 0.0])
+    n = 20_000
+    seeds = torch.arange(n) % 1000 * 7919
+    positions = torch.arange(n) // 1000
+    draws = seeded_sample(probs.expand(n, -1), seeds, positions)
+    shares = torch.bincount(draws, minlength=len(probs)).double() / n
+    stderr = (probs * (1 - probs) / n).sqrt().double()
+    assert bool(((shares - probs).abs() <= 4 * stderr + 1e-12).all()), shares
+    assert shares[-1] == 0  # a token of probability 0 is never drawn
+    again = seeded_sample(probs.expand(n, -1), seeds, positions)
+    assert torch.equal(draws, again)
+
+
 def test_bad_input_is_rejected_and_server_lives(engine):
     for payload in ({"input_ids": []}, {"input_ids": [10**9]}, {"input_ids": "text"}):
         status, body = run(_post(engine.url, "/generate", payload))

@@ -22,6 +22,11 @@ def metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+def trajectories(folder: Path, rollout_id: int, key: str) -> list:
+    rows = (folder / "trajectories" / f"rollout_{rollout_id:05d}.jsonl").read_text().splitlines()
+    return [json.loads(r)[key] for r in rows]
+
+
 def learning_figures(rows: list[dict], n: int = 10) -> dict:
     """The first and last n iterations' mean reward and mean above-chance figure."""
     def mean(key, part):
@@ -84,14 +89,27 @@ def test_resume_continues_at_the_same_data_position(tmp_path):
     assert context["resumed_from"] == 2 and context["model_path"].endswith("iter_000002/model")
     assert [r["rollout_id"] for r in metrics(b)] == [2, 3]
 
-    def prompts(folder, i):
-        rows = (folder / "trajectories" / f"rollout_{i:05d}.jsonl").read_text().splitlines()
-        return [json.loads(r)["prompt_text"] for r in rows]
-
-    for i in (2, 3):
-        assert prompts(b, i) == prompts(a, i)
+    for i in (2, 3):  # the same prompts, and the same tokens sampled from the same weights
+        assert trajectories(b, i, "prompt_text") == trajectories(a, i, "prompt_text")
+        assert trajectories(b, i, "response_tokens") == trajectories(a, i, "response_tokens")
     state = json.loads((b / "checkpoints" / "iter_000004" / "trainer_state.json").read_text())
     assert state["rollout_id"] == 4 and state["data"]["consumed"] == 16 and state["version"] == 4
+
+
+def test_a_seed_gives_the_same_run_whatever_the_timing(tmp_path):
+    """Each trajectory's sampling_seed fixes its tokens: one request at a time or all at once (other
+    batches in the engine, other arrival order) the run samples the same tokens and trains the
+    same losses; another seed samples other tokens."""
+    runs = {}
+    for name, extra in (("all", []), ("one", ["--max-concurrency", "1"]), ("other", ["--seed", "2"])):
+        out = tmp_path / name
+        proc = train("--num-rollout", "3", "--output-dir", str(out), *SMALL, *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = out
+    for i in range(3):
+        assert trajectories(runs["one"], i, "response_tokens") == trajectories(runs["all"], i, "response_tokens")
+    assert [r["loss"] for r in metrics(runs["one"])] == [r["loss"] for r in metrics(runs["all"])]
+    assert trajectories(runs["other"], 0, "response_tokens") != trajectories(runs["all"], 0, "response_tokens")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -102,6 +102,7 @@ class _Request:
     max_new: int = 128
     stop_ids: frozenset = frozenset()
     stop_strs: list[str] = field(default_factory=list)
+    sampling_seed: int | None = None  # set: its draws depend on (seed, position) only, not on the batch
 
 
 @dataclass
@@ -123,6 +124,30 @@ def _stop_strings(value) -> list[str]:
     if not value:
         return []
     return [value] if isinstance(value, str) else [str(x) for x in value if x]
+
+
+_LOW32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values below 2**32 (products wrap;
+    only their low 32 bits are kept)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _LOW32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _LOW32
+    return h ^ (h >> 16)
+
+
+def seeded_sample(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One token per row, drawn from `probs` [n, vocab] with noise that depends only on the row's
+    `sampling_seed` and the token's position: SGLang's deterministic sampling (Gumbel-max with
+    noise hashed from seed, position and token id), so a request's tokens do not depend on which
+    others shared its batch or when it arrived."""
+    row = _mix32((seeds.long() & _LOW32) ^ _mix32(positions.long() & _LOW32))
+    cols = _mix32(torch.arange(probs.shape[-1], device=probs.device, dtype=torch.long))
+    uniform = (_mix32(row[:, None] ^ cols[None, :]).double() + 0.5) / 2.0 ** 32
+    return (probs.double().log() - (-uniform.log()).log()).argmax(-1)
 
 
 def encode_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
@@ -365,6 +390,7 @@ class EmbeddedEngine:
             r.max_new = int(p["max_new_tokens"]) if p.get("max_new_tokens") is not None else 128
             r.stop_ids = frozenset(p.get("stop_token_ids") or []) | frozenset(() if p.get("ignore_eos") else self.eos_ids)
             r.stop_strs = _stop_strings(p.get("stop"))
+            r.sampling_seed = p.get("sampling_seed")
         ids, mask, positions, past = self._prefill_inputs(joining)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
                          use_cache=True)
@@ -398,6 +424,12 @@ class EmbeddedEngine:
         logprobs = torch.log_softmax(scaled, dim=-1)
         probs = self._filter(logprobs.exp(), decoding.top_p, decoding.top_k)
         sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        seeded = [i for i, r in enumerate(rows) if r.sampling_seed is not None]
+        if seeded:
+            at = torch.tensor(seeded, device=self.device)
+            sampled[at] = seeded_sample(
+                probs[at], torch.tensor([rows[i].sampling_seed for i in seeded], device=self.device),
+                torch.tensor([len(rows[i].input_ids) + len(rows[i].output_ids) for i in seeded], device=self.device))
         tokens = torch.where(greedy, logprobs.argmax(-1), sampled)
         token_lp = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
         finished, keep = [], []
@@ -489,6 +521,9 @@ class EmbeddedEngine:
             return _error(f"input_ids out of range [0, {vocab})")
         if body.get("stream"):
             return _error("streaming is not supported by the embedded engine")
+        seed = (body.get("sampling_params") or {}).get("sampling_seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            return _error(f"sampling_params.sampling_seed must be an integer, got {seed!r}")
         if self.released:
             return self._fatal(f"/generate while memory is released ({sorted(self.released)})")
         adapter = None

@@ -17,6 +17,7 @@ model's words, as Search-R1's decode with skip_special_tokens does.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import traceback
@@ -281,6 +282,13 @@ class Renderer:
         return rendered[len(seen):]
 
 
+def trajectory_sampling_seed(seed: int, trajectory_id: str) -> int:
+    """The engine's `sampling_seed` for one trajectory: its tokens then depend on the run's seed
+    and which trajectory it is, not on what else the engine batched with it (the embedded engine
+    always; SGLang under --sglang-enable-deterministic-inference)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{trajectory_id}".encode()).digest()[:4], "little")
+
+
 async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, client: GenerateClient,
                          settings: LoopSettings, trajectory_id: str, group_id: int, seed: int,
                          env_name: str = "", control: RolloutControl | None = None) -> Sample:
@@ -303,6 +311,7 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
         seen, sample.prompt_tokens = renderer.prompt(messages, tools)  # the text of every token so far
         stages["prompt_s"] = clock() - t0
         stops = set(settings.sampling_params.get("stop_token_ids") or []) | {renderer.tokenizer.eos_token_id}
+        sampling_seed = trajectory_sampling_seed(seed, trajectory_id)
         turn_limit = settings.max_turns or SAFETY_MAX_TURNS
         # the response budget: prompt + response within the context cap, when that is the tighter one
         max_len, length_reason = settings.max_response_len, TRUNCATED_RESPONSE_LEN
@@ -329,7 +338,8 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                     _add(stages, "gate_wait_s", clock() - t0)
                 t0 = clock()
                 stages.setdefault("first_request_at", time.time())
-                result = await client.generate(sample.tokens, {**settings.sampling_params,
+                result = await client.generate(sample.tokens, {"sampling_seed": sampling_seed,
+                                                               **settings.sampling_params,
                                                                "max_new_tokens": budget - len(out)},
                                                session_id=trajectory_id, rid=f"{trajectory_id}-t{turn}-{len(out)}",
                                                lora_path=control.lora_adapter if control is not None else None)
