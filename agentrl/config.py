@@ -445,7 +445,9 @@ class RunConfig(Section):
     load_debug_rollout_data: str | None = None
     """A run folder (or its trajectories/ folder) whose saved rollouts --debug-train-only replays."""
     seed: int = 1234
-    """Seed of the data order, the env episodes, sampling and model init."""
+    """Seed of the data order, the env episodes, sampling and model init. Each trajectory's
+    requests carry a sampling_seed derived from it, so on the embedded engine (and on SGLang with
+    --sglang-enable-deterministic-inference) a seed gives the same tokens however requests are batched."""
     progress: bool = True
     """Show the live progress display."""
     use_wandb: bool = False

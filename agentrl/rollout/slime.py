@@ -205,7 +205,8 @@ def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
         rollout_sample_filter_path=None, rollout_all_samples_process_path=None, rollout_sample_hook_path=None,
         rm_type=values.get("rm_type"), rm_url=values.get("rm_url"), multimodal_keys=None,
         apply_chat_template_kwargs=values.get("apply_chat_template_kwargs") or {},
-        sglang_enable_deterministic_inference=False, router_policy=values.get("router_policy"),
+        sglang_enable_deterministic_inference="sglang_enable_deterministic_inference" in values,
+        router_policy=values.get("router_policy"),
         **megatron_sizes(cfg.megatron_args),
         sglang_model_routers=None, eval_datasets=[],
     )
