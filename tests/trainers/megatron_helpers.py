@@ -50,25 +50,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, args: list[str], out: Path, timeout: float = 240, worker: str = "megatron_worker.py") -> dict:
-    """Start `world` gloo ranks of `worker` (a script here); return rank 0's JSON result."""
+def run_ranks(world: int, args: list[str], out: Path, timeout: float = 420, worker: str = "megatron_worker.py") -> dict:
+    """Start `world` gloo ranks of `worker` (a script here); return rank 0's JSON result. A rank
+    that fails stops the others at once (they would wait for it in a collective until the
+    timeout) and the error shows its log; at the timeout every rank's log tail is shown."""
+    import time
+
     port = _free_port()
-    procs = []
+    procs, logs = [], []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        logs.append(open(out.with_name(f"{out.stem}.rank{rank}.log"), "w+"))
         procs.append(subprocess.Popen([sys.executable, str(HERE / worker), "--out", str(out), *args],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
+                                      env=env, stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
+
+    def tails(ranks) -> str:
+        parts = []
+        for rank in ranks:
+            logs[rank].seek(0)
+            parts.append(f"--- rank {rank} (exit {procs[rank].poll()}):\n{logs[rank].read()[-4000:]}")
+        return "\n".join(parts)
+
+    deadline = time.monotonic() + timeout
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
+        while any(p.poll() is None for p in procs):
+            failed = [rank for rank, p in enumerate(procs) if p.poll() not in (None, 0)]
+            assert not failed, f"rank {failed[0]} failed:\n{tails(failed)}"
+            assert time.monotonic() < deadline, f"ranks still running after {timeout:.0f} s:\n{tails(range(world))}"
+            time.sleep(0.2)
+        failed = [rank for rank, p in enumerate(procs) if p.returncode != 0]
+        assert not failed, f"rank {failed[0]} failed:\n{tails(failed)}"
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
+                p.wait(timeout=30)
+        for f in logs:
+            f.close()
     return json.loads(out.read_text())
 
 
