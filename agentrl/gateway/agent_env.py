@@ -50,7 +50,8 @@ from agentrl.errors import AgentFault, ConfigError
 from agentrl.gateway.server import Gateway
 from agentrl.gateway.session import Session
 from agentrl.registry import get_spec, make, register_env
-from agentrl.rollout.agent_loop import TRUNCATED_RESPONSE_LEN, TRUNCATED_MAX_TURNS, LoopSettings, Renderer
+from agentrl.rollout.agent_loop import (TRUNCATED_MAX_TURNS, TRUNCATED_RESPONSE_LEN, LoopSettings, Renderer,
+                                        trajectory_sampling_seed)
 from agentrl.rollout.client import GenerateClient
 from agentrl.rollout.control import RolloutControl
 from agentrl.types import Sample, SampleStatus
@@ -259,7 +260,8 @@ class AgentRunner:
         settings = self.settings_for(env)
         session = Session(trajectory_id=trajectory_id, group_id=group_id, env_name=env_name, task=task,
                           renderer=self.renderer, client=self.client, settings=settings, tool_parser=env.tool_parser,
-                          control=self.control, honor_sampling=self.honor_sampling)
+                          control=self.control, honor_sampling=self.honor_sampling,
+                          sampling_seed=trajectory_sampling_seed(seed, trajectory_id))
         if env.agent is not None:
             _require_openai()  # missing, every agent would fail alike: say so once, loudly
         async with contextlib.AsyncExitStack() as stack:

@@ -67,10 +67,12 @@ class Session:
 
     def __init__(self, *, trajectory_id: str, group_id: int, env_name: str, task: dict, renderer: Renderer,
                  client: GenerateClient, settings: LoopSettings, tool_parser: str | None,
-                 control: RolloutControl | None = None, honor_sampling: bool = False):
+                 control: RolloutControl | None = None, honor_sampling: bool = False,
+                 sampling_seed: int | None = None):
         self.trajectory_id, self.group_id, self.env_name, self.task = trajectory_id, group_id, env_name, task
         self.renderer, self.client, self.settings, self.control = renderer, client, settings, control
         self.tool_parser, self.honor_sampling = tool_parser, honor_sampling
+        self.sampling_seed = sampling_seed  # the trajectory's: its tokens do not depend on the engine's batching
         self.segments: list[Segment] = []
         self.requests = 0
         self.prefix_breaks = 0
@@ -162,6 +164,8 @@ class Session:
 
     def _sampling_params(self, request: ChatRequest, budget: int) -> dict:
         params = dict(self.settings.sampling_params)
+        if self.sampling_seed is not None:
+            params.setdefault("sampling_seed", self.sampling_seed)
         if self.honor_sampling:  # else the run's: the trainer's logprobs assume its temperature
             params.update({k: v for k, v in (("temperature", request.temperature), ("top_p", request.top_p))
                            if v is not None})

@@ -100,6 +100,17 @@ def test_reward_from_the_return_value(tokenizer):
     assert samples[0].reward == 0.0 and "agent_fault" not in samples[0].metadata
 
 
+def test_the_engine_is_sent_the_trajectorys_sampling_seed(tokenizer):
+    """As the agent loop: each request of a session carries its trajectory's sampling seed, so the
+    agent's tokens depend on the run's seed and the trajectory, not on the engine's batching."""
+    from agentrl.rollout.agent_loop import trajectory_sampling_seed
+
+    _, engine = play(tokenizer, "test-gw-return", ["yes"])
+    (_, params, _), = engine.calls
+    assert params["sampling_seed"] == trajectory_sampling_seed(1, "g0-s0") != trajectory_sampling_seed(1, "g0-s1")
+    assert trajectory_sampling_seed(1, "g0-s0") != trajectory_sampling_seed(2, "g0-s0")
+
+
 @pytest.mark.parametrize("answer, reward", [("so \\boxed{3}", 1.0), ("\\boxed{4}", 0.0)])
 def test_reward_from_an_env_grader(tokenizer, answer, reward):
     samples, _ = play(tokenizer, "test-gw-grader", [answer], {"prompt": "1+2?", "label": "3"})
