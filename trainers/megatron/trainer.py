@@ -798,9 +798,10 @@ def _prepare_load(optimizer) -> None:
     - before its first step it has no Adam state, and the state dict to load into is built from
       the current one, which reads each parameter's `step`: one step at lr 0 with zero grads
       creates the state (no weight moves; the checkpoint replaces it);
-    - the load copies every state key of a parameter from the checkpoint, torch's `step` too,
-      which the checkpoint keeps in its param groups instead (restored from there): copy the
-      keys the checkpoint has, and fail if one other than `step` is missing."""
+    - where megatron-core's own load runs (optimizer_state reads the state in place otherwise),
+      it copies every state key of a parameter from the checkpoint, torch's `step` too, which
+      the checkpoint keeps in its param groups instead (restored from there): copy the keys
+      the checkpoint has, and fail if one other than `step` is missing."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
