@@ -90,6 +90,37 @@ def measure(trainer, folder: Path) -> dict:
             "shard_bytes": shard}
 
 
+def measure_load(trainer, folder: Path) -> dict:
+    """Load the checkpoint back; per phase, this rank's peak RSS above its RSS before the load."""
+    import gc
+
+    from megatron.core import dist_checkpointing
+
+    peaks: dict[str, int] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            _reset_peak()
+            try:
+                return fn(*a, **kw)
+            finally:
+                peaks[name] = max(peaks.get(name, 0), _status("VmHWM"))
+        return wrapper
+
+    sharded, dist_load, load_state = trainer._sharded_state, dist_checkpointing.load, trainer.optimizer.load_state_dict
+    trainer._sharded_state = timed("load_sharded_state", sharded)
+    dist_checkpointing.load = timed("dist_load", dist_load)
+    trainer.optimizer.load_state_dict = timed("optimizer_load_state_dict", load_state)
+    gc.collect()
+    base = _status("VmRSS")
+    try:
+        trainer.load(folder)
+    finally:
+        trainer._sharded_state, dist_checkpointing.load = sharded, dist_load
+        del trainer.optimizer.load_state_dict
+    return {k: v - base for k, v in peaks.items()}
+
+
 def worker(args) -> None:
     import megatron_cpu_shim
 
@@ -113,7 +144,7 @@ def worker(args) -> None:
     saved = [t.clone() for t in states]
     for t in states:
         t.zero_()
-    trainer.load(Path(args.ckpt))
+    result["load_growth"] = measure_load(trainer, Path(args.ckpt))
     result["roundtrip"] = all(torch.equal(a, b) for a, b in zip(saved, states))
     Path(args.out).with_suffix(f".rank{trainer.rank}.json").write_text(json.dumps(result))
 
@@ -154,7 +185,8 @@ def report(model: Path, tp: int, dp: int, work: Path, timeout: float = 900) -> l
         shard = sum(r["shard_bytes"].values())
         print(f"rank {r['rank']}: shard {shard / MB:.0f} MB (params {r['shard_bytes']['params'] / MB:.0f}, "
               f"optimizer {r['shard_bytes']['optimizer'] / MB:.0f}); peak growth above {r['base'] / MB:.0f} MB: "
-              + ", ".join(f"{k} {v / MB:.0f} MB" for k, v in r["growth"].items()), flush=True)
+              + ", ".join(f"{k} {v / MB:.0f} MB" for k, v in {**r["growth"], **r["load_growth"]}.items()),
+              flush=True)
     return rows
 
 

@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--ckpt", required=True, help="checkpoint folder")
     parser.add_argument("--mode", choices=["save", "load"], required=True)
+    parser.add_argument("--megatron-core-save", action="store_true",
+                        help="save the distributed optimizer's state with megatron-core's own code, not the trainer's")
     args = parser.parse_args()
 
     trainer = MegatronTrainer(args.model, train=TrainConfig(lr=1e-2, global_batch_size=6, micro_batch_size=2,
@@ -34,17 +36,27 @@ def main() -> None:
                               algo=AlgoConfig(entropy_coef=0.01), temperature=0.8, device="cpu", dtype="float32",
                               megatron_args=json.loads(args.megatron))
     samples = make_samples()
+    in_place = None  # load: per distributed optimizer, whether its state was read in place (slice by slice)
     if args.mode == "save":
         trainer.train_rollout(samples)  # moves the weights and fills Adam's moments, which the next step reads
+        if args.megatron_core_save:
+            for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+                vars(opt).pop("sharded_param_state_fully_reshardable", None)  # the class's method again
         trainer.save(Path(args.ckpt), {"rollout_id": 0})
     else:
+        from agentrl.trainers.megatron import optimizer_state
+
+        build, boxes = optimizer_state._load_boxes, []
+        optimizer_state._load_boxes = lambda *a: boxes.append(build(*a)) or boxes[-1]
         trainer.load(Path(args.ckpt))
+        optimizer_state._load_boxes = build
+        in_place = [b is not None for b in boxes]
     before = trainer.compute_logprobs(samples)
     metrics = trainer.train_rollout(samples)
     after = trainer.compute_logprobs(samples)  # the update read Adam's moments: a lost optimizer state shows here
     if trainer.rank == 0:
         Path(args.out).write_text(json.dumps({"version": trainer.version, "before": before, "metrics": metrics,
-                                              "after": after}))
+                                              "after": after, "optimizer_read_in_place": in_place}))
     leave_together()
 
 

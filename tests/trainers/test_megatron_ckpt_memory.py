@@ -1,14 +1,22 @@
-"""Host memory of MegatronTrainer.save, on CPU (gloo ranks, the CPU shim).
+"""Host memory of MegatronTrainer.save and .load, on CPU (gloo ranks, the CPU shim).
 
 A 7B model at TP=2 x DP=2 on GPUs grew every trainer process to ~113 GB of host memory in the
 final save: megatron-core builds the distributed optimizer's fully_reshardable state by
 all-gathering the whole DP group's Adam state on every rank (then cloning each slice it writes).
-The trainer now gathers each parameter's state onto one DP rank only (trainer.py,
-_owned_param_state). bench/ckpt_memory.py measures each rank's peak growth per save phase; here
+The trainer now gathers each parameter's state onto one DP rank only (optimizer_state.py,
+_owned_save_state). bench/ckpt_memory.py measures each rank's peak growth per save phase; here
 it must stay under 2.5x the rank's own shard (bf16 params + fp32 main params and Adam moments)
 plus a fixed margin (the HF export's 256 MB bucket for save_hf). Before the fix the optimizer
-phase reached 3.75x on every rank. That the checkpoint still loads into other layouts is
-test_megatron_checkpoint_layouts.py's; save_hf's shards written as they fill is checked here."""
+phase reached 3.75x on every rank.
+
+The load had the same cause: megatron-core read every parameter's whole Adam state on every
+rank into DP-wide buffers, then kept its slice (at DP=2: 3.3x the rank's optimizer shard above
+its RSS before the load). Each rank now reads only the boxes of each stored tensor that hold
+its own slice, in place into its optimizer state (trainers/megatron/optimizer_state.py): the
+load's growth must stay under half its optimizer shard plus the margin (a DP-wide copy is at
+least DP - 1 shards). That the checkpoint still loads into other layouts is
+test_megatron_checkpoint_layouts.py's and test_megatron_ckpt_load.py's; save_hf's shards
+written as they fill is checked here."""
 
 import json
 import subprocess
@@ -32,7 +40,7 @@ HF_BUCKET = 256 * MB  # save_hf's export bucket: every rank holds one
 
 
 @pytest.mark.e2e  # four Megatron ranks, a ~120M-parameter model, ~2 minutes
-def test_each_rank_saves_within_about_its_own_shard(tmp_path):
+def test_each_rank_saves_and_loads_within_about_its_own_shard(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "ckpt_memory.py"), "--tp", "2", "--dp", "2",
                            "--hidden", "1024", "--layers", "8", "--work", str(tmp_path)],
                           capture_output=True, text=True, timeout=900)
@@ -48,6 +56,11 @@ def test_each_rank_saves_within_about_its_own_shard(tmp_path):
             bound = 2.5 * shard + MARGIN + (HF_BUCKET if phase == "save_hf" else 0)
             assert growth < bound, (f"rank {r['rank']} {phase}: peak host growth {growth / MB:.0f} MB "
                                     f"over {bound / MB:.0f} MB (its shard: {shard / MB:.0f} MB)")
+        optimizer_shard = r["shard_bytes"]["optimizer"]
+        for phase, growth in r["load_growth"].items():
+            bound = 0.5 * optimizer_shard + MARGIN
+            assert growth < bound, (f"rank {r['rank']} load, {phase}: peak host growth {growth / MB:.0f} MB over "
+                                    f"{bound / MB:.0f} MB (its optimizer shard: {optimizer_shard / MB:.0f} MB)")
 
 
 def test_save_hf_writes_each_shard_as_it_fills(tiny_model, tmp_path):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Iterator
@@ -34,7 +33,7 @@ from agentrl.errors import ConfigError
 from agentrl.profiling import TrainProfiler
 from agentrl.slime_args import check_reference, megatron_checkpoint_dir
 from agentrl.trainers import rng_state, set_rng_state
-from agentrl.trainers.megatron import no_apex
+from agentrl.trainers.megatron import no_apex, optimizer_state
 from agentrl.trainers.megatron.args import parse_megatron_args
 from agentrl.trainers.megatron.context_parallel import rope_without_cp_split
 from agentrl.trainers.megatron.context_parallel import split as cp_split
@@ -155,7 +154,7 @@ class MegatronTrainer:
         opt_kw["lr"] = lr
         no_apex.install_multi_tensor_ops()  # grad norm and weight copies on the device, without host syncs
         optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), ddps)
-        _save_owned_param_state(optimizer)
+        optimizer_state.install(optimizer)  # its checkpoint state, saved and loaded per parameter
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [d.no_sync for d in ddps]
         config.grad_scale_func = optimizer.scale_loss
@@ -799,9 +798,10 @@ def _prepare_load(optimizer) -> None:
     - before its first step it has no Adam state, and the state dict to load into is built from
       the current one, which reads each parameter's `step`: one step at lr 0 with zero grads
       creates the state (no weight moves; the checkpoint replaces it);
-    - the load copies every state key of a parameter from the checkpoint, torch's `step` too,
-      which the checkpoint keeps in its param groups instead (restored from there): copy the
-      keys the checkpoint has, and fail if one other than `step` is missing."""
+    - where megatron-core's own load runs (optimizer_state reads the state in place otherwise),
+      it copies every state key of a parameter from the checkpoint, torch's `step` too, which
+      the checkpoint keeps in its param groups instead (restored from there): copy the keys
+      the checkpoint has, and fail if one other than `step` is missing."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
@@ -826,88 +826,6 @@ def _prepare_load(optimizer) -> None:
                 dst[key].copy_(value)
 
         opt._set_main_param_and_optimizer_states = set_states
-
-
-def _save_owned_param_state(optimizer) -> None:
-    """Save the distributed optimizer's fully_reshardable state without its host blow-up.
-
-    megatron-core (0.16 to 0.19) builds that state by all-gathering the whole DP group's Adam
-    state into one fp32 host buffer on every rank (DP x this rank's shard, plus bucket-sized
-    copies), then clones each parameter's slice of it as it writes: at 7B, TP=2 x DP=2, over
-    100 GB per rank. Here each parameter's state is gathered onto one DP rank (owners spread
-    by size), which alone lists it, under the same keys and shapes: the checkpoint is the
-    one megatron-core writes, so its fully_reshardable load still reads it into any layout,
-    and a rank holds about its own shard. Only the save is replaced on this optimizer; set once,
-    where the optimizer is built."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
-        if isinstance(opt, DistributedOptimizer) and not opt.ddp_config.use_megatron_fsdp:
-            opt.sharded_param_state_fully_reshardable = partial(_owned_param_state, opt)
-
-
-_PIECE = 2**20  # elements: a 4 MB receive buffer
-
-
-def _owned_param_state(opt, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
-    import torch.distributed as dist
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
-
-    if is_loading:  # the load side is megatron-core's
-        return type(opt).sharded_param_state_fully_reshardable(opt, model_sharded_state_dict, is_loading, metadata)
-    group = opt.data_parallel_group
-    me, ranks = group.rank(), dist.get_process_group_ranks(group)
-    sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
-    meta = {sh.data: sh for sh in nested_values(sharded)}
-    # the parameters in fully_reshardable's order, and this rank's slice of each (flattened)
-    params = [p for gbuf_idx, maps in enumerate(opt.gbuf_ranges) for _ in maps
-              for p in opt.buffers[gbuf_idx].param_index_map]
-    mine = {p: (r["param"].start, r["param"].end) for maps in opt.gbuf_ranges for per_bucket in maps.values()
-            for bucket in per_bucket for p, r in bucket["param_map"].items()}
-    slices: list = [None] * group.size()
-    dist.all_gather_object(slices, [mine.get(p, (0, 0)) for p in params], group=group)
-    owner, load = {}, [0] * group.size()
-    for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
-        owner[i] = load.index(min(load))
-        load[owner[i]] += params[i].numel()
-    state = {}
-    for i, p in enumerate(params):
-        local = opt._get_main_param_and_optimizer_states(p) if p in mine else {}
-        out = {}
-        for key in ("param", "exp_avg", "exp_avg_sq"):
-            full = torch.empty(p.numel(), dtype=torch.float32) if owner[i] == me else None
-            for r, (start, end) in enumerate(s[i] for s in slices):
-                if end <= start:  # that rank holds none of this parameter
-                    continue
-                if r == me and full is not None:
-                    full[start:end].copy_(local[key].detach().view(-1))
-                    continue
-                # in pieces of _PIECE elements: a bounded receive buffer (on the GPU with NCCL)
-                for a in range(start, end, _PIECE):
-                    b = min(a + _PIECE, end)
-                    if r == me:
-                        piece = local[key].detach().view(-1)[a - start:b - start]
-                        dist.send(piece.float().contiguous(), ranks[owner[i]], group=group)
-                    elif full is not None:
-                        part = torch.empty(b - a, dtype=torch.float32, device=p.device)
-                        dist.recv(part, ranks[r], group=group)
-                        full[a:b].copy_(part)
-            out[key] = full
-        if owner[i] != me:
-            continue
-        sh = meta[p]
-        tensors = {}
-        for key, full in out.items():
-            kw = dict(key=f"optimizer.state.{key}.{sh.key}", data=full.view(sh.data.shape), dtype=full.dtype,
-                      replica_id=(*sh.replica_id[:-1], 0))  # the owner is this state's main replica
-            if isinstance(sh, ShardedTensorFactory):
-                kw.pop("dtype")
-            tensors[key] = replace(sh, **kw)
-            tensors[key].validate_metadata_integrity()
-        state[i] = tensors
-    return state
 
 
 def _own_steps(optimizer) -> None:
