@@ -377,7 +377,7 @@ class GenerateHook:
                 await self.control.wait()  # no trajectory starts while the weights change
             version = self.control.policy_version if self.control is not None else 0
             kwargs = {"evaluation": self.evaluation} if self.takes_evaluation else {}
-            t0 = time.perf_counter()
+            t0, started_at = time.perf_counter(), time.time()
             try:
                 out = self.fn(self.args, sample, dict(self.sampling_params), **kwargs)
                 out = await out if inspect.isawaitable(out) else out
@@ -401,6 +401,9 @@ class GenerateHook:
                 converted = to_agentrl(s, where=where, trajectory_id=tid, group_id=group_id, env_name=env_name,
                                        version=version, renderer=self.renderer)
                 converted.turn_timings = [TurnTiming(generate_s=elapsed)]
+                # its requests' span, as the agent loop records it (rollout tok/s: agentrl.batches)
+                converted.metadata.setdefault("stages", {}).update(first_request_at=started_at,
+                                                                   last_reply_at=started_at + elapsed)
                 if getattr(s, "reward", None) is None and converted.status != SampleStatus.FAILED:
                     await score(converted, task, env=env, seed=seed, reward_fn=self.reward_fn,
                                 renderer=self.renderer)
