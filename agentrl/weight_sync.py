@@ -594,10 +594,16 @@ class LeadingRank:
         return getattr(self.inner, name)
 
     def named_tensors(self):
+        return self._stream("named_tensors")
+
+    def trained_module_tensors(self):  # --lora-sync adapter's modules trained whole: gathered as named_tensors
+        return self._stream("trained_module_tensors")
+
+    def _stream(self, what: str):
         import ray
 
-        refs = [a.export.remote("named_tensors") for a in self.others]
-        stream = self.inner.named_tensors()
+        refs = [a.export.remote(what) for a in self.others]
+        stream = getattr(self.inner, what)()
         try:
             for item in stream:
                 yield item
@@ -656,9 +662,11 @@ class TrainerSync:
             serve_weights_per_rank(engine_tensors(self.cfg, self.trainer.named_tensors()), bucket_bytes=bucket_bytes,
                                    kind=kind,
                                    gather=RankGather())
-        else:
-            for _ in self.trainer.named_tensors():
+        elif what in ("named_tensors", "trained_module_tensors"):
+            for _ in getattr(self.trainer, what)():  # read to the end: the collectives rank 0's export is in
                 pass
+        else:
+            raise ValueError(f"take_part: no export {what!r}")
 
     async def sync(self, urls: list[str], version: int, fresh: bool = False) -> dict[str, Any]:
         """Bucketed weights to every engine (--weight-sync-mode); an engine that fails is named in
