@@ -214,7 +214,7 @@ def test_engine_serves_adapter_on_policy(tiny_model, tokenizer, tmp_path):
     from aiohttp.test_utils import TestClient, TestServer
 
     from agentrl.engines.embedded import EmbeddedEngine
-    from agentrl.weight_sync import lora_adapter_name, sync_lora_adapter
+    from agentrl.weight_transfer import lora_adapter_name, sync_lora_adapter
 
     trainer = lora_trainer(tiny_model)
     randomize_adapter(trainer, seed=2)
@@ -292,7 +292,8 @@ def test_adapter_sync_carries_the_trained_norm(tiny_model, tokenizer, tmp_path):
     from aiohttp.test_utils import TestClient, TestServer
 
     from agentrl.engines.embedded import EmbeddedEngine
-    from agentrl.weight_sync import TrainerSync, lora_adapter_name
+    from agentrl.weight_sync import TrainerSync
+    from agentrl.weight_transfer import lora_adapter_name
 
     cfg, _ = parse_config(["--lora-rank", "4", "--lora-alpha", "8", "--lora-sync", "adapter",
                            "--output-dir", str(tmp_path)])

@@ -323,7 +323,8 @@ def test_adapter_sync_sends_the_adapter_and_the_trained_modules(tiny_model, toke
     from agentrl.config import parse_config
     from agentrl.engines.embedded import EmbeddedEngine
     from agentrl.types import Sample, SampleStatus
-    from agentrl.weight_sync import TrainerSync, lora_adapter_name
+    from agentrl.weight_sync import TrainerSync
+    from agentrl.weight_transfer import lora_adapter_name
 
     cfg, _ = parse_config(["--trainer", "megatron", "--lora-rank", "4", "--lora-alpha", "8", "--lora-sync", "adapter",
                            "--output-dir", str(tmp_path)])

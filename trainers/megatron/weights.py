@@ -20,7 +20,7 @@ import torch
 
 from agentrl.trainers.megatron.families.common import (Family, Layout, expert_index, gather_dim, hf_sources,
                                                       local_spec_name, to_hf, to_megatron_shard, with_expert)
-from agentrl.weight_sync import buckets
+from agentrl.weight_transfer import buckets
 
 
 class HFCheckpoint:
