@@ -210,9 +210,10 @@ class TrainerSync:
 
     async def _sync_adapter(self, clients, version: int, bucket: int) -> dict[str, float]:
         """--lora-sync adapter: the peft adapter folder of `version` (written once), loaded by every
-        engine. The --lora-trainable-modules (trained whole: the final norm by default) go first by
-        the full-weight path, as SGLang's adapters carry only lora_A/lora_B: the engines' base then
-        holds the trained module, under the adapter, before any request names the new version."""
+        engine. The --lora-trainable-modules (trained whole: the tiny model's embeddings and final
+        norm by default) go first by the full-weight path, as SGLang's adapters carry only
+        lora_A/lora_B: the engines' base then holds the trained modules, under the adapter, before
+        any request names the new version."""
         whole = {}
         if self.cfg.train.lora_trainable_modules:
             whole = await self._send_tensors(clients, version, bucket, self.trainer.trained_module_tensors)
