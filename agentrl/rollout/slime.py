@@ -486,10 +486,13 @@ class RolloutHook:
         where = f"{ROLLOUT_FLAG} {self.spec}"
         kwargs = {"evaluation": False} if self.takes_evaluation else {}
         call = functools.partial(self.fn, self.args, rollout_id, self.data_source, **kwargs)
+        started_at = time.time()
         try:
             out = await call() if inspect.iscoroutinefunction(self.fn) else await asyncio.to_thread(call)
             if inspect.isawaitable(out):
                 out = await out
+            # the call's span stands for its requests' where a sample has none (rollout tok/s: agentrl.batches)
+            span = {"first_request_at": started_at, "last_reply_at": time.time()}
         except (AgentRLError, SampleInvariantError):
             raise
         except Exception as exc:  # no retry of a whole batch: slime stops here too
@@ -518,6 +521,9 @@ class RolloutHook:
                 converted = to_agentrl(s, where=where, trajectory_id=f"g{group_id}-s{k}", group_id=group_id,
                                        env_name=task.get("env") or self.args.env, version=version,
                                        renderer=self.renderer)
+                stages = converted.metadata.setdefault("stages", {})
+                if "first_request_at" not in stages:
+                    stages.update(span)
                 samples.append(converted)
                 if getattr(s, "reward", None) is None and converted.status != SampleStatus.FAILED:
                     unscored.append(self._score(converted, task))
