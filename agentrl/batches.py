@@ -117,7 +117,22 @@ class ReplayBatches:
         return {}
 
 
+def generation_span(samples: list[Sample]) -> float | None:
+    """Seconds from the first /generate request of `samples` to their last reply (the epoch stamps
+    each rollout path records per trajectory: metadata["stages"] first_request_at, last_reply_at),
+    or None where none are recorded."""
+    stamps = [s.metadata["stages"] for s in samples
+              if {"first_request_at", "last_reply_at"} <= s.metadata.get("stages", {}).keys()]
+    if not stamps:
+        return None
+    return max(t["last_reply_at"] for t in stamps) - min(t["first_request_at"] for t in stamps)
+
+
 def rollout_metrics(rollout_id: int, samples: list[Sample], seconds: float) -> dict:
+    """The batch's figures. `seconds`: how long the loop waited for it (rollout_s). tokens_per_s
+    divides the generated tokens by the span of the requests that made them (generation_span_s),
+    not by that wait: under --async the batch was made during the previous training step, and
+    the wait can be near zero; without recorded stamps, by the wait."""
     ok = [s for s in samples if s.status != SampleStatus.FAILED]
     generated = sum(s.num_trained_tokens for s in samples)
     rewards = [s.reward_value for s in ok] or [0.0]
@@ -129,6 +144,8 @@ def rollout_metrics(rollout_id: int, samples: list[Sample], seconds: float) -> d
                for name in sorted({name for c in env_counts for name in c})}
     gen_s = [t.generate_s for s in samples for t in s.turn_timings]
     env_s = [t.env_s for s in samples for t in s.turn_timings]
+    span = generation_span(samples)
+    over = span if span is not None else seconds
     return {
         "rollout_id": rollout_id,
         "reward_mean": float(np.mean(rewards)),
@@ -142,5 +159,6 @@ def rollout_metrics(rollout_id: int, samples: list[Sample], seconds: float) -> d
         "generate_s_mean": float(np.mean(gen_s)) if gen_s else 0.0,
         "env_s_mean": float(np.mean(env_s)) if env_s else 0.0,
         "generated_tokens": generated,
-        "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+        "generation_span_s": over,
+        "tokens_per_s": generated / over if over > 0 else 0.0,
     }

@@ -360,14 +360,14 @@ class TrainConfig(Section):
     down_proj, or all-linear (every one of them; never the LM head) [repeatable or comma-separated]."""
     lora_trainable_modules: list[str] = ["auto"]
     """With --lora-rank, whole modules trained beside the adapters (peft's modules_to_save), by the
-    end of their HF name, at --lr. auto: on the built-in tiny model (PyTorch trainer) its tied
-    embeddings and final norm, embed_tokens,model.norm: they cap every logit near 2.6 (embeddings of
-    std 0.02 through the norm), which adapters on the linears cannot lift, so LoRA alone does not
-    learn there (docs/benchmarks.md); on a --model checkpoint none (its logits are not capped, and
-    whole embeddings would be most of an adapter sync). `none`: adapters only (the Megatron
-    trainer's only choice). With --lora-sync adapter these tensors reach the engines by the
-    full-weight path in the same sync (SGLang's adapters carry only lora_A/lora_B) [repeatable or
-    comma-separated]."""
+    end of their HF name, at --lr. auto: on the built-in tiny model its tied embeddings and final
+    norm, embed_tokens,model.norm: they cap every logit near 2.6 (embeddings of std 0.02 through the
+    norm), which adapters on the linears cannot lift, so LoRA alone does not learn there
+    (docs/benchmarks.md); on a --model checkpoint none (its logits are not capped, and whole
+    embeddings would be most of an adapter sync). `none`: adapters only. The Megatron trainer takes
+    the same HF names; a module it fuses with others (q_proj into linear_qkv) is trained only with
+    all of them. With --lora-sync adapter these tensors reach the engines by the full-weight path in
+    the same sync (SGLang's adapters carry only lora_A/lora_B) [repeatable or comma-separated]."""
     use_pytorch_profiler: bool = False
     """Profile the train steps from --profile-step-start to before --profile-step-end with torch.profiler
     on every trainer rank: a Chrome trace and a table of operators by self time per step, in --profile-dir
@@ -722,13 +722,12 @@ def lora_target_modules(names: list[str]) -> list[str]:
 TINY_LORA_MODULES = ["embed_tokens", "model.norm"]
 
 
-def lora_trainable_modules(names: list[str], trainer: str = "torch", tiny: bool = True) -> list[str]:
+def lora_trainable_modules(names: list[str], tiny: bool = True) -> list[str]:
     """--lora-trainable-modules -> peft's modules_to_save (comma lists split, `none` empties it;
-    `auto`: the tied embeddings and final norm on the built-in tiny model with the PyTorch trainer,
-    else none)."""
+    `auto`: the tied embeddings and final norm on the built-in tiny model, else none)."""
     wanted = [n.strip() for name in names for n in name.split(",") if n.strip()]
     if wanted == ["auto"]:
-        return list(TINY_LORA_MODULES) if trainer == "torch" and tiny else []
+        return list(TINY_LORA_MODULES) if tiny else []
     return [] if wanted in ([], ["none"]) else list(dict.fromkeys(wanted))
 
 
@@ -745,7 +744,7 @@ def resolve(layers: dict) -> Config:
     has_model = bool(layers.get("model", {}).get("model"))
     # the trainer's and model's default resolved here, so config.yaml says what trained
     train["lora_trainable_modules"] = lora_trainable_modules(train.get("lora_trainable_modules", ["auto"]),
-                                                             train.get("trainer", "torch"), tiny=not has_model)
+                                                             tiny=not has_model)
     if train.get("lr") is None:
         sft = train.get("loss_type") == "sft_loss"
         train["lr"] = (SFT_CHECKPOINT_LR if sft else CHECKPOINT_LR) if has_model else TINY_MODEL_LR
@@ -766,9 +765,6 @@ def resolve(layers: dict) -> Config:
         raise ConfigError(f"invalid config: {problems}") from None
     lora_target_modules(cfg.train.target_modules)
     whole = cfg.train.lora_trainable_modules
-    if whole and cfg.train.lora_rank and cfg.train.trainer == "megatron":
-        raise ConfigError(f"--lora-trainable-modules {','.join(whole)}: the Megatron trainer trains adapters only "
-                          "(pass --lora-trainable-modules none)")
     if whole and cfg.train.lora_rank and cfg.train.lora_sync == "adapter" and cfg.train.weight_sync_mode == "disk":
         raise ConfigError("--lora-sync adapter with --lora-trainable-modules needs --weight-sync-mode tensor or "
                           "distributed (the trained modules go by the full-weight path; disk loads whole checkpoints)")

@@ -81,7 +81,7 @@ async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGr
             out["weight_update_drain_s"] = drained  # waiting for the generations in flight
             control.policy_version = version
             if lora_engine_args(cfg):  # from now on every request names this version's adapter
-                from agentrl.weight_sync import lora_adapter_name
+                from agentrl.weight_transfer import lora_adapter_name
 
                 control.lora_adapter = lora_adapter_name(version)
         finally:

@@ -85,7 +85,7 @@ def measure_training(model: Path, args, lora_rank: int) -> dict:
 
 async def measure_sync(model: Path, args, out: Path) -> dict:
     from agentrl.rollout.client import EngineClient
-    from agentrl.weight_sync import lora_adapter_name, sync_lora_adapter, sync_weights_from_disk
+    from agentrl.weight_transfer import lora_adapter_name, sync_lora_adapter, sync_weights_from_disk
 
     rank = args.lora_rank
     if args.engine == "sglang":

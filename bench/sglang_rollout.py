@@ -57,7 +57,7 @@ from agentrl.rollout.agent_loop import LoopSettings, Renderer  # noqa: E402
 from agentrl.rollout.client import EngineClient  # noqa: E402
 from agentrl.rollout.manager import generate_rollout  # noqa: E402
 from agentrl.types import SampleStatus  # noqa: E402
-from agentrl.weight_sync import sync_weights_from_disk, sync_weights_from_tensor  # noqa: E402
+from agentrl.weight_transfer import sync_weights_from_disk, sync_weights_from_tensor  # noqa: E402
 
 SYSTEM = ("You are a careful assistant that works in several turns. Each turn, continue the list the user asks "
           "for, one item per line, and stop when the user says so. Keep the format exact and do not repeat.")

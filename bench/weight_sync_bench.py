@@ -1,7 +1,7 @@
 """Colocated weight sync by payload layout: seconds, GB/s and where the seconds go, per layout and
 bucket size, with the check that the engine then serves exactly the trainer's weights.
 
-Layouts (`agentrl.weight_sync.sync_weights_from_tensor`, the path `agentrl train --colocate` takes
+Layouts (`agentrl.weight_transfer.sync_weights_from_tensor`, the path `agentrl train --colocate` takes
 with one trainer rank):
   flattened   SGLang's load_format "flattened_bucket": one uint8 buffer a bucket, one CUDA-IPC
               handle a bucket per engine TP rank (agentrl's default)
@@ -45,7 +45,7 @@ async def run(args, results: dict, save) -> None:
 
     import weight_sync_gpu as wsg
     from agentrl.rollout.client import EngineClient
-    from agentrl.weight_sync import sync_weights_from_tensor
+    from agentrl.weight_transfer import sync_weights_from_tensor
 
     out = Path(args.out)
     tdev = "cuda:0" if args.device == "cuda" else "cpu"

@@ -1,5 +1,5 @@
 """Weight sync from the trainer into real SGLang servers, with agentrl's own code
-(`agentrl.weight_sync`, the Megatron trainer's bucketed HF export): seconds and GB/s per full
+(`agentrl.weight_transfer`, the Megatron trainer's bucketed HF export): seconds and GB/s per full
 sync, and after each sync the check that the engine serves the trainer's weights. Not a test:
 it prints and saves figures (`--out DIR/weight_sync.json`, written after every step).
 
@@ -311,7 +311,7 @@ async def checksum_check(client, side) -> dict:
 # -- main ------------------------------------------------------------------------------------
 async def run(args, out: Path, results: dict, save):
     from agentrl.rollout.client import EngineClient
-    from agentrl.weight_sync import WeightUpdateGroup, sync_weights_from_disk, sync_weights_from_tensor
+    from agentrl.weight_transfer import WeightUpdateGroup, sync_weights_from_disk, sync_weights_from_tensor
 
     dev = args.device
     tdev = "cuda:0" if dev == "cuda" else "cpu"

@@ -46,7 +46,7 @@ def test_lr_default_depends_on_the_model():
     # wins. The tiny model's LoRA also trains its embeddings whole (--lora-trainable-modules auto): full's rate
     assert parse_config(["--lora-rank", "8"])[0].train.lr == 3e-3
     assert parse_config(["--lora-rank", "8", "--lora-trainable-modules", "none"])[0].train.lr == 3e-2
-    assert parse_config(["--lora-rank", "8", "--trainer", "megatron"])[0].train.lr == 3e-2  # adapters only
+    assert parse_config(["--lora-rank", "8", "--trainer", "megatron"])[0].train.lr == 3e-3  # the same modules: Megatron too
     assert parse_config(["--model", "/some/ckpt", "--lora-rank", "8"])[0].train.lr == 1e-5
     assert parse_config(["--lora-rank", "8", "--lr", "2e-4"])[0].train.lr == 2e-4
 

@@ -136,3 +136,25 @@ def test_the_graph_covers_the_package():
     assert "agentrl.cluster.trainer_actor" in graph["agentrl.train"]
     # a function-level import counts: the trainer actor builds its weight sync inside __init__
     assert "agentrl.weight_sync" in graph["agentrl.cluster.trainer_actor"]
+
+
+def reachable(graph: dict[str, dict[str, int]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_weight_transfer_sits_below_the_trainers_sync():
+    """agentrl.weight_transfer (buckets, CUDA IPC, NCCL, disk: how weights travel) needs nothing of the
+    trainer's side (agentrl.weight_sync), the trainers or the cluster's actors; the trainers export
+    through it without importing the trainer's sync."""
+    graph, _ = import_graph()
+    below = reachable(graph, "agentrl.weight_transfer")
+    assert not {m for m in below if m == "agentrl.weight_sync" or m.startswith(("agentrl.trainers", "agentrl.cluster"))}
+    assert "agentrl.weight_transfer" in graph["agentrl.weight_sync"]
+    assert "agentrl.weight_transfer" in graph["agentrl.trainers.megatron.weights"]
+    assert "agentrl.weight_sync" not in reachable(graph, "agentrl.trainers.megatron.trainer")

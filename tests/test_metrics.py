@@ -79,3 +79,58 @@ def test_console_line_per_iteration(capsys):
     line = capsys.readouterr().err.strip()
     assert line == ("iter 3: reward 0.250  len 12.0  turns 1.5  900 tok/s  rollout 1.2s train 0.5s sync 0.04s"
                     "  failed 2  eval easy 0.750")
+
+
+def test_rollout_tok_s_is_over_the_requests_span_when_the_producer_ran_ahead(capsys):
+    """--async: the producer makes the next batch while the trainer trains, so the loop's wait for
+    it (rollout_s) is near zero; tok/s (metric and console) divides the tokens by the span of the
+    requests that made them (first request to last reply), not by that wait (#34: 767k tok/s)."""
+    import asyncio
+    import time
+
+    from agentrl.batches import rollout_metrics
+    from agentrl.data import PromptSource
+    from agentrl.progress import Progress
+    from agentrl.rollout.producer import RolloutProducer
+    from agentrl.types import Sample, SampleStatus
+    from waiting import await_until
+
+    GENERATE_S, TOKENS = 0.2, 50
+
+    async def run_group(task, group_id, attempt):  # two trajectories, each one request, as the agent loop stamps it
+        async def one(k):
+            sample = Sample(prompt_tokens=[1], group_id=group_id, trajectory_id=f"g{group_id}-{k}", reward=float(k),
+                            status=SampleStatus.COMPLETED)
+            stages = sample.metadata.setdefault("stages", {})
+            stages["first_request_at"] = time.time()
+            await asyncio.sleep(GENERATE_S)  # the engine generating
+            stages["last_reply_at"] = time.time()
+            sample.append_generated([7] * TOKENS, [-1.0] * TOKENS, 0)
+            return sample
+        return list(await asyncio.gather(one(0), one(1)))
+
+    async def main():
+        producer = RolloutProducer(source=PromptSource([{"prompt": f"p{i}"} for i in range(10)], shuffle=False),
+                                   run_group=run_group, over_sampling=2, keep_generating=True,
+                                   report=lambda text: None)
+        await producer.next_batch(2)  # batch 0; batch 1 is generated from here on, during the "training step"
+        await await_until(lambda: len(producer._done) == 2, timeout_s=10, interval_s=0.01)
+        t0 = time.perf_counter()
+        batch = await producer.next_batch(2)
+        waited = time.perf_counter() - t0
+        await producer.aclose()
+        return batch, waited
+
+    batch, waited = asyncio.run(main())
+    m = rollout_metrics(1, batch, waited)
+    generated = 4 * TOKENS
+    assert waited < 0.05 and m["rollout_s"] == waited  # the batch was ready: next to no wait
+    assert GENERATE_S <= m["generation_span_s"] < GENERATE_S + 0.15  # the two groups' requests ran together
+    assert m["tokens_per_s"] == pytest.approx(generated / m["generation_span_s"])
+    assert m["tokens_per_s"] < generated / GENERATE_S < generated / waited / 4  # not tokens / the wait
+    Progress(enabled=False).iteration_done({**m, "train_s": 0.5})
+    assert f"  {m['tokens_per_s']:.0f} tok/s  rollout 0.0s" in capsys.readouterr().err
+    # no stamps recorded (a path that records none): by the wait, as before
+    for s in batch:
+        s.metadata.pop("stages")
+    assert rollout_metrics(1, batch, 0.5)["tokens_per_s"] == generated / 0.5

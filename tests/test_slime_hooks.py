@@ -237,15 +237,19 @@ def test_args_and_sampling_params_carry_what_slimes_rollout_reads():
 def test_async_calls_the_rollout_function_for_the_next_batch_while_this_one_trains(tokenizer, tmp_path):
     """slime's train_async.py: generate(rollout_id + 1) starts before training on rollout_id;
     agentrl's --async with --rollout-function-path does the same."""
+    import time
+
+    from agentrl.batches import rollout_metrics
     from agentrl.config import parse_config
     from agentrl.data import PromptSource
     from agentrl.rollout.agent_loop import Renderer
     from agentrl.rollout.slime import DataSource, RolloutHook, SlimeArgs
 
     fns = tmp_path / "r.py"
-    fns.write_text("CALLS = []\n\n"
+    fns.write_text("import time\n\nCALLS = []\n\n"
                    "def rollout(args, rollout_id, data_source):\n"
                    "    CALLS.append(rollout_id)\n"
+                   "    time.sleep(0.1)  # its requests\n"
                    "    groups = data_source.get_samples(1)\n"
                    "    for s in groups[0]:\n"
                    "        s.tokens, s.response_length, s.loss_mask = s.tokens + [5, 6], 2, [1, 1]\n"
@@ -263,7 +267,13 @@ def test_async_calls_the_rollout_function_for_the_next_batch_while_this_one_trai
 
         async def loop():
             for rollout_id in range(3):
+                t0 = time.perf_counter()
                 batch = await hook.next_batch(rollout_id, rollout_id)
+                m = rollout_metrics(rollout_id, batch, time.perf_counter() - t0)
+                # tok/s over the call's span (0.1 s), also when the call ran ahead and the wait was ~0 (#34)
+                assert 0.1 <= m["generation_span_s"] < 0.3 and m["tokens_per_s"] <= 4 / 0.1, m
+                if async_rollout and rollout_id:
+                    assert m["rollout_s"] < 0.05, m
                 assert len(batch) == 2 and all(s.reward == 1.0 for s in batch)
                 await asyncio.sleep(0.3)  # "training": the prefetched call runs meanwhile
                 seen.append(list(calls))

@@ -195,11 +195,14 @@ class Session:
             if self.control is not None:
                 await self.control.wait()  # closed while the weights change
             t0 = time.perf_counter()
+            stages = sample.metadata.setdefault("stages", {})  # the requests' span (rollout tok/s: agentrl.batches)
+            stages.setdefault("first_request_at", time.time())
             result = await self.client.generate(
                 sample.tokens + out, {**params, "max_new_tokens": params["max_new_tokens"] - len(out)},
                 session_id=self.trajectory_id, rid=f"{self.trajectory_id}-r{self.requests}-{len(out)}",
                 lora_path=self.control.lora_adapter if self.control is not None else None)
             timing.generate_s += time.perf_counter() - t0
+            stages["last_reply_at"] = time.time()
             out += result.output_ids
             pieces.append((result.output_ids, result.logprobs, _version(result.weight_version)))
             resumable = self.control is not None and self.control.partial_rollout \

@@ -378,7 +378,7 @@ class GenerateHook:
                 await self.control.wait()  # no trajectory starts while the weights change
             version = self.control.policy_version if self.control is not None else 0
             kwargs = {"evaluation": self.evaluation} if self.takes_evaluation else {}
-            t0 = time.perf_counter()
+            t0, started_at = time.perf_counter(), time.time()
             try:
                 out = self.fn(self.args, sample, dict(self.sampling_params), **kwargs)
                 out = await out if inspect.isawaitable(out) else out
@@ -402,6 +402,9 @@ class GenerateHook:
                 converted = to_agentrl(s, where=where, trajectory_id=tid, group_id=group_id, env_name=env_name,
                                        version=version, renderer=self.renderer)
                 converted.turn_timings = [TurnTiming(generate_s=elapsed)]
+                # its requests' span, as the agent loop records it (rollout tok/s: agentrl.batches)
+                converted.metadata.setdefault("stages", {}).update(first_request_at=started_at,
+                                                                   last_reply_at=started_at + elapsed)
                 if getattr(s, "reward", None) is None and converted.status != SampleStatus.FAILED:
                     await score(converted, task, env=env, seed=seed, reward_fn=self.reward_fn,
                                 renderer=self.renderer)
@@ -484,10 +487,13 @@ class RolloutHook:
         where = f"{ROLLOUT_FLAG} {self.spec}"
         kwargs = {"evaluation": False} if self.takes_evaluation else {}
         call = functools.partial(self.fn, self.args, rollout_id, self.data_source, **kwargs)
+        started_at = time.time()
         try:
             out = await call() if inspect.iscoroutinefunction(self.fn) else await asyncio.to_thread(call)
             if inspect.isawaitable(out):
                 out = await out
+            # the call's span stands for its requests' where a sample has none (rollout tok/s: agentrl.batches)
+            span = {"first_request_at": started_at, "last_reply_at": time.time()}
         except (AgentRLError, SampleInvariantError):
             raise
         except Exception as exc:  # no retry of a whole batch: slime stops here too
@@ -516,6 +522,9 @@ class RolloutHook:
                 converted = to_agentrl(s, where=where, trajectory_id=f"g{group_id}-s{k}", group_id=group_id,
                                        env_name=task.get("env") or self.args.env, version=version,
                                        renderer=self.renderer)
+                stages = converted.metadata.setdefault("stages", {})
+                if "first_request_at" not in stages:
+                    stages.update(span)
                 samples.append(converted)
                 if getattr(s, "reward", None) is None and converted.status != SampleStatus.FAILED:
                     unscored.append(self._score(converted, task))

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from agentrl.engines import embedded
 from agentrl.engines.embedded import EmbeddedEngine
-from agentrl.weight_sync import sync_weights_from_disk, sync_weights_from_tensor
+from agentrl.weight_transfer import sync_weights_from_disk, sync_weights_from_tensor
 from contract_helpers import CONTRACT, RecordingClient, check_reply, check_request, conforms
 
 

@@ -13,7 +13,7 @@ from agentrl.engines.embedded import EmbeddedEngine, encode_named_tensors
 from agentrl.engines.group import Engine, EngineGroup
 from agentrl.errors import EngineError
 from agentrl.http import NO_RETRY
-from agentrl.weight_sync import sync_weights_from_tensor
+from agentrl.weight_transfer import sync_weights_from_tensor
 from agentrl.weight_update import check_probe, probe_engines, weight_check_due
 from contract_helpers import serve
 
@@ -188,7 +188,7 @@ class RecordingEngine:
 
 
 def test_per_rank_sync_orders_payloads_by_tp_rank_and_stops_every_rank_on_a_failure():
-    from agentrl.weight_sync import sync_weights_per_rank
+    from agentrl.weight_transfer import sync_weights_per_rank
 
     named = [(f"w{i}", torch.full((256,), float(i))) for i in range(4)]  # 1 KiB each: 2 buckets of 2 KiB
     engines = [RecordingEngine("http://e0"), RecordingEngine("http://e1")]

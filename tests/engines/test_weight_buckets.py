@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestServer
 from agentrl.engines.embedded import (EmbeddedEngine, decode_flattened_bucket, decode_named_tensors,
                                       encode_flattened_bucket, encode_named_tensors)
 from agentrl.errors import EngineError
-from agentrl.weight_sync import ALIGN, buckets, encode_bucket, flatten_bucket, sync_weights_from_tensor
+from agentrl.weight_transfer import ALIGN, buckets, encode_bucket, flatten_bucket, sync_weights_from_tensor
 from contract_helpers import RecordingClient, check_request, serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainers"))
@@ -234,7 +234,7 @@ def test_per_rank_protocol_keeps_both_ranks_in_step(fail_at):
     import queue
     import threading
 
-    from agentrl.weight_sync import serve_weights_per_rank, sync_weights_per_rank
+    from agentrl.weight_transfer import serve_weights_per_rank, sync_weights_per_rank
 
     items, verdicts = queue.Queue(), queue.Queue()
     gathers = [PairGather(0, items, verdicts), PairGather(1, items, verdicts)]
@@ -285,7 +285,7 @@ def test_a_gpu_bucket_buffer_is_allocated_outside_expandable_segments(monkeypatc
     """Under expandable segments (agentrl's trainer ranks) a bucket's buffer is a plain block, one
     IPC handle (not one per 20 MB of a segment); the allocator's settings come back whole, even
     when the allocation fails."""
-    from agentrl import weight_sync
+    from agentrl import weight_transfer
 
     calls, real_empty = [], torch.empty
 
@@ -298,15 +298,15 @@ def test_a_gpu_bucket_buffer_is_allocated_outside_expandable_segments(monkeypatc
     conf = "max_split_size_mb:256,expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
-    monkeypatch.setattr(weight_sync.torch, "empty", empty)
+    monkeypatch.setattr(weight_transfer.torch, "empty", empty)
     cuda = torch.device("cuda", 0)
-    assert weight_sync._ipc_buffer(64, cuda).numel() == 64
+    assert weight_transfer._ipc_buffer(64, cuda).numel() == 64
     with pytest.raises(RuntimeError, match="out of memory"):
-        weight_sync._ipc_buffer(-1, cuda)
+        weight_transfer._ipc_buffer(-1, cuda)
     off = "max_split_size_mb:256,expandable_segments:False"
     assert calls == [off, ("empty", "cuda:0"), conf] * 2
     calls.clear()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
-    weight_sync._ipc_buffer(64, cuda)  # the allocator's default: nothing to switch
-    weight_sync._ipc_buffer(64, torch.device("cpu"))
+    weight_transfer._ipc_buffer(64, cuda)  # the allocator's default: nothing to switch
+    weight_transfer._ipc_buffer(64, torch.device("cpu"))
     assert calls == [("empty", "cuda:0"), ("empty", "cpu")]

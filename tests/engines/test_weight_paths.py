@@ -11,7 +11,7 @@ from agentrl.engines.embedded import EmbeddedEngine, encode_named_tensors
 from agentrl.http import NO_RETRY
 from agentrl.models import load_model
 from agentrl.rollout.client import EngineClient
-from agentrl.weight_sync import WeightUpdateGroup, sync_weights_from_disk
+from agentrl.weight_transfer import WeightUpdateGroup, sync_weights_from_disk
 from contract_helpers import RecordingClient, check_reply, check_request
 from waiting import await_until
 
@@ -140,7 +140,7 @@ def test_a_weight_update_waits_for_the_generation_in_flight(tiny_model):
 
     from agentrl.config import parse_config
     from agentrl.rollout.control import RolloutControl
-    from agentrl.weight_sync import sync_weights_from_tensor
+    from agentrl.weight_transfer import sync_weights_from_tensor
     from agentrl.weight_update import update_engines
 
     torch.set_num_threads(1)

@@ -81,6 +81,9 @@ def test_turns_continue_one_token_sequence(tokenizer, stream):
     assert replies[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
     assert not replies[0].get("content") and replies[1]["content"] == "it is 3"
     assert engine.calls[0][2] == "t0"  # the session's trajectory id is the routing key
+    # its requests' span, as the agent loop records it (rollout tok/s divides by it: agentrl.batches)
+    stages = sample.metadata["stages"]
+    assert 0 <= stages["last_reply_at"] - stages["first_request_at"] < 60
 
 
 def test_reserialized_arguments_and_extra_fields_still_continue(tokenizer):

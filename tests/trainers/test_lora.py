@@ -118,17 +118,19 @@ def test_target_modules_flags():
         parse_config(["--lora-rank", "8", "--target-modules", "qkv"])
     with pytest.raises(ConfigError, match="--lora-sync merged"):  # slime's requests name no adapter
         parse_config(["--lora-rank", "8", "--lora-sync", "adapter", "--custom-generate-function-path", "m.generate"])
-    cfg, _ = parse_config(["--lora-rank", "8", "--trainer", "megatron"])  # both trainers take LoRA
-    assert (cfg.train.trainer, cfg.train.lora_rank, cfg.train.lora_trainable_modules) == ("megatron", 8, [])
-    # --lora-trainable-modules: auto is the tiny model's tied embeddings and final norm (PyTorch trainer),
+    cfg, _ = parse_config(["--lora-rank", "8", "--trainer", "megatron"])  # both trainers take LoRA, the same way
+    assert (cfg.train.trainer, cfg.train.lora_rank, cfg.train.lora_trainable_modules) == (
+        "megatron", 8, ["embed_tokens", "model.norm"])
+    # --lora-trainable-modules: auto is the tiny model's tied embeddings and final norm (either trainer),
     # none on a checkpoint; lists as --target-modules; none
     assert parse_config(["--lora-rank", "8"])[0].train.lora_trainable_modules == ["embed_tokens", "model.norm"]
     assert parse_config(["--lora-rank", "8", "--model", "/ckpt"])[0].train.lora_trainable_modules == []
     cfg, _ = parse_config(["--lora-rank", "8", "--lora-trainable-modules", "embed_tokens,model.norm", "model.norm"])
     assert cfg.train.lora_trainable_modules == ["embed_tokens", "model.norm"]
     assert parse_config(["--lora-rank", "8", "--lora-trainable-modules", "none"])[0].train.lora_trainable_modules == []
-    with pytest.raises(ConfigError, match="Megatron trainer trains adapters only"):
-        parse_config(["--lora-rank", "8", "--trainer", "megatron", "--lora-trainable-modules", "model.norm"])
+    cfg, _ = parse_config(["--lora-rank", "8", "--trainer", "megatron", "--lora-trainable-modules", "model.norm",
+                           "--model", "/ckpt"])
+    assert cfg.train.lora_trainable_modules == ["model.norm"] and cfg.train.lr == 1e-6  # modules trained: full's rate
     with pytest.raises(ConfigError, match="--weight-sync-mode tensor or distributed"):
         parse_config(["--lora-rank", "8", "--lora-sync", "adapter", "--weight-sync-mode", "disk"])
 
@@ -212,7 +214,7 @@ def test_engine_serves_adapter_on_policy(tiny_model, tokenizer, tmp_path):
     from aiohttp.test_utils import TestClient, TestServer
 
     from agentrl.engines.embedded import EmbeddedEngine
-    from agentrl.weight_sync import lora_adapter_name, sync_lora_adapter
+    from agentrl.weight_transfer import lora_adapter_name, sync_lora_adapter
 
     trainer = lora_trainer(tiny_model)
     randomize_adapter(trainer, seed=2)
@@ -290,7 +292,8 @@ def test_adapter_sync_carries_the_trained_norm(tiny_model, tokenizer, tmp_path):
     from aiohttp.test_utils import TestClient, TestServer
 
     from agentrl.engines.embedded import EmbeddedEngine
-    from agentrl.weight_sync import TrainerSync, lora_adapter_name
+    from agentrl.weight_sync import TrainerSync
+    from agentrl.weight_transfer import lora_adapter_name
 
     cfg, _ = parse_config(["--lora-rank", "4", "--lora-alpha", "8", "--lora-sync", "adapter",
                            "--output-dir", str(tmp_path)])

@@ -71,12 +71,15 @@ def test_two_megatron_ranks_match_one_and_resume(tmp_path):
 @pytest.mark.e2e
 def test_two_megatron_ranks_sync_a_lora_adapter(tmp_path):
     """--lora-sync adapter with TP=2: writing the adapter gathers its TP shards, so both ranks take
-    part (rank 0 alone would wait in the gather forever); the engine serves the adapter on policy."""
+    part (rank 0 alone would wait in the gather forever); so does the export of the modules trained
+    whole (--lora-trainable-modules auto: the tiny model's embeddings, split over TP, and final
+    norm), sent by the full-weight path in the same sync; the engine serves the adapter on policy."""
     out = tmp_path / "lora_tp2"
     train(*TP2, "--lora-rank", "4", "--lora-alpha", "8", "--lora-sync", "adapter", "--lr", "1e-2",
           "--output-dir", str(out))
     a = rows(out)
     assert [r["rollout_id"] for r in a] == [0, 1]
     assert all("weight_sync_save_s" in r for r in a), a
+    assert all(r["weight_sync_modules_mb"] > 0 for r in a), a
     # iteration 1 was sampled with the adapter synced after iteration 0's step
     assert a[1]["train_rollout_logprob_abs_diff"] < 1e-4, a[1]

@@ -17,7 +17,7 @@ megatron_cpu_shim.apply()
 from agentrl.config import AlgoConfig, TrainConfig  # noqa: E402
 from agentrl.rollout.client import EngineClient  # noqa: E402
 from agentrl.types import Sample  # noqa: E402
-from agentrl.weight_sync import sync_weights_from_disk, sync_weights_from_tensor  # noqa: E402
+from agentrl.weight_transfer import sync_weights_from_disk, sync_weights_from_tensor  # noqa: E402
 from megatron_helpers import make_samples  # noqa: E402
 
 TOLERANCE = 1e-4

@@ -16,7 +16,9 @@ Tensor parallelism follows the base layer:
   under SP each rank sees only its tokens, so B is tagged `sequence_parallel` and
   finalize_model_grads sums its gradient.
 The base weights are frozen (requires_grad False): DDP keeps no grad buffer and the optimizer no
-state for them.
+state for them. The --lora-trainable-modules (HF module names, as peft's modules_to_save) are
+trained whole instead: the Megatron parameters whose HF sources they are stay trainable
+(`whole_trained`); a fused parameter trains only when every HF module in it is named.
 """
 
 from __future__ import annotations
@@ -137,16 +139,56 @@ def split_dim(which: str, kind: str) -> int | None:
     return 0 if (kind, which) == ("column", "B") else 1 if (kind, which) == ("row", "A") else None
 
 
-def add_lora(model, train, layout, *, tp_rank: int, seed: int = 0) -> list[str]:
-    """Freeze `model` and put adapters on the --target-modules' linears; returns the HF module names
-    adapted. Call after the base weights are loaded and before DDP and the optimizer are built."""
+def _names_module(hf_weight: str, key: str) -> bool:
+    """Whether --lora-trainable-modules' `key` names a module holding `hf_weight` (peft's rule: a
+    module name equal to the key or ending with "." + key)."""
+    parts = hf_weight.split(".")[:-1]
+    return any(m == key or m.endswith("." + key) for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1)))
+
+
+def whole_trained(names: list[str], family, layout, num_layers: int) -> set[str]:
+    """The Megatron parameters (global local-spec names, every stage's) that the
+    --lora-trainable-modules `names` train whole: those whose HF weights all lie in named modules.
+    A name that matches nothing, or part of a fused parameter only, is refused."""
+    from agentrl.errors import ConfigError
+    from agentrl.trainers.megatron.families.common import hf_sources, megatron_names
+
+    out, used = set(), set()
+    for name in megatron_names(num_layers, family, layout):
+        sources = hf_sources(name, family, layout)[1]
+        hit = {s: [k for k in names if _names_module(s, k)] for s in sources}
+        named = [s for s in sources if hit[s]]
+        if named and len(named) < len(sources):
+            raise ConfigError(f"--lora-trainable-modules {','.join(sorted({k for s in named for k in hit[s]}))}: "
+                              f"the Megatron trainer holds {', '.join(named)} in one parameter ({name}) with "
+                              f"{', '.join(s for s in sources if not hit[s])}; name those modules too")
+        if named:
+            out.add(name)
+            used.update(k for s in named for k in hit[s])
+    missing = [k for k in names if k not in used]
+    if missing:
+        tied = " (its LM head is the tied embed_tokens)" if layout.tied and "lm_head" in missing else ""
+        raise ConfigError(f"--lora-trainable-modules: the model has no module {missing}{tied} (e.g. model.norm, "
+                          "embed_tokens)")
+    return out
+
+
+def add_lora(model, train, layout, *, family, tp_rank: int, seed: int = 0) -> tuple[list[str], set[str]]:
+    """Freeze `model` except the --lora-trainable-modules and put adapters on the --target-modules'
+    linears; returns the HF module names adapted and the Megatron parameters trained whole
+    (`whole_trained`). Call after the base weights are loaded and before DDP and the optimizer are built."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    from agentrl.config import lora_target_modules
-    from agentrl.trainers.megatron.weights import layer_offset
+    from agentrl.config import lora_target_modules, lora_trainable_modules
+    from agentrl.trainers.megatron.weights import layer_offset, model_params
 
     targets = lora_target_modules(train.target_modules)
+    whole = whole_trained(lora_trainable_modules(train.lora_trainable_modules), family, layout,
+                          model.config.num_layers)
     model.requires_grad_(False)
+    for name, param in model_params(model, layout):  # a tied last stage's output layer: the embedding's copy
+        tied_output = name == "output_layer.weight" and layout.tied and "embedding.word_embeddings.weight" in whole
+        param.requires_grad_(name in whole or tied_output)
     config = model.config
     dtype = config.params_dtype
     sp = bool(config.sequence_parallel) and layout.tp > 1
@@ -176,7 +218,7 @@ def add_lora(model, train, layout, *, tp_rank: int, seed: int = 0) -> list[str]:
                                        scale=train.lora_alpha / train.lora_rank, dropout=train.lora_dropout,
                                        layout=layout, sequence_parallel=sp, norm=norm)
             _wrap(linear, kind)
-    return targets
+    return targets, whole
 
 
 def _wrap(linear, kind: str) -> None:

@@ -100,6 +100,7 @@ class MegatronTrainer:
         ckpt = HFCheckpoint(self.model_path)
         self.lora, self.seed = bool(train.lora_rank), seed
         self.lora_targets: list[str] = []
+        self.lora_whole: set[str] = set()  # the Megatron parameters --lora-trainable-modules trains whole
 
         self.model, self.ddp, self.optimizer, self.scheduler, self.config = self._build(ckpt, lr=train.lr)
         # --use-kl-loss / --kl-coef: KL against the frozen initial policy, or slime's --ref-load (an HF
@@ -138,7 +139,8 @@ class MegatronTrainer:
         model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
         if self.lora and not value_head:  # frozen base + adapters: only they get grad buffers and optimizer state
             from agentrl.trainers.megatron.lora import add_lora
-            self.lora_targets = add_lora(model, self.train_cfg, self.layout, tp_rank=self.tp_rank, seed=self.seed)
+            self.lora_targets, self.lora_whole = add_lora(model, self.train_cfg, self.layout, family=self.family,
+                                                          tp_rank=self.tp_rank, seed=self.seed)
         ddp_kw = {"grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "use_distributed_optimizer": False}
         ddp_kw.update(self.margs.ddp)
         ddps = [DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp_kw), module=chunk,
@@ -562,6 +564,15 @@ class MegatronTrainer:
             return (b.float() @ a.float()) * adapters.scale
         return delta
 
+    def trained_module_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The --lora-trainable-modules weights (trained whole, beside the adapters) in HF names:
+        what --lora-sync adapter sends by the full-weight path. Collective, as hf_buckets."""
+        self._set_device()
+        size = int(self.train_cfg.weight_sync_bucket_mb * 2**20)
+        for bucket in export_hf(self.model, self.family, self.layout, bucket_bytes=size, tp_group=self.tp_group,
+                                pp_group=self.pp_group, only=self.lora_whole):
+            yield from bucket
+
     # -- LoRA adapters (peft's format) ---------------------------------------------------------
     def save_adapter(self, folder: str | Path) -> Path:
         """The LoRA adapter alone, in peft's format (adapter_config.json, adapter_model.safetensors
@@ -669,8 +680,9 @@ class MegatronTrainer:
             state["optimizer"] = self.optimizer.sharded_state_dict(dict(state), **opt)
             return state
         state = {"model": self.model.sharded_state_dict()}
-        if self.lora:  # the base is frozen and saved once as model/: the adapters alone (and their optimizer state)
-            state["model"] = {k: v for k, v in state["model"].items() if ".lora." in k}
+        if self.lora:  # the base is frozen and saved once as model/: what trains alone (and its optimizer state)
+            trained = self._lora_trained()
+            state["model"] = {k: v for k, v in state["model"].items() if k in trained}
         state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], **opt)
         if self.critic is not None:
             state["critic"] = self.critic.sharded_state_dict(prefix="critic.")
@@ -681,8 +693,9 @@ class MegatronTrainer:
         """A Megatron distributed checkpoint (model, optimizer, critic) under folder/megatron, an HF
         copy of the policy under folder/model (what the engines reload on resume; also
         --save-hf), RNG states per rank, and trainer_state.json (version + the run's state).
-        With LoRA: model/ is the frozen base, adapter/ the peft adapter, and the distributed
-        checkpoint holds only the adapters and their optimizer state."""
+        With LoRA: model/ is the base (frozen, but for the --lora-trainable-modules as trained),
+        adapter/ the peft adapter, and the distributed checkpoint holds only the trained
+        parameters (adapters and modules trained whole) and their optimizer state."""
         import torch.distributed as dist
         from megatron.core import dist_checkpointing
 
@@ -713,6 +726,11 @@ class MegatronTrainer:
                 {"version": self.version, "ref_model_path": str(Path(self.ref_path).resolve()),
                  "distributed_optimizer": self._distributed_optimizer(), **extra_state}, indent=1))
         dist.barrier()
+
+    def _lora_trained(self) -> set[str]:
+        """With LoRA: the policy's trained parameters by their local names (the adapters and the
+        --lora-trainable-modules), what its distributed checkpoint holds."""
+        return {n for n, p in self.model.named_parameters() if p.requires_grad}
 
     def _distributed_optimizer(self) -> bool:
         return bool(self.margs.ddp.get("use_distributed_optimizer"))
@@ -749,8 +767,9 @@ class MegatronTrainer:
         loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(dist_dir))
         if self.lora:
             missing, unexpected = self.model.load_state_dict(loaded["model"], strict=False)
-            if unexpected or any(".lora." in k for k in missing):
-                raise ValueError(f"{folder}: adapter weights do not fit: missing {[k for k in missing if '.lora.' in k][:3]}"
+            missing = [k for k in missing if k in self._lora_trained()]
+            if unexpected or missing:
+                raise ValueError(f"{folder}: adapter weights do not fit: missing {missing[:3]}"
                                  f", unexpected {unexpected[:3]}")
         elif isinstance(self.model, torch.nn.ModuleList):
             for i, chunk in enumerate(self.model):

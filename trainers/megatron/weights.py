@@ -20,7 +20,7 @@ import torch
 
 from agentrl.trainers.megatron.families.common import (Family, Layout, expert_index, gather_dim, hf_sources,
                                                       local_spec_name, to_hf, to_megatron_shard, with_expert)
-from agentrl.weight_sync import buckets
+from agentrl.weight_transfer import buckets
 
 
 class HFCheckpoint:
@@ -151,10 +151,12 @@ def _tp_gather(t: torch.Tensor, dim: int | None, tp_group, tp: int) -> torch.Ten
 
 @torch.no_grad()
 def export_hf(model, family: Family, layout: Layout, *, bucket_bytes: int, tp_group=None, pp_group=None,
-              dtype: torch.dtype | None = None, delta=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+              dtype: torch.dtype | None = None, delta=None, only: set[str] | None = None
+              ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of (HF name, full tensor) on the model's device, every rank the same. delta: HF name ->
     a tensor added to that weight, or None (LoRA's merge: scale B A; called in the same order on
-    every rank of a stage, as it may gather over TP)."""
+    every rank of a stage, as it may gather over TP). only: these Megatron parameters (global
+    local-spec names) alone (the LoRA modules trained whole)."""
     import torch.distributed as dist
 
     tp = dist.get_world_size(tp_group) if (tp_group is not None and dist.is_initialized()) else 1
@@ -177,6 +179,8 @@ def export_hf(model, family: Family, layout: Layout, *, bucket_bytes: int, tp_gr
 
     def local_tensors():
         for mname, param in model_params(model, layout, skip_tied_output=True):
+            if only is not None and mname not in only:
+                continue
             kind, _ = hf_sources(mname, family, layout)
             for name, full in full_tensors(mname, kind, param):
                 yield from hf_named(name, kind, full)
