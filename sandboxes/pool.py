@@ -77,6 +77,12 @@ class SandboxPool:
         self._counts = {"created": 0, "reused": 0, "destroyed": 0, "reset_failures": 0,
                         "create_failures": 0, "acquired": 0, "tainted": 0}
         self.closed = False
+        # local, not root: the sandboxes' shares of the user's kernel counts are cut for max_active of
+        # them (local_backend.slots), so that all of them at their share leave each other and the host theirs
+        self._slots_token = None
+        if self.backend == "local":
+            from .local_backend import reserve_slots
+            self._slots_token = reserve_slots(max_active)
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> "SandboxPool":
@@ -103,6 +109,10 @@ class SandboxPool:
         doomed = self._idle + list(self._active)
         self._idle, self._active = [], set()
         await asyncio.gather(*[sb.close() for sb in doomed], return_exceptions=True)
+        if self._slots_token is not None:
+            from .local_backend import release_slots
+            release_slots(self._slots_token)
+            self._slots_token = None
 
     async def _new(self) -> Sandbox:
         async with self._creating:
