@@ -13,8 +13,11 @@ What /proc/self/mountinfo shows of the host: docker bind-mounts /etc/hosts, /etc
 gets its own from the staging tmpfs instead (`_etc_mounts`, as root: they show as "/<hash>/hosts"
 of a filesystem named "stage"), and a cgroup namespace of its own (no /docker/<id> paths).
 The pid 1 is the image's own python3, not docker-init (`--init` bind-mounts the host's
-/usr/bin/tini-static, whose path mountinfo showed). What still shows: the root filesystem's
-driver and the host's block device.
+/usr/bin/tini-static, whose path mountinfo showed). Where staging is a plain host folder (not
+root), the staged folders are copied into an image of their own instead of bound
+(`_staged_image`). What still shows: the root filesystem's driver and the host's block device
+(on the overlay2 driver, its options name docker's data root: inherent, docs/security.md);
+where staging is a plain folder, docker's own /etc files and the bridge folder.
 
 Every container carries labels (`agentrl.sandbox`, `agentrl.run_id`, `agentrl.owner_pid`,
 `agentrl.owner_start`, `agentrl.owner_host`) so `reap()` can remove the containers of

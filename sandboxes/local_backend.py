@@ -66,7 +66,7 @@ CGROOT = Path("/sys/fs/cgroup")
 # live at once must fit in it, with room left for the host. So a sandbox's share is the user's limit,
 # less the host's part (1/HOST_PART of it), divided by `slots()`: how many local sandboxes of this user
 # can be live at once (the live pools' max_active, `reserve_slots`; at least the machine's default).
-MSGQUEUE_BYTES = 64 << 10  # POSIX message queues of a sandbox at most (RLIMIT_MSGQUEUE; less where `share` says)
+MSGQUEUE_BYTES = 64 << 10  # POSIX message queues of a sandbox at most (RLIMIT_MSGQUEUE; less: `msgqueue_share`)
 HOST_PART = 4  # of each per-user kernel count the sandboxes share, what is kept for the host: 1/4
 # writes `share()`'s pairs (/proc/sys/user/NAME VALUE ... --) into the current user namespace's limits
 _SHARE = ('while [ "$1" != -- ]; do [ ! -e "/proc/sys/user/$1" ] || echo "$2" > "/proc/sys/user/$1" || exit 125; '

@@ -31,6 +31,7 @@ import contextlib
 import os
 import statistics
 import time
+import weakref
 from collections import OrderedDict
 from typing import AsyncIterator, Mapping
 
@@ -79,10 +80,10 @@ class SandboxPool:
         self.closed = False
         # local, not root: the sandboxes' shares of the user's kernel counts are cut for max_active of
         # them (local_backend.slots), so that all of them at their share leave each other and the host theirs
-        self._slots_token = None
+        self._unreserve = None  # ends the reservation: at close, or when the pool is dropped unclosed
         if self.backend == "local":
-            from .local_backend import reserve_slots
-            self._slots_token = reserve_slots(max_active)
+            from .local_backend import release_slots, reserve_slots
+            self._unreserve = weakref.finalize(self, release_slots, reserve_slots(max_active))
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> "SandboxPool":
@@ -109,10 +110,8 @@ class SandboxPool:
         doomed = self._idle + list(self._active)
         self._idle, self._active = [], set()
         await asyncio.gather(*[sb.close() for sb in doomed], return_exceptions=True)
-        if self._slots_token is not None:
-            from .local_backend import release_slots
-            release_slots(self._slots_token)
-            self._slots_token = None
+        if self._unreserve is not None:
+            self._unreserve()
 
     async def _new(self) -> Sandbox:
         async with self._creating:
