@@ -44,8 +44,8 @@ from typing import Mapping, Sequence
 
 from . import bridge, seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
-                   cap_stderr, inodes_for, ipc_sysctls, kill_cgroup, log, owner_alive, process_start_time, reap_once,
-                   state_root)
+                   cap_stderr, default_max_active, inodes_for, ipc_sysctls, kill_cgroup, log, owner_alive,
+                   process_start_time, reap_once, state_root)
 
 HOST_UID = 65534  # what sandboxed processes are on the host when we are not given one of their own
 # As root, each sandbox runs as a host uid of its own from this range (claimed in `$state_root/.uids`):
@@ -142,9 +142,8 @@ def reserved_slots() -> int:
 
 def slots() -> int:
     """How many local sandboxes the shares are cut for: the live pools' max_active together, at
-    least what a pool takes by default here (`pool.default_max_active`: sandboxes made outside a
+    least what a pool takes by default here (`base.default_max_active`: sandboxes made outside a
     pool, the code env's grader's, count against that)."""
-    from .pool import default_max_active
     return max(reserved_slots(), default_max_active("local"))
 
 
