@@ -170,6 +170,17 @@ class SandboxLimits:
     # (one IPC namespace: docker's per container, local's per spawn)
 
 
+def default_max_active(backend: str, memory_mb: int | None = None) -> int:
+    """How many sandboxes of `backend` this machine holds at once: a docker container costs the
+    daemon seconds of CPU to start and keeps a server process, so 2 per core (4 on a 2-core
+    machine); a local one (bubblewrap) 4 per core; never more than half the RAM holds at their
+    memory cap, at least 2 and at most 64."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ram_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+    by_ram = ram_mb // 2 // max(memory_mb or SandboxLimits.memory_mb, 1)
+    return max(2, min((2 if backend == "docker" else 4) * cpus, by_ram, 64))
+
+
 def ipc_sysctls(limits: SandboxLimits) -> dict[str, str]:
     """The SysV IPC caps of a sandbox's own IPC namespace, as namespaced sysctls. The kernel's
     defaults are per namespace and nearly unbounded (shmall 2^64 pages, 4096 segments, 32000

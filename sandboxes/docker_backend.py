@@ -13,8 +13,11 @@ What /proc/self/mountinfo shows of the host: docker bind-mounts /etc/hosts, /etc
 gets its own from the staging tmpfs instead (`_etc_mounts`, as root: they show as "/<hash>/hosts"
 of a filesystem named "stage"), and a cgroup namespace of its own (no /docker/<id> paths).
 The pid 1 is the image's own python3, not docker-init (`--init` bind-mounts the host's
-/usr/bin/tini-static, whose path mountinfo showed). What still shows: the root filesystem's
-driver and the host's block device.
+/usr/bin/tini-static, whose path mountinfo showed). Where staging is a plain host folder (not
+root), the staged folders are copied into an image of their own instead of bound
+(`_staged_image`). What still shows: the root filesystem's driver and the host's block device
+(on the overlay2 driver, its options name docker's data root: inherent, docs/security.md);
+where staging is a plain folder, docker's own /etc files and the bridge folder.
 
 Every container carries labels (`agentrl.sandbox`, `agentrl.run_id`, `agentrl.owner_pid`,
 `agentrl.owner_start`, `agentrl.owner_host`) so `reap()` can remove the containers of
@@ -118,6 +121,7 @@ class DockerSandbox(Sandbox):
                 f"docker image {self.image!r} not found and there is no registry to pull from. "
                 f"Build the base image with `agentrl sandbox build` (or `bash scripts/build_sandbox_image.sh`), "
                 f"or build your own with `agentrl sandbox build --dockerfile PATH --tag {self.image}`.") from None
+        image, binds = self._staged_image(client)
         lim = self.limits
         shm_mb = min(lim.tmp_mb, 64)
         # the agent's uid: one of its own per container, claimed like a local sandbox's host uid. Without
@@ -131,7 +135,7 @@ class DockerSandbox(Sandbox):
         self.bridge_dir = bridge.make_dir(bridge.docker_dir(self.id))
         try:
             self.container = client.containers.run(
-                self.image, ["python3", "-I", "-c", REAPER], name=f"agentrl-{self.id}", detach=True,
+                image, ["python3", "-I", "-c", REAPER], name=f"agentrl-{self.id}", detach=True,
                 init=False, user=f"{MAIN_UID}:{MAIN_UID}", labels=labels, hostname="sandbox",
                 read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges:true"],
                 # only for the servers' start (base.SERVER_IDENTITY), which drop them at once; the
@@ -149,7 +153,7 @@ class DockerSandbox(Sandbox):
                                 f"gid={self.uid},mode=0755,exec",
                        "/tmp": f"size={lim.tmp_mb}m,nr_inodes={inodes_for(lim.tmp_mb)},mode=1777,exec",
                        "/dev/shm": f"size={shm_mb}m,nr_inodes={inodes_for(shm_mb)},mode=1777,nosuid,nodev,noexec"},
-                volumes={**{h: {"bind": s, "mode": "ro"} for h, s in self.mounts.items()}, **self._etc_mounts(),
+                volumes={**{h: {"bind": s, "mode": "ro"} for h, s in binds.items()}, **self._etc_mounts(),
                          str(self.bridge_dir): {"bind": bridge.INSIDE, "mode": "ro"}},
                 cgroupns="private",
                 # SysV IPC: an IPC namespace of its own, its objects capped (docker lets these sysctls
@@ -159,6 +163,23 @@ class DockerSandbox(Sandbox):
         except docker.errors.APIError as e:
             raise SandboxError(f"docker sandbox {self.id}: cannot start a container of "
                                f"{self.image!r}: {e.explanation or e}") from None
+
+    def _staged_image(self, client) -> tuple[str, dict[str, str]]:
+        """(the image to run, the mounts to bind). A bind mount shows its source's path in the
+        container's /proc/self/mountinfo; the staged folders' (`stage.stage_files`) is a host temp
+        dir unless staging is a tmpfs of its own (root). Where it is not, the staged mounts are
+        copied into an image of their own on top of `self.image` instead (built once per content,
+        `STAGED_REPO`:<hash>, root-owned and read-only like the rest of the root): nothing of them
+        is bound, and they cost no container memory. Other mounts are bound as given."""
+        from .stage import stage_root
+        root = stage_root().resolve()
+        staged = {h: s for h, s in self.mounts.items() if Path(h).resolve().is_relative_to(root)}
+        if not staged or os.path.ismount(root):
+            return self.image, dict(self.mounts)
+        # the key names staged paths from the staging root: their content's hash, not where staging is
+        key = {str(Path(h).resolve().relative_to(root)): s for h, s in staged.items()}
+        return (_staged_image(client, self.image, staged, key),
+                {h: s for h, s in self.mounts.items() if h not in staged})
 
     def _etc_mounts(self) -> dict[str, dict]:
         """/etc/hosts, /etc/hostname (and, without a network, /etc/resolv.conf) from the staging
@@ -229,6 +250,61 @@ class DockerSandbox(Sandbox):
                 raise
         self.container = None
         release_host_uid(self.uid)  # its processes are gone with it
+
+
+STAGED_REPO = "agentrl-staged"  # images of a base image plus staged folders (`DockerSandbox._staged_image`)
+_staged_lock = threading.Lock()
+
+
+def _staged_image(client, base: str, staged: Mapping[str, str], key: Mapping[str, str]) -> str:
+    """The tag of `base` with the staged folders or files {host path: path inside} copied in
+    (root-owned, modes kept); built once: the tag is a hash of the base image's id and of `key`
+    ({path from the staging root: path inside}; a staged path names its content's hash, see
+    stage.stage_files)."""
+    import hashlib
+    import io
+    import tarfile
+    import docker.errors
+    base_id = client.images.get(base).id
+    h = hashlib.sha256(base_id.encode())
+    for rel, inside in sorted(key.items()):
+        h.update(f"{rel}:{inside}\0".encode())
+    tag = f"{STAGED_REPO}:{h.hexdigest()[:16]}"
+    with _staged_lock:
+        try:
+            client.images.get(tag)
+            return tag
+        except docker.errors.ImageNotFound:
+            pass
+        dockerfile = [f"FROM {base_id}"]
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for i, (host, inside) in enumerate(sorted(staged.items())):
+                if not inside.startswith("/") or any(c in inside for c in "\n\"\\"):
+                    raise SandboxError(f"mount target {inside!r} (of {host}) must be an absolute path")
+                tar.add(host, arcname=f"s{i}", filter=_root_owned)
+                dockerfile.append(f'COPY ["s{i}", "{inside}"]')
+            data = ("\n".join(dockerfile) + "\n").encode()
+            info = tarfile.TarInfo("Dockerfile")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        buf.seek(0)
+        try:
+            client.images.build(fileobj=buf, custom_context=True, tag=tag, pull=False, rm=True, forcerm=True,
+                                labels={LABEL + ".staged": "1"})
+        except docker.errors.BuildError as e:
+            lines = "".join(x.get("stream", "") or x.get("error", "") for x in e.build_log)
+            raise SandboxError(f"building the staged image {tag} on {base!r} failed: {e.msg}\n{lines[-2000:]}") from None
+        except docker.errors.APIError as e:
+            raise SandboxError(f"building the staged image {tag} on {base!r} failed: {e.explanation or e}") from None
+    log.info("docker sandbox: staged folders copied into image %s (staging is not a tmpfs here)", tag)
+    return tag
+
+
+def _root_owned(info):
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
 
 
 def _pids_cgroup(pid: int) -> Path | None:

@@ -19,7 +19,7 @@ of the host shows: no /home, /root, /tmp, /var.
 Limits: run as root, the workdir and /tmp share a size-capped tmpfs and the sandbox gets
 memory / pids / cpu cgroups (v1 or v2). Unprivileged, the limits fall back to rlimits
 (address space, RLIMIT_NPROC, per-file size), which is weaker: prefer docker. Each spawn then
-runs in a user namespace of its own that holds its per-user kernel objects (`QUOTA_SHARES`),
+runs in a user namespace of its own that holds its per-user kernel objects (`share()`),
 and the workdir and /tmp are still one tmpfs capped in size and file count: a holder process
 (`_start_holder`) keeps a user and mount namespace of the sandbox's own where it is mounted
 (root of its own user namespace may), and every spawn enters it (nsenter) before the rest.
@@ -33,6 +33,7 @@ import asyncio
 import functools
 import json
 import os
+import resource
 import select
 import shutil
 import signal
@@ -43,8 +44,8 @@ from typing import Mapping, Sequence
 
 from . import bridge, seccomp
 from .base import (OWNER_PID, OWNER_START, RUN_ID, SANDBOX_UID, WORKDIR, Sandbox, SandboxError,
-                   cap_stderr, inodes_for, ipc_sysctls, kill_cgroup, log, owner_alive, process_start_time, reap_once,
-                   state_root)
+                   cap_stderr, default_max_active, inodes_for, ipc_sysctls, kill_cgroup, log, owner_alive,
+                   process_start_time, reap_once, state_root)
 
 HOST_UID = 65534  # what sandboxed processes are on the host when we are not given one of their own
 # As root, each sandbox runs as a host uid of its own from this range (claimed in `$state_root/.uids`):
@@ -60,8 +61,13 @@ CGROOT = Path("/sys/fs/cgroup")
 # user namespace of its own (`unshare --user --map-root-user`) with the same share, and then
 # starts bubblewrap, whose nested namespace holds the agent without capabilities in the outer one
 # (so it cannot raise them); the rlimits are set inside, so they are counted per namespace too.
-MSGQUEUE_BYTES = 64 << 10  # POSIX message queues of a sandbox (RLIMIT_MSGQUEUE; the kernel's default per user: 800 KiB)
-QUOTA_SHARES = 8  # a sandbox's share of the user's inotify and fanotify limits: 1/8
+# The kernel also charges every level to the user's own count (fs.inotify.max_user_instances, 128;
+# RLIMIT_MSGQUEUE, 800 KiB), which no namespace can raise: the shares of all the sandboxes that can be
+# live at once must fit in it, with room left for the host. So a sandbox's share is the user's limit,
+# less the host's part (1/HOST_PART of it), divided by `slots()`: how many local sandboxes of this user
+# can be live at once (the live pools' max_active, `reserve_slots`; at least the machine's default).
+MSGQUEUE_BYTES = 64 << 10  # POSIX message queues of a sandbox at most (RLIMIT_MSGQUEUE; less: `msgqueue_share`)
+HOST_PART = 4  # of each per-user kernel count the sandboxes share, what is kept for the host: 1/4
 # writes `share()`'s pairs (/proc/sys/user/NAME VALUE ... --) into the current user namespace's limits
 _SHARE = ('while [ "$1" != -- ]; do [ ! -e "/proc/sys/user/$1" ] || echo "$2" > "/proc/sys/user/$1" || exit 125; '
           'shift 2; done; shift; ')
@@ -96,21 +102,96 @@ def _host_limit(path: str, default: int) -> int:
         return default
 
 
-def share() -> list[str]:
+def _slots_dir() -> Path:
+    return state_root() / ".slots"
+
+
+def reserve_slots(n: int) -> Path:
+    """Count `n` more local sandboxes that can be live at once (a pool's max_active) in the shares of
+    the sandboxes made from now on, by any process of this state dir; `release_slots` ends it (so
+    does the owner process's death)."""
+    d = _slots_dir()
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = d / f"{OWNER_PID}-{os.urandom(6).hex()}"
+    path.write_text(json.dumps({"pid": OWNER_PID, "start": OWNER_START, "n": int(n)}))
+    return path
+
+
+def release_slots(token: Path | None) -> None:
+    if token is not None:
+        token.unlink(missing_ok=True)
+
+
+def reserved_slots() -> int:
+    """The sandboxes the live reservations of this state dir (every process's) count; a dead
+    owner's reservation is removed."""
+    total = 0
+    d = _slots_dir()
+    for f in d.iterdir() if d.is_dir() else ():
+        try:
+            owner = json.loads(f.read_text())
+            pid, start, n = int(owner["pid"]), owner.get("start"), int(owner["n"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if owner_alive(pid, start):
+            total += max(n, 0)
+        else:
+            f.unlink(missing_ok=True)
+    return total
+
+
+def slots() -> int:
+    """How many local sandboxes the shares are cut for: the live pools' max_active together, at
+    least what a pool takes by default here (`base.default_max_active`: sandboxes made outside a
+    pool, the code env's grader's, count against that)."""
+    return max(reserved_slots(), default_max_active("local"))
+
+
+def _cut(limit: int, n: int, what: str) -> int:
+    """A sandbox's part of a per-user `limit` when `n` sandboxes can be live at once: the host
+    keeps 1/HOST_PART; at least 1 (said once, loudly, where that no longer fits)."""
+    part = (limit - limit // HOST_PART) // max(n, 1)
+    if part < 1:
+        _warn_too_many(what, limit, n)
+    return max(part, 1)
+
+
+@functools.cache
+def _warn_too_many(what: str, limit: int, n: int) -> None:
+    log.warning("local sandbox, not root: %d sandboxes can be live at once but the user's %s is %d: together "
+                "they can exhaust it for each other and for the host. Lower max_active, raise the limit (root, "
+                "once) or use the docker backend (docs/security.md).", n, what, limit)
+
+
+def share(n: int | None = None) -> list[str]:
     """A sandbox's share of the user's inotify instances and watches and fanotify groups and marks
-    (not as root), as /proc/sys/user NAME VALUE pairs, then "--". Each is counted per user up the
-    user-namespace hierarchy (the fanotify ones exist from Linux 5.13; a missing one is skipped)."""
+    (not as root) when `n` sandboxes (default `slots()`) can be live at once, as /proc/sys/user NAME
+    VALUE pairs, then "--". Each is counted per user up the user-namespace hierarchy (the fanotify
+    ones exist from Linux 5.13; a missing one is skipped), and the user's own count bounds them all."""
+    n = slots() if n is None else n
     limits = {"max_inotify_instances": _host_limit("/proc/sys/fs/inotify/max_user_instances", 128),
               "max_inotify_watches": _host_limit("/proc/sys/fs/inotify/max_user_watches", 8192),
               "max_fanotify_groups": _host_limit("/proc/sys/user/max_fanotify_groups", 128),
               "max_fanotify_marks": _host_limit("/proc/sys/user/max_fanotify_marks", 8192)}
-    return [x for name, n in limits.items() for x in (name, str(max(1, n // QUOTA_SHARES)))] + ["--"]
+    return [x for name, lim in limits.items() for x in (name, str(_cut(lim, n, name)))] + ["--"]
 
 
-def userns_quota_argv() -> list[str]:
+def msgqueue_share(n: int | None = None) -> int:
+    """A sandbox's POSIX message-queue bytes (all its spawns together) when `n` sandboxes can be
+    live at once: MSGQUEUE_BYTES, or less where the user's RLIMIT_MSGQUEUE (800 KiB by default,
+    which bounds every level below it too) would not hold `n` of them and the host's part."""
+    n = slots() if n is None else n
+    soft = resource.getrlimit(resource.RLIMIT_MSGQUEUE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return MSGQUEUE_BYTES
+    return min(MSGQUEUE_BYTES, _cut(soft, n, "RLIMIT_MSGQUEUE"))
+
+
+def userns_quota_argv(pairs: Sequence[str] | None = None) -> list[str]:
     """The prefix that runs a spawn in a user namespace of its own with a share of the user's
-    inotify limits (not as root); [] where the kernel refuses (said once, loudly)."""
-    argv = ["unshare", "--user", "--map-root-user", "/bin/sh", "-c", _QUOTA, "sh", *share()]
+    inotify limits (`pairs`, default `share()`; not as root); [] where the kernel refuses (said
+    once, loudly)."""
+    argv = ["unshare", "--user", "--map-root-user", "/bin/sh", "-c", _QUOTA, "sh", *(pairs or share())]
     return argv if _userns_quota_works(tuple(argv)) else []
 
 
@@ -128,11 +209,12 @@ def _userns_quota_works(argv: tuple[str, ...]) -> bool:
     return ok
 
 
-def _start_holder(fs: Path, size_mb: int) -> subprocess.Popen | None:
+def _start_holder(fs: Path, size_mb: int, pairs: Sequence[str]) -> subprocess.Popen | None:
     """Not as root: the process holding the sandbox's user and mount namespace, with a tmpfs of
-    `size_mb` (and `inodes_for` files) at `fs` in it; None (said once, loudly) where it cannot."""
+    `size_mb` (and `inodes_for` files) at `fs` in it and the limits `pairs` (`share()`); None
+    (said once, loudly) where it cannot."""
     argv = ["unshare", "--user", "--map-root-user", "--mount", "/bin/sh", "-c", _HOLD, "sh",
-            str(size_mb << 20), str(inodes_for(size_mb)), str(fs), *share()]
+            str(size_mb << 20), str(inodes_for(size_mb)), str(fs), *pairs]
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
@@ -290,6 +372,10 @@ class LocalSandbox(Sandbox):
         self.mounted = False
         self.holder: subprocess.Popen | None = None  # not as root: holds the namespaces of its tmpfs
         self.bridge_dir: Path | None = None  # mounted at bridge.INSIDE (see bridge.py)
+        # not as root: the sandbox's share of the user's kernel counts (`share()` pairs, message-queue
+        # bytes), cut at setup for the sandboxes that can be live then (`slots()`)
+        self.quota: list[str] = []
+        self.msgqueue = MSGQUEUE_BYTES
 
     async def _boot(self) -> None:
         reap_once("local", reap)
@@ -305,7 +391,9 @@ class LocalSandbox(Sandbox):
             {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id, "host_uid": self.host_uid}))
         self.fs.mkdir(mode=0o700)
         if not root:
-            self.holder = _start_holder(self.fs, lim.workdir_mb + lim.tmp_mb)
+            n = slots()
+            self.quota, self.msgqueue = share(n), msgqueue_share(n)
+            self.holder = _start_holder(self.fs, lim.workdir_mb + lim.tmp_mb, self.quota)
             if self.holder is not None:
                 (self.root / "owner.json").write_text(json.dumps(
                     {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id,
@@ -414,7 +502,7 @@ class LocalSandbox(Sandbox):
         bpf = self.seccomp_bpf
         join = ('for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f" || exit 125; shift; done; '
                 'exec "$@" 4<"$BWRAP_ARGS"' + (' 3<"$SECCOMP_BPF"' if bpf else ''))
-        rlimits = [f"--nofile={lim.nofile}", "--core=0", f"--msgqueue={MSGQUEUE_BYTES}",
+        rlimits = [f"--nofile={lim.nofile}", "--core=0", f"--msgqueue={self.msgqueue}",
                    f"--fsize={(lim.workdir_mb + lim.tmp_mb) << 20}"]
         if not self.cgroups:
             rlimits += [f"--as={max(lim.memory_mb, 256) << 20}", f"--nproc={lim.pids}"]
@@ -422,10 +510,13 @@ class LocalSandbox(Sandbox):
         if os.geteuid() == 0:
             demote = ["setpriv", f"--reuid={self.host_uid}", f"--regid={self.host_uid}", "--clear-groups"]
         else:  # into the holder's namespaces (its tmpfs), then a user namespace of the spawn's own
-            quota = userns_quota_argv()
+            quota = userns_quota_argv(self.quota)
             if self.holder is not None:
                 quota = ["nsenter", f"--target={self.holder.pid}", "--user", "--mount", "--preserve-credentials",
                          *quota]
+            if quota:  # the kernel bounds the sandbox's queues (all its spawns: the holder's level) by
+                # the RLIMIT_MSGQUEUE of the process that makes the spawn's namespace
+                quota = ["prlimit", f"--msgqueue={self.msgqueue}", *quota]
         ipc = []  # where we may own the IPC namespace (root, or the quota namespace's root): capped
         if os.geteuid() == 0 or quota:
             caps = [x for k, v in ipc_sysctls(lim).items() for x in (k.replace(".", "/"), v)]

@@ -28,25 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import statistics
 import time
+import weakref
 from collections import OrderedDict
 from typing import AsyncIterator, Mapping
 
 from .backends import create, resolve_backend
-from .base import Sandbox, SandboxError, SandboxLimits, log
-
-
-def default_max_active(backend: str, memory_mb: int | None = None) -> int:
-    """How many sandboxes of `backend` this machine holds at once: a docker container costs the
-    daemon seconds of CPU to start and keeps a server process, so 2 per core (4 on a 2-core
-    machine); a local one (bubblewrap) 4 per core; never more than half the RAM holds at their
-    memory cap, at least 2 and at most 64."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ram_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
-    by_ram = ram_mb // 2 // max(memory_mb or SandboxLimits.memory_mb, 1)
-    return max(2, min((2 if backend == "docker" else 4) * cpus, by_ram, 64))
+from .base import Sandbox, SandboxError, SandboxLimits, default_max_active, log
 
 
 class SandboxPool:
@@ -77,6 +66,12 @@ class SandboxPool:
         self._counts = {"created": 0, "reused": 0, "destroyed": 0, "reset_failures": 0,
                         "create_failures": 0, "acquired": 0, "tainted": 0}
         self.closed = False
+        # local, not root: the sandboxes' shares of the user's kernel counts are cut for max_active of
+        # them (local_backend.slots), so that all of them at their share leave each other and the host theirs
+        self._unreserve = None  # ends the reservation: at close, or when the pool is dropped unclosed
+        if self.backend == "local":
+            from .local_backend import release_slots, reserve_slots
+            self._unreserve = weakref.finalize(self, release_slots, reserve_slots(max_active))
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> "SandboxPool":
@@ -103,6 +98,8 @@ class SandboxPool:
         doomed = self._idle + list(self._active)
         self._idle, self._active = [], set()
         await asyncio.gather(*[sb.close() for sb in doomed], return_exceptions=True)
+        if self._unreserve is not None:
+            self._unreserve()
 
     async def _new(self) -> Sandbox:
         async with self._creating:

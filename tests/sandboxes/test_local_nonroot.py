@@ -350,6 +350,90 @@ def check_pids_not_shared_with_the_uid() -> None:
     run(go())
 
 
+# Takes all it can of the user's kernel counts the kernel charges up the user-namespace hierarchy
+# (inotify instances, fanotify groups, POSIX message-queue bytes) and says how much, then holds it.
+KERNEL_HOG = r"""
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+class Attr(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_long), ("maxmsg", ctypes.c_long), ("msgsize", ctypes.c_long), ("cur", ctypes.c_long),
+                ("pad", ctypes.c_long * 4)]
+ino = fan = mq = 0
+while ino < 4096 and libc.inotify_init() >= 0:
+    ino += 1
+while fan < 4096 and libc.fanotify_init(0x200, 0) >= 0:  # FAN_REPORT_FID: what a user may, unprivileged
+    fan += 1
+tag = os.urandom(4).hex()
+while mq < 4096:
+    attr = Attr(0, 1, 1024, 0)  # about 1 KiB of the user's RLIMIT_MSGQUEUE each
+    if rt.mq_open(b"/q%s-%d" % (tag.encode(), mq), os.O_CREAT | os.O_RDWR, 0o600, ctypes.byref(attr)) < 0:
+        break
+    mq += 1
+print(ino, fan, mq, flush=True)
+time.sleep(300)
+"""
+HOG_SPAWNS = 2  # per sandbox: its share holds for all its processes together
+
+
+def _host_can() -> tuple[bool, bool, bool]:
+    """Whether this (host) process can still make an inotify instance, a fanotify group, a message queue."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    rt = ctypes.CDLL("librt.so.1", use_errno=True)
+    ino, fan = libc.inotify_init(), libc.fanotify_init(0x200, 0)
+    q = rt.mq_open(b"/agentrl-host-%d" % os.getpid(), os.O_CREAT | os.O_RDWR, 0o600, None)
+    for fd in (ino, fan):
+        if fd >= 0:
+            os.close(fd)
+    if q >= 0:
+        rt.mq_unlink(b"/agentrl-host-%d" % os.getpid())
+        os.close(q)
+    return ino >= 0, fan >= 0, q >= 0
+
+
+def check_a_full_pool_leaves_the_host_and_a_sandbox_their_kernel_objects() -> None:
+    """A pool's max_active sandboxes, each taking all it can of the user's inotify instances, fanotify
+    groups and message queues in two spawns, each get their whole share, and the host (this process)
+    and one more sandbox can still make each."""
+    from agentrl.sandboxes import SandboxPool, create
+    n_max = 8  # the kernel's default max_user_instances (128) cut in eighths was exhausted by eight
+
+    async def hog(sb) -> list[tuple[int, int, int]]:
+        out = []
+        for _ in range(HOG_SPAWNS):
+            proc = await sb.spawn(["python3", "-c", KERNEL_HOG], cwd="/")
+            line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            out.append(tuple(int(x) for x in line.split()))
+        return out
+
+    async def go():
+        async with SandboxPool("local", warm=0, max_active=n_max, limits=SMALL) as pool:
+            sbs = [await pool.get() for _ in range(n_max)]
+            held = [await hog(sb) for sb in sbs]
+            shares = [dict(zip(sb.quota[:-1:2], map(int, sb.quota[1:-1:2]))) for sb in sbs]
+            host = _host_can()
+            async with create("local", limits=SMALL) as extra:
+                r = await extra.exec(["python3", "-c", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+                                      "print(libc.inotify_init() >= 0, libc.fanotify_init(0x200, 0) >= 0)"])
+            for sb in sbs:
+                await pool.release(sb)
+        ino = [sum(h[0] for h in hs) for hs in held]
+        fan = [sum(h[1] for h in hs) for hs in held]
+        mq = [sum(h[2] for h in hs) for hs in held]
+        print(f"kernel objects of {n_max} sandboxes at their share (inotify {shares[0]['max_inotify_instances']}, "
+              f"fanotify {shares[0].get('max_fanotify_groups')}): inotify {ino}, fanotify {fan}, 1-KiB queues {mq}; "
+              f"the host can (inotify, fanotify, mq): {host}; one more sandbox (inotify, fanotify): {r.stdout.split()}")
+        assert ino == [s["max_inotify_instances"] for s in shares], (ino, shares)  # none starved by the others
+        assert min(mq) >= 16 and max(mq) - min(mq) <= 2, mq  # each its whole share (64 KiB, less overhead)
+        assert host[0] and host[2], ("the host lost its inotify instances or message queues to the sandboxes", host)
+        assert r.stdout.split()[0] == "True", r
+        if fan[0]:  # fanotify_init allowed here (Linux >= 5.13)
+            assert fan == [s["max_fanotify_groups"] for s in shares] and host[1], (fan, shares, host)
+            assert r.stdout.split()[1] == "True", r
+    run(go(), timeout=240)
+
+
 SPIN = "import time\nt0 = time.monotonic()\nwhile time.process_time() < 0.6: pass\nprint(time.monotonic() - t0)"
 
 
@@ -563,6 +647,12 @@ def test_pids_rlimit(nonroot):
 def test_pids_not_shared_with_the_uid(nonroot):
     """pids, held per sandbox: the uid's processes on the host do not count against the sandbox's RLIMIT_NPROC."""
     nonroot.run("check_pids_not_shared_with_the_uid")
+
+
+def test_a_full_pool_leaves_the_host_and_a_sandbox_their_kernel_objects(nonroot):
+    """inotify, fanotify, message queues, held per sandbox by a share of the user's count cut for the
+    pool's max_active: eight sandboxes each at their share leave the host and a ninth their own."""
+    nonroot.run("check_a_full_pool_leaves_the_host_and_a_sandbox_their_kernel_objects")
 
 
 def test_cpu_not_capped(nonroot):

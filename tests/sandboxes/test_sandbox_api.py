@@ -316,3 +316,36 @@ def test_local_nonroot_says_loudly_when_no_user_namespace_of_its_own(caplog):
         assert argv[:3] == ["unshare", "--user", "--map-root-user"] and int(argv[-2]) >= 1, argv
     else:
         assert "share the user's inotify instances" in caplog.text
+
+
+def test_local_shares_are_cut_for_the_sandboxes_that_can_be_live_at_once(tmp_path, monkeypatch):
+    """Not as root, a local sandbox's share of the user's inotify/fanotify counts and message-queue bytes
+    is the user's limit less the host's quarter over every live pool's max_active (all processes of the
+    state dir; at least the machine's default), so all of them at their share leave the host its part;
+    a reservation ends with its pool (closed or dropped) or its process."""
+    import gc
+    import resource
+    from agentrl.sandboxes import SandboxPool, local_backend as lb
+    from agentrl.sandboxes.pool import default_max_active
+    monkeypatch.setenv("AGENTRL_SANDBOX_DIR", str(tmp_path / "sandboxes"))
+    floor = default_max_active("local")
+    assert lb.slots() == floor
+    pool = SandboxPool("local", warm=0, max_active=floor + 40)
+    other = SandboxPool("local", warm=0, max_active=2)
+    # another process's pool, still alive (our parent), and a dead one's
+    (tmp_path / "sandboxes" / ".slots" / "live").write_text(
+        json.dumps({"pid": os.getppid(), "start": None, "n": 5}))
+    (tmp_path / "sandboxes" / ".slots" / "dead").write_text(json.dumps({"pid": 2 ** 22 + 7, "start": 1, "n": 99}))
+    n = floor + 40 + 2 + 5
+    assert lb.slots() == n and not (tmp_path / "sandboxes" / ".slots" / "dead").exists()
+    quota = dict(zip(lb.share()[:-1:2], map(int, lb.share()[1:-1:2])))
+    limit = lb._host_limit("/proc/sys/fs/inotify/max_user_instances", 128)
+    assert quota["max_inotify_instances"] == max(1, (limit - limit // lb.HOST_PART) // n), quota
+    assert n * quota["max_inotify_instances"] <= limit - limit // lb.HOST_PART or quota["max_inotify_instances"] == 1
+    soft = resource.getrlimit(resource.RLIMIT_MSGQUEUE)[0]
+    if soft != resource.RLIM_INFINITY:
+        assert n * lb.msgqueue_share() <= soft - soft // lb.HOST_PART
+    run(other.close())
+    del pool
+    gc.collect()
+    assert lb.slots() == max(floor, 5)
