@@ -138,6 +138,9 @@ class RolloutConfig(Section):
     """GPUs the SGLang engines use; None: every visible GPU. More engines than GPUs share them."""
     rollout_num_gpus_per_engine: int = Field(1, ge=1)
     """GPUs of one SGLang engine (its --tp-size)."""
+    prefill_num_servers: int | None = Field(None, ge=1)
+    """slime's prefill/decode disaggregation: the first N SGLang engines prefill, the rest decode, the
+    router pairs them (sglang-router --pd-disaggregation); None: every engine does both."""
     use_router: Literal["auto", "always", "never"] = "auto"
     """sglang-router in front of the engines (--router-* flags pass through); auto: with two or more engines."""
     engine_startup_timeout_s: float = Field(900.0, gt=0)

@@ -141,7 +141,6 @@ REFUSED: dict[str, str] = {
     "megatron_config_path": "one Megatron trainer config: give Megatron flags on the command line",
     "enable_mtp_training": "multi-token-prediction layers are not built (the model comes from the HF config.json)",
     "multimodal_keys": "agentrl trains on text only",
-    "prefill_num_servers": "prefill/decode disaggregated engines are not launched",
     "update_weight_local_checkpoint_dir": "--weight-sync-mode disk writes under the run folder",
     "update_weight_delta_encoding": "weight syncs send whole tensors (no delta encoding)",
     "update_weight_delta_checksum": "weight syncs send whole tensors (no delta encoding)",
@@ -529,12 +528,30 @@ def finish(cfg, flags: SlimeFlags) -> None:
 
         check_rm_type(cfg.algo.rm_type, rm_url=cfg.algo.rm_url, judge=cfg.algo.judge_url or cfg.algo.judge_load)
     r = cfg.rollout
+    if r.prefill_num_servers:
+        check_pd(r)
     if cfg.run.env == SLIME_ENV and not (cfg.algo.custom_rm_path or r.custom_generate_function_path
                                          or r.rollout_function_path):
         raise ConfigError("the slime env scores with --rm-type or --custom-rm-path: give one (slime raises "
                           "'Rule-based RM type is not specified' too)")
     if flags.shape:
         check_shape(flags.shape, read_hf_config(cfg.model.model, sorted(flags.shape)), cfg.model.model)
+
+
+def check_pd(r) -> None:
+    """--prefill-num-servers as slime checks it: SGLang engines it launches, and a decode engine left."""
+    n = r.prefill_num_servers
+    if r.rollout_engine != "sglang" or r.rollout_engine_urls:
+        raise ConfigError(f"--prefill-num-servers {n}: prefill/decode engines are SGLang engines agentrl launches "
+                          "(--rollout-engine sglang; slime refuses it with external engines too)")
+    if r.use_router == "never":
+        raise ConfigError(f"--prefill-num-servers {n}: the router pairs prefill and decode engines; drop "
+                          "--use-router never")
+    engines = r.num_engines or (r.rollout_num_gpus // r.rollout_num_gpus_per_engine if r.rollout_num_gpus else None)
+    if engines is not None and engines <= n:
+        raise ConfigError(f"--prefill-num-servers {n}: no decode engine left of {engines} "
+                          f"(--rollout-num-gpus {r.rollout_num_gpus} / --rollout-num-gpus-per-engine "
+                          f"{r.rollout_num_gpus_per_engine}; slime: 'No decode GPUs')")
 
 
 def read_hf_config(model: str | None, names: list[str]) -> dict:
