@@ -48,6 +48,15 @@ def _experts(hf: dict):
     return hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts")
 
 
+def _mtp_layers(hf: dict):
+    """The checkpoint's multi-token-prediction layers (MiMo, DeepSeek-V3, GLM-4.5+: num_nextn_predict_layers;
+    Qwen3-Next / 3.5: mtp_num_hidden_layers); KeyError where it has none."""
+    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        if hf.get(key):
+            return hf[key]
+    raise KeyError("num_nextn_predict_layers")
+
+
 # Megatron model flag -> its value in the HF config.json (a key, or a function of the config)
 SHAPE_VALUES: dict[str, Callable[[dict], Any]] = {
     "num_layers": lambda hf: hf["num_hidden_layers"],
@@ -64,6 +73,7 @@ SHAPE_VALUES: dict[str, Callable[[dict], Any]] = {
     "moe_ffn_hidden_size": lambda hf: hf["moe_intermediate_size"],
     "moe_router_topk": lambda hf: hf["num_experts_per_tok"],
     "max_position_embeddings": lambda hf: hf["max_position_embeddings"],
+    "mtp_num_layers": _mtp_layers,  # checked, then not built (a notice says so: MTP_NOT_BUILT)
     "q_lora_rank": lambda hf: hf["q_lora_rank"],
     "kv_lora_rank": lambda hf: hf["kv_lora_rank"],
     "qk_head_dim": lambda hf: hf["qk_nope_head_dim"],
@@ -88,6 +98,9 @@ SHAPE_FROM_CONFIG = {"apply_layernorm_1p", "use_gated_attention", "mscale", "msc
                      "use_rope_scaling", "spec", "no_position_embedding", "post_self_attn_layernorm",
                      "post_mlp_layernorm", "multi_latent_attention", "seq_length"}
 
+MTP_NOT_BUILT = ("the Megatron model is built without the checkpoint's multi-token-prediction layers; untrained "
+                 "(slime trains them only with --enable-mtp-training), they keep the checkpoint's weights, which an "
+                 "SGLang speculative draft (--sglang-speculative-algorithm EAGLE) reads from the checkpoint itself")
 # accepted, with the reason it changes nothing here
 NO_EFFECT: dict[str, str] = {
     "use_tensorboard": "tensorboard/ is always written in the run folder",
@@ -107,6 +120,9 @@ NO_EFFECT: dict[str, str] = {
     "update_weight_disk_dir": "a disk weight sync (--update-weight-transport disk) writes its checkpoint "
                               "under the run folder",
 }
+DELTA_WHY = ("slime's delta weight sync is applied by SGLang's /pull_weights, which slime adds by patching SGLang "
+             "(its docker/patch/*/sglang-pull_weights.patch); agentrl's engines are upstream SGLang: weight syncs "
+             "send whole tensors (--update-weight-transport nccl, or disk for a whole checkpoint)")
 # slime options agentrl refuses, each with why
 REFUSED: dict[str, str] = {
     "custom_loss_function_path": "agentrl's losses are its algorithms (--advantage-estimator, --loss-type); "
@@ -139,11 +155,16 @@ REFUSED: dict[str, str] = {
     "custom_update_weight_post_write_path": "--weight-sync-mode disk writes to a local or POSIX path and needs no "
                                             "post-write step",
     "megatron_config_path": "one Megatron trainer config: give Megatron flags on the command line",
-    "enable_mtp_training": "multi-token-prediction layers are not built (the model comes from the HF config.json)",
-    "multimodal_keys": "agentrl trains on text only",
-    "update_weight_local_checkpoint_dir": "--weight-sync-mode disk writes under the run folder",
-    "update_weight_delta_encoding": "weight syncs send whole tensors (no delta encoding)",
-    "update_weight_delta_checksum": "weight syncs send whole tensors (no delta encoding)",
+    "enable_mtp_training": "training the multi-token-prediction layers needs them built in the Megatron model, their "
+                           "loss in its step and their weights synced to the engines' speculative draft; agentrl's "
+                           "Megatron families (qwen2, qwen3, llama, qwen3_moe, qwen2_moe) have no MTP layers in their "
+                           "HF checkpoints, and MiMo and GLM-4.x, the models of slime's scripts that pass it, are "
+                           "not mapped yet",
+    "multimodal_keys": "agentrl trains text-only models: neither the rollout nor the trainers carry image or video "
+                       "inputs",
+    "update_weight_local_checkpoint_dir": DELTA_WHY,
+    "update_weight_delta_encoding": DELTA_WHY,
+    "update_weight_delta_checksum": DELTA_WHY,
 }
 # slime flag -> agentrl flag (same meaning, another name)
 RENAMED = {"rollout_seed": "--seed"}
@@ -318,6 +339,8 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
             flags.shape[name] = True if name in SHAPE_SWITCHES and value is None else value
             if name in SHAPE_VALUES and value is None:
                 raise ConfigError(f"{flag}: needs a value")
+            if name == "mtp_num_layers":
+                flags.note(flag, MTP_NOT_BUILT)
         elif name in SHAPE_FROM_CONFIG:
             flags.note(flag, "the Megatron model is built from the HF config.json, which sets this")
         elif name in NO_EFFECT:
@@ -332,8 +355,7 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
             out += ["--trainer", "megatron"]
         elif name == "update_weight_mode":
             if value != "full":
-                raise ConfigError(f"{flag} {value}: not supported by agentrl: weight syncs send whole tensors "
-                                  "(slime's 'full'; no delta encoding)")
+                raise ConfigError(f"{flag} {value}: not supported by agentrl: {DELTA_WHY} (slime's 'full')")
         elif name == "update_weight_transport":  # nccl: a broadcast to engines on GPUs of their own, as auto picks
             modes = {"nccl": "auto", "disk": "disk"}
             if value not in modes:
