@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,8 @@ WORKER = textwrap.dedent('''
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             with open(log, "a") as f:
-                f.write(json.dumps({"path": self.path, "body": body}) + "\\n")
+                f.write(json.dumps({"path": self.path, "body": body, "key": self.headers.get("X-SMG-Routing-Key")})
+                        + "\\n")
             self._reply({"text": "x", "output_ids": [1], "meta_info": {"id": "r", "finish_reason": {"type": "stop"}}})
 
     ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
@@ -108,33 +110,55 @@ WORKER = textwrap.dedent('''
 @needs_router
 def test_the_router_pairs_a_prefill_and_a_decode_engine(tmp_path):
     """The real sglang-router, launched as agentrl launches it, in front of two stand-in workers:
-    both registered with their types, a /generate sent to both with the prefill's bootstrap port,
-    and a worker taken out and re-added (the engine monitor's restart path) keeps its type."""
+    registered with their types, a /generate sent to a prefill and a decode with the prefill's
+    bootstrap port, a trajectory's turns (its X-SMG-Routing-Key, agentrl's default manual policy) on
+    one decode engine, and a worker taken out and re-added (the engine monitor's restart path)
+    keeping its type."""
     from agentrl.engines.launch import free_port
     from agentrl.engines.router import launch_router
     from agentrl.http import request_json
+    from agentrl.rollout.client import ROUTING_KEY_HEADER  # the rollout client's session key
 
     (tmp_path / "worker.py").write_text(WORKER)
-    ports, boot = [free_port(), free_port()], free_port()
+    ports, boot = [free_port(), free_port(), free_port()], free_port()
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(p), str(tmp_path / f"{p}.log")])
              for p in ports]
-    P, D = (f"http://127.0.0.1:{p}" for p in ports)
+    P, D, D2 = (f"http://127.0.0.1:{p}" for p in ports)
+    logs = [tmp_path / f"{p}.log" for p in ports]
+
+    def sent(log):
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
     router = None
     try:
-        router = launch_router([P, D], router_args={}, log_dir=tmp_path, timeout_s=60,
-                               pd={P: ("prefill", boot), D: ("decode", None)})
+        router = launch_router([P, D, D2], router_args={}, log_dir=tmp_path, timeout_s=60,
+                               pd={P: ("prefill", boot), D: ("decode", None), D2: ("decode", None)})
         kinds = {w["url"]: (w["worker_type"], w.get("bootstrap_port")) for w in router.workers()}
-        assert kinds == {P: ("prefill", boot), D: ("decode", None)}
+        assert kinds == {P: ("prefill", boot), D: ("decode", None), D2: ("decode", None)}
         request_json("POST", router.url + "/generate", {"input_ids": [1, 2, 3], "sampling_params": {}}, timeout=30)
-        for p in ports:
-            (sent,) = [json.loads(line) for line in (tmp_path / f"{p}.log").read_text().splitlines()]
-            assert sent["path"] == "/generate" and sent["body"]["input_ids"] == [1, 2, 3]
-            assert sent["body"]["bootstrap_port"] == boot and "bootstrap_room" in sent["body"]
+        (first,) = sent(logs[0])
+        (second,) = sent(logs[1]) + sent(logs[2])
+        for one in (first, second):
+            assert one["path"] == "/generate" and one["body"]["input_ids"] == [1, 2, 3]
+            assert one["body"]["bootstrap_port"] == boot and "bootstrap_room" in one["body"]
+        assert first["body"]["bootstrap_room"] == second["body"]["bootstrap_room"]
+        for key in [f"trajectory-{i}" for i in range(8) for _ in range(3)]:
+            req = urllib.request.Request(router.url + "/generate", method="POST", headers={
+                "Content-Type": "application/json", ROUTING_KEY_HEADER: key},
+                data=json.dumps({"input_ids": [4], "sampling_params": {}}).encode())
+            urllib.request.urlopen(req, timeout=30).read()
+        where = {}
+        for log in logs[1:]:
+            for one in sent(log):
+                if one["key"]:
+                    where.setdefault(one["key"], set()).add(log)
+        assert len(where) == 8 and all(len(decodes) == 1 for decodes in where.values())
+        assert len(sent(logs[0])) == 1 + 24  # every request prefilled on the prefill engine
         assert router.remove_worker(P) and P not in {w["url"] for w in router.workers()}
         router.add_worker(P)
-        router.wait_workers([P, D], timeout_s=30)
+        router.wait_workers([P, D, D2], timeout_s=30)
         assert {(w["url"], w["worker_type"], w.get("bootstrap_port")) for w in router.workers()} == {
-            (P, "prefill", boot), (D, "decode", None)}
+            (P, "prefill", boot), (D, "decode", None), (D2, "decode", None)}
     finally:
         if router is not None:
             router.stop()

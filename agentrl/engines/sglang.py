@@ -15,6 +15,10 @@ the GPU all of them may take together (--sglang-mem-fraction-static, default 0.8
 sizes its KV pool from the memory free when it starts, so each engine then ends up with
 about F / n of the GPU. An engine restarted there finds the others up, so it gets F.
 
+Prefill/decode disaggregation (slime's --prefill-num-servers N): engines 0..N-1 get SGLang's
+`--disaggregation-mode prefill --disaggregation-bootstrap-port P` (a free port each), the rest
+`--disaggregation-mode decode`, each on GPUs of its own; the router pairs them (router.py).
+
 Engines are started through `python -m agentrl.engines.sglang_server`, which is SGLang's
 `python -m sglang.launch_server` plus one response header naming the engine (see there).
 """
