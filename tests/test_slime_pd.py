@@ -189,3 +189,53 @@ def test_the_glm5_scripts_prefill_flag_is_taken():
                            "--rollout-num-gpus", "8", "--rollout-num-gpus-per-engine", "4",
                            "--prefill-num-servers", "1"])
     assert cfg.rollout.rollout_engine == "sglang" and cfg.rollout.prefill_num_servers == 1
+
+
+def test_the_weight_check_probes_prefill_and_decode_engines_through_the_router():
+    """A prefill or a decode engine cannot generate alone: the weight check's probe goes to the
+    router (here a stand-in answering /generate), never to the engines (unreachable here)."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from agentrl.engines.group import Engine, EngineGroup
+    from agentrl.rollout.client import EngineClient
+    from agentrl.weight_update import probe_engines
+
+    seen = []
+
+    class Router(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            seen.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            body = json.dumps({"meta_info": {"output_token_logprobs": [[-0.5, 7, None]], "weight_version": "3"}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    engines = [Engine(url="http://127.0.0.1:9", kind="sglang", worker_type="prefill", bootstrap_port=10),
+               Engine(url="http://127.0.0.1:11", kind="sglang", worker_type="decode")]
+    group = EngineGroup(url=url, engine_urls=[e.url for e in engines], engines=engines)
+    group.probe_prompts = [[1, 2, 3], [4, 5]]
+    cfg, _ = parse_config(["--rollout-temperature", "1.0"])
+
+    async def go():
+        clients = [EngineClient(e.url, request_timeout_s=5) for e in engines]
+        try:
+            await probe_engines(cfg, group, clients)
+        finally:
+            await asyncio.gather(*[c.close() for c in clients])
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        server.shutdown()
+    assert sorted(body["input_ids"] for path, body in seen if path == "/generate") == [[1, 2, 3], [4, 5]]
+    assert [(u, v, s.response_tokens) for u, v, s in group.probe_results] == [(url, "3", [7])] * 2
