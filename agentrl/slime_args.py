@@ -155,6 +155,16 @@ REFUSED: dict[str, str] = {
     "custom_update_weight_post_write_path": "--weight-sync-mode disk writes to a local or POSIX path and needs no "
                                             "post-write step",
     "megatron_config_path": "one Megatron trainer config: give Megatron flags on the command line",
+    # slime's own --sglang-* flags (not SGLang server arguments, which --sglang-* passes through)
+    "sglang_config": "slime's YAML of SGLang server groups (several models, per-group overrides) is not read: agentrl "
+                     "launches one group of engines (--num-engines, --rollout-num-gpus-per-engine; a prefill/decode "
+                     "split with --prefill-num-servers), and SGLang's own --config would misread it",
+    "sglang_router_ip": "slime registers the engines it launches with that running router; agentrl launches its own "
+                        "router, or attaches to running engines (or a router in front of them) with "
+                        "--rollout-engine-urls URL",
+    "sglang_router_port": "slime registers the engines it launches with that running router; agentrl launches its own "
+                          "router, or attaches to running engines (or a router in front of them) with "
+                          "--rollout-engine-urls URL",
     "enable_mtp_training": "training the multi-token-prediction layers needs them built in the Megatron model, their "
                            "loss in its step and their weights synced to the engines' speculative draft; agentrl's "
                            "Megatron families (qwen2, qwen3, llama, qwen3_moe, qwen2_moe) have no MTP layers in their "
@@ -167,7 +177,7 @@ REFUSED: dict[str, str] = {
     "update_weight_delta_checksum": DELTA_WHY,
 }
 # slime flag -> agentrl flag (same meaning, another name)
-RENAMED = {"rollout_seed": "--seed"}
+RENAMED = {"rollout_seed": "--seed", "sglang_router_request_timeout_secs": "--request-timeout-s"}
 
 
 @dataclass
@@ -185,6 +195,7 @@ class SlimeFlags:
     dynamic_batch_size: bool = False
     present: bool = False  # a slime run: model-shape flags or --ref-load
     custom_config: dict[str, Any] = field(default_factory=dict)  # --custom-config-path's config-field keys
+    server_concurrency: int | None = None  # --sglang-server-concurrency: requests in flight per engine
 
     def note(self, flag: str, why: str) -> None:
         self.notices.append(f"{flag}: accepted, no effect here: {why}")
@@ -382,6 +393,8 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
             flags.lr_warmup_fraction = _number(value or "", flag)
         elif name == "ref_ckpt_step":
             flags.ref_ckpt_step = int(_number(value or "", flag))
+        elif name == "sglang_server_concurrency":  # slime's own, not an SGLang server argument
+            flags.server_concurrency = int(_number(value or "", flag))
         elif name == "moe_layer_freq":
             flags.megatron[name] = _layer_freq(value or "")
         elif name in ("wandb_key", "wandb_team", "wandb_host"):
@@ -398,7 +411,8 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
 
 
 MAPPED = {"update_weight_buffer_size", "eval_top_p", "eval_top_k", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
-          "wandb_host", "ref_ckpt_step", "train_backend", "update_weight_mode", "update_weight_transport"}  # translate() turns these into agentrl's settings
+          "wandb_host", "ref_ckpt_step", "train_backend", "update_weight_mode", "update_weight_transport",
+          "sglang_server_concurrency"}  # translate() turns these into agentrl's settings
 
 
 def flag_status(flag: str, parser_flags: set[str]) -> str:
@@ -481,6 +495,34 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
         train["balance_data"] = True
     if algo.get("rm_type") and not algo.get("custom_rm_path"):
         algo["custom_rm_path"] = RM_HUB_REWARD  # slime: --custom-rm-path wins over --rm-type
+    if flags.server_concurrency is not None:
+        concurrency(layers.setdefault("rollout", {}), run, flags.server_concurrency)
+
+
+def concurrency(rollout: dict, run: dict, per_engine: int) -> None:
+    """--sglang-server-concurrency N: slime allows N requests in flight per engine, N x its engines
+    in all (rollout GPUs / GPUs per engine; colocated, the rollout GPUs are the actor's): agentrl's
+    --max-concurrency."""
+    from agentrl.config import RolloutConfig
+
+    flag = f"--sglang-server-concurrency {per_engine}"
+    if rollout.get("rollout_engine", RolloutConfig.model_fields["rollout_engine"].default) == "embedded":
+        engines = rollout.get("num_engines") or 1
+    else:
+        gpus = rollout.get("rollout_num_gpus") or (
+            int(run.get("actor_num_nodes") or 1) * int(run.get("actor_num_gpus_per_node") or 1)
+            if run.get("colocate") else None)
+        engines = rollout.get("num_engines") or (
+            max(1, int(gpus) // int(rollout.get("rollout_num_gpus_per_engine") or 1)) if gpus else None)
+    if engines is None:
+        raise ConfigError(f"{flag}: requests per engine, but the number of engines is not given: add "
+                          "--rollout-num-gpus or --num-engines (or --max-concurrency for the total)")
+    total = per_engine * int(engines)
+    given = rollout.get("max_concurrency")
+    if given is not None and int(given) != total:
+        raise ConfigError(f"{flag}: {total} requests in flight over {engines} engine(s), but --max-concurrency "
+                          f"{given} is given too: drop one")
+    rollout["max_concurrency"] = total
 
 
 def warmup(layers: dict, flags: SlimeFlags, sections: dict[str, Any]) -> None:
