@@ -476,6 +476,10 @@ class EvalConfig(Section):
     """None: the rollout temperature."""
     eval_max_response_len: int | None = Field(None, ge=1)
     """None: the rollout's."""
+    eval_top_p: float | None = Field(None, gt=0, le=1)
+    """None: the rollout's top-p."""
+    eval_top_k: int | None = None
+    """None: the rollout's top-k (-1: off)."""
     skip_eval_before_train: bool = False
     """With --eval-interval, the starting model is evaluated before the first iteration (as slime
     does; its figures go in iteration 0's metrics row as eval_before_train/NAME/...): this skips it."""

@@ -188,8 +188,6 @@ class SlimeFlags:
     megatron: dict[str, Any] = field(default_factory=dict)  # typed Megatron values (moe_layer_freq lists)
     notices: list[str] = field(default_factory=list)
     environ: dict[str, str] = field(default_factory=dict)  # wandb's key, team, host: set before the run
-    eval_top_p: float | None = None
-    eval_top_k: int | None = None
     lr_warmup_fraction: float | None = None
     ref_ckpt_step: int | None = None  # --ref-ckpt-step: the iteration of --ref-load's Megatron checkpoint
     dynamic_batch_size: bool = False
@@ -217,14 +215,34 @@ def _number(text: str, flag: str) -> float:
 
 
 def _layer_freq(text: str) -> int | list[int]:
-    """Megatron's --moe-layer-freq: an int (every Nth layer) or a list of 0/1 per layer."""
+    """Megatron's --moe-layer-freq: an int (every Nth layer) or a list of 0/1 per layer, written
+    as a list or as Megatron evaluates it, list arithmetic such as `[0]*3+[1]*89` (slime's GLM and
+    MiniMax model files)."""
     try:
-        value = ast.literal_eval(text)
+        value = _list_expr(ast.parse(text.strip().strip("'\""), mode="eval").body)
     except (ValueError, SyntaxError):
-        raise ConfigError(f"--moe-layer-freq: expected an int or a list such as [1,1,0], got {text!r}") from None
+        raise ConfigError(f"--moe-layer-freq: expected an int or a list such as [1,1,0] or [0]*3+[1]*89, "
+                          f"got {text!r}") from None
     if isinstance(value, int) or (isinstance(value, list) and all(isinstance(v, int) for v in value)):
         return value
     raise ConfigError(f"--moe-layer-freq: expected an int or a list of ints, got {text!r}")
+
+
+def _list_expr(node):
+    """An int, a list literal, or + and * over them (nothing else is evaluated)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        return [_list_expr(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _list_expr(node.left), _list_expr(node.right)
+        if isinstance(node.op, ast.Add) and type(left) is type(right):
+            return left + right
+        if isinstance(node.op, ast.Mult) and {type(left), type(right)} == {list, int}:
+            if len(left if isinstance(left, list) else right) * (right if isinstance(right, int) else left) > 100_000:
+                raise ValueError("more layers than any model has")
+            return left * right
+    raise ValueError(ast.dump(node))
 
 
 def read_custom_config(path: str) -> dict[str, Any]:
@@ -385,10 +403,6 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
             if value is None:
                 raise ConfigError(f"{flag}: needs a value (bytes)")
             out += ["--weight-sync-bucket-mb", repr(_number(value, flag) / 2**20)]
-        elif name == "eval_top_p":
-            flags.eval_top_p = _number(value or "", flag)
-        elif name == "eval_top_k":
-            flags.eval_top_k = int(_number(value or "", flag))
         elif name == "lr_warmup_fraction":
             flags.lr_warmup_fraction = _number(value or "", flag)
         elif name == "ref_ckpt_step":
@@ -410,7 +424,7 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
     return out, flags
 
 
-MAPPED = {"update_weight_buffer_size", "eval_top_p", "eval_top_k", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
+MAPPED = {"update_weight_buffer_size", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
           "wandb_host", "ref_ckpt_step", "train_backend", "update_weight_mode", "update_weight_transport",
           "sglang_server_concurrency"}  # translate() turns these into agentrl's settings
 
@@ -484,10 +498,12 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
         sets = read_eval_config(ev["eval_config"])
         ev["eval_prompt_data"] = [str(x) for d in sets for x in (d["name"], d["path"])]
         for key, name in EVAL_SHARED_KEYS.items():
-            if key in sets[0] and name in ("eval_top_p", "eval_top_k"):
-                setattr(flags, name, sets[0][key])  # checked against the rollout's in finish()
-            elif key in sets[0]:
+            if key in sets[0]:
                 ev[name] = sets[0][key]
+    data = ev.get("eval_prompt_data")
+    if isinstance(data, list) and len(data) == 1:  # slime's legacy form: one path, named aime
+        ev["eval_prompt_data"] = ["aime", data[0]]
+        flags.notices.append(f"--eval-prompt-data {data[0]}: one path, no name: named 'aime', as slime names it")
     if run.get("env") == SLIME_ENV and SLIME_ENV_MODULE not in run.get("env_module", []):
         run["env_module"] = [*run.get("env_module", []), SLIME_ENV_MODULE]
     train = layers.setdefault("train", {})
@@ -526,13 +542,22 @@ def concurrency(rollout: dict, run: dict, per_engine: int) -> None:
 
 
 def warmup(layers: dict, flags: SlimeFlags, sections: dict[str, Any]) -> None:
-    """--lr-warmup-fraction: Megatron's warmup in optimizer steps, of the run's total. `sections`:
+    """--num-steps-per-rollout without --global-batch-size sets it, as slime does; then
+    --lr-warmup-fraction: Megatron's warmup in optimizer steps, of the run's total. `sections`:
     the config's section classes by name (their defaults fill what the layers leave out)."""
-    if flags.lr_warmup_fraction is None:
-        return
-
     def get(section, name):
         return layers.get(section, {}).get(name, sections[section].model_fields[name].default)
+
+    train = layers.setdefault("train", {})
+    if train.get("num_steps_per_rollout") is not None and train.get("global_batch_size") is None:
+        # slime: global_batch_size = rollout_batch_size * n_samples_per_prompt // num_steps_per_rollout
+        samples = int(get("rollout", "rollout_batch_size")) * int(get("rollout", "n_samples_per_prompt"))
+        train["global_batch_size"] = samples // int(train["num_steps_per_rollout"])
+        if not train["global_batch_size"]:
+            raise ConfigError(f"--num-steps-per-rollout {train['num_steps_per_rollout']}: more steps than the "
+                              f"{samples} samples of a rollout")
+    if flags.lr_warmup_fraction is None:
+        return
 
     steps = (int(get("rollout", "num_rollout")) * int(get("rollout", "rollout_batch_size"))
              * int(get("rollout", "n_samples_per_prompt")) // int(get("train", "global_batch_size")))
@@ -549,12 +574,6 @@ def finish(cfg, flags: SlimeFlags) -> None:
     if (cfg.train.balance_data or cfg.train.balance_by_flops) and cfg.train.trainer != "megatron":
         flags.notices.append("--balance-data/--balance-by-flops: accepted, no effect here: the torch trainer "
                              "has one data-parallel rank and forms micro-batches by --max-tokens-per-gpu")
-    if flags.eval_top_p is not None and not math.isclose(flags.eval_top_p, cfg.rollout.rollout_top_p):
-        raise ConfigError(f"--eval-top-p {flags.eval_top_p}: agentrl samples evaluations with the rollout's top-p "
-                          f"(--rollout-top-p {cfg.rollout.rollout_top_p}); give them the same value")
-    if flags.eval_top_k is not None and flags.eval_top_k != cfg.rollout.rollout_top_k:
-        raise ConfigError(f"--eval-top-k {flags.eval_top_k}: agentrl samples evaluations with the rollout's top-k "
-                          f"(--rollout-top-k {cfg.rollout.rollout_top_k}); give them the same value")
     a = cfg.algo
     ref, start = cfg.run.ref_load, cfg.model.model
     kl = a.use_kl_loss and a.kl_loss_coef > 0 or a.kl_coef > 0  # algorithms.needs_reference (it imports this module)

@@ -248,8 +248,7 @@ def test_slime_flags_without_an_effect_say_so_and_refused_ones_say_why(tmp_path,
         parse_config(["--custom-loss-function-path", "x.loss"])
     with pytest.raises(ConfigError, match="--use-dynamic-batch-size needs --max-tokens-per-gpu"):
         parse_config(["--use-dynamic-batch-size"])
-    with pytest.raises(ConfigError, match="--eval-top-p 0.9: agentrl samples evaluations with the rollout's top-p"):
-        parse_config(["--eval-top-p", "0.9"])
+    assert parse_config(["--eval-top-p", "0.9"])[0].eval.eval_top_p == 0.9  # evaluations sample with it
     with pytest.raises(ConfigError, match="--rm-type nope: unknown; choose from deepscaler"):
         parse_config(["--rm-type", "nope"])
     with pytest.raises(ConfigError, match="the slime env scores with --rm-type or --custom-rm-path"):
