@@ -511,18 +511,14 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
         train["balance_data"] = True
     if algo.get("rm_type") and not algo.get("custom_rm_path"):
         algo["custom_rm_path"] = RM_HUB_REWARD  # slime: --custom-rm-path wins over --rm-type
-    if flags.server_concurrency is not None:
-        concurrency(layers.setdefault("rollout", {}), run, flags.server_concurrency)
 
 
-def concurrency(rollout: dict, run: dict, per_engine: int) -> None:
+def concurrency(rollout: dict, run: dict, per_engine: int, engine: str) -> None:
     """--sglang-server-concurrency N: slime allows N requests in flight per engine, N x its engines
     in all (rollout GPUs / GPUs per engine; colocated, the rollout GPUs are the actor's): agentrl's
     --max-concurrency."""
-    from agentrl.config import RolloutConfig
-
     flag = f"--sglang-server-concurrency {per_engine}"
-    if rollout.get("rollout_engine", RolloutConfig.model_fields["rollout_engine"].default) == "embedded":
+    if engine == "embedded":
         engines = rollout.get("num_engines") or 1
     else:
         gpus = rollout.get("rollout_num_gpus") or (
@@ -542,11 +538,16 @@ def concurrency(rollout: dict, run: dict, per_engine: int) -> None:
 
 
 def warmup(layers: dict, flags: SlimeFlags, sections: dict[str, Any]) -> None:
-    """--num-steps-per-rollout without --global-batch-size sets it, as slime does; then
-    --lr-warmup-fraction: Megatron's warmup in optimizer steps, of the run's total. `sections`:
-    the config's section classes by name (their defaults fill what the layers leave out)."""
+    """What needs the config's defaults: --sglang-server-concurrency's total; --num-steps-per-rollout
+    without --global-batch-size sets it, as slime does; then --lr-warmup-fraction: Megatron's warmup
+    in optimizer steps, of the run's total. `sections`: the config's section classes by name
+    (their defaults fill what the layers leave out)."""
     def get(section, name):
         return layers.get(section, {}).get(name, sections[section].model_fields[name].default)
+
+    if flags.server_concurrency is not None:
+        concurrency(layers.setdefault("rollout", {}), layers.get("run", {}), flags.server_concurrency,
+                    get("rollout", "rollout_engine"))
 
     train = layers.setdefault("train", {})
     if train.get("num_steps_per_rollout") is not None and train.get("global_batch_size") is None:
