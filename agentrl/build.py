@@ -68,12 +68,14 @@ def build_trainer(cfg: Config, model_path: Path, device: str, *, sft: bool = Fal
 
 def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, reward_fn, control: RolloutControl,
                        on_done, *, n_samples: int | None = None, temperature: float | None = None,
-                       max_response_len: int | None = None, evaluation: bool = False) -> GroupRunner:
+                       max_response_len: int | None = None, evaluation: bool = False, top_p: float | None = None,
+                       top_k: int | None = None) -> GroupRunner:
     """Trajectories of groups; the keyword overrides serve evaluation. With
     --custom-generate-function-path, slime's generate plays each trajectory."""
     r = cfg.rollout
     sampling = {"temperature": r.rollout_temperature if temperature is None else temperature,
-                "top_p": r.rollout_top_p, "top_k": r.rollout_top_k} | ({"ignore_eos": True} if r.rollout_ignore_eos else {})
+                "top_p": r.rollout_top_p if top_p is None else top_p,
+                "top_k": r.rollout_top_k if top_k is None else top_k} | ({"ignore_eos": True} if r.rollout_ignore_eos else {})
     if r.rollout_stop_token_ids:
         sampling["stop_token_ids"] = list(r.rollout_stop_token_ids)
 

@@ -138,6 +138,9 @@ class RolloutConfig(Section):
     """GPUs the SGLang engines use; None: every visible GPU. More engines than GPUs share them."""
     rollout_num_gpus_per_engine: int = Field(1, ge=1)
     """GPUs of one SGLang engine (its --tp-size)."""
+    prefill_num_servers: int | None = Field(None, ge=1)
+    """slime's prefill/decode disaggregation: the first N SGLang engines prefill, the rest decode, the
+    router pairs them (sglang-router --pd-disaggregation); None: every engine does both."""
     use_router: Literal["auto", "always", "never"] = "auto"
     """sglang-router in front of the engines (--router-* flags pass through); auto: with two or more engines."""
     engine_startup_timeout_s: float = Field(900.0, gt=0)
@@ -475,6 +478,10 @@ class EvalConfig(Section):
     """None: the rollout temperature."""
     eval_max_response_len: int | None = Field(None, ge=1)
     """None: the rollout's."""
+    eval_top_p: float | None = Field(None, gt=0, le=1)
+    """None: the rollout's top-p."""
+    eval_top_k: int | None = None
+    """None: the rollout's top-k (-1: off)."""
     skip_eval_before_train: bool = False
     """With --eval-interval, the starting model is evaluated before the first iteration (as slime
     does; its figures go in iteration 0's metrics row as eval_before_train/NAME/...): this skips it."""

@@ -60,7 +60,7 @@ def evaluate_checkpoint(cfg: Config, *, limit: int | None = None) -> dict[str, f
                 runner = build_group_runner(cfg, tokenizer, client, pool, build_reward_fn(cfg), RolloutControl(),
                                             on_done=None, n_samples=e.n_samples_per_eval_prompt,
                                             temperature=e.eval_temperature, max_response_len=e.eval_max_response_len,
-                                            evaluation=True)
+                                            evaluation=True, top_p=e.eval_top_p, top_k=e.eval_top_k)
                 try:
                     return await evaluate(runner, eval_sets, save=lambda name, s: write_trajectories(
                         eval_trajectories_path(out, name, 0), s, tokenizer))

@@ -48,6 +48,15 @@ def _experts(hf: dict):
     return hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts")
 
 
+def _mtp_layers(hf: dict):
+    """The checkpoint's multi-token-prediction layers (MiMo, DeepSeek-V3, GLM-4.5+: num_nextn_predict_layers;
+    Qwen3-Next / 3.5: mtp_num_hidden_layers); KeyError where it has none."""
+    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        if hf.get(key):
+            return hf[key]
+    raise KeyError("num_nextn_predict_layers")
+
+
 # Megatron model flag -> its value in the HF config.json (a key, or a function of the config)
 SHAPE_VALUES: dict[str, Callable[[dict], Any]] = {
     "num_layers": lambda hf: hf["num_hidden_layers"],
@@ -64,6 +73,7 @@ SHAPE_VALUES: dict[str, Callable[[dict], Any]] = {
     "moe_ffn_hidden_size": lambda hf: hf["moe_intermediate_size"],
     "moe_router_topk": lambda hf: hf["num_experts_per_tok"],
     "max_position_embeddings": lambda hf: hf["max_position_embeddings"],
+    "mtp_num_layers": _mtp_layers,  # checked, then not built (a notice says so: MTP_NOT_BUILT)
     "q_lora_rank": lambda hf: hf["q_lora_rank"],
     "kv_lora_rank": lambda hf: hf["kv_lora_rank"],
     "qk_head_dim": lambda hf: hf["qk_nope_head_dim"],
@@ -88,6 +98,9 @@ SHAPE_FROM_CONFIG = {"apply_layernorm_1p", "use_gated_attention", "mscale", "msc
                      "use_rope_scaling", "spec", "no_position_embedding", "post_self_attn_layernorm",
                      "post_mlp_layernorm", "multi_latent_attention", "seq_length"}
 
+MTP_NOT_BUILT = ("the Megatron model is built without the checkpoint's multi-token-prediction layers; untrained "
+                 "(slime trains them only with --enable-mtp-training), they keep the checkpoint's weights, which an "
+                 "SGLang speculative draft (--sglang-speculative-algorithm EAGLE) reads from the checkpoint itself")
 # accepted, with the reason it changes nothing here
 NO_EFFECT: dict[str, str] = {
     "use_tensorboard": "tensorboard/ is always written in the run folder",
@@ -107,6 +120,9 @@ NO_EFFECT: dict[str, str] = {
     "update_weight_disk_dir": "a disk weight sync (--update-weight-transport disk) writes its checkpoint "
                               "under the run folder",
 }
+DELTA_WHY = ("slime's delta weight sync is applied by SGLang's /pull_weights, which slime adds by patching SGLang "
+             "(its docker/patch/*/sglang-pull_weights.patch); agentrl's engines are upstream SGLang: weight syncs "
+             "send whole tensors (--update-weight-transport nccl, or disk for a whole checkpoint)")
 # slime options agentrl refuses, each with why
 REFUSED: dict[str, str] = {
     "custom_loss_function_path": "agentrl's losses are its algorithms (--advantage-estimator, --loss-type); "
@@ -139,15 +155,29 @@ REFUSED: dict[str, str] = {
     "custom_update_weight_post_write_path": "--weight-sync-mode disk writes to a local or POSIX path and needs no "
                                             "post-write step",
     "megatron_config_path": "one Megatron trainer config: give Megatron flags on the command line",
-    "enable_mtp_training": "multi-token-prediction layers are not built (the model comes from the HF config.json)",
-    "multimodal_keys": "agentrl trains on text only",
-    "prefill_num_servers": "prefill/decode disaggregated engines are not launched",
-    "update_weight_local_checkpoint_dir": "--weight-sync-mode disk writes under the run folder",
-    "update_weight_delta_encoding": "weight syncs send whole tensors (no delta encoding)",
-    "update_weight_delta_checksum": "weight syncs send whole tensors (no delta encoding)",
+    # slime's own --sglang-* flags (not SGLang server arguments, which --sglang-* passes through)
+    "sglang_config": "slime's YAML of SGLang server groups (several models, per-group overrides) is not read: agentrl "
+                     "launches one group of engines (--num-engines, --rollout-num-gpus-per-engine; a prefill/decode "
+                     "split with --prefill-num-servers), and SGLang's own --config would misread it",
+    "sglang_router_ip": "slime registers the engines it launches with that running router; agentrl launches its own "
+                        "router, or attaches to running engines (or a router in front of them) with "
+                        "--rollout-engine-urls URL",
+    "sglang_router_port": "slime registers the engines it launches with that running router; agentrl launches its own "
+                          "router, or attaches to running engines (or a router in front of them) with "
+                          "--rollout-engine-urls URL",
+    "enable_mtp_training": "training the multi-token-prediction layers needs them built in the Megatron model, their "
+                           "loss in its step and their weights synced to the engines' speculative draft; agentrl's "
+                           "Megatron families (qwen2, qwen3, llama, qwen3_moe, qwen2_moe) have no MTP layers in their "
+                           "HF checkpoints, and MiMo and GLM-4.x, the models of slime's scripts that pass it, are "
+                           "not mapped yet",
+    "multimodal_keys": "agentrl trains text-only models: neither the rollout nor the trainers carry image or video "
+                       "inputs",
+    "update_weight_local_checkpoint_dir": DELTA_WHY,
+    "update_weight_delta_encoding": DELTA_WHY,
+    "update_weight_delta_checksum": DELTA_WHY,
 }
 # slime flag -> agentrl flag (same meaning, another name)
-RENAMED = {"rollout_seed": "--seed"}
+RENAMED = {"rollout_seed": "--seed", "sglang_router_request_timeout_secs": "--request-timeout-s"}
 
 
 @dataclass
@@ -158,13 +188,12 @@ class SlimeFlags:
     megatron: dict[str, Any] = field(default_factory=dict)  # typed Megatron values (moe_layer_freq lists)
     notices: list[str] = field(default_factory=list)
     environ: dict[str, str] = field(default_factory=dict)  # wandb's key, team, host: set before the run
-    eval_top_p: float | None = None
-    eval_top_k: int | None = None
     lr_warmup_fraction: float | None = None
     ref_ckpt_step: int | None = None  # --ref-ckpt-step: the iteration of --ref-load's Megatron checkpoint
     dynamic_batch_size: bool = False
     present: bool = False  # a slime run: model-shape flags or --ref-load
     custom_config: dict[str, Any] = field(default_factory=dict)  # --custom-config-path's config-field keys
+    server_concurrency: int | None = None  # --sglang-server-concurrency: requests in flight per engine
 
     def note(self, flag: str, why: str) -> None:
         self.notices.append(f"{flag}: accepted, no effect here: {why}")
@@ -186,14 +215,34 @@ def _number(text: str, flag: str) -> float:
 
 
 def _layer_freq(text: str) -> int | list[int]:
-    """Megatron's --moe-layer-freq: an int (every Nth layer) or a list of 0/1 per layer."""
+    """Megatron's --moe-layer-freq: an int (every Nth layer) or a list of 0/1 per layer, written
+    as a list or as Megatron evaluates it, list arithmetic such as `[0]*3+[1]*89` (slime's GLM and
+    MiniMax model files)."""
     try:
-        value = ast.literal_eval(text)
+        value = _list_expr(ast.parse(text.strip().strip("'\""), mode="eval").body)
     except (ValueError, SyntaxError):
-        raise ConfigError(f"--moe-layer-freq: expected an int or a list such as [1,1,0], got {text!r}") from None
+        raise ConfigError(f"--moe-layer-freq: expected an int or a list such as [1,1,0] or [0]*3+[1]*89, "
+                          f"got {text!r}") from None
     if isinstance(value, int) or (isinstance(value, list) and all(isinstance(v, int) for v in value)):
         return value
     raise ConfigError(f"--moe-layer-freq: expected an int or a list of ints, got {text!r}")
+
+
+def _list_expr(node):
+    """An int, a list literal, or + and * over them (nothing else is evaluated)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        return [_list_expr(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _list_expr(node.left), _list_expr(node.right)
+        if isinstance(node.op, ast.Add) and type(left) is type(right):
+            return left + right
+        if isinstance(node.op, ast.Mult) and {type(left), type(right)} == {list, int}:
+            if len(left if isinstance(left, list) else right) * (right if isinstance(right, int) else left) > 100_000:
+                raise ValueError("more layers than any model has")
+            return left * right
+    raise ValueError(ast.dump(node))
 
 
 def read_custom_config(path: str) -> dict[str, Any]:
@@ -319,6 +368,8 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
             flags.shape[name] = True if name in SHAPE_SWITCHES and value is None else value
             if name in SHAPE_VALUES and value is None:
                 raise ConfigError(f"{flag}: needs a value")
+            if name == "mtp_num_layers":
+                flags.note(flag, MTP_NOT_BUILT)
         elif name in SHAPE_FROM_CONFIG:
             flags.note(flag, "the Megatron model is built from the HF config.json, which sets this")
         elif name in NO_EFFECT:
@@ -333,8 +384,7 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
             out += ["--trainer", "megatron"]
         elif name == "update_weight_mode":
             if value != "full":
-                raise ConfigError(f"{flag} {value}: not supported by agentrl: weight syncs send whole tensors "
-                                  "(slime's 'full'; no delta encoding)")
+                raise ConfigError(f"{flag} {value}: not supported by agentrl: {DELTA_WHY} (slime's 'full')")
         elif name == "update_weight_transport":  # nccl: a broadcast to engines on GPUs of their own, as auto picks
             modes = {"nccl": "auto", "disk": "disk"}
             if value not in modes:
@@ -353,14 +403,12 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
             if value is None:
                 raise ConfigError(f"{flag}: needs a value (bytes)")
             out += ["--weight-sync-bucket-mb", repr(_number(value, flag) / 2**20)]
-        elif name == "eval_top_p":
-            flags.eval_top_p = _number(value or "", flag)
-        elif name == "eval_top_k":
-            flags.eval_top_k = int(_number(value or "", flag))
         elif name == "lr_warmup_fraction":
             flags.lr_warmup_fraction = _number(value or "", flag)
         elif name == "ref_ckpt_step":
             flags.ref_ckpt_step = int(_number(value or "", flag))
+        elif name == "sglang_server_concurrency":  # slime's own, not an SGLang server argument
+            flags.server_concurrency = int(_number(value or "", flag))
         elif name == "moe_layer_freq":
             flags.megatron[name] = _layer_freq(value or "")
         elif name in ("wandb_key", "wandb_team", "wandb_host"):
@@ -376,8 +424,9 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
     return out, flags
 
 
-MAPPED = {"update_weight_buffer_size", "eval_top_p", "eval_top_k", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
-          "wandb_host", "ref_ckpt_step", "train_backend", "update_weight_mode", "update_weight_transport"}  # translate() turns these into agentrl's settings
+MAPPED = {"update_weight_buffer_size", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
+          "wandb_host", "ref_ckpt_step", "train_backend", "update_weight_mode", "update_weight_transport",
+          "sglang_server_concurrency"}  # translate() turns these into agentrl's settings
 
 
 def flag_status(flag: str, parser_flags: set[str]) -> str:
@@ -449,10 +498,12 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
         sets = read_eval_config(ev["eval_config"])
         ev["eval_prompt_data"] = [str(x) for d in sets for x in (d["name"], d["path"])]
         for key, name in EVAL_SHARED_KEYS.items():
-            if key in sets[0] and name in ("eval_top_p", "eval_top_k"):
-                setattr(flags, name, sets[0][key])  # checked against the rollout's in finish()
-            elif key in sets[0]:
+            if key in sets[0]:
                 ev[name] = sets[0][key]
+    data = ev.get("eval_prompt_data")
+    if isinstance(data, list) and len(data) == 1:  # slime's legacy form: one path, named aime
+        ev["eval_prompt_data"] = ["aime", data[0]]
+        flags.notices.append(f"--eval-prompt-data {data[0]}: one path, no name: named 'aime', as slime names it")
     if run.get("env") == SLIME_ENV and SLIME_ENV_MODULE not in run.get("env_module", []):
         run["env_module"] = [*run.get("env_module", []), SLIME_ENV_MODULE]
     train = layers.setdefault("train", {})
@@ -462,14 +513,52 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
         algo["custom_rm_path"] = RM_HUB_REWARD  # slime: --custom-rm-path wins over --rm-type
 
 
-def warmup(layers: dict, flags: SlimeFlags, sections: dict[str, Any]) -> None:
-    """--lr-warmup-fraction: Megatron's warmup in optimizer steps, of the run's total. `sections`:
-    the config's section classes by name (their defaults fill what the layers leave out)."""
-    if flags.lr_warmup_fraction is None:
-        return
+def concurrency(rollout: dict, run: dict, per_engine: int, engine: str) -> None:
+    """--sglang-server-concurrency N: slime allows N requests in flight per engine, N x its engines
+    in all (rollout GPUs / GPUs per engine; colocated, the rollout GPUs are the actor's): agentrl's
+    --max-concurrency."""
+    flag = f"--sglang-server-concurrency {per_engine}"
+    if engine == "embedded":
+        engines = rollout.get("num_engines") or 1
+    else:
+        gpus = rollout.get("rollout_num_gpus") or (
+            int(run.get("actor_num_nodes") or 1) * int(run.get("actor_num_gpus_per_node") or 1)
+            if run.get("colocate") else None)
+        engines = rollout.get("num_engines") or (
+            max(1, int(gpus) // int(rollout.get("rollout_num_gpus_per_engine") or 1)) if gpus else None)
+    if engines is None:
+        raise ConfigError(f"{flag}: requests per engine, but the number of engines is not given: add "
+                          "--rollout-num-gpus or --num-engines (or --max-concurrency for the total)")
+    total = per_engine * int(engines)
+    given = rollout.get("max_concurrency")
+    if given is not None and int(given) != total:
+        raise ConfigError(f"{flag}: {total} requests in flight over {engines} engine(s), but --max-concurrency "
+                          f"{given} is given too: drop one")
+    rollout["max_concurrency"] = total
 
+
+def warmup(layers: dict, flags: SlimeFlags, sections: dict[str, Any]) -> None:
+    """What needs the config's defaults: --sglang-server-concurrency's total; --num-steps-per-rollout
+    without --global-batch-size sets it, as slime does; then --lr-warmup-fraction: Megatron's warmup
+    in optimizer steps, of the run's total. `sections`: the config's section classes by name
+    (their defaults fill what the layers leave out)."""
     def get(section, name):
         return layers.get(section, {}).get(name, sections[section].model_fields[name].default)
+
+    if flags.server_concurrency is not None:
+        concurrency(layers.setdefault("rollout", {}), layers.get("run", {}), flags.server_concurrency,
+                    get("rollout", "rollout_engine"))
+
+    train = layers.setdefault("train", {})
+    if train.get("num_steps_per_rollout") is not None and train.get("global_batch_size") is None:
+        # slime: global_batch_size = rollout_batch_size * n_samples_per_prompt // num_steps_per_rollout
+        samples = int(get("rollout", "rollout_batch_size")) * int(get("rollout", "n_samples_per_prompt"))
+        train["global_batch_size"] = samples // int(train["num_steps_per_rollout"])
+        if not train["global_batch_size"]:
+            raise ConfigError(f"--num-steps-per-rollout {train['num_steps_per_rollout']}: more steps than the "
+                              f"{samples} samples of a rollout")
+    if flags.lr_warmup_fraction is None:
+        return
 
     steps = (int(get("rollout", "num_rollout")) * int(get("rollout", "rollout_batch_size"))
              * int(get("rollout", "n_samples_per_prompt")) // int(get("train", "global_batch_size")))
@@ -486,12 +575,6 @@ def finish(cfg, flags: SlimeFlags) -> None:
     if (cfg.train.balance_data or cfg.train.balance_by_flops) and cfg.train.trainer != "megatron":
         flags.notices.append("--balance-data/--balance-by-flops: accepted, no effect here: the torch trainer "
                              "has one data-parallel rank and forms micro-batches by --max-tokens-per-gpu")
-    if flags.eval_top_p is not None and not math.isclose(flags.eval_top_p, cfg.rollout.rollout_top_p):
-        raise ConfigError(f"--eval-top-p {flags.eval_top_p}: agentrl samples evaluations with the rollout's top-p "
-                          f"(--rollout-top-p {cfg.rollout.rollout_top_p}); give them the same value")
-    if flags.eval_top_k is not None and flags.eval_top_k != cfg.rollout.rollout_top_k:
-        raise ConfigError(f"--eval-top-k {flags.eval_top_k}: agentrl samples evaluations with the rollout's top-k "
-                          f"(--rollout-top-k {cfg.rollout.rollout_top_k}); give them the same value")
     a = cfg.algo
     ref, start = cfg.run.ref_load, cfg.model.model
     kl = a.use_kl_loss and a.kl_loss_coef > 0 or a.kl_coef > 0  # algorithms.needs_reference (it imports this module)
@@ -529,12 +612,30 @@ def finish(cfg, flags: SlimeFlags) -> None:
 
         check_rm_type(cfg.algo.rm_type, rm_url=cfg.algo.rm_url, judge=cfg.algo.judge_url or cfg.algo.judge_load)
     r = cfg.rollout
+    if r.prefill_num_servers:
+        check_pd(r)
     if cfg.run.env == SLIME_ENV and not (cfg.algo.custom_rm_path or r.custom_generate_function_path
                                          or r.rollout_function_path):
         raise ConfigError("the slime env scores with --rm-type or --custom-rm-path: give one (slime raises "
                           "'Rule-based RM type is not specified' too)")
     if flags.shape:
         check_shape(flags.shape, read_hf_config(cfg.model.model, sorted(flags.shape)), cfg.model.model)
+
+
+def check_pd(r) -> None:
+    """--prefill-num-servers as slime checks it: SGLang engines it launches, and a decode engine left."""
+    n = r.prefill_num_servers
+    if r.rollout_engine != "sglang" or r.rollout_engine_urls:
+        raise ConfigError(f"--prefill-num-servers {n}: prefill/decode engines are SGLang engines agentrl launches "
+                          "(--rollout-engine sglang; slime refuses it with external engines too)")
+    if r.use_router == "never":
+        raise ConfigError(f"--prefill-num-servers {n}: the router pairs prefill and decode engines; drop "
+                          "--use-router never")
+    engines = r.num_engines or (r.rollout_num_gpus // r.rollout_num_gpus_per_engine if r.rollout_num_gpus else None)
+    if engines is not None and engines <= n:
+        raise ConfigError(f"--prefill-num-servers {n}: no decode engine left of {engines} "
+                          f"(--rollout-num-gpus {r.rollout_num_gpus} / --rollout-num-gpus-per-engine "
+                          f"{r.rollout_num_gpus_per_engine}; slime: 'No decode GPUs')")
 
 
 def read_hf_config(model: str | None, names: list[str]) -> dict:

@@ -330,7 +330,8 @@ def eval_fn(run: Run, client: EngineClient, pool, handover, stack: contextlib.As
     evaluator = build_group_runner(run.cfg, run.tokenizer, client, pool, run.reward_fn, run.control,
                                    on_done=lambda s: run.progress.advance_eval_samples(),
                                    n_samples=e.n_samples_per_eval_prompt, temperature=e.eval_temperature,
-                                   max_response_len=e.eval_max_response_len, evaluation=True)
+                                   max_response_len=e.eval_max_response_len, evaluation=True, top_p=e.eval_top_p,
+                                   top_k=e.eval_top_k)
     if hasattr(evaluator.generate_fn, "aclose"):  # an agent env's gateway server
         stack.push_async_callback(evaluator.generate_fn.aclose)
 

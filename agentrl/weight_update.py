@@ -140,9 +140,14 @@ async def probe_engines(cfg: Config, engines: EngineGroup | None, clients: list[
             sample.routed_experts = decode_routed_experts(meta.get("routed_experts"), len(prompt) + len(pairs) - 1)
         return client.base_url, str(meta.get("weight_version")), sample
 
-    serving = set(engines.serving())  # one down or catching up is the monitor's, and holds older weights
-    replies = await asyncio.gather(*[one(c, p) for c in clients if c.base_url in serving for p in prompts],
-                                   return_exceptions=True)
+    if any(e.worker_type != "regular" for e in engines.engines):
+        # --prefill-num-servers: a prefill or a decode engine cannot generate alone; the router pairs them
+        async with EngineClient(engines.url, request_timeout_s=cfg.rollout.request_timeout_s) as router:
+            replies = await asyncio.gather(*[one(router, p) for p in prompts], return_exceptions=True)
+    else:
+        serving = set(engines.serving())  # one down or catching up is the monitor's, and holds older weights
+        replies = await asyncio.gather(*[one(c, p) for c in clients if c.base_url in serving for p in prompts],
+                                       return_exceptions=True)
     for r in replies:
         if isinstance(r, BaseException):  # it went down meanwhile: the monitor takes it out of the pool
             log.warning("weight check: a probe request failed: %r", r)

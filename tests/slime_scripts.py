@@ -31,7 +31,7 @@ def script_args(slime: Path, script: str) -> list[str]:
     model = re.search(r'^source\s+"?([^"\n]*models/[^"\n/]+\.sh)"?', text, re.M).group(1)
     lines = [f'source "{slime / "scripts" / "models" / Path(model).name}"']
     lines += [m.group(0) for m in re.finditer(r"^[A-Z_]+=\$\{[^\n]*$", text, re.M)]  # NAME=${NAME:-default}
-    lines += [m.group(0) for m in re.finditer(r"^[A-Z_]+=\(\n.*?^\)", text, re.M | re.S)]  # the arrays
+    lines += [m.group(0) for m in re.finditer(r"^[A-Z_]+=\([ \t]*\n.*?^\)", text, re.M | re.S)]  # the arrays
     tail = re.search(r"python3 train(?:_async)?\.py \\\n(.*?)(?:\n\s*\n|\Z)", text, re.S).group(1)
     words = " ".join(line.rstrip("\\").strip() for line in tail.splitlines() if not line.strip().startswith("#"))
     lines.append(f"printf '%s\\n' {words}")
@@ -47,7 +47,7 @@ def array_flags(slime: Path) -> list[str]:
     and examples/ shell files: what its scripts hand train.py / train_async.py."""
     flags = set()
     for sh in sorted([*slime.glob("scripts/**/*.sh"), *slime.glob("examples/**/*.sh")]):
-        for array in re.finditer(r"^[A-Z_]+=\(\n(.*?)^\)", sh.read_text(), re.M | re.S):
+        for array in re.finditer(r"^[A-Z_]+=\([ \t]*\n(.*?)^\)", sh.read_text(), re.M | re.S):
             body = "\n".join(line.split("#")[0] for line in array.group(1).splitlines())
             flags.update(re.findall(r"(?:^|\s)(--[a-z][a-z0-9-]*)", body))
     return sorted(flags)

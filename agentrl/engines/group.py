@@ -12,6 +12,8 @@ router, or the only engine), `engine_urls` every engine (weight sync, flush, abo
   (their kind, SGLang or embedded, is read from /model_info).
 - With two or more engines (or `--use-router always`), sglang-router runs in front of them
   (see router.py) with session affinity on the trajectory id.
+- `--prefill-num-servers N` (slime's; SGLang engines only): the first N engines prefill, the rest
+  decode (SGLang's --disaggregation-mode), and the router runs in PD mode over them.
 
 Health: a monitor thread polls every engine. A dead one leaves the router's pool at once
 (the router's own health checks would also drop it, more slowly); an engine this run
@@ -60,6 +62,8 @@ class Engine:
     failures: int = 0
     since: float = 0.0
     pending: Future | None = None  # a catch-up weight push in flight
+    worker_type: str = "regular"  # --prefill-num-servers: "prefill" or "decode" (the router pairs them)
+    bootstrap_port: int | None = None  # a prefill engine's
 
 
 @dataclass
@@ -126,6 +130,9 @@ def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int
 
         launch = actor_launcher(placement)
     attach = _split_urls(cfg.rollout_engine_urls)
+    if cfg.prefill_num_servers and (attach or cfg.rollout_engine != "sglang"):
+        raise ConfigError("--prefill-num-servers: prefill/decode engines are SGLang engines agentrl launches "
+                          "(--rollout-engine sglang, no --rollout-engine-urls)")
     if attach:
         if sglang_args:
             raise ConfigError("--sglang-* arguments configure engines agentrl launches; with --rollout-engine-urls "
@@ -147,11 +154,12 @@ def start_engines(cfg: RolloutConfig, *, model_path: str, device: str, seed: int
     group = EngineGroup(url=engines[0].url, engine_urls=[e.url for e in engines], servers=list(servers),
                         engines=engines, kind=engines[0].kind)
     try:
-        if cfg.use_router == "always" or (cfg.use_router == "auto" and len(engines) > 1):
+        pd = {e.url: (e.worker_type, e.bootstrap_port) for e in engines if e.worker_type != "regular"}
+        if cfg.use_router == "always" or (cfg.use_router == "auto" and len(engines) > 1) or pd:
             from agentrl.engines.router import launch_router
 
             group.router = launch_router(group.engine_urls, router_args=router_args, log_dir=log_dir,
-                                         timeout_s=min(cfg.engine_startup_timeout_s, 300.0))
+                                         timeout_s=min(cfg.engine_startup_timeout_s, 300.0), pd=pd or None)
             group.url = group.router.url
         elif router_args:
             log.warning("--router-* arguments given but no router runs (one engine; --use-router always starts one)")
@@ -198,9 +206,11 @@ def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: P
     gpu_ids = visible_gpus() if gpu_ids is None else gpu_ids
     n = cfg.num_engines or max(1, (cfg.rollout_num_gpus or len(gpu_ids)) // cfg.rollout_num_gpus_per_engine)
     ports = [server_port() for _ in range(n)]
+    prefill = cfg.prefill_num_servers or 0
     plans = plan_engines(num_engines=n, num_gpus=cfg.rollout_num_gpus or len(gpu_ids), gpus_per_engine=
                          cfg.rollout_num_gpus_per_engine, gpu_ids=gpu_ids, ports=ports, model_path=model_path,
-                         sglang_argv=argv, seed=seed)
+                         sglang_argv=argv, seed=seed, prefill=prefill,
+                         bootstrap_ports=[server_port() for _ in range(prefill)])
     servers: dict[int, ServerProcess] = {}
     try:
         pending = list(plans)
@@ -223,7 +233,7 @@ def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: P
         raise
     ordered = [servers[p.index] for p in plans]
     return [Engine(url=servers[p.index].url, kind="sglang", server=servers[p.index], gpus=p.gpus,
-                   restart_argv=p.restart_argv)
+                   restart_argv=p.restart_argv, worker_type=p.worker_type, bootstrap_port=p.bootstrap_port)
             for p in plans], ordered
 
 

@@ -17,6 +17,12 @@ Worker API of sglang-router 0.3.2 (read off the running router; the older /add_w
 "total", "stats"}; POST /workers {"url"} -> 202 {"status": "accepted", "worker_id", ...}
 (registration runs in the background: poll GET /workers); DELETE /workers/{worker_id} -> 202.
 The router also forwards each worker's response headers (agentrl's X-Agentrl-Engine).
+
+Prefill/decode disaggregation (slime's --prefill-num-servers): the router runs with
+`--pd-disaggregation --prefill URL BOOTSTRAP_PORT ... --decode URL ...` instead of
+`--worker-urls` (which PD mode ignores); a request goes to a prefill and a decode engine, which
+hand the KV cache over through SGLang's disaggregation transfer. A worker re-added after a restart
+is posted with its `worker_type` (and a prefill's `bootstrap_port`), as slime registers them.
 """
 
 from __future__ import annotations
@@ -79,9 +85,10 @@ def validate_router_args(args: dict[str, str | None], parser: argparse.ArgumentP
 class Router:
     """A running sglang-router: its URL, and its worker API."""
 
-    def __init__(self, url: str, process: ServerProcess | None = None):
+    def __init__(self, url: str, process: ServerProcess | None = None, pd: dict | None = None):
         self.url = url.rstrip("/")
         self.process = process
+        self.pd = pd or {}  # PD mode: url -> (worker_type, bootstrap_port or None)
 
     def _call(self, method: str, path: str, payload: dict | None = None, timeout: float = 10.0):
         return request_json(method, self.url + path, payload, timeout=timeout)
@@ -94,7 +101,12 @@ class Router:
 
     def add_worker(self, url: str) -> None:
         if url not in {w["url"] for w in self.workers()}:
-            self._call("POST", "/workers", {"url": url})
+            payload = {"url": url}
+            if url in self.pd:
+                payload["worker_type"], port = self.pd[url]
+                if port is not None:
+                    payload["bootstrap_port"] = port
+            self._call("POST", "/workers", payload)
 
     def remove_worker(self, url: str) -> bool:
         ids = [w["id"] for w in self.workers() if w["url"] == url]
@@ -134,17 +146,31 @@ class Router:
             self.process.stop()
 
 
-def launch_router(worker_urls: list[str], *, router_args: dict[str, str | None], log_dir: Path | None,
-                  timeout_s: float = 120.0) -> Router:
-    extra = validate_router_args(router_args)
-    port, prom = free_port(), free_port()
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
-            "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prom)]
+def router_argv(worker_urls: list[str], extra: list[str], *, port: int, prometheus_port: int,
+                pd: dict | None = None) -> list[str]:
+    """The router's command line. pd (url -> (worker_type, bootstrap_port)): PD mode, every URL
+    of worker_urls a prefill or a decode engine."""
+    if pd:
+        workers = ["--pd-disaggregation"]
+        for url in worker_urls:
+            kind, boot = pd[url]
+            workers += ["--prefill", url, str(boot)] if kind == "prefill" else ["--decode", url]
+    else:
+        workers = ["--worker-urls", *worker_urls]
+    argv = [sys.executable, "-m", "sglang_router.launch_router", *workers,
+            "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prometheus_port)]
     if "--prometheus-host" not in extra:
         argv += ["--prometheus-host", "127.0.0.1"]
-    argv += extra
+    return argv + extra
+
+
+def launch_router(worker_urls: list[str], *, router_args: dict[str, str | None], log_dir: Path | None,
+                  timeout_s: float = 120.0, pd: dict | None = None) -> Router:
+    extra = validate_router_args(router_args)
+    port = free_port()
+    argv = router_argv(worker_urls, extra, port=port, prometheus_port=free_port(), pd=pd)
     process = ServerProcess(argv, url=f"http://127.0.0.1:{port}", name="router", log_dir=log_dir)
     process.wait_healthy(timeout_s)
-    router = Router(process.url, process)
+    router = Router(process.url, process, pd=pd)
     router.wait_workers(worker_urls, timeout_s)
     return router

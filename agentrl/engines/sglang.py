@@ -15,6 +15,10 @@ the GPU all of them may take together (--sglang-mem-fraction-static, default 0.8
 sizes its KV pool from the memory free when it starts, so each engine then ends up with
 about F / n of the GPU. An engine restarted there finds the others up, so it gets F.
 
+Prefill/decode disaggregation (slime's --prefill-num-servers N): engines 0..N-1 get SGLang's
+`--disaggregation-mode prefill --disaggregation-bootstrap-port P` (a free port each), the rest
+`--disaggregation-mode decode`, each on GPUs of its own; the router pairs them (router.py).
+
 Engines are started through `python -m agentrl.engines.sglang_server`, which is SGLang's
 `python -m sglang.launch_server` plus one response header naming the engine (see there).
 """
@@ -40,6 +44,8 @@ OWNED = {
     "tensor-parallel-size": "--rollout-num-gpus-per-engine",
     "tp": "--rollout-num-gpus-per-engine",
     "base-gpu-id": "(agentrl places engines with CUDA_VISIBLE_DEVICES)",
+    "disaggregation-mode": "--prefill-num-servers",
+    "disaggregation-bootstrap-port": "(agentrl picks free ports)",
 }
 DEFAULT_SHARED_MEM_FRACTION = 0.8
 
@@ -53,6 +59,8 @@ class EnginePlan:
     env: dict[str, str] = field(default_factory=dict)
     start_after: int | None = None  # index of an engine that must be healthy first (shared GPU)
     restart_argv: list[str] | None = None  # a restart on a shared GPU finds the others up: it takes F / n
+    worker_type: str = "regular"  # --prefill-num-servers: "prefill" or "decode"
+    bootstrap_port: int | None = None  # a prefill engine's KV-transfer bootstrap port (the router needs it)
 
     @property
     def url(self) -> str:
@@ -135,8 +143,11 @@ def visible_gpus() -> list[int]:
 
 def plan_engines(*, num_engines: int | None, num_gpus: int | None, gpus_per_engine: int, gpu_ids: list[int],
                  ports: list[int], model_path: str, sglang_argv: list[str], seed: int, dtype: str | None = None,
-                 engine_ids: list[str] | None = None) -> list[EnginePlan]:
-    """Which GPUs and which command line each engine gets."""
+                 engine_ids: list[str] | None = None, prefill: int = 0,
+                 bootstrap_ports: list[int] | None = None) -> list[EnginePlan]:
+    """Which GPUs and which command line each engine gets. prefill > 0 (slime's
+    --prefill-num-servers): engines 0..prefill-1 run SGLang's --disaggregation-mode prefill (each on
+    its bootstrap_ports[i]), the rest --disaggregation-mode decode, as slime launches them."""
     num_gpus = num_gpus or len(gpu_ids)
     if num_gpus < 1:
         raise ConfigError("--rollout-engine sglang needs GPUs and none are visible (CUDA_VISIBLE_DEVICES / "
@@ -149,6 +160,10 @@ def plan_engines(*, num_engines: int | None, num_gpus: int | None, gpus_per_engi
     if gpus_per_engine > num_gpus:
         raise ConfigError(f"--rollout-num-gpus-per-engine {gpus_per_engine} > --rollout-num-gpus {num_gpus}")
     n = num_engines or max(1, num_gpus // gpus_per_engine)
+    if prefill and (n <= prefill or n * gpus_per_engine > num_gpus):
+        raise ConfigError(f"--prefill-num-servers {prefill}: {n} engines of {gpus_per_engine} GPU(s) on {num_gpus} "
+                          "GPU(s); prefill/decode disaggregation needs at least one decode engine, and every engine "
+                          "on GPUs of its own (slime: 'No decode GPUs')")
     at = sglang_argv.index("--mem-fraction-static") if "--mem-fraction-static" in sglang_argv else None
     shared_total = float(sglang_argv[at + 1]) if at is not None else DEFAULT_SHARED_MEM_FRACTION
     placements = [[gpu_ids[(i * gpus_per_engine + j) % num_gpus] for j in range(gpus_per_engine)] for i in range(n)]
@@ -164,6 +179,13 @@ def plan_engines(*, num_engines: int | None, num_gpus: int | None, gpus_per_engi
             extra += ["--random-seed", str(seed + i)]
         if dtype and "--dtype" not in extra:
             extra += ["--dtype", dtype]
+        worker, bootstrap = "regular", None
+        if prefill:
+            worker = "prefill" if i < prefill else "decode"
+            extra += ["--disaggregation-mode", worker]
+            if worker == "prefill":
+                bootstrap = bootstrap_ports[i]
+                extra += ["--disaggregation-bootstrap-port", str(bootstrap)]
         group = sharers[gpus[0]]
         start_after, restart_argv = None, None
         if len(group) > 1:
@@ -176,7 +198,7 @@ def plan_engines(*, num_engines: int | None, num_gpus: int | None, gpus_per_engi
         env = {**ENGINE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
                "AGENTRL_ENGINE_ID": (engine_ids[i] if engine_ids else f"http://127.0.0.1:{ports[i]}")}
         plans.append(EnginePlan(index=i, port=ports[i], gpus=gpus, argv=argv + extra, env=env, start_after=start_after,
-                                restart_argv=restart_argv))
+                                restart_argv=restart_argv, worker_type=worker, bootstrap_port=bootstrap))
     return plans
 
 

@@ -144,6 +144,9 @@ def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype:
         # MegatronTrainer._batches.)
         kw["batch_p2p_comm"] = False
     kw.update(margs.transformer)
+    if kw.get("mtp_num_layers"):  # GPTModel would read labels it is never given (no MTP block is built here)
+        raise ConfigError("mtp_num_layers: the Megatron trainer builds no multi-token-prediction layers (slime's "
+                          "--mtp-num-layers is checked against config.json and then not built: agentrl/slime_args.py)")
     kw["virtual_pipeline_model_parallel_size"] = vpp
     if margs.flag("use_rollout_routing_replay"):
         if family.moe is None:
