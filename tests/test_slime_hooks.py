@@ -222,6 +222,11 @@ def test_args_and_sampling_params_carry_what_slimes_rollout_reads():
     assert (args.sglang_router_ip, args.sglang_router_port, args.hf_checkpoint) == ("127.0.0.1", 30123, "/m")
     engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine  # slime's get_rollout_num_engines
     assert engines == 1 and args.sglang_server_concurrency * engines > 0  # slime's semaphore size
+    cfg = Config().model_copy(update={"rollout": Config().rollout.model_copy(
+        update={"rollout_num_gpus": 4, "rollout_num_gpus_per_engine": 1, "max_concurrency": 256})})
+    four = slime_args(cfg, engine_url="http://127.0.0.1:30123", model_path="/m")
+    # slime's semaphore (concurrency x engines) is the run's --max-concurrency, not 4x it
+    assert four.sglang_server_concurrency * four.rollout_num_gpus // four.rollout_num_gpus_per_engine == 256
     for name in ("partial_rollout", "mask_offpolicy_in_partial_rollout", "use_distributed_post", "group_rm",
                  "rollout_global_dataset", "over_sampling_batch_size", "dynamic_sampling_filter_path",
                  "rollout_sample_filter_path", "rollout_all_samples_process_path", "custom_rm_path", "rm_type",

@@ -191,16 +191,19 @@ def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
             values[prefix + k.replace("-", "_")] = v
     url = urlsplit(engine_url)
     r = cfg.rollout
+    gpus = r.rollout_num_gpus or r.rollout_num_gpus_per_engine
+    engines = max(1, gpus // r.rollout_num_gpus_per_engine)
     values.update(
         hf_checkpoint=str(model_path), rollout_seed=cfg.run.seed,
         sglang_router_ip=url.hostname, sglang_router_port=url.port,
-        sglang_server_concurrency=r.max_concurrency,
+        # slime's semaphore is this x the engines: --max-concurrency is the run's total
+        sglang_server_concurrency=max(1, r.max_concurrency // engines),
         over_sampling_batch_size=r.over_sampling_batch_size or r.rollout_batch_size,
         rollout_stop=env_stop(cfg.run.env), rollout_stop_token_ids=r.rollout_stop_token_ids or None, rollout_skip_special_tokens=r.rollout_skip_special_tokens,
         rollout_global_dataset=True, group_rm=False, eval_reward_key=None,
         use_rollout_routing_replay=False, sglang_dp_size=values.get("sglang_dp_size"), ci_test=False,
         # one engine group behind the router: slime's request limit is concurrency x engines
-        rollout_num_gpus=r.rollout_num_gpus or r.rollout_num_gpus_per_engine, use_distributed_post=False,
+        rollout_num_gpus=gpus, use_distributed_post=False,
         num_gpus_per_node=r.rollout_num_gpus_per_engine, dynamic_sampling_filter_path=None,
         rollout_sample_filter_path=None, rollout_all_samples_process_path=None, rollout_sample_hook_path=None,
         rm_type=values.get("rm_type"), rm_url=values.get("rm_url"), multimodal_keys=None,
