@@ -553,10 +553,11 @@ def warmup(layers: dict, flags: SlimeFlags, sections: dict[str, Any]) -> None:
     if train.get("num_steps_per_rollout") is not None and train.get("global_batch_size") is None:
         # slime: global_batch_size = rollout_batch_size * n_samples_per_prompt // num_steps_per_rollout
         samples = int(get("rollout", "rollout_batch_size")) * int(get("rollout", "n_samples_per_prompt"))
-        train["global_batch_size"] = samples // int(train["num_steps_per_rollout"])
-        if not train["global_batch_size"]:
-            raise ConfigError(f"--num-steps-per-rollout {train['num_steps_per_rollout']}: more steps than the "
-                              f"{samples} samples of a rollout")
+        steps = int(train["num_steps_per_rollout"])
+        if steps > samples or samples % steps:
+            raise ConfigError(f"--num-steps-per-rollout {steps} does not divide the {samples} samples of a rollout "
+                              f"(--rollout-batch-size x --n-samples-per-prompt): give a divisor of {samples}")
+        train["global_batch_size"] = samples // steps
     if flags.lr_warmup_fraction is None:
         return
 

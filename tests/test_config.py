@@ -55,7 +55,10 @@ def test_impossible_batch_sizes_are_named():
     with pytest.raises(ConfigError, match=r"rollout_batch_size \(3\) x n_samples_per_prompt \(8\) = 24"):
         parse_config(["--rollout-batch-size", "3", "--global-batch-size", "5"])
     with pytest.raises(ConfigError, match="--num-steps-per-rollout 3 contradicts"):
-        parse_config(["--num-steps-per-rollout", "3"])
+        parse_config(["--num-steps-per-rollout", "3", "--global-batch-size", "32"])
+    with pytest.raises(ConfigError, match="--num-steps-per-rollout 3 does not divide the 128 samples"):
+        parse_config(["--num-steps-per-rollout", "3"])  # slime's: the global batch from it, when not given
+    assert parse_config(["--num-steps-per-rollout", "4"])[0].train.global_batch_size == 32
 
 
 def test_bad_values_and_files_are_named(tmp_path):

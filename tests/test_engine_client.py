@@ -221,7 +221,8 @@ def test_the_weight_check_probe_carries_the_engines_routing_under_r3():
         try:
             async with EngineClient(str(server.make_url("")).rstrip("/")) as client:
                 group = SimpleNamespace(probe_prompts=[[1, 2, 3]], probe_lora=None, probe_results=None,
-                                        serving=lambda: [client.base_url])
+                                        serving=lambda: [client.base_url],
+                                        engines=[SimpleNamespace(worker_type="regular")])
                 await probe_engines(cfg, group, [client])
                 return group.probe_results[0][2]
         finally:

@@ -35,8 +35,9 @@ def test_num_steps_per_rollout_sets_the_global_batch_as_in_slime():
     assert parse_config(base + ["--global-batch-size", "256"])[0].train.global_batch_size == 256
     with pytest.raises(ConfigError, match="--num-steps-per-rollout 4 contradicts the batch sizes"):
         parse_config(base + ["--global-batch-size", "32"])  # slime asserts the same
-    with pytest.raises(ConfigError, match="--num-steps-per-rollout 2048: more steps than the 1024 samples"):
-        parse_config(base[:-1] + ["2048"])
+    for steps in ("2048", "3"):  # more steps than samples, or a remainder slime would drop
+        with pytest.raises(ConfigError, match=f"--num-steps-per-rollout {steps} does not divide the 1024 samples"):
+            parse_config(base[:-1] + [steps])
     # the warmup fraction counts the steps so derived: 0.5 x 2 rollouts x 4 steps
     cfg, _ = parse_config(base + ["--num-rollout", "2", "--lr-warmup-fraction", "0.5"])
     assert cfg.megatron_args["lr_warmup_iters"] == "4"
