@@ -28,6 +28,7 @@ def env_kwargs(env: str) -> dict:
 
 
 @pytest.mark.parametrize("env", list(N))
+@pytest.mark.slow
 def test_demonstrations_score_one_and_sft_reads_them(env, smollm2, tmp_path):
     from agentrl.models import load_tokenizer
 

@@ -22,6 +22,7 @@ async def _post(url, path, payload):
             return r.status, await r.json() if r.content_type == "application/json" else await r.text()
 
 
+@pytest.mark.slow
 def test_generate_reply_has_sglang_fields(engine, tokenizer):
     ids = tokenizer.encode("the capital of")
     status, body = run(_post(engine.url, "/generate", {

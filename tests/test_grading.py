@@ -191,6 +191,7 @@ def test_past_the_blocked_loops_bound_an_async_reward_runs_in_a_killed_fork(monk
     assert forked < 3 and value["pid"] != parent, (forked, value)
 
 
+@pytest.mark.slow
 def test_math_grading_of_hostile_answers_is_bounded_and_off_the_loop():
     """\\boxed{10^{10}!} blocked the event loop 5.5 s, and ran > 25 s from a worker thread."""
     from agentrl.envs.math_env import MathEnv
@@ -373,6 +374,7 @@ def test_a_forked_value_past_the_message_bound_is_the_outputs_fault():
     assert call_in_fork(lambda: b"x" * 1000, timeout=60) == b"x" * 1000
 
 
+@pytest.mark.slow
 def test_a_hanging_fork_does_not_hold_another_calls_answer():
     """Forks from several threads at once: a hanging child forked while another call's pipe was
     open inherits its write end, so that call must not wait for EOF (CI lost a good reward so)."""

@@ -31,6 +31,7 @@ def test_every_builtin_env_is_registered_and_checked_here():
 
 
 @pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.slow
 def test_builtin_env_passes_gymnasiums_check_env(name):
     env = agentrl.make(name, **KWARGS.get(name, {}))
     try:

@@ -204,6 +204,7 @@ def test_rm_type_llm_judge_names_the_judge_for_agentrl_and_slime_samples():
     assert slime_sample.metadata["judge"]["reason"] == "ok"
 
 
+@pytest.mark.slow
 def test_a_judge_served_by_an_engine_group_of_its_own(tiny_model, tmp_path):
     """--judge-load starts an embedded engine for the judge; llm_judge asks it over
     /v1/chat/completions. The random tiny model writes no verdict: a 0 with that reason, which

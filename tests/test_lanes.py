@@ -1,5 +1,6 @@
 """The lanes stay declared: a test module that runs agentrl end to end (the CLI, `main(["train",
 ...])`, engines, Ray, a browser; directly or through a tests/ helper) declares `pytest.mark.e2e`.
+A test that starts several Megatron ranks (run_ranks) is `slow` or `e2e`: never in the fast lane.
 This reads the modules' text only: it names a module that forgot the mark, it never marks one."""
 
 import ast
@@ -36,3 +37,23 @@ def test_every_end_to_end_module_declares_its_lane():
             undeclared.append(relative)
     assert not undeclared, (f"these modules run agentrl end to end but declare no lane: {undeclared}; mark them "
                             "(pytestmark = pytest.mark.e2e, or @pytest.mark.e2e on those tests)")
+
+
+def test_every_test_that_starts_megatron_ranks_is_out_of_the_fast_lane():
+    unmarked = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        if path == Path(__file__).resolve():
+            continue
+        source = path.read_text()
+        tree = ast.parse(source)
+        module_marked = any(isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets)
+                            and re.search(r"mark\.(slow|e2e)", ast.get_source_segment(source, node) or "")
+                            for node in tree.body)
+        for node in tree.body:
+            if not (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")):
+                continue
+            marks = " ".join(ast.get_source_segment(source, d) or "" for d in node.decorator_list)
+            if "run_ranks(" in (ast.get_source_segment(source, node) or "") and not (
+                    module_marked or re.search(r"mark\.(slow|e2e)", marks)):
+                unmarked.append(f"{path.relative_to(TESTS).as_posix()}::{node.name}")
+    assert not unmarked, f"these start Megatron ranks but are in the fast lane: {unmarked}; mark them @pytest.mark.slow"

@@ -181,6 +181,7 @@ def test_engine_logprobs_match_the_trainers(smollm2, tmp_path):
     assert len(diffs) > 20 and max(diffs) < TOLERANCE
 
 
+@pytest.mark.slow
 def test_megatron_llama_tied_weights_both_directions(smollm2, tmp_path):
     """HF -> Megatron: the Megatron trainer's logprobs equal HF's; Megatron -> HF: the export
     is the checkpoint exactly (tied embedding once), and after a training step the saved HF

@@ -120,6 +120,7 @@ def test_out_of_memory_names_the_knobs():
     assert "other processes (engines) 39.0 GiB" in msg and "256 samples" in msg
 
 
+@pytest.mark.slow
 def test_ray_workers_run_at_the_drivers_priority():
     """Ray starts workers at nice 15: the trainer and engines (its actors) then starved behind
     any other load on a shared machine (a parallel test made the trainer 40x slower)."""

@@ -135,6 +135,7 @@ def mean_nll(trainer, samples) -> float:
         sum(s.num_trained_tokens for s in samples)
 
 
+@pytest.mark.slow
 def test_loss_is_the_nll_and_a_few_steps_make_it_drop(tiny_model, tokenizer, tmp_path):
     from agentrl.trainers.torch_trainer import TorchTrainer
 
@@ -186,6 +187,7 @@ def test_flags_and_resume_at_the_same_step(tmp_path):
     assert last["rollout_id"] == 2 and last["loss"] == pytest.approx(rows[2]["loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_megatron_trainer_runs_sft_like_the_pytorch_trainer(tmp_path, monkeypatch):
     pytest.importorskip("megatron.core")
     from agentrl.sft import sft

@@ -100,6 +100,7 @@ def test_the_flag_passes_the_dry_run_and_needs_the_token_budget(tmp_path, hooks_
     assert any(n.startswith("--balance-data/--balance-by-flops: accepted, no effect here") for n in ns.slime_notices)
 
 
+@pytest.mark.slow
 def test_two_megatron_ranks_give_the_same_step_by_flops(tmp_path, monkeypatch):
     pytest.importorskip("megatron.core")
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "trainers"))

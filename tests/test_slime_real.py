@@ -227,6 +227,7 @@ def test_slimes_search_r1_example_trains(slime_env, retrieval, tmp_path):
     assert contexts > 0  # 12 random tokens hold no answer: a second turn followed an observation
 
 
+@pytest.mark.slow
 def test_slimes_retool_example_trains(slime_env, tmp_path):
     """examples/retool (its retool_qwen3_4b_rl.sh pairing): generate_with_retool.generate with
     its reward_func (math_dapo, strict \\boxed{}, a dict with the parsed answer as text) and
@@ -244,6 +245,7 @@ def test_slimes_retool_example_trains(slime_env, tmp_path):
             assert set(t["reward"]) == {"score", "acc"} and t["reward"]["score"] <= -0.6, t["reward"]
 
 
+@pytest.mark.slow
 def test_slimes_fully_async_example_runs_with_async(slime_env, tmp_path):
     """examples/fully_async (train_async.py there, --async here): slime's
     generate_rollout_fully_async, whose own worker thread keeps generating between calls, with

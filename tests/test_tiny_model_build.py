@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_two_processes_build_the_tiny_model_at_once(tmp_path):
     code = "from agentrl.models import build_tiny_model, load_tokenizer; p = build_tiny_model(); " \
            "print(p, len(load_tokenizer(str(p))))"

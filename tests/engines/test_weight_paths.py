@@ -4,6 +4,7 @@ and pause/continue with SGLang's semantics (abort by default; in place keeps req
 import asyncio
 import contextlib
 
+import pytest
 import torch
 from aiohttp.test_utils import TestServer
 
@@ -63,6 +64,7 @@ async def serving(eng):
         await server.close()
 
 
+@pytest.mark.slow
 def test_pause_in_place_keeps_requests_and_pause_abort_ends_them(tiny_model):
     torch.set_num_threads(1)
     eng = EmbeddedEngine(str(tiny_model))
@@ -132,6 +134,7 @@ def test_a_flushing_weight_update_over_requests_paused_in_place_kills_the_engine
     assert error and "Cache flush failed after updating weights" in error and eng.dead
 
 
+@pytest.mark.slow
 def test_a_weight_update_waits_for_the_generation_in_flight(tiny_model):
     """update_engines without --partial-rollout: the generation in flight finishes under the old
     weights, then the engine takes the new ones and flushes (over a generation paused in place,

@@ -51,6 +51,7 @@ def test_passing_solution(run_async, backend):
     assert final[4]["passed"] == final[4]["total"] == 4 and final[4]["solution_from"] == "file"
 
 
+@pytest.mark.slow
 def test_failing_solution_partial_and_all_or_nothing(run_async, backend):
     env = CodeEnv(sandbox=backend)
     *_, final = run_async(_episode(env, [call("write_file", path="solution.py", content=HALF), "done"]))
@@ -95,6 +96,7 @@ def test_tampering_with_tests_scores_nothing(run_async, backend):
     assert "did not load" in final[4]["error"]
 
 
+@pytest.mark.slow
 def test_no_solution_and_solution_in_message(run_async, backend):
     env = CodeEnv(sandbox=backend)
     _, final = run_async(_episode(env, ["I could not do it."]))

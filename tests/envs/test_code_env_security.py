@@ -167,6 +167,7 @@ def test_honest_solutions_keep_their_score():
     assert [d["passed"] for d in result.details] == [False, True] and "ended" in result.details[0]["error"]
 
 
+@pytest.mark.slow
 def test_tests_busy_with_an_answer_are_bounded():
     """Hidden tests that do unbounded work with what the solution returned (a loop over range(answer),
     a string of answer characters): the judge runs in a process of its own, killed at the wall-clock
@@ -262,6 +263,7 @@ TASK = {"prompt": "Write `running_max(xs)`.", "label": LABEL, "metadata": {"entr
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.slow
 def test_code_env_grades_with_the_runs_pool(run_async, kind):
     """What `agentrl train --env code --sandbox X` builds: the tools and the grader both take
     sandboxes from the pool (max_active=1: the tools' sandbox goes back before grading); a graded
@@ -288,6 +290,7 @@ def test_code_env_grades_with_the_runs_pool(run_async, kind):
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.slow
 def test_builtin_reference_solutions_pass_in_sandboxes(run_async, kind):
     """Every built-in task's reference solution scores all its tests when the solution runs in a
     sandbox of the backend (through a bounded pool, as in training) and the judge on the host."""

@@ -7,6 +7,7 @@ from fuzz_targets import FACTORIES, run_target, target
 
 
 @pytest.mark.parametrize("name", list(FACTORIES))
+@pytest.mark.slow
 def test_fuzz(name):
     t = target(name)
     run_target(t, max_examples=t.suite_examples)

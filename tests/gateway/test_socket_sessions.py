@@ -7,6 +7,8 @@ import json
 import os
 import stat
 
+import pytest
+
 from helpers import ScriptedEngine, new_session
 
 from agentrl.gateway import Gateway
@@ -55,6 +57,7 @@ def test_the_socket_names_the_session(tokenizer, tmp_path):
     assert not left  # unbind removed the socket
 
 
+@pytest.mark.slow
 def test_a_socket_holds_a_bounded_number_of_connections(tokenizer, tmp_path):
     async def go():
         session = new_session(tokenizer, ScriptedEngine(tokenizer, ["ok"]))

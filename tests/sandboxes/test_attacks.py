@@ -666,6 +666,7 @@ def test_no_host_path_in_mountinfo_or_command_lines(backend):
     run(go())
 
 
+@pytest.mark.slow
 def test_no_staged_host_path_where_staging_is_a_plain_folder(tmp_path, monkeypatch):
     """docker where staging is a plain host folder (the host user is not root, or the staging tmpfs
     could not be mounted): a bind mount of a staged folder showed its host temp-dir path in the

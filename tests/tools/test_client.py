@@ -30,6 +30,7 @@ def test_a_crashed_server_is_restarted_once_then_fails(arun, demo_command, tmp_p
     arun(go())
 
 
+@pytest.mark.slow
 def test_a_hung_server_is_restarted_then_fails(arun, demo_command):
     async def go():
         spec = parse_mcp_server_flag(f"demo={demo_command}")

@@ -33,6 +33,7 @@ def call(name, **arguments) -> str:
 
 
 @pytest.mark.parametrize("backend", ["local", "docker"])
+@pytest.mark.slow
 def test_builtin_servers_in_sandbox(arun, backend):
     sandbox_backend_or_skip(backend)
     env = SandboxedEnv(sandbox=backend)

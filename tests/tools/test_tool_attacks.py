@@ -96,6 +96,7 @@ def test_killing_the_tool_server_is_the_agents_fault(arun, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.slow
 def test_asking_for_a_long_timeout_is_not_a_hung_server(arun, backend):
     """A call asking for a timeout longer than the env's tool_timeout (the servers accept up to 600 s)
     is cut at tool_timeout by the tool itself: an honest long computation times out as a tool
@@ -510,6 +511,7 @@ BREAK_THE_GRADING = {
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.slow
 def test_grading_the_agent_broke_in_its_sandbox_is_its_fault(arun, backend):
     """Whatever the agent did to its sandbox that makes the env's own reads, writes or execs there
     fail (its answer missing, a FIFO, a directory, too large; the workdir chmod 000 or full) ends

@@ -45,6 +45,7 @@ def test_the_flag_reaches_the_trainer_config():
     assert not parse_config([])[0].train.balance_data
 
 
+@pytest.mark.slow
 def test_two_data_parallel_ranks_give_the_same_step_balanced_or_not(tmp_path):
     pytest.importorskip("megatron.core")
     from agentrl.trainers.megatron.packing import balanced_split

@@ -62,6 +62,7 @@ def learn_target_token(trainer, steps: int = 12, seed: int = 0) -> list[float]:
     return expected
 
 
+@pytest.mark.slow
 def test_torch_lora_learns_target_token(tiny_model):
     learn_target_token(lora_trainer(tiny_model, lr=5e-3))
 
@@ -86,6 +87,7 @@ def maximise_one_token(trainer, steps: int = 30) -> tuple[float, float]:
         return before, float(p())
 
 
+@pytest.mark.slow
 def test_lora_with_the_tiny_models_embeddings_learns_as_full_fine_tuning(tiny_model):
     """The tiny model's tied embeddings (std 0.02) through its final norm cap every logit near 2.6:
     adapters on the linears alone cannot raise one token's probability past a few percent, with

@@ -12,6 +12,7 @@ pytest.importorskip("megatron.core")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_bench_runs_every_stage_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "megatron_bench.py"), "--out", str(tmp_path),
                            "--device", "cpu", "--dtype", "float32", "--samples", "8", "--max-tokens", "128",

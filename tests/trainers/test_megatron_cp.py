@@ -89,13 +89,14 @@ def reference(tiny_model):
     return one_process_reference(tiny_model, ALGO)
 
 
+@pytest.mark.slow
 def test_context_parallel_2_equals_cp1(reference, tmp_path):
     megatron = {"context_parallel_size": "2"}
     result = run_ranks(2, ["--megatron", json.dumps(megatron), "--algo", json.dumps(ALGO)], tmp_path / "cp2.json")
     compare(result, reference, "CP=2")
 
 
-@pytest.mark.e2e  # the fast lane has CP=2 above; these layouts add ~20-150 s each on a shared CPU
+@pytest.mark.slow  # ~20-150 s each on a shared CPU
 def test_context_parallel_2_with_token_budget_equals_cp1(reference, tmp_path):
     """--max-tokens-per-gpu with CP: micro-batches of several packed sequences, cut per sequence."""
     megatron = {"context_parallel_size": "2"}
@@ -104,14 +105,14 @@ def test_context_parallel_2_with_token_budget_equals_cp1(reference, tmp_path):
     compare(result, reference, "CP=2, token budget")
 
 
-@pytest.mark.e2e  # four CPU ranks: ~90 s on a shared two-core machine
+@pytest.mark.slow  # four CPU ranks: ~90 s on a shared two-core machine
 def test_context_parallel_2_with_tensor_parallel_2_and_sequence_parallel_equals_cp1(reference, tmp_path):
     megatron = {"context_parallel_size": "2", "tensor_model_parallel_size": "2", "sequence_parallel": None}
     result = run_ranks(4, ["--megatron", json.dumps(megatron), "--algo", json.dumps(ALGO)], tmp_path / "cp2tp2.json")
     compare(result, reference, "CP=2 x TP=2 + SP")
 
 
-@pytest.mark.e2e  # four CPU ranks
+@pytest.mark.slow  # four CPU ranks
 def test_context_parallel_2_with_pipeline_parallel_2_equals_cp1(reference, tmp_path):
     megatron = {"context_parallel_size": "2", "pipeline_model_parallel_size": "2"}
     result = run_ranks(4, ["--megatron", json.dumps(megatron), "--algo", json.dumps(ALGO), "--max-tokens", "40"],
@@ -119,7 +120,7 @@ def test_context_parallel_2_with_pipeline_parallel_2_equals_cp1(reference, tmp_p
     compare(result, reference, "CP=2 x PP=2")
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_context_parallel_2_with_expert_parallel_2_on_qwen3_moe_equals_one_process(tiny_model, tmp_path):
     """Qwen3-MoE (8 experts, top-2): EP=2 spans the two CP ranks (megatron-core folds EP over DP x CP)."""
     from megatron_helpers import tiny_family_model
@@ -146,7 +147,7 @@ def test_context_parallel_forms_it_does_not_do_are_refused_by_name():
     parse_megatron_args({"--cp-comm-type": "p2p"}).check_context_parallel(True)  # CP 1: nothing to refuse
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.parametrize("megatron", [{"context_parallel_size": "2"}, {}], ids=["CP=2", "DP=2"])
 def test_ppo_critic_with_context_or_data_parallel_equals_one_process(tmp_path, megatron):
     """The critic's values gathered over CP ranks; its fresh value head the same on every rank

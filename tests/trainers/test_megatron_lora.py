@@ -175,6 +175,7 @@ def test_checkpoint_resumes_adapter_and_optimizer(tiny_model, tmp_path, whole):
 
 
 @pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
+@pytest.mark.slow
 def test_parallel_layouts_equal_one_process(tiny_model, tmp_path, layout):
     """TP=2 (+ SP): column layers' B and row layers' A split over the ranks; PP=2: each stage its
     layers. The same adapter (loaded from one peft folder) gives the one-process logprobs, loss,
@@ -224,6 +225,7 @@ def test_parallel_layouts_equal_one_process(tiny_model, tmp_path, layout):
     assert result["merged_matches"]
 
 
+@pytest.mark.slow
 def test_megatron_lora_learns_target_token(tiny_model):
     learn_target_token(megatron(tiny_model, target_modules=ALL, lr=2e-2, global_batch_size=8, micro_batch_size=4))
 

@@ -53,6 +53,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("label", list(LAYOUTS))
+@pytest.mark.slow
 def test_moe_layout_equals_one_process(reference, moe_model, tmp_path, label):
     megatron, max_tokens = LAYOUTS[label]
     args = ["--model", str(moe_model), "--megatron", json.dumps(megatron), "--algo", json.dumps(ALGO)]

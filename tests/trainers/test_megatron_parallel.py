@@ -36,12 +36,14 @@ def compare(result, reference, label):
     assert diff(result["after"], reference["after"]) < 1e-4
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_with_sequence_parallel_equals_tp1(reference, tmp_path):
     megatron = {"tensor_model_parallel_size": "2", "sequence_parallel": None}
     result = run_ranks(2, ["--megatron", json.dumps(megatron), "--algo", json.dumps(ALGO)], tmp_path / "tp2.json")
     compare(result, reference, "TP=2 + SP")
 
 
+@pytest.mark.slow
 def test_pipeline_parallel_2_equals_pp1(reference, tmp_path):
     megatron = {"pipeline_model_parallel_size": "2"}
     result = run_ranks(2, ["--megatron", json.dumps(megatron), "--algo", json.dumps(ALGO), "--max-tokens", "40"],
@@ -49,6 +51,7 @@ def test_pipeline_parallel_2_equals_pp1(reference, tmp_path):
     compare(result, reference, "PP=2")
 
 
+@pytest.mark.slow
 def test_pipeline_2_with_virtual_stages_equals_pp1(reference, tmp_path):
     """The interleaved schedule (2 model chunks per rank) on two ranks, where each rank's
     previous and next stage are the same peer: token-budget micro-batches of unequal length."""
