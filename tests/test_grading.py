@@ -120,6 +120,7 @@ def test_an_async_reward_that_never_awaits_leaves_the_loop_free_and_the_next_cal
     assert value == 0.5
 
 
+@pytest.mark.slow
 def test_an_async_reward_keeps_its_client_and_state_between_calls():
     """A real async reward function: one aiohttp session to a remote reward model, made on the first
     call and reused by the next ones (all run on the one reward loop); its own request timeout stays
@@ -333,6 +334,7 @@ def test_a_forked_reward_function_keeps_exceptions_and_says_what_cannot_come_bac
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_a_hanging_sync_reward_scores_its_trajectory_zero_and_the_group_goes_on(tokenizer):
     """Through the rollout's GroupRunner: of two trajectories, the one whose (sync, forked) reward
     function hangs scores 0 with the reason; the other is scored as usual."""

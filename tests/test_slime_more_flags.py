@@ -358,6 +358,7 @@ def test_no_save_optim_checkpoints_hold_no_optimizer_state(tiny_model, tmp_path)
     assert exact.optimizer.state  # without the flag a full checkpoint resumes Adam's moments
 
 
+@pytest.mark.slow
 def test_no_save_optim_in_the_megatron_trainer(tiny_model, tmp_path):
     import sys
     from pathlib import Path

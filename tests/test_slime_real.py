@@ -261,6 +261,7 @@ def test_slimes_fully_async_example_runs_with_async(slime_env, tmp_path):
         assert all(t["reward"] == 0 for t in rows)  # no </think> in 12 random tokens: deepscaler's 0
 
 
+@pytest.mark.slow
 def test_slimes_search_observation_is_agentrl_search_r1s(slime_env, retrieval):
     """The same search, slime's execute_predictions against agentrl's search-r1 with
     observation="append", over one Search-R1 retrieval service: the same text, byte for byte."""

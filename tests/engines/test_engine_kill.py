@@ -159,6 +159,7 @@ def test_a_lone_restarted_engine_gets_the_current_weights_before_it_serves(tmp_p
     assert int(event.split("weight version ")[1].rstrip(")")) >= kills[0][0], events(out)
 
 
+@pytest.mark.slow
 def test_every_engine_missing_a_weight_update_waits_for_restarts_or_stops_the_run():
     """All engines down during a sync (say the only one): with restarts they are quarantined and
     caught up later; without, the run stops with an error that says how to resume."""

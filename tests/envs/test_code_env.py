@@ -34,6 +34,7 @@ def backend():
     return sandbox_backend_or_skip("auto")
 
 
+@pytest.mark.slow
 def test_passing_solution(run_async, backend):
     env = agentrl.make("code", sandbox=backend)
     (obs, info), wrote, ran, final = run_async(_episode(env, [
@@ -63,6 +64,7 @@ def test_failing_solution_partial_and_all_or_nothing(run_async, backend):
     assert final[1] == 0.0 and final[4]["passed"] == 2
 
 
+@pytest.mark.slow
 def test_tampering_with_tests_scores_nothing(run_async, backend):
     """The agent plants test files and a solution that fakes a report / exits early / reads
     files it left behind: none of it reaches or fools the fresh grader sandbox."""

@@ -231,6 +231,7 @@ async def _grade_all(kind: str, solutions: dict[str, str], **kw) -> dict:
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.slow
 def test_sandboxed_attacks(run_async, kind):
     sandbox_backend_or_skip(kind)
     attacks = {

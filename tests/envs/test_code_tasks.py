@@ -145,6 +145,7 @@ def test_expert_reference_for_every_source():
             assert ref is not None and grade(task, ref).fraction == 1.0, (path, task["metadata"])
 
 
+@pytest.mark.slow
 def test_agentrl_demos_env_code(tmp_path, capsys):
     """`agentrl demos --env code`: the expert's episodes on the train split, each graded 1.0 by the
     env (tools and grading on the host: only the expert's own reference code runs)."""

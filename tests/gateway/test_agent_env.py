@@ -133,6 +133,7 @@ def test_command_line_agent_gets_the_endpoint_in_its_environment(tokenizer):
     ("test-gw-stubborn", "timeout: the agent ran past 0.5 s"),
     ("test-gw-silent", "the agent never called the endpoint"),
 ])
+@pytest.mark.slow
 def test_a_broken_agent_ends_its_trajectory_with_reward_0_and_a_reason(tokenizer, name, reason):
     t0 = time.monotonic()
     samples, _ = play(tokenizer, name, ["yes"])

@@ -603,6 +603,7 @@ print(n, err)
 """
 
 
+@pytest.mark.slow
 def test_a_flood_of_empty_files_is_capped_with_the_size(backend):
     """Empty files in every writable place (/work, /tmp, /dev/shm) stop at a count bounded by that
     place's size (one file per 4 KiB: inodes_for), with ENOSPC, and the sandbox still works; a
@@ -791,6 +792,7 @@ except OSError as e:
 """
 
 
+@pytest.mark.slow
 def test_a_sandbox_reaches_nothing_of_its_neighbour(backend):
     async def go():
         async with sandbox(backend) as a, sandbox(backend) as b:

@@ -649,6 +649,7 @@ def test_pids_not_shared_with_the_uid(nonroot):
     nonroot.run("check_pids_not_shared_with_the_uid")
 
 
+@pytest.mark.slow
 def test_a_full_pool_leaves_the_host_and_a_sandbox_their_kernel_objects(nonroot):
     """inotify, fanotify, message queues, held per sandbox by a share of the user's count cut for the
     pool's max_active: eight sandboxes each at their share leave the host and a ninth their own."""
@@ -676,6 +677,7 @@ def test_dev_shm_capped(nonroot):
     nonroot.run("check_dev_shm_capped")
 
 
+@pytest.mark.slow
 def test_only_staged_sources(nonroot):
     """what of the host shows: staged tool sources and the mcp closure only; no task data, repo or venv."""
     nonroot.run("check_only_staged_sources")

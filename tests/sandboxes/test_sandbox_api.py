@@ -143,6 +143,7 @@ def test_pool_groups_and_metrics(backend):
     run(go(), timeout=240)
 
 
+@pytest.mark.slow
 def test_pool_never_holds_more_than_max_active(backend):
     """Trajectories coming and going (reset and reused, or tainted and replaced) never make the
     pool hold more than max_active sandboxes, warm ones included."""

@@ -148,6 +148,7 @@ def test_cpu_spin_past_timeout(backend):
     run(go())
 
 
+@pytest.mark.slow
 def test_gigabytes_of_output_truncated(backend):
     async def go():
         async with sandbox(backend, limits=SandboxLimits(timeout_s=60, output_bytes=1 << 20)) as sb:

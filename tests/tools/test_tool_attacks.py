@@ -257,6 +257,7 @@ def test_agent_fault_is_scored_not_failed(arun):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.slow
 def test_a_restart_the_agent_broke_is_its_fault(arun, backend):
     """chmod 000 on the workdir, then the tool server killed: the restarted server cannot enter the
     workdir. What the agent did: reward 0 with the reason, never ToolServerError (a FAILED group).

@@ -28,6 +28,7 @@ def megatron_trainer(model):
 
 
 @pytest.mark.parametrize("make", [torch_trainer, megatron_trainer], ids=["torch", "megatron"])
+@pytest.mark.slow
 def test_offload_frees_everything_and_training_goes_on_exactly(tiny_model, make):
     samples = make_samples()
     a, b = make(tiny_model), make(tiny_model)

@@ -74,6 +74,7 @@ def direct_kl(start, ref, samples) -> float:
     return float(kl_penalty(lp, lr, "low_var_kl").mean())
 
 
+@pytest.mark.slow
 def test_torch_trainer_reads_the_kl_reference_from_ref_load(tiny_model, other_ref):
     samples = make_samples()
     expected = direct_kl(tiny_model, other_ref, samples)
@@ -137,6 +138,7 @@ def test_a_reference_the_trainer_cannot_read_is_named(tiny_model, tmp_path):
         TorchTrainer(str(tiny_model), train=TRAIN, algo=ALGO, temperature=0.8, ref_load=str(tmp_path))
 
 
+@pytest.mark.slow
 def test_megatron_trainer_reads_the_kl_reference_from_hf_or_a_megatron_checkpoint(tiny_model, other_ref, wide_vocab,
                                                                                   tmp_path):
     megatron_trainer = pytest.importorskip("agentrl.trainers.megatron.trainer")

@@ -54,6 +54,7 @@ def assert_same_optimizer(a: torch.optim.Optimizer, b: torch.optim.Optimizer, wh
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
+@pytest.mark.slow
 def test_a_resumed_trainer_ends_bit_identical_to_one_that_ran_straight_through(tiny_model, tmp_path, setup):
     seed_all(0)
     straight = build(tiny_model, setup)
