@@ -509,8 +509,60 @@ def prepare(layers: dict, flags: SlimeFlags) -> None:
     train = layers.setdefault("train", {})
     if train.get("balance_by_flops"):  # slime: it implies --balance-data (ranks balanced by FLOPs too)
         train["balance_data"] = True
+    slime_opd(algo, flags)
     if algo.get("rm_type") and not algo.get("custom_rm_path"):
         algo["custom_rm_path"] = RM_HUB_REWARD  # slime: --custom-rm-path wins over --rm-type
+
+
+SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"
+SLIME_OPD_POST_PROCESS = "slime.rollout.on_policy_distillation.post_process_rewards"
+NO_TASK_REWARD = "agentrl.teacher.no_task_reward"
+
+
+def _spec(value) -> str | None:
+    return value.replace(":", ".") if isinstance(value, str) and ".py:" not in value else value
+
+
+def slime_opd(algo: dict, flags: SlimeFlags) -> None:
+    """slime's --use-opd --opd-type sglang (examples/on_policy_distillation): its reward function
+    POSTs each sample's tokens to the teacher at --rm-url (SGLang /generate, max_new_tokens 0,
+    return_logprob) and returns the reply; its post-process hook keeps the response tokens'
+    logprobs as sample.teacher_log_probs and gives every sample reward 0; the loss subtracts
+    --opd-kl-coef x (student - teacher logprob) from each token's advantage. agentrl's served
+    teacher does the same: --rm-url's server becomes --opd-teacher-url (the same /generate
+    prefill, before each training step), the task reward is 0 (agentrl.teacher.no_task_reward)
+    and the post-process hook is not run (agentrl.algorithms.compute_advantages adds the term)."""
+    reward, post = _spec(algo.get("custom_rm_path")), _spec(algo.get("custom_reward_post_process_path"))
+    if reward != SLIME_OPD_REWARD:
+        if post == SLIME_OPD_POST_PROCESS:
+            raise ConfigError(f"--custom-reward-post-process-path {SLIME_OPD_POST_PROCESS} reads the teacher's reply "
+                              f"that --custom-rm-path {SLIME_OPD_REWARD} returns, not --custom-rm-path "
+                              f"{algo.get('custom_rm_path') or '(none)'}: name slime's pair (with --use-opd --opd-type "
+                              "sglang --rm-url URL), or give the teacher to agentrl with --opd-teacher-url URL")
+        return
+    where = f"--custom-rm-path {algo['custom_rm_path']}"
+    if not (algo.get("use_opd") and algo.get("opd_type") == "sglang"):
+        raise ConfigError(f"{where}: slime's on-policy-distillation reward (the teacher's logprobs, task reward 0) is "
+                          "for --use-opd --opd-type sglang; without them nothing would train: add both")
+    if post != SLIME_OPD_POST_PROCESS:
+        raise ConfigError(f"{where}: returns the teacher's reply, which slime turns into teacher logprobs with "
+                          f"--custom-reward-post-process-path {SLIME_OPD_POST_PROCESS} (given: "
+                          f"{algo.get('custom_reward_post_process_path') or 'none'}): name it, as slime's script does")
+    url = (algo.get("rm_url") or "").rstrip("/")
+    if not url.endswith("/generate"):
+        raise ConfigError(f"{where}: asks the teacher at --rm-url, SGLang's /generate (e.g. http://HOST:PORT/generate); "
+                          f"got {algo.get('rm_url') or 'no --rm-url'}")
+    for other in ("opd_teacher_url", "opd_teacher_load"):
+        if algo.get(other):
+            raise ConfigError(f"{where}: the teacher is --rm-url's {algo['rm_url']}; drop "
+                              f"--{other.replace('_', '-')} {algo[other]} (or slime's reward pair)")
+    algo["opd_teacher_url"] = url[:-len("/generate")]
+    algo["custom_rm_path"], algo["custom_reward_post_process_path"] = NO_TASK_REWARD, None
+    flags.notices.append(f"{where} with its post-process hook and --rm-url {algo['rm_url']}: slime's on-policy "
+                         f"distillation, run as agentrl's --opd-teacher-url {algo['opd_teacher_url']}: the teacher "
+                         "scores each sample's response tokens by the same /generate prefill before each training "
+                         f"step, each token's advantage loses --opd-kl-coef {algo.get('opd_kl_coef', 1.0)} x (student "
+                         "- teacher logprob), and the task reward is 0 (slime's post-process returns 0)")
 
 
 def concurrency(rollout: dict, run: dict, per_engine: int, engine: str) -> None:

@@ -128,3 +128,10 @@ async def score_with_teacher(cfg, samples) -> None:
     for s, lps in zip(samples, await teacher_logprobs(url, samples, timeout_s=cfg.rollout.request_timeout_s)):
         if lps is not None:
             s.metadata["teacher_logprobs"] = lps
+
+
+async def no_task_reward(args, sample, **kwargs) -> float:
+    """Reward 0 for every sample: slime's on-policy-distillation scripts (their reward function and
+    post-process hook, agentrl/slime_args.py slime_opd) train on the teacher's term alone."""
+    return 0.0
+

@@ -22,6 +22,9 @@ SCRIPTS = {  # name -> the script, at slime 624b824
     "retool": "examples/retool/retool_qwen3_4b_rl.sh",
     "fully-async": "examples/fully_async/run-qwen2.5-0.5B-fully_async.sh",
 }
+OTHER_SCRIPTS = {  # checked in too, each tested on its own (tests/test_slime_opd.py)
+    "opd": "examples/on_policy_distillation/run-qwen3-8B-opd.sh",
+}
 DATA = Path(__file__).parent / "data" / "slime_scripts"
 ENV = {"NUM_GPUS": "8", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}  # WANDB_KEY unset, as on a fresh shell
 
@@ -31,6 +34,9 @@ def script_args(slime: Path, script: str) -> list[str]:
     model = re.search(r'^source\s+"?([^"\n]*models/[^"\n/]+\.sh)"?', text, re.M).group(1)
     lines = [f'source "{slime / "scripts" / "models" / Path(model).name}"']
     lines += [m.group(0) for m in re.finditer(r"^[A-Z_]+=\$\{[^\n]*$", text, re.M)]  # NAME=${NAME:-default}
+    # NAME=literal (TEACHER_IP="127.0.0.1"): no command substitution, nothing bash would run
+    lines += [m.group(1) for m in re.finditer(r"""^([A-Z_]+=(?:"[^"$`\\\n]*"|'[^'\n]*'|[^\s"'$`;&|()<>#]+))[ \t]*(?:#.*)?$""",
+                                              text, re.M)]
     lines += [m.group(0) for m in re.finditer(r"^[A-Z_]+=\([ \t]*\n.*?^\)", text, re.M | re.S)]  # the arrays
     tail = re.search(r"python3 train(?:_async)?\.py \\\n(.*?)(?:\n\s*\n|\Z)", text, re.S).group(1)
     words = " ".join(line.rstrip("\\").strip() for line in tail.splitlines() if not line.strip().startswith("#"))
@@ -64,7 +70,7 @@ def checked_in(name: str) -> list[str]:
 
 if __name__ == "__main__":
     DATA.mkdir(parents=True, exist_ok=True)
-    for name, script in SCRIPTS.items():
+    for name, script in {**SCRIPTS, **OTHER_SCRIPTS}.items():
         (DATA / f"{name}.args").write_text("\n".join(script_args(Path(sys.argv[1]), script)) + "\n")
     (DATA / "all_flags.txt").write_text("\n".join(array_flags(Path(sys.argv[1]))) + "\n")
     (DATA / "slime_arguments_flags.txt").write_text("\n".join(parser_flags(Path(sys.argv[1]))) + "\n")
@@ -104,6 +110,7 @@ HF_CONFIGS = {
                           max_position_embeddings=40960),
     "search-r1": dict(_QWEN25, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                       num_attention_heads=16, num_key_value_heads=2),
+    "opd": {**_QWEN3_4B, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False},  # Qwen3-8B
     "fully-async": dict(_QWEN25, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                         num_attention_heads=14, num_key_value_heads=2),
 }

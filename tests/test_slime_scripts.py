@@ -348,7 +348,6 @@ def test_the_parser_flag_list_is_slimes(slime):
 STILL_REFUSED = {
     "examples/delta_weight_sync/run-glm4.7-30B-A3B-delta.sh": "--update-weight-mode delta: not supported",
     "examples/geo3k_vlm/run_geo3k_qwen35.sh": "--multimodal-keys: not supported",
-    "examples/on_policy_distillation/run-qwen3-8B-opd.sh": "--use-opd --opd-type sglang needs one of",
     "examples/on_policy_distillation/run-qwen3-8B-opd-megatron.sh": "--opd-teacher-load /root/.*: no such folder",
     "scripts/run-glm4.7-30B-A3B.sh": "--enable-mtp-training: not supported",
     "scripts/run-mimo-7B-rl-eagle.sh": "--enable-mtp-training: not supported",
