@@ -51,13 +51,8 @@ def build_model(folder: Path, hidden: int, layers: int) -> Path:
     return folder
 
 
-def measure(trainer, folder: Path) -> dict:
-    """Save the checkpoint; per phase, this rank's peak RSS above its RSS before the save."""
-    import torch
-    from megatron.core import dist_checkpointing
-
-    peaks: dict[str, int] = {}
-
+def _peak_recorder(peaks: dict[str, int]):
+    """timed(name, fn): fn wrapped to record, under name, this rank's peak RSS while it runs."""
     def timed(name, fn):
         def wrapper(*a, **kw):
             _reset_peak()
@@ -66,6 +61,16 @@ def measure(trainer, folder: Path) -> dict:
             finally:
                 peaks[name] = max(peaks.get(name, 0), _status("VmHWM"))
         return wrapper
+    return timed
+
+
+def measure(trainer, folder: Path) -> dict:
+    """Save the checkpoint; per phase, this rank's peak RSS above its RSS before the save."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    peaks: dict[str, int] = {}
+    timed = _peak_recorder(peaks)
 
     sharded, dist_save, save_hf = trainer._sharded_state, dist_checkpointing.save, trainer.save_hf
     trainer._sharded_state = timed("sharded_state", sharded)
@@ -97,15 +102,7 @@ def measure_load(trainer, folder: Path) -> dict:
     from megatron.core import dist_checkpointing
 
     peaks: dict[str, int] = {}
-
-    def timed(name, fn):
-        def wrapper(*a, **kw):
-            _reset_peak()
-            try:
-                return fn(*a, **kw)
-            finally:
-                peaks[name] = max(peaks.get(name, 0), _status("VmHWM"))
-        return wrapper
+    timed = _peak_recorder(peaks)
 
     sharded, dist_load, load_state = trainer._sharded_state, dist_checkpointing.load, trainer.optimizer.load_state_dict
     trainer._sharded_state = timed("load_sharded_state", sharded)
