@@ -171,7 +171,9 @@ def load_eval_sets(cfg: Config) -> list[tuple]:
         tasks = read_rows(str(spec["path"]), input_key=spec.get("input_key", d.input_key),
                           label_key=spec.get("label_key", d.label_key),
                           metadata_key=spec.get("metadata_key", d.metadata_key),
-                          label_needed_by=label_needed_by(cfg.run.env))
+                          label_needed_by=label_needed_by(cfg.run.env),
+                          flag=(f"--eval-config {cfg.eval.eval_config}: dataset {spec['name']!r}:"
+                                if cfg.eval.eval_config else f"--eval-prompt-data {spec['name']}"))
         for task in tasks:
             if task.get("env"):
                 get_spec(task["env"])

@@ -54,11 +54,12 @@ def json_list_label(label: Any) -> Any:
     return label
 
 
-def numbered_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
-    """(where, row) for each row of a JSONL or parquet file; `where` names file and line (or row)."""
+def numbered_rows(path: str, flag: str = "--prompt-data") -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) for each row of a JSONL or parquet file; `where` names file and line (or row),
+    a missing file the flag that named it."""
     p = Path(path)
     if not p.is_file():
-        raise DatasetError(f"--prompt-data {path}: no such file")
+        raise DatasetError(f"{flag} {path}: no such file")
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -71,11 +72,12 @@ def numbered_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
 
 
 def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
-              metadata_key: str = "metadata", label_needed_by: str | None = None) -> list[dict[str, Any]]:
+              metadata_key: str = "metadata", label_needed_by: str | None = None,
+              flag: str = "--prompt-data") -> list[dict[str, Any]]:
     """Read a JSONL or parquet prompt file into tasks; a bad row names file and line.
     `label_needed_by`: the env that grades against the label (its rows must have one)."""
     tasks, has_label, keys, unlabelled = [], False, set(), None
-    for where, row in numbered_rows(path):
+    for where, row in numbered_rows(path, flag):
         has_label, keys = has_label or label_key in row, keys | set(row)
         if input_key not in row:
             raise DatasetError(f"{where}: no {input_key!r} key (set --input-key); keys are {sorted(row)}")

@@ -59,13 +59,16 @@ def test_eval_sets_are_scored_every_interval_and_at_the_end(tmp_path):
 
 
 def test_bad_eval_flags_are_named(tmp_path):
-    proc = train("--eval-prompt-data", "only-a-name", "--output-dir", str(tmp_path / "a"), *SMALL)
+    proc = train("--eval-prompt-data", "x", "x.jsonl", "y", "--output-dir", str(tmp_path / "a"), *SMALL)
     assert proc.returncode == 2 and "NAME PATH pairs" in proc.stderr
+    # one value is a path slime names 'aime'; the error names the flag and the set
+    proc = train("--eval-prompt-data", "only-a-path", "--output-dir", str(tmp_path / "a"), *SMALL)
+    assert proc.returncode == 2 and "--eval-prompt-data aime only-a-path: no such file" in proc.stderr
     proc = train("--eval-interval", "2", "--output-dir", str(tmp_path / "b"), *SMALL)
     assert proc.returncode == 2 and "--eval-prompt-data" in proc.stderr
     proc = train("--eval-interval", "1", "--eval-prompt-data", "x", str(tmp_path / "missing.jsonl"),
                  "--output-dir", str(tmp_path / "c"), *SMALL)
-    assert proc.returncode == 2 and "missing.jsonl: no such file" in proc.stderr
+    assert proc.returncode == 2 and f"--eval-prompt-data x {tmp_path / 'missing.jsonl'}: no such file" in proc.stderr
 
 
 def test_agentrl_eval_scores_a_checkpoint_without_training(tmp_path, tiny_model):
