@@ -423,8 +423,13 @@ class EmbeddedEngine:
         scaled = decoding.logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
         logprobs = torch.log_softmax(scaled, dim=-1)
         probs = self._filter(logprobs.exp(), decoding.top_p, decoding.top_k)
-        sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        # each row drawn once: by its sampling_seed where it has one, else from the engine's generator
+        sampled = torch.empty(len(rows), dtype=torch.long, device=self.device)
         seeded = [i for i, r in enumerate(rows) if r.sampling_seed is not None]
+        free = [i for i, r in enumerate(rows) if r.sampling_seed is None]
+        if free:
+            at = torch.tensor(free, device=self.device)
+            sampled[at] = torch.multinomial(probs[at], 1, generator=self.generator).squeeze(-1)
         if seeded:
             at = torch.tensor(seeded, device=self.device)
             sampled[at] = seeded_sample(

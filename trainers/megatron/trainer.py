@@ -767,7 +767,8 @@ class MegatronTrainer:
         loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(dist_dir))
         if self.lora:
             missing, unexpected = self.model.load_state_dict(loaded["model"], strict=False)
-            missing = [k for k in missing if k in self._lora_trained()]
+            trained = self._lora_trained()
+            missing = [k for k in missing if k in trained]
             if unexpected or missing:
                 raise ValueError(f"{folder}: adapter weights do not fit: missing {missing[:3]}"
                                  f", unexpected {unexpected[:3]}")
