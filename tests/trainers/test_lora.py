@@ -287,15 +287,33 @@ def test_engine_serves_adapter_on_policy(tiny_model, tokenizer, tmp_path):
     assert max(abs(a - b) for a, b in zip(trainer.compute_logprobs([v2])[0], v2.rollout_logprobs)) < TOLERANCE
 
 
+def sync_adapter_and_sample(cfg, trainer, engine, prompt: list[int], *, temperature: float) -> tuple[dict, Sample]:
+    """TrainerSync's version 1 from `trainer` into `engine` (served in-process), then 12 tokens of
+    `prompt` under that version's adapter: the sync's stats and the reply as a Sample whose rollout
+    logprobs are the engine's."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from agentrl.weight_sync import TrainerSync
+    from agentrl.weight_transfer import lora_adapter_name
+
+    async def go():
+        async with TestClient(TestServer(engine.app())) as http:
+            stats = await TrainerSync(cfg, trainer).sync([str(http.make_url("")).rstrip("/")], version=1)
+            body = {"input_ids": prompt, "return_logprob": True, "lora_path": lora_adapter_name(1),
+                    "sampling_params": {"temperature": temperature, "max_new_tokens": 12, "ignore_eos": True}}
+            return stats, await (await http.post("/generate", json=body)).json()
+
+    stats, reply = asyncio.run(go())
+    pairs = reply["meta_info"]["output_token_logprobs"]
+    return stats, Sample(prompt_tokens=prompt, response_tokens=[p[1] for p in pairs], loss_mask=[1] * len(pairs),
+                         rollout_logprobs=[p[0] for p in pairs], reward=0.0, status=SampleStatus.COMPLETED)
+
+
 def test_adapter_sync_carries_the_trained_norm(tiny_model, tokenizer, tmp_path):
     """--lora-sync adapter with modules trained whole (the tiny model's embeddings and final norm):
     TrainerSync sends them by the full-weight path (SGLang's adapters hold only lora_A/lora_B) and
     the adapter folder in the same sync, so the engine's logprobs under the new version are the trainer's."""
-    from aiohttp.test_utils import TestClient, TestServer
-
     from agentrl.engines.embedded import EmbeddedEngine
-    from agentrl.weight_sync import TrainerSync
-    from agentrl.weight_transfer import lora_adapter_name
 
     cfg, _ = parse_config(["--lora-rank", "4", "--lora-alpha", "8", "--lora-sync", "adapter",
                            "--output-dir", str(tmp_path)])
@@ -308,14 +326,7 @@ def test_adapter_sync_carries_the_trained_norm(tiny_model, tokenizer, tmp_path):
     engine = EmbeddedEngine(str(tiny_model), enable_lora=True, prefix_cache_tokens=4096)
     prompt = tokenizer.encode("tell me about the river")
 
-    async def go():
-        async with TestClient(TestServer(engine.app())) as http:
-            stats = await TrainerSync(cfg, trainer).sync([str(http.make_url("")).rstrip("/")], version=1)
-            body = {"input_ids": prompt, "return_logprob": True, "lora_path": lora_adapter_name(1),
-                    "sampling_params": {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}}
-            return stats, await (await http.post("/generate", json=body)).json()
-
-    stats, reply = asyncio.run(go())
+    stats, sample = sync_adapter_and_sample(cfg, trainer, engine, prompt, temperature=1.0)
     assert stats["failed_engines"] == [] and stats["weight_sync_modules_mb"] > 0
     assert stats["weight_sync_s"] >= stats["weight_sync_modules_s"] > 0
     trained = dict(trainer.trained_module_tensors())
@@ -323,9 +334,6 @@ def test_adapter_sync_carries_the_trained_norm(tiny_model, tokenizer, tmp_path):
     assert float(trained["model.norm.weight"].mean()) == 3.0
     torch.testing.assert_close(engine.model.model.norm.weight, trained["model.norm.weight"])  # not the base's 1s
     torch.testing.assert_close(engine.model.model.embed_tokens.weight, trained["model.embed_tokens.weight"])
-    pairs = reply["meta_info"]["output_token_logprobs"]
-    sample = Sample(prompt_tokens=prompt, response_tokens=[p[1] for p in pairs], loss_mask=[1] * len(pairs),
-                    rollout_logprobs=[p[0] for p in pairs], reward=0.0, status=SampleStatus.COMPLETED)
     recomputed = trainer.compute_logprobs([sample])[0]
     assert max(abs(a - b) for a, b in zip(recomputed, sample.rollout_logprobs)) < TOLERANCE
 

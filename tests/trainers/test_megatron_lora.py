@@ -24,7 +24,7 @@ megatron_cpu_shim.apply()
 
 from agentrl.config import AlgoConfig, TrainConfig  # noqa: E402
 from megatron_helpers import make_samples, run_ranks  # noqa: E402
-from test_lora import learn_target_token, randomize_adapter  # noqa: E402
+from test_lora import learn_target_token, randomize_adapter, sync_adapter_and_sample  # noqa: E402
 
 MegatronTrainer = megatron_trainer.MegatronTrainer
 LOGPROB_TOL = 1e-5
@@ -317,16 +317,10 @@ def test_trainable_modules_step_matches_the_pytorch_trainer(tiny_model, tmp_path
 def test_adapter_sync_sends_the_adapter_and_the_trained_modules(tiny_model, tokenizer, tmp_path):
     """--lora-sync adapter from the Megatron trainer: the engine gets exactly the peft adapter (its
     folder) plus the modules trained whole (by the full-weight path), and samples on policy."""
-    import asyncio
-
-    from aiohttp.test_utils import TestClient, TestServer
     from safetensors.torch import load_file
 
     from agentrl.config import parse_config
     from agentrl.engines.embedded import EmbeddedEngine
-    from agentrl.types import Sample, SampleStatus
-    from agentrl.weight_sync import TrainerSync
-    from agentrl.weight_transfer import lora_adapter_name
 
     cfg, _ = parse_config(["--trainer", "megatron", "--lora-rank", "4", "--lora-alpha", "8", "--lora-sync", "adapter",
                            "--output-dir", str(tmp_path)])
@@ -342,23 +336,13 @@ def test_adapter_sync_sends_the_adapter_and_the_trained_modules(tiny_model, toke
     engine._load_named = lambda named: (full_path.extend(n for n, _ in named), load_named(named))
     prompt = tokenizer.encode("tell me about the river")
 
-    async def go():
-        async with TestClient(TestServer(engine.app())) as http:
-            stats = await TrainerSync(cfg, mt).sync([str(http.make_url("")).rstrip("/")], version=1)
-            body = {"input_ids": prompt, "return_logprob": True, "lora_path": lora_adapter_name(1),
-                    "sampling_params": {"temperature": 0.8, "max_new_tokens": 12, "ignore_eos": True}}
-            return stats, await (await http.post("/generate", json=body)).json()
-
-    stats, reply = asyncio.run(go())
+    stats, sample = sync_adapter_and_sample(cfg, mt, engine, prompt, temperature=0.8)
     assert stats["failed_engines"] == [] and stats["weight_sync_modules_mb"] > 0
     assert full_path == ["model.embed_tokens.weight", "model.norm.weight"]
     adapter = load_file(str(tmp_path / "lora_sync" / "v1" / "adapter_model.safetensors"))
     assert set(adapter) == set(megatron_trainer_adapter_keys(mt))
     torch.testing.assert_close(engine.model.model.norm.weight, mt.model.decoder.final_layernorm.weight.detach())
     torch.testing.assert_close(engine.model.model.embed_tokens.weight, mt.model.embedding.word_embeddings.weight.detach())
-    pairs = reply["meta_info"]["output_token_logprobs"]
-    sample = Sample(prompt_tokens=prompt, response_tokens=[p[1] for p in pairs], loss_mask=[1] * len(pairs),
-                    rollout_logprobs=[p[0] for p in pairs], reward=0.0, status=SampleStatus.COMPLETED)
     diff = max(abs(a - b) for a, b in zip(mt.compute_logprobs([sample])[0], sample.rollout_logprobs))
     print(f"engine vs trainer logprob: {diff:.1e}")
     assert diff < PEFT_TOL
