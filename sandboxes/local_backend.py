@@ -19,7 +19,9 @@ of the host shows: no /home, /root, /tmp, /var.
 Limits: run as root, the workdir and /tmp share a size-capped tmpfs and the sandbox gets
 memory / pids / cpu cgroups (v1 or v2). Unprivileged, the limits fall back to rlimits
 (address space, RLIMIT_NPROC, per-file size), which is weaker: prefer docker. Each spawn then
-runs in a user namespace of its own that holds its per-user kernel objects (`share()`),
+runs in a user namespace of its own that holds its per-user kernel objects (`share()`; processes
+and message queues: the sandbox's share, `nproc_share`, `msgqueue_share`, from the ledger of
+`reserve_slots`),
 and the workdir and /tmp are still one tmpfs capped in size and file count: a holder process
 (`_start_holder`) keeps a user and mount namespace of the sandbox's own where it is mounted
 (root of its own user namespace may), and every spawn enters it (nsenter) before the rest.
@@ -315,7 +317,8 @@ def _start_holder(fs: Path, size_mb: int, pairs: Sequence[str]) -> subprocess.Po
 @functools.cache
 def _warn_no_holder(why: str) -> None:
     log.warning("local sandbox, not root: no mount namespace of its own (%s): /work and /tmp are host folders "
-                "with only a per-file size cap. Run as root or use the docker backend (docs/security.md).", why)
+                "with only a per-file size cap, and pids hold per spawn, not for the sandbox. Run as root or use the "
+                "docker backend (docs/security.md).", why)
 
 
 def _stop_holder(pid: int | None, start: int | None) -> None:

@@ -11,7 +11,10 @@
   `max_active=None`: `default_max_active(backend)`, what the machine holds), and warm ones
   are kept only within that bound: at most `max_active` are alive
   and at most `max_creating` are being created at once, so the Docker daemon is never
-  flooded. `warm` idle sandboxes are kept ready.
+  flooded. `warm` idle sandboxes are kept ready. Local, not root: the pool reserves its
+  max_active sandboxes' shares of the user's kernel counts (processes, inotify, message
+  queues) when it is made, from what live pools left (`local_backend.reserve_slots`; a
+  SandboxError naming them where they left none), and frees them at close.
 * A released sandbox is reset (every process killed, the exec server too, and its cgroup
   proven empty; then /work, /tmp, /dev/shm, /dev/mqueue and SysV IPC wiped) and goes back to
   the warm set only when both checks hold; if one fails (or nothing can prove the cgroup
