@@ -213,6 +213,16 @@ def _warn_too_many(what: str, limit: int, part: Fraction) -> None:
                 "the limit (root, once) or use the docker backend (docs/security.md).", part, what, limit)
 
 
+FEW_PROCESSES = 16  # a sandbox's servers take a few of its processes each: below this, say so
+
+
+@functools.cache
+def _warn_few_processes(n: int, limit: int) -> None:
+    log.warning("local sandbox, not root: a sandbox's share of the user's %d processes (RLIMIT_NPROC) is %d, for "
+                "its exec server, tool servers and the agent's commands together. Lower max_active, raise ulimit -u "
+                "or use the docker backend (docs/security.md).", limit, n)
+
+
 def _user_counts() -> dict[str, int]:
     """The per-user limits cut into shares in the sandboxes' user namespaces (/proc/sys/user names;
     the fanotify ones exist from Linux 5.13: a missing one is skipped where it is written)."""
@@ -487,6 +497,8 @@ class LocalSandbox(Sandbox):
             self.holder = _start_holder(self.fs, lim.workdir_mb + lim.tmp_mb, self.quota)
             if self.holder is not None and nproc_per_userns():
                 self.nproc = min(lim.pids, nproc_share(part))
+                if self.nproc < FEW_PROCESSES:
+                    _warn_few_processes(self.nproc, _user_processes())
             if self.holder is not None:
                 (self.root / "owner.json").write_text(json.dumps(
                     {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id,

@@ -350,6 +350,8 @@ def test_local_shares_are_a_ledger_of_the_live_pools(tmp_path, monkeypatch):
     for name, limit in [*lb._user_counts().items(), ("processes", lb._user_processes())]:
         usable = limit - limit // lb.HOST_PART
         assert sum(n * int(usable * part) for n, part in held) <= usable, name  # the host keeps its quarter
+    procs = lb._user_processes()
+    assert lb.nproc_share(b._reservation.part) == max(1, int((procs - procs // 4) * b._reservation.part))
     pairs, limit = lb.share(b._reservation.part), lb._user_counts()["max_inotify_instances"]
     assert int(pairs[pairs.index("max_inotify_instances") + 1]) == max(1, int((limit - limit // 4) * b._reservation.part))
     soft = resource.getrlimit(resource.RLIMIT_MSGQUEUE)[0]
