@@ -153,9 +153,11 @@ class ImageNotFoundError(SandboxError):
 class SandboxLimits:
     """Resource limits of one sandbox. Every field is enforced by both backends, except
     where the local backend runs unprivileged (no cgroups, no tmpfs on the host): then memory
-    is a per-process address-space rlimit, pids an RLIMIT_NPROC counted in the spawn's own
-    user namespace, cpus unenforced, and workdir_mb + tmp_mb one tmpfs in a mount namespace of the
-    sandbox's own (where the kernel lets a user make one; else only a per-file size rlimit).
+    is a per-process address-space rlimit, pids an RLIMIT_NPROC counted in the sandbox's own
+    user namespace (all its spawns together, and at most its share of the user's processes:
+    local_backend.nproc_share; Linux >= 5.14, else per spawn), cpus unenforced, and
+    workdir_mb + tmp_mb one tmpfs in a mount namespace of the sandbox's own (where the kernel
+    lets a user make one; else only a per-file size rlimit).
     /dev/shm is min(tmp_mb, 64) MiB everywhere (local: bubblewrap >= 0.8)."""
     memory_mb: int = 1024        # RAM of all processes together (tmpfs pages included)
     cpus: float = 1.0            # CPU share (cores)

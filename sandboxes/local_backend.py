@@ -19,7 +19,9 @@ of the host shows: no /home, /root, /tmp, /var.
 Limits: run as root, the workdir and /tmp share a size-capped tmpfs and the sandbox gets
 memory / pids / cpu cgroups (v1 or v2). Unprivileged, the limits fall back to rlimits
 (address space, RLIMIT_NPROC, per-file size), which is weaker: prefer docker. Each spawn then
-runs in a user namespace of its own that holds its per-user kernel objects (`share()`),
+runs in a user namespace of its own that holds its per-user kernel objects (`share()`; processes
+and message queues: the sandbox's share, `nproc_share`, `msgqueue_share`, from the ledger of
+`reserve_slots`),
 and the workdir and /tmp are still one tmpfs capped in size and file count: a holder process
 (`_start_holder`) keeps a user and mount namespace of the sandbox's own where it is mounted
 (root of its own user namespace may), and every spawn enters it (nsenter) before the rest.
@@ -30,6 +32,8 @@ and the cgroups.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import fcntl
 import functools
 import json
 import os
@@ -39,6 +43,7 @@ import shutil
 import signal
 import subprocess
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -61,11 +66,15 @@ CGROOT = Path("/sys/fs/cgroup")
 # user namespace of its own (`unshare --user --map-root-user`) with the same share, and then
 # starts bubblewrap, whose nested namespace holds the agent without capabilities in the outer one
 # (so it cannot raise them); the rlimits are set inside, so they are counted per namespace too.
+# RLIMIT_NPROC and RLIMIT_MSGQUEUE (Linux >= 5.14: ucounts) are bounded at a namespace's parent level by
+# the rlimit of the process that made the namespace: each spawn's namespace is made under the sandbox's
+# share, so the holder's level (all the sandbox's processes and queues) holds at most that.
 # The kernel also charges every level to the user's own count (fs.inotify.max_user_instances, 128;
-# RLIMIT_MSGQUEUE, 800 KiB), which no namespace can raise: the shares of all the sandboxes that can be
-# live at once must fit in it, with room left for the host. So a sandbox's share is the user's limit,
-# less the host's part (1/HOST_PART of it), divided by `slots()`: how many local sandboxes of this user
-# can be live at once (the live pools' max_active, `reserve_slots`; at least the machine's default).
+# RLIMIT_MSGQUEUE, 800 KiB; RLIMIT_NPROC), which no namespace can raise: the shares of all the sandboxes
+# that can be live at once must fit in it, with room left for the host. So the user's limit, less the
+# host's part (1/HOST_PART of it), is cut in shares through a ledger (`reserve_slots`, a file per
+# reservation in the state dir, every process of the user's): a pool reserves its max_active sandboxes'
+# shares when it is made, from what the earlier ones left, and a sandbox made outside a pool its own.
 MSGQUEUE_BYTES = 64 << 10  # POSIX message queues of a sandbox at most (RLIMIT_MSGQUEUE; less: `msgqueue_share`)
 HOST_PART = 4  # of each per-user kernel count the sandboxes share, what is kept for the host: 1/4
 # writes `share()`'s pairs (/proc/sys/user/NAME VALUE ... --) into the current user namespace's limits
@@ -102,89 +111,174 @@ def _host_limit(path: str, default: int) -> int:
         return default
 
 
-def _slots_dir() -> Path:
+def _ledger_dir() -> Path:
     return state_root() / ".slots"
 
 
-def reserve_slots(n: int) -> Path:
-    """Count `n` more local sandboxes that can be live at once (a pool's max_active) in the shares of
-    the sandboxes made from now on, by any process of this state dir; `release_slots` ends it (so
-    does the owner process's death)."""
-    d = _slots_dir()
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = d / f"{OWNER_PID}-{os.urandom(6).hex()}"
-    path.write_text(json.dumps({"pid": OWNER_PID, "start": OWNER_START, "n": int(n)}))
-    return path
+@dataclasses.dataclass(frozen=True)
+class Reservation:
+    """Shares of the user's kernel counts held in the ledger (`reserve_slots`): `n` sandboxes that
+    can be live at once (a pool's max_active, or one sandbox made outside a pool), each with `part`
+    of every count the sandboxes share (the user's limit less the host's part)."""
+    path: Path
+    n: int
+    part: Fraction
 
 
-def release_slots(token: Path | None) -> None:
-    if token is not None:
-        token.unlink(missing_ok=True)
-
-
-def reserved_slots() -> int:
-    """The sandboxes the live reservations of this state dir (every process's) count; a dead
-    owner's reservation is removed."""
-    total = 0
-    d = _slots_dir()
-    for f in d.iterdir() if d.is_dir() else ():
-        try:
-            owner = json.loads(f.read_text())
-            pid, start, n = int(owner["pid"]), owner.get("start"), int(owner["n"])
-        except (OSError, ValueError, KeyError, TypeError):
+def _live_reservations(d: Path) -> list[dict]:
+    """The live entries of the ledger `d` (every process's); a dead owner's is removed."""
+    out = []
+    for f in sorted(d.iterdir()) if d.is_dir() else ():
+        if f.name.startswith("."):
             continue
-        if owner_alive(pid, start):
-            total += max(n, 0)
+        try:
+            e = json.loads(f.read_text())
+            e["n"], e["part"] = int(e["n"]), Fraction(e["part"])
+            pid = int(e["pid"])
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+            continue
+        if owner_alive(pid, e.get("start")):
+            out.append(e)
         else:
             f.unlink(missing_ok=True)
-    return total
+    return out
 
 
-def slots() -> int:
-    """How many local sandboxes the shares are cut for: the live pools' max_active together, at
-    least what a pool takes by default here (`base.default_max_active`: sandboxes made outside a
-    pool, the code env's grader's, count against that)."""
-    return max(reserved_slots(), default_max_active("local"))
+def reserve_slots(n: int, what: str) -> Reservation:
+    """Reserve the shares of `n` sandboxes that can be live at once (`what`: "a pool of max_active 8",
+    "a sandbox outside a pool") in the ledger of this state dir, shared by every process using it:
+    each gets 1/max(all reserved + n, `default_max_active("local")`) of every per-user count (less
+    the host's part), or what the earlier reservations left, whichever is less; so the live
+    sandboxes' shares together never pass the user's limits, however many pools are made. Raises
+    SandboxError, naming the live reservations, where they left nothing. `release_slots` ends it
+    (so does its owner process's death)."""
+    n = int(n)
+    if n < 1:
+        raise SandboxError(f"local sandbox shares: {what} reserves {n} sandboxes; at least 1")
+    d = _ledger_dir()
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(d / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the ledger is read and written by one process at a time
+        live = _live_reservations(d)
+        left = 1 - sum((e["n"] * e["part"] for e in live), Fraction(0))
+        part = min(Fraction(1, max(sum(e["n"] for e in live) + n, default_max_active("local"))), left / n)
+        if live and (part <= 0 or part * _smallest_usable() < 1):
+            held = "; ".join(f"{e.get('what', 'a pool')} (pid {e['pid']}: {e['n']} x {e['part']})" for e in live)
+            raise SandboxError(
+                f"local sandboxes, not root: no share of the user's kernel counts (processes, inotify, fanotify, "
+                f"message queues; the host keeps 1/{HOST_PART}) is left for {what}: the live ones hold "
+                f"{'all' if left <= 0 else f'{1 - left} (what is left would give a share under one)'}: {held}. "
+                f"Close one, give the pools a smaller max_active (--sandbox-max-active) or use the docker "
+                f"backend (docs/security.md).")
+        path = d / f"{OWNER_PID}-{os.urandom(6).hex()}"
+        path.write_text(json.dumps({"pid": OWNER_PID, "start": OWNER_START, "n": n, "part": str(part),
+                                    "what": what}))
+    return Reservation(path, n, part)
 
 
-def _cut(limit: int, n: int, what: str) -> int:
-    """A sandbox's part of a per-user `limit` when `n` sandboxes can be live at once: the host
-    keeps 1/HOST_PART; at least 1 (said once, loudly, where that no longer fits)."""
-    part = (limit - limit // HOST_PART) // max(n, 1)
-    if part < 1:
-        _warn_too_many(what, limit, n)
-    return max(part, 1)
+def release_slots(path: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
+def needs_shares() -> bool:
+    """Whether local sandboxes are cut shares of the user's kernel counts: not as root (as root each
+    runs as a host uid of its own, which the kernel counts apart)."""
+    return os.geteuid() != 0
+
+
+def reserved() -> list[dict]:
+    """The live reservations of this state dir (every process's): {"pid", "n", "part", "what", ...}."""
+    return _live_reservations(_ledger_dir())
+
+
+def default_part() -> Fraction:
+    """A sandbox's part when `default_max_active("local")` sandboxes share the counts."""
+    return Fraction(1, default_max_active("local"))
+
+
+def _cut(limit: int, part: Fraction, what: str) -> int:
+    """A sandbox's `part` of a per-user `limit` less the host's 1/HOST_PART; at least 1 (said
+    once, loudly, where that no longer fits)."""
+    got = int((limit - limit // HOST_PART) * part)
+    if got < 1:
+        _warn_too_many(what, limit, part)
+    return max(got, 1)
 
 
 @functools.cache
-def _warn_too_many(what: str, limit: int, n: int) -> None:
-    log.warning("local sandbox, not root: %d sandboxes can be live at once but the user's %s is %d: together "
-                "they can exhaust it for each other and for the host. Lower max_active, raise the limit (root, "
-                "once) or use the docker backend (docs/security.md).", n, what, limit)
+def _warn_too_many(what: str, limit: int, part: Fraction) -> None:
+    log.warning("local sandbox, not root: a sandbox's share is %s of the user's %s of %d (less the host's part), "
+                "under one: the sandboxes can exhaust it for each other and for the host. Lower max_active, raise "
+                "the limit (root, once) or use the docker backend (docs/security.md).", part, what, limit)
 
 
-def share(n: int | None = None) -> list[str]:
-    """A sandbox's share of the user's inotify instances and watches and fanotify groups and marks
-    (not as root) when `n` sandboxes (default `slots()`) can be live at once, as /proc/sys/user NAME
-    VALUE pairs, then "--". Each is counted per user up the user-namespace hierarchy (the fanotify
-    ones exist from Linux 5.13; a missing one is skipped), and the user's own count bounds them all."""
-    n = slots() if n is None else n
-    limits = {"max_inotify_instances": _host_limit("/proc/sys/fs/inotify/max_user_instances", 128),
-              "max_inotify_watches": _host_limit("/proc/sys/fs/inotify/max_user_watches", 8192),
-              "max_fanotify_groups": _host_limit("/proc/sys/user/max_fanotify_groups", 128),
-              "max_fanotify_marks": _host_limit("/proc/sys/user/max_fanotify_marks", 8192)}
-    return [x for name, lim in limits.items() for x in (name, str(_cut(lim, n, name)))] + ["--"]
+FEW_PROCESSES = 16  # a sandbox's servers take a few of its processes each: below this, say so
 
 
-def msgqueue_share(n: int | None = None) -> int:
-    """A sandbox's POSIX message-queue bytes (all its spawns together) when `n` sandboxes can be
-    live at once: MSGQUEUE_BYTES, or less where the user's RLIMIT_MSGQUEUE (800 KiB by default,
-    which bounds every level below it too) would not hold `n` of them and the host's part."""
-    n = slots() if n is None else n
+@functools.cache
+def _warn_few_processes(n: int, limit: int) -> None:
+    log.warning("local sandbox, not root: a sandbox's share of the user's %d processes (RLIMIT_NPROC) is %d, for "
+                "its exec server, tool servers and the agent's commands together. Lower max_active, raise ulimit -u "
+                "or use the docker backend (docs/security.md).", limit, n)
+
+
+def _user_counts() -> dict[str, int]:
+    """The per-user limits cut into shares in the sandboxes' user namespaces (/proc/sys/user names;
+    the fanotify ones exist from Linux 5.13: a missing one is skipped where it is written)."""
+    return {"max_inotify_instances": _host_limit("/proc/sys/fs/inotify/max_user_instances", 128),
+            "max_inotify_watches": _host_limit("/proc/sys/fs/inotify/max_user_watches", 8192),
+            "max_fanotify_groups": _host_limit("/proc/sys/user/max_fanotify_groups", 128),
+            "max_fanotify_marks": _host_limit("/proc/sys/user/max_fanotify_marks", 8192)}
+
+
+def _user_processes() -> int:
+    """How many processes (threads included) the user may have: RLIMIT_NPROC, or the machine's
+    kernel.pid_max where that is less (the pids of every user; also where there is no rlimit)."""
+    soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    pid_max = _host_limit("/proc/sys/kernel/pid_max", 32768)
+    return pid_max if soft == resource.RLIM_INFINITY else min(soft, pid_max)
+
+
+def _smallest_usable() -> int:
+    counts = [*_user_counts().values(), _user_processes()]
+    return min(c - c // HOST_PART for c in counts)
+
+
+def share(part: Fraction | None = None) -> list[str]:
+    """A sandbox's `part` (default `default_part()`) of the user's inotify instances and watches
+    and fanotify groups and marks (not as root), as /proc/sys/user NAME VALUE pairs, then "--".
+    Each is counted per user up the user-namespace hierarchy, and the user's own count bounds them all."""
+    part = default_part() if part is None else part
+    return [x for name, lim in _user_counts().items() for x in (name, str(_cut(lim, part, name)))] + ["--"]
+
+
+def msgqueue_share(part: Fraction | None = None) -> int:
+    """A sandbox's POSIX message-queue bytes (all its spawns together) at `part`: MSGQUEUE_BYTES,
+    or less where that part of the user's RLIMIT_MSGQUEUE (800 KiB by default, which bounds every
+    level below it too), less the host's part, is less."""
+    part = default_part() if part is None else part
     soft = resource.getrlimit(resource.RLIMIT_MSGQUEUE)[0]
     if soft == resource.RLIM_INFINITY:
         return MSGQUEUE_BYTES
-    return min(MSGQUEUE_BYTES, _cut(soft, n, "RLIMIT_MSGQUEUE"))
+    return min(MSGQUEUE_BYTES, _cut(soft, part, "RLIMIT_MSGQUEUE"))
+
+
+def nproc_share(part: Fraction | None = None) -> int:
+    """A sandbox's processes (all its spawns together, threads included) at `part` of what the
+    user may have (`_user_processes`), less the host's part."""
+    return _cut(_user_processes(), default_part() if part is None else part, "processes (RLIMIT_NPROC)")
+
+
+def nproc_per_userns() -> bool:
+    """Linux >= 5.14 counts RLIMIT_NPROC per user namespace (ucounts): a namespace made by a process
+    whose RLIMIT_NPROC is N holds at most N processes of its creator's uid in it and below it.
+    Before, RLIMIT_NPROC was the user's count everywhere: a sandbox-wide cap cannot be set."""
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 14)
 
 
 def userns_quota_argv(pairs: Sequence[str] | None = None) -> list[str]:
@@ -233,7 +327,8 @@ def _start_holder(fs: Path, size_mb: int, pairs: Sequence[str]) -> subprocess.Po
 @functools.cache
 def _warn_no_holder(why: str) -> None:
     log.warning("local sandbox, not root: no mount namespace of its own (%s): /work and /tmp are host folders "
-                "with only a per-file size cap. Run as root or use the docker backend (docs/security.md).", why)
+                "with only a per-file size cap, and pids hold per spawn, not for the sandbox. Run as root or use the "
+                "docker backend (docs/security.md).", why)
 
 
 def _stop_holder(pid: int | None, start: int | None) -> None:
@@ -373,9 +468,12 @@ class LocalSandbox(Sandbox):
         self.holder: subprocess.Popen | None = None  # not as root: holds the namespaces of its tmpfs
         self.bridge_dir: Path | None = None  # mounted at bridge.INSIDE (see bridge.py)
         # not as root: the sandbox's share of the user's kernel counts (`share()` pairs, message-queue
-        # bytes), cut at setup for the sandboxes that can be live then (`slots()`)
+        # bytes, processes), its pool's `reservation` (set by the pool before start) or one of its own
+        self.reservation: Reservation | None = None
+        self._own_reservation: Path | None = None
         self.quota: list[str] = []
         self.msgqueue = MSGQUEUE_BYTES
+        self.nproc: int | None = None  # processes of the whole sandbox (the holder's user namespace)
 
     async def _boot(self) -> None:
         reap_once("local", reap)
@@ -391,9 +489,16 @@ class LocalSandbox(Sandbox):
             {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id, "host_uid": self.host_uid}))
         self.fs.mkdir(mode=0o700)
         if not root:
-            n = slots()
-            self.quota, self.msgqueue = share(n), msgqueue_share(n)
+            if self.reservation is None:  # made outside a pool: a reservation of its own, for its life
+                self.reservation = reserve_slots(1, "a sandbox outside a pool")
+                self._own_reservation = self.reservation.path
+            part = self.reservation.part
+            self.quota, self.msgqueue = share(part), msgqueue_share(part)
             self.holder = _start_holder(self.fs, lim.workdir_mb + lim.tmp_mb, self.quota)
+            if self.holder is not None and nproc_per_userns():
+                self.nproc = min(lim.pids, nproc_share(part))
+                if self.nproc < FEW_PROCESSES:
+                    _warn_few_processes(self.nproc, _user_processes())
             if self.holder is not None:
                 (self.root / "owner.json").write_text(json.dumps(
                     {"pid": OWNER_PID, "start": OWNER_START, "run_id": RUN_ID, "id": self.id,
@@ -505,7 +610,7 @@ class LocalSandbox(Sandbox):
         rlimits = [f"--nofile={lim.nofile}", "--core=0", f"--msgqueue={self.msgqueue}",
                    f"--fsize={(lim.workdir_mb + lim.tmp_mb) << 20}"]
         if not self.cgroups:
-            rlimits += [f"--as={max(lim.memory_mb, 256) << 20}", f"--nproc={lim.pids}"]
+            rlimits += [f"--as={max(lim.memory_mb, 256) << 20}", f"--nproc={min(lim.pids, self.nproc or lim.pids)}"]
         demote, quota = [], []
         if os.geteuid() == 0:
             demote = ["setpriv", f"--reuid={self.host_uid}", f"--regid={self.host_uid}", "--clear-groups"]
@@ -514,9 +619,10 @@ class LocalSandbox(Sandbox):
             if self.holder is not None:
                 quota = ["nsenter", f"--target={self.holder.pid}", "--user", "--mount", "--preserve-credentials",
                          *quota]
-            if quota:  # the kernel bounds the sandbox's queues (all its spawns: the holder's level) by
-                # the RLIMIT_MSGQUEUE of the process that makes the spawn's namespace
-                quota = ["prlimit", f"--msgqueue={self.msgqueue}", *quota]
+            if quota:  # the kernel bounds the sandbox's queues and processes (all its spawns: the holder's
+                # level) by the RLIMIT_MSGQUEUE and RLIMIT_NPROC of the process that makes the spawn's namespace
+                quota = ["prlimit", f"--msgqueue={self.msgqueue}",
+                         *([f"--nproc={self.nproc}"] if self.nproc and self.holder is not None else []), *quota]
         ipc = []  # where we may own the IPC namespace (root, or the quota namespace's root): capped
         if os.geteuid() == 0 or quota:
             caps = [x for k, v in ipc_sysctls(lim).items() for x in (k.replace(".", "/"), v)]
@@ -557,6 +663,7 @@ class LocalSandbox(Sandbox):
         if self.holder is not None:
             self.holder.kill()
             self.holder.wait()
+        release_slots(self._own_reservation)  # its processes are gone
 
 
 def _remove_cgroups(cgroups: dict[str, Path], timeout_s: float = 15.0) -> None:

@@ -11,7 +11,10 @@
   `max_active=None`: `default_max_active(backend)`, what the machine holds), and warm ones
   are kept only within that bound: at most `max_active` are alive
   and at most `max_creating` are being created at once, so the Docker daemon is never
-  flooded. `warm` idle sandboxes are kept ready.
+  flooded. `warm` idle sandboxes are kept ready. Local, not root: the pool reserves its
+  max_active sandboxes' shares of the user's kernel counts (processes, inotify, message
+  queues) when it is made, from what live pools left (`local_backend.reserve_slots`; a
+  SandboxError naming them where they left none), and frees them at close.
 * A released sandbox is reset (every process killed, the exec server too, and its cgroup
   proven empty; then /work, /tmp, /dev/shm, /dev/mqueue and SysV IPC wiped) and goes back to
   the warm set only when both checks hold; if one fails (or nothing can prove the cgroup
@@ -34,6 +37,7 @@ import weakref
 from collections import OrderedDict
 from typing import AsyncIterator, Mapping
 
+from . import local_backend
 from .backends import create, resolve_backend
 from .base import Sandbox, SandboxError, SandboxLimits, default_max_active, log
 
@@ -66,12 +70,14 @@ class SandboxPool:
         self._counts = {"created": 0, "reused": 0, "destroyed": 0, "reset_failures": 0,
                         "create_failures": 0, "acquired": 0, "tainted": 0}
         self.closed = False
-        # local, not root: the sandboxes' shares of the user's kernel counts are cut for max_active of
-        # them (local_backend.slots), so that all of them at their share leave each other and the host theirs
+        # local, not root: the pool reserves its max_active sandboxes' shares of the user's kernel counts in
+        # the ledger (local_backend.reserve_slots) from what earlier pools left, so that all the live
+        # sandboxes at their share leave each other and the host theirs; its sandboxes are cut from it
+        self._reservation = None
         self._unreserve = None  # ends the reservation: at close, or when the pool is dropped unclosed
-        if self.backend == "local":
-            from .local_backend import release_slots, reserve_slots
-            self._unreserve = weakref.finalize(self, release_slots, reserve_slots(max_active))
+        if self.backend == "local" and local_backend.needs_shares():
+            self._reservation = local_backend.reserve_slots(max_active, f"a pool of max_active {max_active}")
+            self._unreserve = weakref.finalize(self, local_backend.release_slots, self._reservation.path)
 
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> "SandboxPool":
@@ -104,7 +110,10 @@ class SandboxPool:
     async def _new(self) -> Sandbox:
         async with self._creating:
             try:
-                sb = await create(self.backend, **self.kw)
+                sb = create(self.backend, **self.kw)
+                if self._reservation is not None:
+                    sb.reservation = self._reservation  # its share: the pool's
+                await sb.start()
             except Exception:
                 self._counts["create_failures"] += 1
                 raise

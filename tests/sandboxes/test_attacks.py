@@ -497,6 +497,24 @@ def test_a_sandbox_at_its_pids_limit_leaves_the_next_its_own(backend):
     run(go())
 
 
+def test_a_sandbox_forking_from_several_spawns_holds_one_pids_limit(backend):
+    """The pids limit holds for the sandbox as a whole, not per process tree: forking all it can from
+    four spawns (tool servers, the exec server's commands), a sandbox holds fewer than `pids` together
+    and the next sandbox can still fork (docker and local as root: the cgroup; local not as root: the
+    RLIMIT_NPROC of its holder's user namespace, where before each spawn had `pids` of its own)."""
+    async def go():
+        async with sandbox(backend) as a, sandbox(backend) as b:
+            held = []
+            for _ in range(4):
+                hog = await a.spawn(["python3", "-c", FORK_HOLD], cwd="/")
+                line = await asyncio.wait_for(hog.stdout.readline(), 60)
+                held.append(int(line.split()[0]) if line.strip() else 0)  # no line: it could not start
+            assert held[0] > 16 and sum(held) < SMALL.pids, held
+            r = await b.exec(["python3", "-c", FORK_SOME])
+            assert r.stdout == "16\n", r
+    run(go())
+
+
 # POSIX message queues: RLIMIT_MSGQUEUE is per user (800 KiB by default), so one sandbox filling it
 # would leave the next none
 MQ_HOLD = r"""

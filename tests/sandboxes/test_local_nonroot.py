@@ -350,6 +350,88 @@ def check_pids_not_shared_with_the_uid() -> None:
     run(go())
 
 
+# Forks all it can (at most 400) and says how many; every process of it dies within 40 s whatever happens
+BOMB = r"""
+import os, signal
+signal.alarm(40)
+n = 0
+try:
+    while n < 400:
+        if os.fork() == 0:
+            signal.pause()
+            os._exit(0)
+        n += 1
+except OSError:
+    pass
+print(n, flush=True)
+signal.pause()
+"""
+BOMB_SPAWNS = 3  # per sandbox: its exec server's commands and tool servers are spawns of their own
+NPROC = 400  # the check's RLIMIT_NPROC: low, so that the shares are below pids and a bomb of the user's would show
+
+
+def _host_forks(n: int = 16) -> int:
+    """How many processes this (host) process starts, one after the other, of `n`."""
+    done = 0
+    for _ in range(n):
+        try:
+            pid = os.fork()
+        except OSError:
+            break
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        done += 1
+    return done
+
+
+def check_fork_bombs_leave_the_other_sandboxes_and_the_host_processes() -> None:
+    """Processes are a share like the kernel objects: under an RLIMIT_NPROC of 400, a sandbox forking all
+    it can from three spawns holds at most its share of the user's processes (the limit less the host's
+    quarter, cut by the ledger), counted in its holder's user namespace, and another sandbox and the host
+    (this process) can still start processes; with every sandbox of the pool bombing, the host still can.
+    Before, RLIMIT_NPROC held per spawn only (pids each): three spawns of one sandbox took the user's 400,
+    and the other sandboxes and the host got EAGAIN."""
+    import resource
+    from agentrl.sandboxes import SandboxPool
+    from agentrl.sandboxes import local_backend as lb
+    if not lb.nproc_per_userns():
+        pytest.skip(f"Linux {os.uname().release} < 5.14 counts RLIMIT_NPROC per user, not per user namespace")
+    resource.setrlimit(resource.RLIMIT_NPROC, (NPROC, NPROC))
+    n = 3
+
+    async def bomb(sb) -> list[int]:
+        out = []
+        for _ in range(BOMB_SPAWNS):
+            proc = await sb.spawn(["python3", "-c", BOMB], cwd="/")
+            line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            out.append(int(line) if line.strip() else 0)  # no line: the spawn could not start a process
+        return out
+
+    async def go():
+        async with SandboxPool("local", warm=0, max_active=n, limits=SMALL) as pool:
+            sbs = [await pool.get() for _ in range(n)]
+            if sbs[0].holder is None:
+                pytest.skip("no holder namespace per sandbox here: processes are capped per spawn only")
+            share = (NPROC - NPROC // lb.HOST_PART) * pool._reservation.part
+            assert all(sb.nproc == min(SMALL.pids, int(share)) < SMALL.pids for sb in sbs), ([sb.nproc for sb in sbs], share)
+            first = await bomb(sbs[0])
+            r = await sbs[1].exec(["python3", "-c", "import os\nfor _ in range(16):\n    pid = os.fork()\n"
+                                   "    if pid == 0: os._exit(0)\n    os.waitpid(pid, 0)\nprint('forked')"])
+            host = _host_forks()
+            rest = [await bomb(sb) for sb in sbs[1:]]
+            host_all = _host_forks()
+            for sb in sbs:
+                await pool.release(sb)
+        print(f"processes: share {sbs[0].nproc} per sandbox (RLIMIT_NPROC {NPROC}, pids {SMALL.pids}); the first "
+              f"sandbox's bomb held {first} from {BOMB_SPAWNS} spawns; then a second sandbox: {r.stdout.strip()!r}, "
+              f"the host forked {host}/16; all {n} bombing ({rest}): the host forked {host_all}/16")
+        assert sbs[0].nproc - 12 <= sum(first) < sbs[0].nproc, first  # its whole share, no more
+        assert r.stdout == "forked\n" and host == 16, (r, host)
+        assert all(sum(b) < sbs[0].nproc for b in rest) and host_all == 16, (rest, host_all)
+    run(go(), timeout=200)
+
+
 # Takes all it can of the user's kernel counts the kernel charges up the user-namespace hierarchy
 # (inotify instances, fanotify groups, POSIX message-queue bytes) and says how much, then holds it.
 KERNEL_HOG = r"""
@@ -392,12 +474,17 @@ def _host_can() -> tuple[bool, bool, bool]:
     return ino >= 0, fan >= 0, q >= 0
 
 
-def check_a_full_pool_leaves_the_host_and_a_sandbox_their_kernel_objects() -> None:
+def check_a_full_pool_leaves_the_host_its_kernel_objects_and_refuses_one_more() -> None:
     """A pool's max_active sandboxes, each taking all it can of the user's inotify instances, fanotify
     groups and message queues in two spawns, each get their whole share, and the host (this process)
-    and one more sandbox can still make each."""
-    from agentrl.sandboxes import SandboxPool, create
+    can still make each; one more sandbox is refused (the ledger holds no share for it), and after
+    the pool one can make each."""
+    from agentrl.sandboxes import SandboxError, SandboxPool, create
+    from agentrl.sandboxes import local_backend as lb
+    from agentrl.sandboxes.base import default_max_active
     n_max = 8  # the kernel's default max_user_instances (128) cut in eighths was exhausted by eight
+    floor = default_max_active("local")  # the shares are cut for this many at least: the rest held elsewhere
+    rest = lb.reserve_slots(floor - n_max, "the rest of the default") if floor > n_max else None
 
     async def hog(sb) -> list[tuple[int, int, int]]:
         out = []
@@ -413,17 +500,22 @@ def check_a_full_pool_leaves_the_host_and_a_sandbox_their_kernel_objects() -> No
             held = [await hog(sb) for sb in sbs]
             shares = [dict(zip(sb.quota[:-1:2], map(int, sb.quota[1:-1:2]))) for sb in sbs]
             host = _host_can()
-            async with create("local", limits=SMALL) as extra:
-                r = await extra.exec(["python3", "-c", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
-                                      "print(libc.inotify_init() >= 0, libc.fanotify_init(0x200, 0) >= 0)"])
+            # the pool holds every share there is (max_active = the machine's default): one more is refused
+            with pytest.raises(SandboxError) as refused:
+                await create("local", limits=SMALL)
             for sb in sbs:
                 await pool.release(sb)
+        async with create("local", limits=SMALL) as extra:  # the pool's shares are free again
+            r = await extra.exec(["python3", "-c", "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+                                  "print(libc.inotify_init() >= 0, libc.fanotify_init(0x200, 0) >= 0)"])
         ino = [sum(h[0] for h in hs) for hs in held]
         fan = [sum(h[1] for h in hs) for hs in held]
         mq = [sum(h[2] for h in hs) for hs in held]
         print(f"kernel objects of {n_max} sandboxes at their share (inotify {shares[0]['max_inotify_instances']}, "
               f"fanotify {shares[0].get('max_fanotify_groups')}): inotify {ino}, fanotify {fan}, 1-KiB queues {mq}; "
-              f"the host can (inotify, fanotify, mq): {host}; one more sandbox (inotify, fanotify): {r.stdout.split()}")
+              f"the host can (inotify, fanotify, mq): {host}; one more sandbox: {refused.value}; after the pool "
+              f"(inotify, fanotify): {r.stdout.split()}")
+        assert f"a pool of max_active {n_max}" in str(refused.value), refused.value
         assert ino == [s["max_inotify_instances"] for s in shares], (ino, shares)  # none starved by the others
         assert min(mq) >= 16 and max(mq) - min(mq) <= 2, mq  # each its whole share (64 KiB, less overhead)
         assert host[0] and host[2], ("the host lost its inotify instances or message queues to the sandboxes", host)
@@ -431,7 +523,10 @@ def check_a_full_pool_leaves_the_host_and_a_sandbox_their_kernel_objects() -> No
         if fan[0]:  # fanotify_init allowed here (Linux >= 5.13)
             assert fan == [s["max_fanotify_groups"] for s in shares] and host[1], (fan, shares, host)
             assert r.stdout.split()[1] == "True", r
-    run(go(), timeout=240)
+    try:
+        run(go(), timeout=240)
+    finally:
+        lb.release_slots(rest and rest.path)
 
 
 SPIN = "import time\nt0 = time.monotonic()\nwhile time.process_time() < 0.6: pass\nprint(time.monotonic() - t0)"
@@ -649,11 +744,15 @@ def test_pids_not_shared_with_the_uid(nonroot):
     nonroot.run("check_pids_not_shared_with_the_uid")
 
 
+def test_fork_bombs_leave_the_other_sandboxes_and_the_host_processes(nonroot):
+    nonroot.run("check_fork_bombs_leave_the_other_sandboxes_and_the_host_processes")
+
+
 @pytest.mark.slow
-def test_a_full_pool_leaves_the_host_and_a_sandbox_their_kernel_objects(nonroot):
+def test_a_full_pool_leaves_the_host_its_kernel_objects_and_refuses_one_more(nonroot):
     """inotify, fanotify, message queues, held per sandbox by a share of the user's count cut for the
     pool's max_active: eight sandboxes each at their share leave the host and a ninth their own."""
-    nonroot.run("check_a_full_pool_leaves_the_host_and_a_sandbox_their_kernel_objects")
+    nonroot.run("check_a_full_pool_leaves_the_host_its_kernel_objects_and_refuses_one_more")
 
 
 def test_cpu_not_capped(nonroot):

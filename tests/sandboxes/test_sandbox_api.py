@@ -319,34 +319,59 @@ def test_local_nonroot_says_loudly_when_no_user_namespace_of_its_own(caplog):
         assert "share the user's inotify instances" in caplog.text
 
 
-def test_local_shares_are_cut_for_the_sandboxes_that_can_be_live_at_once(tmp_path, monkeypatch):
-    """Not as root, a local sandbox's share of the user's inotify/fanotify counts and message-queue bytes
-    is the user's limit less the host's quarter over every live pool's max_active (all processes of the
-    state dir; at least the machine's default), so all of them at their share leave the host its part;
-    a reservation ends with its pool (closed or dropped) or its process."""
+def test_local_shares_are_a_ledger_of_the_live_pools(tmp_path, monkeypatch):
+    """Not as root, local sandboxes' shares of the user's kernel counts (processes, inotify, fanotify,
+    message-queue bytes) come from a ledger in the state dir (every process's): a pool reserves its
+    max_active shares when it is made, from what the earlier ones left (1/max(all reserved,
+    default_max_active) each at most), so the live shares together keep the host's quarter; where
+    nothing is left a new pool (or a sandbox outside a pool) is refused, naming the live pools; a
+    reservation ends with its pool (closed or dropped) or its process."""
     import gc
     import resource
-    from agentrl.sandboxes import SandboxPool, local_backend as lb
+    from fractions import Fraction
+    from agentrl.sandboxes import SandboxError, SandboxPool, local_backend as lb
     from agentrl.sandboxes.pool import default_max_active
     monkeypatch.setenv("AGENTRL_SANDBOX_DIR", str(tmp_path / "sandboxes"))
+    monkeypatch.setattr(lb, "needs_shares", lambda: True)  # the suite runs as root
     floor = default_max_active("local")
-    assert lb.slots() == floor
-    pool = SandboxPool("local", warm=0, max_active=floor + 40)
-    other = SandboxPool("local", warm=0, max_active=2)
-    # another process's pool, still alive (our parent), and a dead one's
-    (tmp_path / "sandboxes" / ".slots" / "live").write_text(
-        json.dumps({"pid": os.getppid(), "start": None, "n": 5}))
-    (tmp_path / "sandboxes" / ".slots" / "dead").write_text(json.dumps({"pid": 2 ** 22 + 7, "start": 1, "n": 99}))
-    n = floor + 40 + 2 + 5
-    assert lb.slots() == n and not (tmp_path / "sandboxes" / ".slots" / "dead").exists()
-    quota = dict(zip(lb.share()[:-1:2], map(int, lb.share()[1:-1:2])))
-    limit = lb._host_limit("/proc/sys/fs/inotify/max_user_instances", 128)
-    assert quota["max_inotify_instances"] == max(1, (limit - limit // lb.HOST_PART) // n), quota
-    assert n * quota["max_inotify_instances"] <= limit - limit // lb.HOST_PART or quota["max_inotify_instances"] == 1
+    ledger = tmp_path / "sandboxes" / ".slots"
+    a = SandboxPool("local", warm=0, max_active=2)
+    assert a._reservation.part == Fraction(1, floor)
+    # another process's reservation, still alive (our parent), and a dead one's
+    (ledger / "live").write_text(json.dumps({"pid": os.getppid(), "start": None, "n": 1, "part": f"1/{4 * floor}",
+                                             "what": "a pool of max_active 1"}))
+    (ledger / "dead").write_text(json.dumps({"pid": 2 ** 22 + 7, "start": 1, "n": 99, "part": "1/99"}))
+    left = 1 - Fraction(2, floor) - Fraction(1, 4 * floor)
+    b = SandboxPool("local", warm=0, max_active=floor)  # what is left, cut for all of them
+    assert b._reservation.part == min(Fraction(1, floor + 3), left / floor) > 0, b._reservation
+    assert not (ledger / "dead").exists() and len(lb.reserved()) == 3
+    held = [(2, a._reservation.part), (1, Fraction(1, 4 * floor)), (floor, b._reservation.part)]
+    assert sum(n * part for n, part in held) <= 1
+    for name, limit in [*lb._user_counts().items(), ("processes", lb._user_processes())]:
+        usable = limit - limit // lb.HOST_PART
+        assert sum(n * int(usable * part) for n, part in held) <= usable, name  # the host keeps its quarter
+    procs = lb._user_processes()
+    assert lb.nproc_share(b._reservation.part) == max(1, int((procs - procs // 4) * b._reservation.part))
+    pairs, limit = lb.share(b._reservation.part), lb._user_counts()["max_inotify_instances"]
+    assert int(pairs[pairs.index("max_inotify_instances") + 1]) == max(1, int((limit - limit // 4) * b._reservation.part))
     soft = resource.getrlimit(resource.RLIMIT_MSGQUEUE)[0]
     if soft != resource.RLIM_INFINITY:
-        assert n * lb.msgqueue_share() <= soft - soft // lb.HOST_PART
-    run(other.close())
-    del pool
+        assert 2 * lb.msgqueue_share(a._reservation.part) + floor * lb.msgqueue_share(b._reservation.part) \
+            <= soft - soft // lb.HOST_PART
+    rest = 1 - sum(n * part for n, part in held)  # whatever b left (none where the default is small)
+    (ledger / "rest").write_text(json.dumps({"pid": os.getppid(), "start": None, "n": 1, "part": str(rest),
+                                             "what": "a pool of max_active 1"}))
+    with pytest.raises(SandboxError) as e:
+        SandboxPool("local", warm=0, max_active=3)
+    msg = str(e.value)
+    assert "left for a pool of max_active 3" in msg and "a pool of max_active 2" in msg \
+        and f"a pool of max_active {floor}" in msg and "docs/security.md" in msg, msg
+    with pytest.raises(SandboxError, match="left for a sandbox outside a pool"):
+        lb.reserve_slots(1, "a sandbox outside a pool")
+    run(a.close())
+    lb.release_slots(ledger / "rest")
+    c = SandboxPool("local", warm=0, max_active=2)  # a's shares are free again
+    assert c._reservation.part > 0
+    del b, c
     gc.collect()
-    assert lb.slots() == max(floor, 5)
+    assert [e["what"] for e in lb.reserved()] == ["a pool of max_active 1"]  # only the other process's
