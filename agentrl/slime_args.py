@@ -309,6 +309,8 @@ def read_eval_config(path: str) -> list[dict[str, Any]]:
 SGLANG_MODEL_KEYS = ("name", "model_path", "update_weights", "num_gpus_per_engine", "server_groups", "engine_groups")
 SGLANG_GROUP_KEYS = ("worker_type", "num_gpus", "num_gpus_per_engine", "overrides")
 WORKER_TYPES = ("regular", "prefill", "decode", "placeholder")
+YAML_OWNED = {"tp-size": "(use num_gpus_per_engine)", "tensor-parallel-size": "(use num_gpus_per_engine)",
+              "tp": "(use num_gpus_per_engine)", "disaggregation-mode": "(use worker_type)"}
 
 
 def read_sglang_config(path: str) -> list[dict[str, Any]]:
@@ -347,6 +349,8 @@ def apply_sglang_config(path: str, layers: dict, notices: list[str]) -> None:
     as in slime). What agentrl's engines cannot take is an error naming the YAML key: a second
     model, a frozen one (update_weights: false, another model_path), groups of different GPUs per
     engine, or overrides that differ between groups."""
+    from agentrl.engines.sglang import OWNED
+
     where = f"--sglang-config {path}"
     models = read_sglang_config(path)
     if len(models) > 1:
@@ -395,6 +399,11 @@ def apply_sglang_config(path: str, layers: dict, notices: list[str]) -> None:
             raise ConfigError(f"{here}.overrides: expected a mapping of SGLang server arguments")
         extra = dict(g.get("overrides") or {})
         paths.append((f"{here}.overrides.model_path", extra.pop("model_path", None)))
+        for key in extra:
+            dashed = key.replace("_", "-")
+            if dashed in OWNED:
+                use = YAML_OWNED.get(dashed, OWNED[dashed])
+                raise ConfigError(f"{here}.overrides.{key}: agentrl sets SGLang's --{dashed} itself {use}")
         gpes[i], overrides[i] = gpe, {k.replace("_", "-"): _override_value(v) for k, v in extra.items()}
         kinds[kind] = kinds.get(kind, 0) + gpus // gpe
     for key, model_path in paths:

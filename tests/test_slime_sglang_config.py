@@ -93,6 +93,10 @@ sglang:
      [], r"server_groups\[0\]: num_gpus 3 is not a multiple of num_gpus_per_engine 2"),
     ("sglang:\n  - {name: r, server_groups: [{worker_type: worker, num_gpus: 2}]}\n",
      [], r"server_groups\[0\]\.worker_type worker: expected one of regular, prefill, decode, placeholder"),
+    ("sglang:\n  - {name: r, server_groups: [{worker_type: regular, num_gpus: 4, overrides: {tp_size: 4}}]}\n",
+     [], r"server_groups\[0\]\.overrides\.tp_size: agentrl sets SGLang's --tp-size itself \(use num_gpus_per_engine\)"),
+    ("sglang:\n  - {name: r, server_groups: [{worker_type: prefill, num_gpus: 1, overrides: {disaggregation_mode: x}}]}\n",
+     [], r"overrides\.disaggregation_mode: agentrl sets SGLang's --disaggregation-mode itself \(use worker_type\)"),
     ("engines: []\n", [], r"no models under sglang"),
 ])
 def test_what_agentrls_engines_cannot_take_names_its_key(tmp_path, yaml, argv, message):
