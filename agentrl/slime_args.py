@@ -341,6 +341,43 @@ def _override_value(value) -> str | None | bool:
     return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
+def _server_groups(at: str, groups: list[dict], default_gpe: int):
+    """--sglang-config's server groups, each checked: (their GPUs, placeholders included; engines
+    per worker type; each engine group's GPUs per engine and SGLang overrides by group index;
+    the model paths they name, with their YAML keys)."""
+    from agentrl.engines.sglang import OWNED
+
+    total, kinds, gpes, overrides, paths = 0, {}, {}, {}, []
+    for i, g in enumerate(groups):
+        here = f"{at}.server_groups[{i}]"
+        for key in g:
+            if key not in SGLANG_GROUP_KEYS:
+                raise ConfigError(f"{here}.{key}: not a server-group key (slime takes {', '.join(SGLANG_GROUP_KEYS)})")
+        kind, gpus, gpe = g.get("worker_type"), g.get("num_gpus"), g.get("num_gpus_per_engine", default_gpe)
+        if kind not in WORKER_TYPES:
+            raise ConfigError(f"{here}.worker_type {kind}: expected one of {', '.join(WORKER_TYPES)}")
+        for key, value in (("num_gpus", gpus), ("num_gpus_per_engine", gpe)):
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{here}.{key} {value}: expected a positive integer")
+        total += gpus
+        if kind == "placeholder":  # GPUs reserved, no engine: overrides apply to nothing
+            continue
+        if gpus % gpe:
+            raise ConfigError(f"{here}: num_gpus {gpus} is not a multiple of num_gpus_per_engine {gpe}")
+        if not isinstance(g.get("overrides") or {}, dict):
+            raise ConfigError(f"{here}.overrides: expected a mapping of SGLang server arguments")
+        extra = dict(g.get("overrides") or {})
+        paths.append((f"{here}.overrides.model_path", extra.pop("model_path", None)))
+        for key in extra:
+            dashed = key.replace("_", "-")
+            if dashed in OWNED:
+                raise ConfigError(f"{here}.overrides.{key}: agentrl sets SGLang's --{dashed} itself "
+                                  f"{YAML_OWNED.get(dashed, OWNED[dashed])}")
+        gpes[i], overrides[i] = gpe, {k.replace("_", "-"): _override_value(v) for k, v in extra.items()}
+        kinds[kind] = kinds.get(kind, 0) + gpus // gpe
+    return total, kinds, gpes, overrides, paths
+
+
 def apply_sglang_config(path: str, layers: dict, notices: list[str]) -> None:
     """slime's --sglang-config, onto agentrl's one engine group (layers edited in place): one
     model, the policy, its server groups -> --rollout-num-gpus (their sum, placeholders included,
@@ -349,8 +386,6 @@ def apply_sglang_config(path: str, layers: dict, notices: list[str]) -> None:
     as in slime). What agentrl's engines cannot take is an error naming the YAML key: a second
     model, a frozen one (update_weights: false, another model_path), groups of different GPUs per
     engine, or overrides that differ between groups."""
-    from agentrl.engines.sglang import OWNED
-
     where = f"--sglang-config {path}"
     models = read_sglang_config(path)
     if len(models) > 1:
@@ -376,36 +411,8 @@ def apply_sglang_config(path: str, layers: dict, notices: list[str]) -> None:
         raise ConfigError(f"{at}.server_groups: required, a list of {{worker_type, num_gpus, ...}}")
     policy = layers.get("model", {}).get("model")
     default_gpe = m.get("num_gpus_per_engine") or int(rollout.get("rollout_num_gpus_per_engine") or 1)
-    paths = [(f"{at}.model_path", m.get("model_path"))]
-    gpes, overrides = {}, {}  # engine group index -> its GPUs per engine, its overrides
-    total, kinds = 0, {}
-    for i, g in enumerate(groups):
-        here = f"{at}.server_groups[{i}]"
-        for key in g:
-            if key not in SGLANG_GROUP_KEYS:
-                raise ConfigError(f"{here}.{key}: not a server-group key (slime takes {', '.join(SGLANG_GROUP_KEYS)})")
-        kind, gpus, gpe = g.get("worker_type"), g.get("num_gpus"), g.get("num_gpus_per_engine", default_gpe)
-        if kind not in WORKER_TYPES:
-            raise ConfigError(f"{here}.worker_type {kind}: expected one of {', '.join(WORKER_TYPES)}")
-        for key, value in (("num_gpus", gpus), ("num_gpus_per_engine", gpe)):
-            if type(value) is not int or value < 1:
-                raise ConfigError(f"{here}.{key} {value}: expected a positive integer")
-        total += gpus
-        if kind == "placeholder":  # GPUs reserved, no engine: overrides apply to nothing
-            continue
-        if gpus % gpe:
-            raise ConfigError(f"{here}: num_gpus {gpus} is not a multiple of num_gpus_per_engine {gpe}")
-        if not isinstance(g.get("overrides") or {}, dict):
-            raise ConfigError(f"{here}.overrides: expected a mapping of SGLang server arguments")
-        extra = dict(g.get("overrides") or {})
-        paths.append((f"{here}.overrides.model_path", extra.pop("model_path", None)))
-        for key in extra:
-            dashed = key.replace("_", "-")
-            if dashed in OWNED:
-                use = YAML_OWNED.get(dashed, OWNED[dashed])
-                raise ConfigError(f"{here}.overrides.{key}: agentrl sets SGLang's --{dashed} itself {use}")
-        gpes[i], overrides[i] = gpe, {k.replace("_", "-"): _override_value(v) for k, v in extra.items()}
-        kinds[kind] = kinds.get(kind, 0) + gpus // gpe
+    total, kinds, gpes, overrides, paths = _server_groups(at, groups, default_gpe)
+    paths.insert(0, (f"{at}.model_path", m.get("model_path")))
     for key, model_path in paths:
         if model_path and not (policy and Path(str(model_path)).resolve() == Path(policy).resolve()):
             raise ConfigError(f"{key} {model_path}: not the policy's checkpoint ({policy or 'none given'}); agentrl's "
@@ -415,7 +422,7 @@ def apply_sglang_config(path: str, layers: dict, notices: list[str]) -> None:
                           "trains; agentrl's engines serve the policy and take its weights at every sync")
     if not kinds:
         raise ConfigError(f"{at}.server_groups: only placeholders, no engine to generate with")
-    if "regular" in kinds and len(kinds) > 1 or len(kinds) == 1 and "regular" not in kinds:
+    if set(kinds) not in ({"regular"}, {"prefill", "decode"}):
         raise ConfigError(f"{at}.server_groups: worker types {', '.join(sorted(kinds))}: either regular groups or "
                           "prefill with decode groups (as slime requires)")
     first = min(gpes)
@@ -745,8 +752,8 @@ def concurrency(rollout: dict, run: dict, per_engine: int, engine: str) -> None:
 def warmup(layers: dict, flags: SlimeFlags, sections: dict[str, Any]) -> None:
     """What needs the config's defaults: --sglang-config's engines; --sglang-server-concurrency's
     total; --num-steps-per-rollout without --global-batch-size sets it, as slime does; then
-    --lr-warmup-fraction: Megatron's warmup in optimizer steps, of the run's total. `sections`: the config's section classes by name
-    (their defaults fill what the layers leave out)."""
+    --lr-warmup-fraction: Megatron's warmup in optimizer steps, of the run's total. `sections`: the
+    config's section classes by name (their defaults fill what the layers leave out)."""
     def get(section, name):
         return layers.get(section, {}).get(name, sections[section].model_fields[name].default)
 
