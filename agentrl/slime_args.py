@@ -10,7 +10,10 @@ Each such flag is, in this order of preference:
   different is an error naming both values) and then dropped;
 - passed to Megatron (trainers/megatron/flags.py) or SGLang (`--sglang-*`), list values too;
 - accepted with a one-line notice where it has no effect here (NO_EFFECT says why);
-- refused with the reason (REFUSED: slime hooks agentrl cannot run).
+- refused with the reason (REFUSED: slime hooks agentrl cannot run, and features it does not have:
+  MTP training, multimodal data, delta weight sync);
+- or, for slime's YAML files (--custom-config-path, --eval-config, --sglang-config), read as slime
+  reads them, onto agentrl's settings, a key that does not map being an error naming it.
 
 A slime run is recognised by its model-shape flags or `--ref-load` (every slime script has
 both): it then selects what slime runs, under any explicit flag: the Megatron trainer,
@@ -156,9 +159,6 @@ REFUSED: dict[str, str] = {
                                             "post-write step",
     "megatron_config_path": "one Megatron trainer config: give Megatron flags on the command line",
     # slime's own --sglang-* flags (not SGLang server arguments, which --sglang-* passes through)
-    "sglang_config": "slime's YAML of SGLang server groups (several models, per-group overrides) is not read: agentrl "
-                     "launches one group of engines (--num-engines, --rollout-num-gpus-per-engine; a prefill/decode "
-                     "split with --prefill-num-servers), and SGLang's own --config would misread it",
     "sglang_router_ip": "slime registers the engines it launches with that running router; agentrl launches its own "
                         "router, or attaches to running engines (or a router in front of them) with "
                         "--rollout-engine-urls URL",
@@ -171,7 +171,8 @@ REFUSED: dict[str, str] = {
                            "HF checkpoints, and MiMo and GLM-4.x, the models of slime's scripts that pass it, are "
                            "not mapped yet",
     "multimodal_keys": "agentrl trains text-only models: neither the rollout nor the trainers carry image or video "
-                       "inputs",
+                       "inputs, and a run without the rows' media would train on prompts about images the model never "
+                       "sees (slime's geo3k example: geometry problems on their figures), another task",
     "update_weight_local_checkpoint_dir": DELTA_WHY,
     "update_weight_delta_encoding": DELTA_WHY,
     "update_weight_delta_checksum": DELTA_WHY,
@@ -194,6 +195,7 @@ class SlimeFlags:
     present: bool = False  # a slime run: model-shape flags or --ref-load
     custom_config: dict[str, Any] = field(default_factory=dict)  # --custom-config-path's config-field keys
     server_concurrency: int | None = None  # --sglang-server-concurrency: requests in flight per engine
+    sglang_config: str | None = None  # --sglang-config's YAML: read in warmup() (apply_sglang_config)
 
     def note(self, flag: str, why: str) -> None:
         self.notices.append(f"{flag}: accepted, no effect here: {why}")
@@ -303,6 +305,160 @@ def read_eval_config(path: str) -> list[dict[str, Any]]:
     return sets
 
 
+# --sglang-config's YAML (slime's docs/en/advanced/sglang-config.md): its keys per model and per server group
+SGLANG_MODEL_KEYS = ("name", "model_path", "update_weights", "num_gpus_per_engine", "server_groups", "engine_groups")
+SGLANG_GROUP_KEYS = ("worker_type", "num_gpus", "num_gpus_per_engine", "overrides")
+WORKER_TYPES = ("regular", "prefill", "decode", "placeholder")
+YAML_OWNED = {"tp-size": "(use num_gpus_per_engine)", "tensor-parallel-size": "(use num_gpus_per_engine)",
+              "tp": "(use num_gpus_per_engine)", "disaggregation-mode": "(use worker_type)"}
+
+
+def read_sglang_config(path: str) -> list[dict[str, Any]]:
+    """--sglang-config's YAML: a top-level `sglang` list of models, each a mapping."""
+    import yaml
+
+    where = f"--sglang-config {path}"
+    if not Path(path).is_file():
+        raise ConfigError(f"{where}: no such file")
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: malformed YAML: {exc}") from None
+    models = data.get("sglang") if isinstance(data, dict) else None
+    if not models or not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+        raise ConfigError(f"{where}: no models under sglang (a list of {{name, server_groups: [...]}})")
+    return models
+
+
+def _override_value(value) -> str | None | bool:
+    """An `overrides` value as a --sglang-* value (True: a bare switch, None; False: not given)."""
+    if value is True:
+        return None
+    if value is False:
+        return False
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
+def _server_groups(at: str, groups: list[dict], default_gpe: int):
+    """--sglang-config's server groups, each checked: (their GPUs, placeholders included; engines
+    per worker type; each engine group's GPUs per engine and SGLang overrides by group index;
+    the model paths they name, with their YAML keys)."""
+    from agentrl.engines.sglang import OWNED
+
+    total, kinds, gpes, overrides, paths = 0, {}, {}, {}, []
+    for i, g in enumerate(groups):
+        here = f"{at}.server_groups[{i}]"
+        for key in g:
+            if key not in SGLANG_GROUP_KEYS:
+                raise ConfigError(f"{here}.{key}: not a server-group key (slime takes {', '.join(SGLANG_GROUP_KEYS)})")
+        kind, gpus, gpe = g.get("worker_type"), g.get("num_gpus"), g.get("num_gpus_per_engine", default_gpe)
+        if kind not in WORKER_TYPES:
+            raise ConfigError(f"{here}.worker_type {kind}: expected one of {', '.join(WORKER_TYPES)}")
+        for key, value in (("num_gpus", gpus), ("num_gpus_per_engine", gpe)):
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{here}.{key} {value}: expected a positive integer")
+        total += gpus
+        if kind == "placeholder":  # GPUs reserved, no engine: overrides apply to nothing
+            continue
+        if gpus % gpe:
+            raise ConfigError(f"{here}: num_gpus {gpus} is not a multiple of num_gpus_per_engine {gpe}")
+        if not isinstance(g.get("overrides") or {}, dict):
+            raise ConfigError(f"{here}.overrides: expected a mapping of SGLang server arguments")
+        extra = dict(g.get("overrides") or {})
+        paths.append((f"{here}.overrides.model_path", extra.pop("model_path", None)))
+        for key in extra:
+            dashed = key.replace("_", "-")
+            if dashed in OWNED:
+                raise ConfigError(f"{here}.overrides.{key}: agentrl sets SGLang's --{dashed} itself "
+                                  f"{YAML_OWNED.get(dashed, OWNED[dashed])}")
+        gpes[i], overrides[i] = gpe, {k.replace("_", "-"): _override_value(v) for k, v in extra.items()}
+        kinds[kind] = kinds.get(kind, 0) + gpus // gpe
+    return total, kinds, gpes, overrides, paths
+
+
+def apply_sglang_config(path: str, layers: dict, notices: list[str]) -> None:
+    """slime's --sglang-config, onto agentrl's one engine group (layers edited in place): one
+    model, the policy, its server groups -> --rollout-num-gpus (their sum, placeholders included,
+    as slime checks it), --rollout-num-gpus-per-engine, --num-engines, --prefill-num-servers (the
+    prefill groups' engines), and the groups' `overrides` -> --sglang-* (over the command line's,
+    as in slime). What agentrl's engines cannot take is an error naming the YAML key: a second
+    model, a frozen one (update_weights: false, another model_path), groups of different GPUs per
+    engine, or overrides that differ between groups."""
+    where = f"--sglang-config {path}"
+    models = read_sglang_config(path)
+    if len(models) > 1:
+        names = ", ".join(str(m.get("name")) for m in models)
+        raise ConfigError(f"{where}: sglang has {len(models)} models ({names}): agentrl's engines serve one model, the "
+                          "policy (a KL reference is --ref-load, a judge --judge-load, a teacher --opd-teacher-load, "
+                          "each served as agentrl runs it)")
+    m, at = models[0], f"{where}: sglang[0]"
+    for key in m:
+        if key not in SGLANG_MODEL_KEYS:
+            raise ConfigError(f"{at}.{key}: not a key of slime's sglang-config (it takes {', '.join(SGLANG_MODEL_KEYS)})")
+    if not m.get("name"):
+        raise ConfigError(f"{at}.name: required (slime's model name)")
+    rollout = layers.setdefault("rollout", {})
+    for other, why in (("prefill_num_servers", "set the prefill engines with server_groups' worker_type prefill"),
+                       ("rollout_engine_urls", "engines given by URL are not launched from a config")):
+        if rollout.get(other):
+            raise ConfigError(f"{where}: not with --{other.replace('_', '-')} (slime refuses both together too): {why}")
+    if rollout.get("rollout_engine", "sglang") != "sglang":
+        raise ConfigError(f"{where}: describes SGLang engines; not with --rollout-engine {rollout['rollout_engine']}")
+    groups = m.get("server_groups", m.get("engine_groups"))
+    if not groups or not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ConfigError(f"{at}.server_groups: required, a list of {{worker_type, num_gpus, ...}}")
+    policy = layers.get("model", {}).get("model")
+    default_gpe = m.get("num_gpus_per_engine") or int(rollout.get("rollout_num_gpus_per_engine") or 1)
+    total, kinds, gpes, overrides, paths = _server_groups(at, groups, default_gpe)
+    paths.insert(0, (f"{at}.model_path", m.get("model_path")))
+    for key, model_path in paths:
+        if model_path and not (policy and Path(str(model_path)).resolve() == Path(policy).resolve()):
+            raise ConfigError(f"{key} {model_path}: not the policy's checkpoint ({policy or 'none given'}); agentrl's "
+                              "engines serve the policy and take its weights at every sync")
+    if m.get("update_weights") is False:
+        raise ConfigError(f"{at}.update_weights false: the engines would keep their start weights while the policy "
+                          "trains; agentrl's engines serve the policy and take its weights at every sync")
+    if not kinds:
+        raise ConfigError(f"{at}.server_groups: only placeholders, no engine to generate with")
+    if set(kinds) not in ({"regular"}, {"prefill", "decode"}):
+        raise ConfigError(f"{at}.server_groups: worker types {', '.join(sorted(kinds))}: either regular groups or "
+                          "prefill with decode groups (as slime requires)")
+    first = min(gpes)
+    for i, gpe in gpes.items():
+        if gpe != gpes[first]:
+            raise ConfigError(f"{at}.server_groups[{i}].num_gpus_per_engine {gpe} differs from server_groups[{first}]'s "
+                              f"{gpes[first]}: agentrl's engines all take one --rollout-num-gpus-per-engine (--tp-size)")
+    for key in sorted(set().union(*overrides.values())):
+        values = {i: o.get(key, "(unset)") for i, o in overrides.items()}
+        if len(set(map(repr, values.values()))) > 1:
+            shown = ", ".join(f"server_groups[{i}] {v if v is not None else 'true'}" for i, v in values.items())
+            raise ConfigError(f"{at}.server_groups[*].overrides.{key.replace('-', '_')} differs between groups ({shown}): "
+                              "agentrl starts every engine with the same SGLang arguments; give one value to all")
+    given = rollout.get("rollout_num_gpus")
+    if given is not None and int(given) != total:
+        raise ConfigError(f"{where}: its server groups have {total} GPUs, --rollout-num-gpus is {given} (slime requires "
+                          "them equal)")
+    engines = sum(kinds.values())
+    if rollout.get("num_engines") is not None and int(rollout["num_engines"]) != engines:
+        raise ConfigError(f"{where}: {engines} engine(s), --num-engines is {rollout['num_engines']}: drop one")
+    rollout.update(rollout_engine="sglang", rollout_num_gpus=total, rollout_num_gpus_per_engine=gpes[first],
+                   num_engines=engines)
+    if "prefill" in kinds:
+        rollout["prefill_num_servers"] = kinds["prefill"]
+    sglang = layers.setdefault("sglang_args", {})
+    for key, value in overrides[first].items():  # over the command line's --sglang-*, as slime applies them
+        if value is False:
+            sglang.pop(key, None)
+        else:
+            sglang[key] = value
+    notices.append(f"{where}: read as --rollout-num-gpus {total} --rollout-num-gpus-per-engine {gpes[first]} "
+                   f"--num-engines {engines}" + (f" --prefill-num-servers {kinds['prefill']}" if "prefill" in kinds else "")
+                   + "".join(f" --sglang-{k}" + (f" {v}" if v is not None else "")
+                             for k, v in overrides[first].items() if v is not False))
+
+
 def _is_slime_flag(name: str) -> bool:
     """A flag translate() or the pass-through takes (not an agentrl field)."""
     from agentrl.trainers.megatron.flags import is_megatron_flag
@@ -409,6 +565,10 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
             flags.ref_ckpt_step = int(_number(value or "", flag))
         elif name == "sglang_server_concurrency":  # slime's own, not an SGLang server argument
             flags.server_concurrency = int(_number(value or "", flag))
+        elif name == "sglang_config":  # slime's own too (SGLang's --config would misread it)
+            if not value:
+                raise ConfigError(f"{flag}: needs a YAML file")
+            flags.sglang_config = value
         elif name == "moe_layer_freq":
             flags.megatron[name] = _layer_freq(value or "")
         elif name in ("wandb_key", "wandb_team", "wandb_host"):
@@ -426,7 +586,7 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
 
 MAPPED = {"update_weight_buffer_size", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
           "wandb_host", "ref_ckpt_step", "train_backend", "update_weight_mode", "update_weight_transport",
-          "sglang_server_concurrency"}  # translate() turns these into agentrl's settings
+          "sglang_server_concurrency", "sglang_config"}  # translate() turns these into agentrl's settings
 
 
 def flag_status(flag: str, parser_flags: set[str]) -> str:
@@ -590,13 +750,15 @@ def concurrency(rollout: dict, run: dict, per_engine: int, engine: str) -> None:
 
 
 def warmup(layers: dict, flags: SlimeFlags, sections: dict[str, Any]) -> None:
-    """What needs the config's defaults: --sglang-server-concurrency's total; --num-steps-per-rollout
-    without --global-batch-size sets it, as slime does; then --lr-warmup-fraction: Megatron's warmup
-    in optimizer steps, of the run's total. `sections`: the config's section classes by name
-    (their defaults fill what the layers leave out)."""
+    """What needs the config's defaults: --sglang-config's engines; --sglang-server-concurrency's
+    total; --num-steps-per-rollout without --global-batch-size sets it, as slime does; then
+    --lr-warmup-fraction: Megatron's warmup in optimizer steps, of the run's total. `sections`: the
+    config's section classes by name (their defaults fill what the layers leave out)."""
     def get(section, name):
         return layers.get(section, {}).get(name, sections[section].model_fields[name].default)
 
+    if flags.sglang_config:  # before the concurrency: it sets the engines
+        apply_sglang_config(flags.sglang_config, layers, flags.notices)
     if flags.server_concurrency is not None:
         concurrency(layers.setdefault("rollout", {}), layers.get("run", {}), flags.server_concurrency,
                     get("rollout", "rollout_engine"))

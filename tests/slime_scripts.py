@@ -1,8 +1,9 @@
 """slime's launch scripts -> the arguments they give train.py / train_async.py, built as bash
 builds them: the model file (scripts/models/*.sh) sourced, the script's arrays defined, and its
 train line expanded. Nothing of the script runs but those assignments (its `pkill`, `ray start`
-lines never do). Used by tests/test_slime_scripts.py; run as a program it refreshes the
-checked-in copies under tests/data/slime_scripts/ from a slime checkout:
+lines never do), and, given a scratch folder, the here-documents it writes into its `mktemp` files
+(GLM-5.2's --sglang-config YAML), written there instead. Used by tests/test_slime_scripts.py; run
+as a program it refreshes the checked-in copies under tests/data/slime_scripts/ from a slime checkout:
 
     python tests/slime_scripts.py SLIME_DIR
 """
@@ -29,7 +30,7 @@ DATA = Path(__file__).parent / "data" / "slime_scripts"
 ENV = {"NUM_GPUS": "8", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}  # WANDB_KEY unset, as on a fresh shell
 
 
-def script_args(slime: Path, script: str) -> list[str]:
+def script_args(slime: Path, script: str, scratch: Path | None = None) -> list[str]:
     text = (slime / script).read_text()
     model = re.search(r'^source\s+"?([^"\n]*models/[^"\n/]+\.sh)"?', text, re.M).group(1)
     lines = [f'source "{slime / "scripts" / "models" / Path(model).name}"']
@@ -37,6 +38,13 @@ def script_args(slime: Path, script: str) -> list[str]:
     # NAME=literal (TEACHER_IP="127.0.0.1"): no command substitution, nothing bash would run
     lines += [m.group(1) for m in re.finditer(r"""^([A-Z_]+=(?:"[^"$`\\\n]*"|'[^'\n]*'|[^\s"'$`;&|()<>#]+))[ \t]*(?:#.*)?$""",
                                               text, re.M)]
+    for i, m in enumerate(re.finditer(r"^([A-Z_]+)=\$\(mktemp [^)\n]*\)[ \t]*$", text, re.M) if scratch else ()):
+        name, path = m.group(1), scratch / f"{Path(script).stem}_{i}"
+        doc = re.search(rf'^cat > "?\$\{{?{name}\}}?"? <<(\w+)\n(.*?)^\1$', text, re.M | re.S)
+        if doc and "$" in doc.group(2):
+            raise RuntimeError(f"{script}: the here-document of {name} expands variables; not written as it is")
+        path.write_text(doc.group(2) if doc else "")
+        lines.append(f"{name}={path}")
     lines += [m.group(0) for m in re.finditer(r"^[A-Z_]+=\([ \t]*\n.*?^\)", text, re.M | re.S)]  # the arrays
     tail = re.search(r"python3 train(?:_async)?\.py \\\n(.*?)(?:\n\s*\n|\Z)", text, re.S).group(1)
     words = " ".join(line.rstrip("\\").strip() for line in tail.splitlines() if not line.strip().startswith("#"))

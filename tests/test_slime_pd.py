@@ -114,7 +114,7 @@ def test_the_router_pairs_a_prefill_and_a_decode_engine(tmp_path):
     bootstrap port, a trajectory's turns (its X-SMG-Routing-Key, agentrl's default manual policy) on
     one decode engine, and a worker taken out and re-added (the engine monitor's restart path)
     keeping its type."""
-    from agentrl.engines.launch import free_port
+    from agentrl.engines.launch import free_port, poll
     from agentrl.engines.router import launch_router
     from agentrl.http import request_json
     from agentrl.rollout.client import ROUTING_KEY_HEADER  # the rollout client's session key
@@ -154,7 +154,8 @@ def test_the_router_pairs_a_prefill_and_a_decode_engine(tmp_path):
                     where.setdefault(one["key"], set()).add(log)
         assert len(where) == 8 and all(len(decodes) == 1 for decodes in where.values())
         assert len(sent(logs[0])) == 1 + 24  # every request prefilled on the prefill engine
-        assert router.remove_worker(P) and P not in {w["url"] for w in router.workers()}
+        assert router.remove_worker(P)  # the router deletes it in the background: gone within seconds
+        assert poll(lambda: P not in {w["url"] for w in router.workers()}, timeout_s=10, interval_s=0.1)
         router.add_worker(P)
         router.wait_workers([P, D, D2], timeout_s=30)
         assert {(w["url"], w["worker_type"], w.get("bootstrap_port")) for w in router.workers()} == {

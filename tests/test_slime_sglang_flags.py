@@ -1,9 +1,9 @@
 """slime's own `--sglang-*` flags, which are slime's settings and not SGLang server arguments
 (every other `--sglang-*` passes through to SGLang): before, they went to SGLang's parser, and
 failed only when the engines started (`--server-concurrency`: no such server argument) or, for
-`--sglang-config`, would be read by SGLang's own `--config` as a server-argument file.
-`--sglang-server-concurrency` is in four of slime's scripts (Kimi-K2 x3, DeepSeek-R1),
-`--sglang-config` in its GLM-5.2 script."""
+`--sglang-config`, would be read by SGLang's own `--config` as a server-argument file (it is read
+as slime reads it: tests/test_slime_sglang_config.py). `--sglang-server-concurrency` is in four of
+slime's scripts (Kimi-K2 x3, DeepSeek-R1), `--sglang-config` in its GLM-5.2 script."""
 
 import pytest
 
@@ -31,10 +31,11 @@ def test_server_concurrency_is_per_engine_as_in_slime():
 def test_slimes_router_and_config_flags_are_not_sglang_server_arguments():
     cfg, _ = parse_config(["--sglang-router-request-timeout-secs", "30"])
     assert cfg.rollout.request_timeout_s == 30 and cfg.sglang_args == {}
-    for flag, why in (("--sglang-config", "slime.s YAML of SGLang server groups .* is not read"),
-                      ("--sglang-router-ip", "--rollout-engine-urls URL"),
+    for flag, why in (("--sglang-router-ip", "--rollout-engine-urls URL"),
                       ("--sglang-router-port", "--rollout-engine-urls URL")):
         with pytest.raises(ConfigError, match=f"^{flag}: not supported by agentrl: .*{why}"):
             parse_config([flag, "x"])
+    with pytest.raises(ConfigError, match="^--sglang-config x: no such file"):  # read by agentrl, not SGLang
+        parse_config(["--sglang-config", "x"])
     # a real SGLang server argument still passes through
     assert parse_config(["--sglang-mem-fraction-static", "0.7"])[0].sglang_args == {"mem-fraction-static": "0.7"}
