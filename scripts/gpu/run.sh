@@ -13,8 +13,8 @@
 #                                           payload layout and bucket size (bench/weight_sync_bench.py)
 # Performance scenarios (issue 34, tests/gpu/test_perf_gpu.py), each under 8 minutes:
 #   bash scripts/gpu/run.sh startup_1p5b        a 2-iteration 1.5B colocated run: start-up and stop step by step
-#   bash scripts/gpu/run.sh rollout_phase_vs_bare; AGENTRL_NO_INSTALL=1 bash scripts/gpu/run.sh rollout_breakdown
-#                                               (same machine) the rollout phase's gap to a bare client, part by part
+#   bash scripts/gpu/run.sh rollout_phase_vs_bare   the rollout phase's ratio to a bare client, and its gap
+#                                               part by part (bench/rollout_breakdown.py)
 #   bash scripts/gpu/run.sh async_repeats       (2 GPUs) sync vs async repeated, median and spread;
 #                                               AGENTRL_ASYNC_APPEND=1 on later calls adds repeats to one report
 set -euo pipefail

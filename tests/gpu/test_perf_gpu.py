@@ -6,8 +6,6 @@
   the final checkpoint, engines, trainer and Ray stopped) and the command's wall time. Goals
   (reported, not asserted): the first rollout request <= 75 s after the command, the stop
   <= 20 s plus the final checkpoint's write.
-- rollout_breakdown: after `rollout_phase_vs_bare` on the same machine, bench/rollout_breakdown.py
-  on that run and its replay: the gap to the bare client, part by part.
 - async_repeats: bench/async_repeats.py --gpu (two GPUs): sync and async several times in one
   call, the equal-work speedup's median and spread, and what varied; calls with
   AGENTRL_ASYNC_APPEND=1 add repeats to the same report.
@@ -70,21 +68,6 @@ def test_startup_1p5b():
     for key in ("final_checkpoint", "engines", "trainer", "ray"):
         assert key in stop, (key, stop)
     assert 0 < first < start["first_iteration_done"]
-
-
-def test_rollout_breakdown():
-    report = OUT / "rollout_vs_bare.json"
-    if not report.exists():
-        pytest.skip(f"no {report}: run `bash scripts/gpu/run.sh rollout_phase_vs_bare` on this machine first")
-    run = Path(json.loads(report.read_text())["run"])
-    out = OUT / "rollout_breakdown.json"
-    cmd = [sys.executable, str(REPO / "bench" / "rollout_breakdown.py"), "--run", str(run), "--bare", str(report),
-           "--out", str(out)]
-    print("$", " ".join(cmd), flush=True)
-    assert stream(cmd, OUT / "rollout_breakdown.log", 300) == 0
-    result = json.loads(out.read_text())
-    for it in result["iterations"]:  # the parts add up to the run's rollout seconds
-        assert sum(it["parts_s"].values()) + it["bare_s"] == pytest.approx(it["rollout_s"], abs=1e-6)
 
 
 def test_async_repeats_two_gpus():
