@@ -123,7 +123,9 @@ def test_out_of_memory_names_the_knobs():
 @pytest.mark.slow
 def test_ray_workers_run_at_the_drivers_priority():
     """Ray starts workers at nice 15: the trainer and engines (its actors) then starved behind
-    any other load on a shared machine (a parallel test made the trainer 40x slower)."""
+    any other load on a shared machine (a parallel test made the trainer 40x slower). Without
+    --ray-address the run starts a Ray of its own: a RAY_ADDRESS in the environment (or a
+    `ray start` on the machine) is not joined."""
     code = ("import os, ray\n"
             "from agentrl.config import Config\n"
             "from agentrl.cluster.ray_session import start_ray\n"
@@ -132,6 +134,7 @@ def test_ray_workers_run_at_the_drivers_priority():
             "ray.shutdown()\n")
     env = run_env()
     env.pop("RAY_worker_niceness", None)
+    env["RAY_ADDRESS"] = "127.0.0.1:9"  # nothing listens there: joining it would fail
     proc = subprocess.run([str(BIN / "python"), "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     worker, driver = proc.stdout.split()[-2:]

@@ -41,8 +41,10 @@ def start_ray(cfg: Config) -> None:
     # Ray starts its workers at nice 15: on a shared machine the trainer and the engines
     # (its actors) would then starve behind any other work while this driver does not.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1",
-             num_gpus=None)
+    # "local": a Ray of this run's own, even where RAY_ADDRESS is set or a `ray start` on this machine left
+    # its address in /tmp/ray (ray.init() would join that cluster: another run's, side by side on one host)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             _node_ip_address="127.0.0.1", num_gpus=None)
     stop_on_signals()  # ray.init put its own SIGTERM handler (sys.exit, no cleanup) in place of ours
 
 

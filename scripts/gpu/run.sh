@@ -2,6 +2,7 @@
 # On the lent GPU machine, from the project root (see build_kit.sh for the kit):
 #   bash scripts/gpu/run.sh unpack          unpack the carried kit parts (a, b) into $AGENTRL_KIT
 #   bash scripts/gpu/run.sh list            the scenarios (tests/gpu)
+#   bash scripts/gpu/run.sh install         unpack and install agentrl only (scripts/gpu/parallel.sh calls it)
 #   bash scripts/gpu/run.sh SCENARIO [...]  unpack what is carried, install agentrl from this tree as
 #                                           a wheel, run `pytest tests/gpu -k SCENARIO` (a -k expression:
 #                                           "colocated and megatron", "1_5b", "tool_envs", "fp8_rollout",
@@ -67,6 +68,7 @@ install_agentrl() {  # this tree, as a wheel (not editable), over whatever an ea
 case "${1:-}" in
   unpack) unpack || true ;;  # one part a call: the other may come next
   list) cd "$(mktemp -d)" && python3 -m pytest "$repo/tests/gpu" --collect-only -q -p no:cacheprovider --rootdir "$repo" | grep :: ;;
+  install) unpack || exit 3; environment; install_agentrl ;;  # once, before scenarios run side by side
   "") echo "usage: run.sh unpack | list | SCENARIO [pytest args]" >&2; exit 2 ;;
   *)
     scenario=$1; shift
