@@ -271,6 +271,7 @@ def test_prefill_and_decode_engines_get_their_own_sglang_arguments():
         ["--cuda-graph-max-bs", "12", "--random-seed", "2", "--disaggregation-mode", "decode"]]
 
 
+@pytest.mark.e2e  # agentrl's engine group (start_engines), stand-in workers for SGLang
 @needs_router
 def test_launched_prefill_and_decode_engines_take_their_groups_arguments(tmp_path, monkeypatch):
     """slime's --sglang-config with prefill and decode groups of different overrides (its GLM-5.2
