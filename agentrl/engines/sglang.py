@@ -138,9 +138,10 @@ def merged_args(shared: dict[str, str | None], own: dict) -> dict[str, str | Non
     for name, value in normalize_args(own).items():
         if value is False:
             out.pop(name, None)
+        elif value is None or value is True:
+            out[name] = None
         else:
-            out[name] = None if value is True else " ".join(map(str, value)) if isinstance(value, list) \
-                else None if value is None else str(value)
+            out[name] = " ".join(map(str, value)) if isinstance(value, list) else str(value)
     return out
 
 
