@@ -141,6 +141,15 @@ class RolloutConfig(Section):
     prefill_num_servers: int | None = Field(None, ge=1)
     """slime's prefill/decode disaggregation: the first N SGLang engines prefill, the rest decode, the
     router pairs them (sglang-router --pd-disaggregation); None: every engine does both."""
+    prefill_sglang_args: dict[str, Any] = {}
+    """With --prefill-num-servers: SGLang arguments of the prefill engines only, over --sglang-*
+    (names without the --, e.g. {"chunked-prefill-size": 8192}; null: a bare switch, false: dropped)."""
+    decode_sglang_args: dict[str, Any] = {}
+    """With --prefill-num-servers: SGLang arguments of the decode engines only, over --sglang-* (as
+    --prefill-sglang-args)."""
+    engine_model_name: str = "default"
+    """The name slime hooks find the engines under (args.sglang_model_routers, its get_model_url):
+    --sglang-config's model name."""
     use_router: Literal["auto", "always", "never"] = "auto"
     """sglang-router in front of the engines (--router-* flags pass through); auto: with two or more engines."""
     engine_startup_timeout_s: float = Field(900.0, gt=0)

@@ -347,7 +347,7 @@ def _server_groups(at: str, groups: list[dict], default_gpe: int):
     the model paths they name, with their YAML keys)."""
     from agentrl.engines.sglang import OWNED
 
-    total, kinds, gpes, overrides, paths = 0, {}, {}, {}, []
+    total, kinds, gpes, overrides, paths, types = 0, {}, {}, {}, [], {}
     for i, g in enumerate(groups):
         here = f"{at}.server_groups[{i}]"
         for key in g:
@@ -374,18 +374,42 @@ def _server_groups(at: str, groups: list[dict], default_gpe: int):
                 raise ConfigError(f"{here}.overrides.{key}: agentrl sets SGLang's --{dashed} itself "
                                   f"{YAML_OWNED.get(dashed, OWNED[dashed])}")
         gpes[i], overrides[i] = gpe, {k.replace("_", "-"): _override_value(v) for k, v in extra.items()}
-        kinds[kind] = kinds.get(kind, 0) + gpus // gpe
-    return total, kinds, gpes, overrides, paths
+        kinds[kind], types[i] = kinds.get(kind, 0) + gpus // gpe, kind
+    return total, kinds, gpes, overrides, paths, types
+
+
+def _split_overrides(at: str, overrides: dict[int, dict], types: dict[int, str]):
+    """The groups' overrides -> (those every engine takes; the prefill engines' own; the decode
+    engines' own). Groups of one worker type must agree (agentrl starts that type's engines
+    alike); a key prefill and decode groups give differently (or one of them only) is that type's."""
+    by_type: dict[str, dict] = {}
+    for kind in dict.fromkeys(types.values()):
+        groups = [i for i in overrides if types[i] == kind]
+        for key in sorted(set().union(*(overrides[i] for i in groups))):
+            values = {i: overrides[i].get(key, "(unset)") for i in groups}
+            if len(set(map(repr, values.values()))) > 1:
+                shown = ", ".join(f"server_groups[{i}] {v if v is not None else 'true'}" for i, v in values.items())
+                raise ConfigError(f"{at}.server_groups[*].overrides.{key.replace('-', '_')} differs between the "
+                                  f"{kind} groups ({shown}): agentrl starts the engines of one worker type with the "
+                                  "same SGLang arguments; give one value to all")
+        by_type[kind] = overrides[groups[0]]
+    if set(by_type) != {"prefill", "decode"}:
+        return next(iter(by_type.values())), {}, {}
+    p, d = by_type["prefill"], by_type["decode"]
+    shared = {k: v for k, v in p.items() if k in d and repr(d[k]) == repr(v)}
+    return shared, {k: v for k, v in p.items() if k not in shared}, {k: v for k, v in d.items() if k not in shared}
 
 
 def apply_sglang_config(path: str, layers: dict, notices: list[str]) -> None:
     """slime's --sglang-config, onto agentrl's one engine group (layers edited in place): one
     model, the policy, its server groups -> --rollout-num-gpus (their sum, placeholders included,
     as slime checks it), --rollout-num-gpus-per-engine, --num-engines, --prefill-num-servers (the
-    prefill groups' engines), and the groups' `overrides` -> --sglang-* (over the command line's,
-    as in slime). What agentrl's engines cannot take is an error naming the YAML key: a second
-    model, a frozen one (update_weights: false, another model_path), groups of different GPUs per
-    engine, or overrides that differ between groups."""
+    prefill groups' engines), the groups' `overrides` -> --sglang-* (over the command line's, as in
+    slime; those the prefill and decode groups do not share -> --prefill-sglang-args /
+    --decode-sglang-args), and the model's name -> --engine-model-name (slime's
+    args.sglang_model_routers key). What agentrl's engines cannot take is an error naming the YAML
+    key: a second model, a frozen one (update_weights: false, another model_path), groups of
+    different GPUs per engine, or overrides that differ between groups of one worker type."""
     where = f"--sglang-config {path}"
     models = read_sglang_config(path)
     if len(models) > 1:
@@ -411,7 +435,7 @@ def apply_sglang_config(path: str, layers: dict, notices: list[str]) -> None:
         raise ConfigError(f"{at}.server_groups: required, a list of {{worker_type, num_gpus, ...}}")
     policy = layers.get("model", {}).get("model")
     default_gpe = m.get("num_gpus_per_engine") or int(rollout.get("rollout_num_gpus_per_engine") or 1)
-    total, kinds, gpes, overrides, paths = _server_groups(at, groups, default_gpe)
+    total, kinds, gpes, overrides, paths, types = _server_groups(at, groups, default_gpe)
     paths.insert(0, (f"{at}.model_path", m.get("model_path")))
     for key, model_path in paths:
         if model_path and not (policy and Path(str(model_path)).resolve() == Path(policy).resolve()):
@@ -430,12 +454,7 @@ def apply_sglang_config(path: str, layers: dict, notices: list[str]) -> None:
         if gpe != gpes[first]:
             raise ConfigError(f"{at}.server_groups[{i}].num_gpus_per_engine {gpe} differs from server_groups[{first}]'s "
                               f"{gpes[first]}: agentrl's engines all take one --rollout-num-gpus-per-engine (--tp-size)")
-    for key in sorted(set().union(*overrides.values())):
-        values = {i: o.get(key, "(unset)") for i, o in overrides.items()}
-        if len(set(map(repr, values.values()))) > 1:
-            shown = ", ".join(f"server_groups[{i}] {v if v is not None else 'true'}" for i, v in values.items())
-            raise ConfigError(f"{at}.server_groups[*].overrides.{key.replace('-', '_')} differs between groups ({shown}): "
-                              "agentrl starts every engine with the same SGLang arguments; give one value to all")
+    shared, prefill_own, decode_own = _split_overrides(at, overrides, types)
     given = rollout.get("rollout_num_gpus")
     if given is not None and int(given) != total:
         raise ConfigError(f"{where}: its server groups have {total} GPUs, --rollout-num-gpus is {given} (slime requires "
@@ -444,19 +463,25 @@ def apply_sglang_config(path: str, layers: dict, notices: list[str]) -> None:
     if rollout.get("num_engines") is not None and int(rollout["num_engines"]) != engines:
         raise ConfigError(f"{where}: {engines} engine(s), --num-engines is {rollout['num_engines']}: drop one")
     rollout.update(rollout_engine="sglang", rollout_num_gpus=total, rollout_num_gpus_per_engine=gpes[first],
-                   num_engines=engines)
+                   num_engines=engines,
+                   engine_model_name=str(m["name"]))
+    read = ""
     if "prefill" in kinds:
         rollout["prefill_num_servers"] = kinds["prefill"]
+        read = f" --prefill-num-servers {kinds['prefill']}"
+        for kind, own in (("prefill", prefill_own), ("decode", decode_own)):
+            if own:  # over the command line's, as slime applies a group's overrides
+                rollout[f"{kind}_sglang_args"] = {**rollout.get(f"{kind}_sglang_args", {}), **own}
+                read += f" --{kind}-sglang-args '{json.dumps(own)}'"
     sglang = layers.setdefault("sglang_args", {})
-    for key, value in overrides[first].items():  # over the command line's --sglang-*, as slime applies them
+    for key, value in shared.items():  # over the command line's --sglang-*, as slime applies them
         if value is False:
             sglang.pop(key, None)
         else:
             sglang[key] = value
     notices.append(f"{where}: read as --rollout-num-gpus {total} --rollout-num-gpus-per-engine {gpes[first]} "
-                   f"--num-engines {engines}" + (f" --prefill-num-servers {kinds['prefill']}" if "prefill" in kinds else "")
-                   + "".join(f" --sglang-{k}" + (f" {v}" if v is not None else "")
-                             for k, v in overrides[first].items() if v is not False))
+                   f"--num-engines {engines}" + read + "".join(f" --sglang-{k}" + (f" {v}" if v is not None else "")
+                                                                for k, v in shared.items() if v is not False))
 
 
 def _is_slime_flag(name: str) -> bool:
@@ -829,6 +854,10 @@ def finish(cfg, flags: SlimeFlags) -> None:
     r = cfg.rollout
     if r.prefill_num_servers:
         check_pd(r)
+    for kind, own in (("prefill", r.prefill_sglang_args), ("decode", r.decode_sglang_args)):
+        if own and not r.prefill_num_servers:
+            raise ConfigError(f"--{kind}-sglang-args: the {kind} engines' own SGLang arguments need "
+                              "--prefill-num-servers (prefill/decode engines)")
     if cfg.run.env == SLIME_ENV and not (cfg.algo.custom_rm_path or r.custom_generate_function_path
                                          or r.rollout_function_path):
         raise ConfigError("the slime env scores with --rm-type or --custom-rm-path: give one (slime raises "

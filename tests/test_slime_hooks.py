@@ -237,6 +237,11 @@ def test_args_and_sampling_params_carry_what_slimes_rollout_reads():
     assert params["spaces_between_special_tokens"] is False and params["max_new_tokens"] == 16
     with pytest.raises(AttributeError, match="no agentrl counterpart"):
         args.no_such_slime_flag
+    # slime's model name -> router (its get_model_url): the run's one model, at the URL rollouts use
+    assert args.sglang_model_routers == {"default": ("127.0.0.1", 30123)}
+    named = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine_model_name": "actor"})})
+    assert slime_args(named, engine_url="http://127.0.0.1:4000", model_path="/m").sglang_model_routers == {
+        "actor": ("127.0.0.1", 4000)}
 
 
 def test_async_calls_the_rollout_function_for_the_next_batch_while_this_one_trains(tokenizer, tmp_path):

@@ -5,7 +5,9 @@ disaggregation as slime runs it. The first N SGLang engines start with SGLang's
 (`--pd-disaggregation --prefill URL P --decode URL`). Checked here: the engines' command lines,
 the router's against the installed sglang-router (its parser, then the real router in front of
 two stand-in workers: a request reaches both with the prefill's bootstrap port), a restarted
-worker re-added with its type, and the config checks slime makes."""
+worker re-added with its type, the config checks slime makes, and each worker type's own SGLang
+arguments (--prefill-sglang-args, --decode-sglang-args; --sglang-config's prefill and decode
+groups) in the command lines of the engines launched."""
 
 import importlib.util
 import json
@@ -240,3 +242,90 @@ def test_the_weight_check_probes_prefill_and_decode_engines_through_the_router()
         server.shutdown()
     assert sorted(body["input_ids"] for path, body in seen if path == "/generate") == [[1, 2, 3], [4, 5]]
     assert [(u, v, s.response_tokens) for u, v, s in group.probe_results] == [(url, "3", [7])] * 2
+
+
+def stand_in_sglang_parser():
+    """The SGLang server arguments the test gives, as SGLang's parser takes them (SGLang is not
+    installed here)."""
+    import argparse
+
+    p = argparse.ArgumentParser(add_help=False)
+    for name in ("--model-path", "--host", "--port", "--tp-size", "--random-seed", "--dtype", "--mem-fraction-static",
+                 "--chunked-prefill-size", "--cuda-graph-max-bs", "--deepep-mode", "--max-running-requests",
+                 "--disaggregation-mode", "--disaggregation-bootstrap-port"):
+        p.add_argument(name)
+    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--enable-dp-attention", action="store_true")
+    return p
+
+
+def test_prefill_and_decode_engines_get_their_own_sglang_arguments():
+    plans = sg.plan_engines(num_engines=None, num_gpus=3, gpus_per_engine=1, gpu_ids=[0, 1, 2], ports=[1, 2, 3],
+                            model_path="/m", sglang_argv=["--mem-fraction-static", "0.7"], seed=0, prefill=1,
+                            bootstrap_ports=[4], worker_argv={"prefill": ["--chunked-prefill-size", "8192"],
+                                                              "decode": ["--cuda-graph-max-bs", "12"]})
+    assert [p.argv[p.argv.index("--tp-size") + 2:] for p in plans] == [
+        ["--chunked-prefill-size", "8192", "--random-seed", "0", "--disaggregation-mode", "prefill",
+         "--disaggregation-bootstrap-port", "4"],
+        ["--cuda-graph-max-bs", "12", "--random-seed", "1", "--disaggregation-mode", "decode"],
+        ["--cuda-graph-max-bs", "12", "--random-seed", "2", "--disaggregation-mode", "decode"]]
+
+
+@pytest.mark.e2e  # agentrl's engine group (start_engines), stand-in workers for SGLang
+@needs_router
+def test_launched_prefill_and_decode_engines_take_their_groups_arguments(tmp_path, monkeypatch):
+    """slime's --sglang-config with prefill and decode groups of different overrides (its GLM-5.2
+    script's), through agentrl's engine group: the engines launched (stand-in workers on the ports
+    agentrl picked) get the shared --sglang-* plus their own type's arguments, and the real
+    sglang-router pairs them with those types."""
+    from agentrl.engines import group as eg
+
+    (tmp_path / "worker.py").write_text(WORKER)
+    launched = {}
+
+    def launch(index, argv, *, url, name, env, log_dir):
+        launched[url] = argv
+        port = url.rsplit(":", 1)[1]
+        return eg.ServerProcess([sys.executable, str(tmp_path / "worker.py"), port, str(tmp_path / f"{port}.log")],
+                                url=url, name=name, env=env, log_dir=log_dir)
+
+    monkeypatch.setattr(eg, "_local_launcher", launch)
+    monkeypatch.setattr(sg, "_installed_parser", stand_in_sglang_parser)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    yaml = tmp_path / "sglang.yaml"
+    yaml.write_text("sglang:\n  - name: actor\n    server_groups:\n"
+                    "      - {worker_type: prefill, num_gpus: 1, overrides: {enable_dp_attention: true, "
+                    "chunked_prefill_size: 131072, max_running_requests: 512, deepep_mode: auto}}\n"
+                    "      - {worker_type: decode, num_gpus: 2, overrides: {enable_dp_attention: true, "
+                    "max_running_requests: 768, cuda_graph_max_bs: 12, deepep_mode: low_latency, "
+                    "disable_overlap_schedule: true}}\n")
+    cfg, _ = parse_config(["--sglang-config", str(yaml), "--sglang-mem-fraction-static", "0.7",
+                           "--sglang-deepep-mode", "normal", "--engine-startup-timeout-s", "60"])
+    bad = cfg.rollout.model_copy(update={"decode_sglang_args": {"cuda-graph-max-bz": 12}})
+    with pytest.raises(ConfigError, match=r'^--decode-sglang-args \{"cuda-graph-max-bz": 12\}: --sglang-cuda-graph-max-bz: '
+                                          r"the installed SGLang has no server argument .*did you mean"):
+        eg.start_engines(bad, model_path="/m", device="cuda", seed=0, log_dir=tmp_path, sglang_args=cfg.sglang_args)
+    assert not launched
+    group = eg.start_engines(cfg.rollout, model_path="/m", device="cuda", seed=0, log_dir=tmp_path,
+                             sglang_args=cfg.sglang_args)
+    try:
+        kinds = {w["url"]: w["worker_type"] for w in group.router.workers()}
+        assert sorted(kinds.values()) == ["decode", "decode", "prefill"] and set(kinds) == set(launched)
+
+        common = dict(model_path="/m", host="127.0.0.1", tp_size="1", dtype=None, mem_fraction_static="0.7",
+                      enable_dp_attention=True)
+        expected = {"prefill": dict(common, chunked_prefill_size="131072", max_running_requests="512",
+                                    deepep_mode="auto", cuda_graph_max_bs=None, disable_overlap_schedule=False,
+                                    disaggregation_mode="prefill"),
+                    "decode": dict(common, chunked_prefill_size=None, max_running_requests="768",
+                                   deepep_mode="low_latency", cuda_graph_max_bs="12", disable_overlap_schedule=True,
+                                   disaggregation_mode="decode", disaggregation_bootstrap_port=None)}
+        for url, argv in launched.items():
+            assert argv[1:3] == ["-m", "agentrl.engines.sglang_server"]
+            got = vars(stand_in_sglang_parser().parse_args(argv[3:]))
+            assert got.pop("port") == url.rsplit(":", 1)[1] and got.pop("random_seed") is not None
+            if kinds[url] == "prefill":
+                assert got.pop("disaggregation_bootstrap_port") is not None
+            assert got == expected[kinds[url]], (kinds[url], argv)
+    finally:
+        group.stop()

@@ -171,6 +171,39 @@ def test_slimes_default_generate_trains(slime_env, tmp_path):
         assert all(t["loss_mask"] == [1] * len(t["loss_mask"]) and t["reward"] == 0.5 for t in rows)
 
 
+# A generate function as slime's sglang-config docs write one: the model's URL from slime's
+# get_model_url (args.sglang_model_routers), the request through slime's http_utils.post.
+MODEL_URL_GENERATE = '''
+from slime.rollout.sglang_rollout import get_model_url
+from slime.utils.http_utils import post
+
+
+async def generate(args, sample, sampling_params):
+    routers = args.sglang_model_routers
+    assert routers == {"default": (args.sglang_router_ip, args.sglang_router_port)}, routers
+    url = get_model_url(args, "default", "/generate")
+    out = await post(url, {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True})
+    pairs = out["meta_info"]["output_token_logprobs"]
+    sample.append_response_tokens(args, tokens=[p[1] for p in pairs], log_probs=[p[0] for p in pairs],
+                                  meta_info=out["meta_info"], text=out["text"])
+    sample.metadata["url"] = url
+    return sample
+'''
+
+
+@pytest.mark.e2e
+def test_a_hook_finds_the_engines_with_slimes_get_model_url(slime_env, tmp_path):
+    """args.sglang_model_routers as slime fills it (model name -> the router agentrl runs, here
+    the one engine): slime's get_model_url gives the URL the run generates at."""
+    fn = tmp_path / "by_name.py"
+    fn.write_text(MODEL_URL_GENERATE)
+    out = tmp_path / "run"
+    train(slime_env, out, "--custom-generate-function-path", f"{fn}:generate")
+    for rows in trajectories(out):
+        assert all(t["metadata"]["url"].startswith("http://127.0.0.1:") and t["metadata"]["url"].endswith("/generate")
+                   and t["reward"] == 0.5 for t in rows)
+
+
 @pytest.mark.e2e
 def test_slimes_generate_rollout_with_an_rm_hub_math_reward(slime_env, tmp_path):
     """slime's own generate_rollout: its GenerateState, semaphore (concurrency x engines),

@@ -345,8 +345,8 @@ def test_the_parser_flag_list_is_slimes(slime):
 
 # What still stops a `python3 train.py` line of slime's scripts/ and examples/ (slime 624b824) before
 # the model's config.json is read: script -> the refusal, each saying why (docs/slime.md). GLM-5.2's
-# --sglang-config is read (the YAML its script writes), and stops at the SGLang arguments its prefill
-# and decode groups do not share: agentrl starts every engine with the same ones.
+# --sglang-config (the YAML its script writes) is read onto prefill and decode engines with their
+# own SGLang arguments, so it gets to the model.
 STILL_REFUSED = {
     "examples/delta_weight_sync/run-glm4.7-30B-A3B-delta.sh": "--update-weight-mode delta: not supported by agentrl: "
                                                               "slime's delta weight sync is applied by SGLang's "
@@ -355,8 +355,6 @@ STILL_REFUSED = {
     "examples/on_policy_distillation/run-qwen3-8B-opd-megatron.sh": "--opd-teacher-load /root/.*: no such folder",
     "scripts/run-glm4.7-30B-A3B.sh": "--enable-mtp-training: not supported by agentrl: .*MTP layers",
     "scripts/run-mimo-7B-rl-eagle.sh": "--enable-mtp-training: not supported by agentrl: .*MTP layers",
-    "scripts/run-glm5.2-744B-A40B.sh": r"--sglang-config .*: sglang\[0\]\.server_groups\[\*\]\.overrides\."
-                                       r"chunked_prefill_size differs between groups",
 }
 
 
@@ -364,7 +362,7 @@ def test_every_train_line_of_slimes_scripts_gets_to_the_model(slime, monkeypatch
     """Every script of slime's with a `python3 train.py` / `train_async.py` line, its arguments built
     as bash builds them, run from slime's root (its relative paths) through the parse: each gets as
     far as the model's config.json (absent here: /root/...), or stops at a refusal listed above:
-    of slime 624b824's 41 such lines, 35 reach the model and 6 are refused."""
+    of slime 624b824's 41 such lines, 36 reach the model and 5 are refused."""
     import re
 
     if slime is None:
@@ -386,4 +384,29 @@ def test_every_train_line_of_slimes_scripts_gets_to_the_model(slime, monkeypatch
     wrong = {n: o[:300] for n, o in outcomes.items() if n not in model and not (
         n in STILL_REFUSED and re.search(STILL_REFUSED[n], o))}
     assert not wrong, wrong
-    assert (len(outcomes), len(model), sorted(set(outcomes) - set(model))) == (41, 35, sorted(STILL_REFUSED))
+    assert (len(outcomes), len(model), sorted(set(outcomes) - set(model))) == (41, 36, sorted(STILL_REFUSED))
+
+
+def test_glm52s_engines_are_its_sglang_config(slime, tmp_path):
+    """GLM-5.2's script (slime 624b824): its SGLang flags and the --sglang-config YAML it writes
+    -> 1 prefill engine and 3 decode engines of 64 GPUs, each type with its group's own SGLang
+    arguments over the script's --sglang-* (which the YAML's shared overrides replace)."""
+    if slime is None:
+        pytest.skip("no slime checkout (AGENTRL_SLIME_SRC or the git mirror)")
+    args = script_args(slime, "scripts/run-glm5.2-744B-A40B.sh", scratch=tmp_path)
+    starts = [i for i, a in enumerate(args) if a.startswith("--")] + [len(args)]
+    keep = [w for i, j in zip(starts, starts[1:]) if args[i].startswith("--sglang-")
+            or args[i] == "--rollout-num-gpus-per-engine" for w in args[i:j]]
+    cfg, _ = parse_config(keep)
+    r = cfg.rollout
+    assert (r.rollout_num_gpus, r.rollout_num_gpus_per_engine, r.num_engines, r.prefill_num_servers,
+            r.engine_model_name) == (256, 64, 4, 1, "default")
+    assert {k: cfg.sglang_args[k] for k in ("dp-size", "ep-size", "enable-dp-attention", "mem-fraction-static",
+                                             "deepep-mode", "max-running-requests", "cuda-graph-max-bs")} == {
+        "dp-size": "64", "ep-size": "64", "enable-dp-attention": None, "mem-fraction-static": "0.70",
+        "deepep-mode": "auto", "max-running-requests": "512", "cuda-graph-max-bs": "8"}
+    assert r.prefill_sglang_args == {"load-balance-method": "follow_bootstrap_room", "chunked-prefill-size": "131072",
+                                     "max-running-requests": "512", "deepep-mode": "auto"}
+    assert r.decode_sglang_args == {"load-balance-method": "round_robin", "max-running-requests": "768",
+                                    "cuda-graph-max-bs": "12", "deepep-mode": "low_latency",
+                                    "moe-runner-backend": "deep_gemm", "disable-overlap-schedule": None}

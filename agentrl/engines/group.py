@@ -13,7 +13,8 @@ router, or the only engine), `engine_urls` every engine (weight sync, flush, abo
 - With two or more engines (or `--use-router always`), sglang-router runs in front of them
   (see router.py) with session affinity on the trajectory id.
 - `--prefill-num-servers N` (slime's; SGLang engines only): the first N engines prefill, the rest
-  decode (SGLang's --disaggregation-mode), and the router runs in PD mode over them.
+  decode (SGLang's --disaggregation-mode), and the router runs in PD mode over them; each kind
+  takes its own SGLang arguments over --sglang-* (`--prefill-sglang-args`, `--decode-sglang-args`).
 
 Health: a monitor thread polls every engine. A dead one leaves the router's pool at once
 (the router's own health checks would also drop it, more slowly); an engine this run
@@ -200,9 +201,19 @@ def _launch_embedded(cfg: RolloutConfig, *, model_path: str, device: str, seed: 
 
 def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: Path, sglang_args: dict,
                    launch=_local_launcher, gpu_ids: list[int] | None = None):
-    from agentrl.engines.sglang import plan_engines, sglang_log_hint, validate_sglang_args, visible_gpus
+    from agentrl.engines.sglang import merged_args, plan_engines, sglang_log_hint, validate_sglang_args, visible_gpus
 
     argv = validate_sglang_args(sglang_args)
+    worker_argv = {}
+    for kind, own in (("prefill", cfg.prefill_sglang_args), ("decode", cfg.decode_sglang_args)):
+        if own and not cfg.prefill_num_servers:
+            raise ConfigError(f"--{kind}-sglang-args: the {kind} engines' own SGLang arguments need "
+                              "--prefill-num-servers (prefill/decode engines)")
+        if cfg.prefill_num_servers:
+            try:
+                worker_argv[kind] = validate_sglang_args(merged_args(sglang_args, own))
+            except ConfigError as exc:
+                raise ConfigError(f"--{kind}-sglang-args {json.dumps(own)}: {exc}") from None
     gpu_ids = visible_gpus() if gpu_ids is None else gpu_ids
     n = cfg.num_engines or max(1, (cfg.rollout_num_gpus or len(gpu_ids)) // cfg.rollout_num_gpus_per_engine)
     ports = [server_port() for _ in range(n)]
@@ -210,7 +221,7 @@ def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: P
     plans = plan_engines(num_engines=n, num_gpus=cfg.rollout_num_gpus or len(gpu_ids), gpus_per_engine=
                          cfg.rollout_num_gpus_per_engine, gpu_ids=gpu_ids, ports=ports, model_path=model_path,
                          sglang_argv=argv, seed=seed, prefill=prefill,
-                         bootstrap_ports=[server_port() for _ in range(prefill)])
+                         bootstrap_ports=[server_port() for _ in range(prefill)], worker_argv=worker_argv)
     servers: dict[int, ServerProcess] = {}
     try:
         pending = list(plans)

@@ -17,7 +17,9 @@ about F / n of the GPU. An engine restarted there finds the others up, so it get
 
 Prefill/decode disaggregation (slime's --prefill-num-servers N): engines 0..N-1 get SGLang's
 `--disaggregation-mode prefill --disaggregation-bootstrap-port P` (a free port each), the rest
-`--disaggregation-mode decode`, each on GPUs of its own; the router pairs them (router.py).
+`--disaggregation-mode decode`, each on GPUs of its own; the router pairs them (router.py). The
+prefill engines take --prefill-sglang-args over the --sglang-* ones, the decode engines
+--decode-sglang-args (slime's --sglang-config gives its prefill and decode groups their own).
 
 Engines are started through `python -m agentrl.engines.sglang_server`, which is SGLang's
 `python -m sglang.launch_server` plus one response header naming the engine (see there).
@@ -129,6 +131,20 @@ def validate_sglang_args(args: dict[str, str | None], parser: argparse.ArgumentP
     return argv
 
 
+def merged_args(shared: dict[str, str | None], own: dict) -> dict[str, str | None]:
+    """--sglang-* arguments with one worker type's own over them (--prefill-sglang-args,
+    --decode-sglang-args: None or true a bare switch, false drops the argument, a list its words)."""
+    out = normalize_args(shared)
+    for name, value in normalize_args(own).items():
+        if value is False:
+            out.pop(name, None)
+        elif value is None or value is True:
+            out[name] = None
+        else:
+            out[name] = " ".join(map(str, value)) if isinstance(value, list) else str(value)
+    return out
+
+
 def visible_gpus() -> list[int]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
@@ -144,10 +160,13 @@ def visible_gpus() -> list[int]:
 def plan_engines(*, num_engines: int | None, num_gpus: int | None, gpus_per_engine: int, gpu_ids: list[int],
                  ports: list[int], model_path: str, sglang_argv: list[str], seed: int, dtype: str | None = None,
                  engine_ids: list[str] | None = None, prefill: int = 0,
-                 bootstrap_ports: list[int] | None = None) -> list[EnginePlan]:
+                 bootstrap_ports: list[int] | None = None,
+                 worker_argv: dict[str, list[str]] | None = None) -> list[EnginePlan]:
     """Which GPUs and which command line each engine gets. prefill > 0 (slime's
     --prefill-num-servers): engines 0..prefill-1 run SGLang's --disaggregation-mode prefill (each on
-    its bootstrap_ports[i]), the rest --disaggregation-mode decode, as slime launches them."""
+    its bootstrap_ports[i]), the rest --disaggregation-mode decode, as slime launches them;
+    worker_argv["prefill"] / ["decode"], where given, is those engines' SGLang argv instead of
+    sglang_argv."""
     num_gpus = num_gpus or len(gpu_ids)
     if num_gpus < 1:
         raise ConfigError("--rollout-engine sglang needs GPUs and none are visible (CUDA_VISIBLE_DEVICES / "
@@ -174,14 +193,15 @@ def plan_engines(*, num_engines: int | None, num_gpus: int | None, gpus_per_engi
     for i, gpus in enumerate(placements):
         argv = [sys.executable, "-m", "agentrl.engines.sglang_server", "--model-path", str(model_path),
                 "--host", "127.0.0.1", "--port", str(ports[i]), "--tp-size", str(gpus_per_engine)]
-        extra = list(sglang_argv)
+        worker, bootstrap = "regular", None
+        if prefill:
+            worker = "prefill" if i < prefill else "decode"
+        extra = list((worker_argv or {}).get(worker, sglang_argv))
         if "--random-seed" not in extra:
             extra += ["--random-seed", str(seed + i)]
         if dtype and "--dtype" not in extra:
             extra += ["--dtype", dtype]
-        worker, bootstrap = "regular", None
         if prefill:
-            worker = "prefill" if i < prefill else "decode"
             extra += ["--disaggregation-mode", worker]
             if worker == "prefill":
                 bootstrap = bootstrap_ports[i]

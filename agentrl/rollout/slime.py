@@ -211,7 +211,8 @@ def slime_args(cfg, *, engine_url: str, model_path: str) -> SlimeArgs:
         sglang_enable_deterministic_inference="sglang_enable_deterministic_inference" in values,
         router_policy=values.get("router_policy"),
         **megatron_sizes(cfg.megatron_args),
-        sglang_model_routers=None, eval_datasets=[],
+        # slime's model name -> its router (get_model_url): the one model agentrl serves, at engine_url
+        sglang_model_routers={r.engine_model_name: (url.hostname, url.port)}, eval_datasets=[],
     )
     if cfg.algo.custom_config_path:  # slime sets every key on args; the keys agentrl took are in values already
         from agentrl.slime_args import read_custom_config
