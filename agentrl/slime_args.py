@@ -247,17 +247,22 @@ def _list_expr(node):
     raise ValueError(ast.dump(node))
 
 
-def read_custom_config(path: str) -> dict[str, Any]:
-    """--custom-config-path's YAML: a mapping of slime argument names to values."""
+def _read_yaml(flag: str, path: str):
+    """A slime YAML file's content (None when empty); a missing file or bad YAML is an error naming `flag`."""
     import yaml
 
-    where = f"--custom-config-path {path}"
     if not Path(path).is_file():
-        raise ConfigError(f"{where}: no such file")
+        raise ConfigError(f"{flag} {path}: no such file")
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        return yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: malformed YAML: {exc}") from None
+        raise ConfigError(f"{flag} {path}: malformed YAML: {exc}") from None
+
+
+def read_custom_config(path: str) -> dict[str, Any]:
+    """--custom-config-path's YAML: a mapping of slime argument names to values."""
+    where = f"--custom-config-path {path}"
+    data = _read_yaml("--custom-config-path", path) or {}
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise ConfigError(f"{where}: the top level must map argument names to values")
     return {k.replace("-", "_"): v for k, v in data.items()}
@@ -272,15 +277,8 @@ EVAL_SHARED_KEYS = {"temperature": "eval_temperature", "max_response_len": "eval
 def read_eval_config(path: str) -> list[dict[str, Any]]:
     """--eval-config's YAML as slime reads it (an `eval` mapping, or the root): each dataset's keys
     over `defaults`'s. A key agentrl cannot honour per set is an error naming it."""
-    import yaml
-
     where = f"--eval-config {path}"
-    if not Path(path).is_file():
-        raise ConfigError(f"{where}: no such file")
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: malformed YAML: {exc}") from None
+    data = _read_yaml("--eval-config", path)
     section = data.get("eval", data) if isinstance(data, dict) else None
     datasets = section.get("datasets") if isinstance(section, dict) else None
     if isinstance(datasets, dict):  # slime's ensure_dataset_list: a single dataset mapping
@@ -315,15 +313,8 @@ YAML_OWNED = {"tp-size": "(use num_gpus_per_engine)", "tensor-parallel-size": "(
 
 def read_sglang_config(path: str) -> list[dict[str, Any]]:
     """--sglang-config's YAML: a top-level `sglang` list of models, each a mapping."""
-    import yaml
-
     where = f"--sglang-config {path}"
-    if not Path(path).is_file():
-        raise ConfigError(f"{where}: no such file")
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: malformed YAML: {exc}") from None
+    data = _read_yaml("--sglang-config", path)
     models = data.get("sglang") if isinstance(data, dict) else None
     if not models or not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
         raise ConfigError(f"{where}: no models under sglang (a list of {{name, server_groups: [...]}})")
