@@ -10,20 +10,23 @@ set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-/root/agentrl-gpu-out}; mkdir -p "$out"
 [ $# -gt 0 ] || { echo "usage: parallel.sh SCENARIO[=GPUS] ..." >&2; exit 2; }
-bash "$repo/scripts/gpu/run.sh" install || exit 3
 total=$(nvidia-smi --list-gpus | wc -l)
-next=0; pids=(); names=()
-for spec in "$@"; do
+next=0; names=(); gpu_sets=()
+for spec in "$@"; do  # every scenario's GPUs first: nothing starts if they do not all fit
   name=${spec%=*}; n=1; [ "$name" != "$spec" ] && n=${spec##*=}
   if [ $((next + n)) -gt "$total" ]; then
     echo "parallel.sh: '$name' needs $n GPU(s), only $((total - next)) left of $total" >&2; exit 2
   fi
-  gpus=$(seq -s, "$next" $((next + n - 1))); i=${#pids[@]}
+  names+=("$name"); gpu_sets+=("$(seq -s, "$next" $((next + n - 1)))"); next=$((next + n))
+done
+bash "$repo/scripts/gpu/run.sh" install || exit 3
+pids=()
+for i in "${!names[@]}"; do
   mkdir -p "$out/p$i"
-  echo "p$i: $name on GPU(s) $gpus"
-  CUDA_VISIBLE_DEVICES=$gpus AGENTRL_NO_INSTALL=1 AGENTRL_GPU_OUT="$out/p$i" \
-    bash "$repo/scripts/gpu/run.sh" "$name" > "$out/p$i.log" 2>&1 &
-  pids+=($!); names+=("$name"); next=$((next + n))
+  echo "p$i: ${names[$i]} on GPU(s) ${gpu_sets[$i]}"
+  CUDA_VISIBLE_DEVICES=${gpu_sets[$i]} AGENTRL_NO_INSTALL=1 AGENTRL_GPU_OUT="$out/p$i" \
+    bash "$repo/scripts/gpu/run.sh" "${names[$i]}" > "$out/p$i.log" 2>&1 &
+  pids+=($!)
 done
 failed=0
 for i in "${!pids[@]}"; do
