@@ -137,7 +137,7 @@ async def ours(url: str, tokenizer, groups: int, n: int, tokens: int, sampling: 
 
 
 def timed(coro) -> dict:
-    gc.collect()
+    gc.collect()  # each run starts with no garbage from the last
     main_cpu, cpu = time.thread_time(), time.process_time()
     out = asyncio.run(coro)
     figures = out[0] if isinstance(out, tuple) else out
@@ -157,7 +157,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     from agentrl.models import build_tiny_model, load_tokenizer
 
+    from agentrl.rollout.gc_tuning import tune_gc_for_rollouts
+
     tokenizer = load_tokenizer(build_tiny_model())
+    tune_gc_for_rollouts()  # as `agentrl train` does once it has started
     server, url = start_stand_in(_serve, args.delay, len(tokenizer))
     sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True}
     try:
