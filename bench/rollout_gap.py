@@ -94,7 +94,10 @@ async def bare(url: str, requests: list[tuple[str, list[int]]], sampling: dict, 
     """Every request at once from one session: (first request to last reply) seconds."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      json_serialize=lambda v: orjson.dumps(v).decode()) as session:
+        sent = []
+
         async def one(tid: str, ids: list[int]) -> None:
+            sent.append(time.perf_counter())
             payload = {"input_ids": ids, "return_logprob": True, "rid": f"{tid}-t0-0",
                        "sampling_params": {**sampling, "max_new_tokens": tokens}}
             async with session.post(url + "/generate", json=payload, headers={"X-SMG-Routing-Key": tid}) as resp:
@@ -104,7 +107,7 @@ async def bare(url: str, requests: list[tuple[str, list[int]]], sampling: dict, 
         t0 = time.perf_counter()
         await asyncio.gather(*[one(tid, ids) for tid, ids in requests])
         span = time.perf_counter() - t0
-    return {"span_s": span, "call_s": span}
+    return {"span_s": span, "call_s": span, "sends_spread_s": max(sent) - min(sent)}
 
 
 async def ours(url: str, tokenizer, groups: int, n: int, tokens: int, sampling: dict):
@@ -131,8 +134,10 @@ async def ours(url: str, tokenizer, groups: int, n: int, tokens: int, sampling: 
     bad = [s for s in samples if s.status.value != "completed" or s.num_trained_tokens != tokens]
     assert not bad, bad[0].metadata
     m = rollout_stage_metrics(samples, start, end)
+    sent = [s.metadata["stages"]["first_request_at"] for s in samples]
     return {"span_s": m["stage/requests_span_s"], "call_s": call, "first_request_after_s": m["stage/first_request_after_s"],
-            "after_last_reply_s": m["stage/after_last_reply_s"], "loop_busy_frac": m["stage/loop_busy_frac"],
+            "after_last_reply_s": m["stage/after_last_reply_s"], "sends_spread_s": max(sent) - min(sent),
+            "loop_busy_frac": m["stage/loop_busy_frac"],
             **{k: m[f"stage/{k}_s_mean"] for k in ("reset", "env", "decode", "generate")}}, samples
 
 
@@ -183,11 +188,14 @@ def main(argv: list[str] | None = None) -> dict:
               "ratio_span": med["bare"]["span_s"] / med["agentrl"]["span_s"], "runs": runs}
     print(f"{args.trajectories} trajectories x {args.tokens} tokens, stand-in delay {args.delay} s, "
           f"{args.repeats} runs each (median); {os.cpu_count()} CPUs, load {report['machine']['load_average_1m']}")
-    print(f"{'':8s} {'span s':>8s} {'call s':>8s} {'over delay':>10s} {'main CPU s':>10s} {'proc CPU s':>10s}")
+    print(f"{'':8s} {'span s':>8s} {'call s':>8s} {'over delay':>10s} {'sends ms':>9s} {'main CPU s':>10s} "
+          f"{'proc CPU s':>10s}")
     for side in ("bare", "agentrl"):
         m = med[side]
         print(f"{side:8s} {m['span_s']:8.3f} {m['call_s']:8.3f} {m['span_s'] - args.delay:10.3f} "
-              f"{m['main_thread_cpu_s']:10.3f} {m['process_cpu_s']:10.3f}")
+              f"{m['sends_spread_s'] * 1e3:9.1f} {m['main_thread_cpu_s']:10.3f} {m['process_cpu_s']:10.3f}")
+    print("(span: first request to last reply; sends: first to last request sent; main CPU: the event "
+          "loop's thread; proc CPU: with worker threads)")
     a = med["agentrl"]
     print(f"agentrl stages (mean per trajectory): reset {a['reset'] * 1e3:.2f} ms, env {a['env'] * 1e3:.2f} ms, "
           f"decode {a['decode'] * 1e3:.2f} ms, generate {a['generate']:.3f} s; loop_busy_frac "

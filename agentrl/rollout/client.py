@@ -21,7 +21,6 @@ cached tokens) for the router_affinity and prefix_cache_hit_rate metrics.
 from __future__ import annotations
 
 import base64
-import operator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -39,7 +38,6 @@ CONTROL_RETRY = replace(GENERATE_RETRY, attempts=3)
 # each client's deadline: no try starts later than this past its request timeout, counted from the
 # first try (a reply that failed late still gets retries; the router drops a dead engine in seconds)
 RETRY_GRACE_S = 60.0
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
 @dataclass
@@ -146,15 +144,15 @@ class EngineClient:
         body, engine = await self._post("/generate", payload, headers)
         try:
             meta = body["meta_info"]
-            pairs = meta["output_token_logprobs"]  # [[logprob, id, text], ...]: the columns by map, not per-pair Python
-            output_ids = list(map(int, map(_SECOND, pairs)))
+            pairs = meta["output_token_logprobs"]
+            output_ids = [int(p[1]) for p in pairs]
             sent_ids = body.get("output_ids")
             if sent_ids is not None and (sent_ids if type(sent_ids) is list else list(sent_ids)) != output_ids:
                 raise EngineError("engine reply: output_ids and output_token_logprobs disagree")
             finish = meta["finish_reason"]
             result = GenerateResult(
                 output_ids=output_ids,
-                logprobs=list(map(float, map(_FIRST, pairs))),
+                logprobs=[float(p[0]) for p in pairs],
                 finish_reason=finish["type"] if isinstance(finish, dict) else str(finish),
                 prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
                 cached_tokens=int(meta.get("cached_tokens") or 0),
