@@ -12,7 +12,9 @@ once come back together, as on the GPU run (every trajectory exactly `--tokens` 
 - bare: one aiohttp session (no connection limit, orjson), every request at once, each reply
   read and its token count checked (bench/rollout_vs_bare.py's replay);
 - agentrl: generate_rollout -> GroupRunner (groups of 8) -> run_trajectory -> EngineClient ->
-  the target-token env (single turn, the GPU run's env, as `agentrl train` builds it).
+  the target-token env (single turn, the GPU run's env, as `agentrl train` builds it);
+- threaded_env: the same with target-token as it ran before 883d276 (reset and step in worker
+  threads, every token decoded by a call of its own): the "before" of that fix, in the same run.
 
 Per side (median of `--repeats`, interleaved): the requests span (first request sent to last
 reply read), the whole call, the main thread's CPU seconds (the event loop's own work) and the
@@ -110,8 +112,26 @@ async def bare(url: str, requests: list[tuple[str, list[int]]], sampling: dict, 
     return {"span_s": span, "call_s": span, "sends_spread_s": max(sent) - min(sent)}
 
 
-async def ours(url: str, tokenizer, groups: int, n: int, tokens: int, sampling: dict):
-    """`agentrl train`'s rollout path with the target-token env: (figures, samples)."""
+def threaded_target_token():
+    """target-token as it ran before 883d276: reset and step in worker threads (Env.areset/astep,
+    as every sync env's), each token's text from a decode call of its own."""
+    from agentrl.env import Action, Env
+    from agentrl.registry import make
+
+    class Threaded(type(make("target-token"))):
+        areset, astep = Env.areset, Env.astep
+
+        def step(self, action):
+            old = Action(action)  # no decode_each: token_texts decodes token by token
+            old.token_ids, old._decode = action.token_ids, action._decode
+            return super().step(old)
+
+    return Threaded()
+
+
+async def ours(url: str, tokenizer, groups: int, n: int, tokens: int, sampling: dict, threaded: bool = False):
+    """`agentrl train`'s rollout path with the target-token env (`threaded`: as it ran before,
+    threaded_target_token): (figures, samples)."""
     from agentrl.metrics import rollout_stage_metrics
     from agentrl.registry import make
     from agentrl.rollout.agent_loop import LoopSettings, Renderer
@@ -125,7 +145,8 @@ async def ours(url: str, tokenizer, groups: int, n: int, tokens: int, sampling: 
     async with EngineClient(url) as client:
         start = time.time()
         t0 = time.perf_counter()
-        samples = await generate_rollout(tasks, make_env=lambda name: (make("target-token"), "target-token"),
+        samples = await generate_rollout(tasks, make_env=lambda name: (threaded_target_token() if threaded else make("target-token"), "target-token"),
+                                         
                                          n_samples=n, renderer=Renderer(tokenizer, apply_chat_template=False),
                                          client=client, settings_for=lambda env: settings, rollout_id=0,
                                          run_seed=0, max_concurrency=groups * n)
@@ -172,36 +193,43 @@ def main(argv: list[str] | None = None) -> dict:
         # a first (untimed) run of ours gives the requests the bare client sends: the same input ids and ids
         _, samples = asyncio.run(ours(url, tokenizer, args.trajectories // 8, 8, args.tokens, sampling))
         requests = [(s.trajectory_id, s.prompt_tokens) for s in samples]
-        runs = {"bare": [], "agentrl": []}
-        for _ in range(args.repeats):  # interleaved: drift in the machine's load hits both alike
+        runs = {"bare": [], "agentrl": [], "threaded_env": []}
+        for _ in range(args.repeats):  # interleaved: drift in the machine's load hits all alike
             runs["bare"].append(timed(bare(url, requests, sampling, args.tokens)))
             runs["agentrl"].append(timed(ours(url, tokenizer, args.trajectories // 8, 8, args.tokens, sampling)))
+            runs["threaded_env"].append(timed(ours(url, tokenizer, args.trajectories // 8, 8, args.tokens, sampling,
+                                                   threaded=True)))
     finally:
         server.kill()
     med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
-    over = {k: med["agentrl"][k] - med["bare"][k] for k in ("span_s", "call_s", "main_thread_cpu_s")}
+    over = {side: {k: med[side][k] - med["bare"][k] for k in ("span_s", "call_s", "main_thread_cpu_s")}
+            for side in ("agentrl", "threaded_env")}
     report = {"command": " ".join([sys.executable, *sys.argv]), "trajectories": args.trajectories,
               "tokens": args.tokens, "delay_s": args.delay, "repeats": args.repeats,
               "machine": {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
                           "load_average_1m": round(os.getloadavg()[0], 2)},
               "median": med, "agentrl_over_bare_s": over,
-              "ratio_span": med["bare"]["span_s"] / med["agentrl"]["span_s"], "runs": runs}
+              "ratio_span": {side: med["bare"]["span_s"] / med[side]["span_s"] for side in ("agentrl", "threaded_env")},
+              "runs": runs}
     print(f"{args.trajectories} trajectories x {args.tokens} tokens, stand-in delay {args.delay} s, "
           f"{args.repeats} runs each (median); {os.cpu_count()} CPUs, load {report['machine']['load_average_1m']}")
-    print(f"{'':8s} {'span s':>8s} {'call s':>8s} {'over delay':>10s} {'sends ms':>9s} {'main CPU s':>10s} "
+    print(f"{'':12s} {'span s':>8s} {'call s':>8s} {'over delay':>10s} {'sends ms':>9s} {'main CPU s':>10s} "
           f"{'proc CPU s':>10s}")
-    for side in ("bare", "agentrl"):
+    for side in ("bare", "agentrl", "threaded_env"):
         m = med[side]
-        print(f"{side:8s} {m['span_s']:8.3f} {m['call_s']:8.3f} {m['span_s'] - args.delay:10.3f} "
+        print(f"{side:12s} {m['span_s']:8.3f} {m['call_s']:8.3f} {m['span_s'] - args.delay:10.3f} "
               f"{m['sends_spread_s'] * 1e3:9.1f} {m['main_thread_cpu_s']:10.3f} {m['process_cpu_s']:10.3f}")
     print("(span: first request to last reply; sends: first to last request sent; main CPU: the event "
           "loop's thread; proc CPU: with worker threads)")
-    a = med["agentrl"]
-    print(f"agentrl stages (mean per trajectory): reset {a['reset'] * 1e3:.2f} ms, env {a['env'] * 1e3:.2f} ms, "
-          f"decode {a['decode'] * 1e3:.2f} ms, generate {a['generate']:.3f} s; loop_busy_frac "
-          f"{a['loop_busy_frac']:.3f}; first request after {a['first_request_after_s'] * 1e3:.1f} ms, "
-          f"after last reply {a['after_last_reply_s'] * 1e3:.1f} ms")
-    print(f"span over bare: {over['span_s']:.3f} s; ratio bare/agentrl span: {report['ratio_span']:.3f}")
+    print("(threaded_env: target-token's reset and step in worker threads, its tokens decoded one by one, "
+          "as before 883d276)")
+    for side in ("agentrl", "threaded_env"):
+        a = med[side]
+        print(f"{side} stages (mean per trajectory): reset {a['reset'] * 1e3:.2f} ms, env {a['env'] * 1e3:.2f} ms, "
+              f"decode {a['decode'] * 1e3:.2f} ms, generate {a['generate']:.3f} s; loop_busy_frac "
+              f"{a['loop_busy_frac']:.3f}; first request after {a['first_request_after_s'] * 1e3:.1f} ms, "
+              f"after last reply {a['after_last_reply_s'] * 1e3:.1f} ms")
+        print(f"  span over bare: {over[side]['span_s']:.3f} s; ratio bare/{side} span: {report['ratio_span'][side]:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return report
