@@ -279,3 +279,14 @@ def test_token_texts_from_the_table_are_each_tokens_own_decoding(tokenizer):
     token_ids, texts = env.seen
     assert sample.status == SampleStatus.COMPLETED and token_ids and token_ids == tuple(sample.response_tokens[:-1])
     assert texts == tuple(tokenizer.decode([t]) for t in token_ids)
+
+
+def test_token_texts_past_a_full_table_are_still_each_tokens_decoding(tokenizer, monkeypatch):
+    import agentrl.rollout.agent_loop as loop
+
+    monkeypatch.setattr(loop, "PIECE_CACHE_SIZE", 10)
+    renderer = Renderer(tokenizer, False)
+    ids = list(range(40))
+    expected = tuple(renderer.decode([t]) for t in ids)
+    assert renderer.token_texts(ids[:8]) == expected[:8]  # fits: kept
+    assert renderer.token_texts(ids) == expected and len(renderer._pieces) == 8  # does not fit: decoded, not kept

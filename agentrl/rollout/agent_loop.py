@@ -251,15 +251,17 @@ class Renderer:
         """decode([t]) of each token t (Action.token_texts), from a table of the tokens met before:
         target-token's step read 1,024 of them through 1,024 decode calls (~0.7 ms, holding the
         GIL, so the event loop waited behind it). Only with the private backend, whose decoding
-        no one else can change."""
+        no one else can change. Entries are only ever added (a sync env's step may run this in a
+        worker thread while the event loop runs it too)."""
         if self._backend is None:
             return tuple(self.decode([t]) for t in tokens)
         pieces = self._pieces
         missing = list(set(tokens).difference(pieces))
         if missing:
-            if len(pieces) + len(missing) > PIECE_CACHE_SIZE:
-                pieces.clear()
-            pieces.update(zip(missing, self._backend.decode_batch([[t] for t in missing], skip_special_tokens=False)))
+            decoded = dict(zip(missing, self._backend.decode_batch([[t] for t in missing], skip_special_tokens=False)))
+            if len(pieces) + len(decoded) > PIECE_CACHE_SIZE:  # a full table (no vocabulary is that large)
+                return tuple(pieces[t] if t in pieces else decoded[t] for t in tokens)
+            pieces.update(decoded)
         return tuple(map(pieces.__getitem__, tokens))
 
     def extension(self, sample: Sample, seen: str, messages: list[dict], tools: list[dict] | None,
