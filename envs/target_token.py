@@ -62,14 +62,28 @@ class TargetTokenEnv(Env):
         self.target = str(options.get("label") or self.targets[self.np_random.integers(len(self.targets))])
         return options.get("prompt") or prompt(self.target), {}
 
+    # reset and step are a few microseconds of Python: run on the event loop, not in a worker
+    # thread as a sync env's are (Env.areset/astep). On the GPU run, 256 of them queued for the
+    # thread pool: the env stage took 0.2 s a trajectory, reset staggered the first requests, and
+    # the threads held the GIL while the event loop read the engine's replies.
+    async def areset(self, *, seed=None, options=None):
+        return self.reset(seed=seed, options=options)
+
+    async def astep(self, action):
+        return self.step(action)
+
     def step(self, action):
-        texts = [t.strip() for t in getattr(action, "token_texts", ())]
+        texts = getattr(action, "token_texts", ())
         if not texts:  # a plain-text caller: fall back to whitespace words
             texts = action.split()
         if not texts:
             return [], 0.0, True, False, {"hits": 0, "metrics": {"above_chance": 0.0}}
-        share = Counter(texts)
         others = [w for w in dict.fromkeys(self.targets) if w != self.target]
+        share = dict.fromkeys([self.target, *others], 0)  # only these words' counts are read
+        for text, n in Counter(texts).items():  # each distinct token's text stripped once, not each token's
+            word = text.strip()
+            if word in share:
+                share[word] += n
         above = (share[self.target] - sum(share[w] for w in others) / max(len(others), 1)) / len(texts)
         return [], share[self.target] / len(texts), True, False, {"hits": share[self.target],
                                                                   "metrics": {"above_chance": above}}

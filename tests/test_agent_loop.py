@@ -249,3 +249,44 @@ def test_agent_fault_from_any_env_scores_zero_and_surrogates_are_replaced(tokeni
     assert s.status == SampleStatus.COMPLETED and s.reward == 0.5
     assert s.metadata["agent_fault"] == "AgentFault: the agent's answer broke its grader"
     assert "echo: \ufffd \ufffd" in s.messages[2]["content"]  # the tokenizer raises TypeError on lone surrogates
+
+
+def test_token_texts_from_the_table_are_each_tokens_own_decoding(tokenizer):
+    """Renderer.token_texts (what the env's Action.token_texts reads) gives decode([t]) for every
+    token, the first time and from its table after, and the env is handed it by the loop."""
+    renderer = Renderer(tokenizer, False)
+    ids = list(range(len(tokenizer))) + [5, 5, tokenizer.eos_token_id]
+    expected = tuple(tokenizer.decode([t], clean_up_tokenization_spaces=False) for t in ids)
+    assert renderer.token_texts(ids) == expected
+    assert renderer.token_texts(ids[::-1]) == expected[::-1]  # from the table now
+    assert renderer.token_texts([]) == ()
+
+    class Texts(agentrl.Env):
+        max_turns = 1
+
+        def reset(self, *, seed=None, options=None):
+            return "say it", {}
+
+        def step(self, action):
+            self.seen = (action.token_ids, action.token_texts)
+            return [], 1.0, True, False, {}
+
+    env = Texts()
+    sample = asyncio.run(run_trajectory(
+        env, {}, renderer=renderer, client=ScriptedClient(tokenizer, ["the cat, the hat"]),
+        settings=LoopSettings(max_response_len=50, max_turns=1, sampling_params={}, apply_chat_template=False),
+        trajectory_id="t", group_id=0, seed=0))
+    token_ids, texts = env.seen
+    assert sample.status == SampleStatus.COMPLETED and token_ids and token_ids == tuple(sample.response_tokens[:-1])
+    assert texts == tuple(tokenizer.decode([t]) for t in token_ids)
+
+
+def test_token_texts_past_a_full_table_are_still_each_tokens_decoding(tokenizer, monkeypatch):
+    import agentrl.rollout.agent_loop as loop
+
+    monkeypatch.setattr(loop, "PIECE_CACHE_SIZE", 10)
+    renderer = Renderer(tokenizer, False)
+    ids = list(range(40))
+    expected = tuple(renderer.decode([t]) for t in ids)
+    assert renderer.token_texts(ids[:8]) == expected[:8]  # fits: kept
+    assert renderer.token_texts(ids) == expected and len(renderer._pieces) == 8  # does not fit: decoded, not kept

@@ -123,3 +123,22 @@ def test_a_folder_that_is_not_a_run_names_the_missing_file(tmp_path, monkeypatch
     (tmp_path / "metrics.jsonl").write_text('{"rollout_id": 0}\n')
     with pytest.raises(bench.ReplayError, match=r"metrics\.jsonl:1: not a metrics row .*rollout_s"):
         bench.run(["--run", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_rollout_gap_bench_prints_both_sides_against_the_stand_in(tmp_path):
+    """bench/rollout_gap.py (issue 34 on the CPU), small: every side's requests span covers the
+    stand-in's delay, and target-token's reset and step take no worker-thread queue (they did:
+    0.05 s and 0.1 s a trajectory at 256)."""
+    out = tmp_path / "gap.json"
+    done = subprocess.run([sys.executable, str(BENCH.parent / "rollout_gap.py"), "--trajectories", "32", "--tokens",
+                           "64", "--delay", "0.3", "--repeats", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ratio bare/agentrl span" in done.stdout
+    report = json.loads(out.read_text())
+    for side in ("bare", "agentrl", "threaded_env"):
+        assert report["median"][side]["span_s"] >= 0.3, side
+    ours = report["median"]["agentrl"]
+    assert ours["reset"] < ours["generate"] / 10 and ours["env"] < ours["generate"] / 10
+    assert set(report["ratio_span"]) == {"agentrl", "threaded_env"}

@@ -50,3 +50,37 @@ def test_half_right_half_wrong_scores_half_the_reward_and_less_above_chance():
     reward, above = play(env, {"prompt": "Repeat the word: and", "label": "and"}, "and and the of")
     assert reward == 0.5 and above == pytest.approx((2 - 2 / 7) / 4)
     assert play(env, {"prompt": "x", "label": "and"}, "")[0] == 0.0
+
+
+def test_an_episode_runs_on_the_event_loop_without_a_worker_thread(tokenizer):
+    """reset and step take microseconds: run on the event loop, never queued for the thread pool
+    (on a GPU run, 256 of them waited there ~0.2 s each and held the GIL while replies came in)."""
+    import asyncio
+    import concurrent.futures
+
+    from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory
+    from agentrl.rollout.client import GenerateResult
+
+    class NoThreads(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, fn, *args, **kwargs):
+            raise AssertionError(f"a worker thread was asked to run {fn}")
+
+    word = tokenizer.encode(" the", add_special_tokens=False)
+    other = tokenizer.encode(" and", add_special_tokens=False)
+
+    class Client:
+        async def generate(self, input_ids, sampling_params, *, session_id=None, rid=None, lora_path=None):
+            ids = (word * 3 + other)[:sampling_params["max_new_tokens"]]
+            return GenerateResult(ids, [-0.1] * len(ids), "length", len(input_ids), 0, "0")
+
+    async def episode():
+        asyncio.get_running_loop().set_default_executor(NoThreads())
+        return await run_trajectory(
+            TargetTokenEnv(), {"prompt": "Repeat the word: the", "label": "the"},
+            renderer=Renderer(tokenizer, False), client=Client(), trajectory_id="t", group_id=0, seed=1,
+            settings=LoopSettings(max_response_len=4 * len(word), max_turns=1, sampling_params={},
+                                  apply_chat_template=False))
+
+    sample = asyncio.run(episode())
+    assert sample.status.value == "completed", sample.metadata.get("error")
+    assert sample.reward == pytest.approx(3 / 4) and sample.metadata["env_metrics"]["above_chance"] > 0
