@@ -300,12 +300,20 @@ def test_trainable_modules_step_matches_the_pytorch_trainer(tiny_model, tmp_path
     tt = TorchTrainer(str(tiny_model), train=train, algo=AlgoConfig(), temperature=0.8)
     tt.load_adapter_weights(folder)
     samples = make_samples()
-    assert max_diff(mt.compute_logprobs(samples), tt.compute_logprobs(samples)) < PEFT_TOL
+    start = tt.compute_logprobs(samples)
+    assert max_diff(mt.compute_logprobs(samples), start) < PEFT_TOL
     before = {k: t.clone() for k, t in tt.trained_module_tensors()}
     m1, m2 = mt.train_rollout(samples), tt.train_rollout(samples)
     print(f"grad norm megatron {m1['grad_norm']:.6f} torch {m2['grad_norm']:.6f}")
     assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
-    assert max_diff(mt.compute_logprobs(samples), tt.compute_logprobs(samples)) < STEP_TOL
+    # Adam's first step is about lr * sign(grad): a near-zero gradient element summed in another
+    # order (the CPU's thread count) moves by up to lr either way, so the two steps agree to a
+    # small part of what the step moved the logprobs, not to a fixed 1e-4 (CI: 3.5e-4 once)
+    after = tt.compute_logprobs(samples)
+    step = max_diff(after, start)
+    print(f"logprobs moved by {step:.6f}; megatron vs torch after the step {max_diff(mt.compute_logprobs(samples), after):.6f}")
+    assert step > 10 * STEP_TOL
+    assert max_diff(mt.compute_logprobs(samples), after) < max(STEP_TOL, 0.01 * step)
     mine, theirs = dict(mt.trained_module_tensors()), dict(tt.trained_module_tensors())
     assert list(mine) == list(theirs) == ["model.embed_tokens.weight", "model.norm.weight"]
     for k in mine:
