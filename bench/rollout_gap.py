@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import gc
 import json
-import multiprocessing
 import os
 import platform
 import random
@@ -45,23 +44,6 @@ try:
 except ImportError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-
-def start_stand_in(serve, *args) -> tuple[multiprocessing.Process, str]:
-    """`serve(port, *args)` in a spawned process, once it answers /health: (the process, its URL)."""
-    from agentrl.engines.launch import free_port, http_ok
-
-    port = free_port()
-    server = multiprocessing.get_context("spawn").Process(target=serve, args=(port, *args), daemon=True)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not http_ok(url + "/health", timeout=1):
-        if time.monotonic() > deadline or not server.is_alive():
-            server.kill()
-            raise RuntimeError("the stand-in engine did not start")
-        time.sleep(0.1)
-    return server, url
 
 
 def sglang_reply(input_ids: list[int], n: int, rid: str, vocab: int, seconds: float) -> dict:
@@ -182,8 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--trajectories must be a positive multiple of 8")
 
     from agentrl.models import build_tiny_model, load_tokenizer
-
     from agentrl.rollout.gc_tuning import tune_gc_for_rollouts
+    from rollout_overhead import start_stand_in  # bench/ (the script's folder) is on sys.path
 
     tokenizer = load_tokenizer(build_tiny_model())
     tune_gc_for_rollouts()  # as `agentrl train` does once it has started

@@ -70,7 +70,9 @@ def start_stand_in(serve, *args) -> tuple[multiprocessing.Process, str]:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while not http_ok(url + "/health", timeout=1):
-        assert time.monotonic() < deadline, "the stand-in engine did not start"
+        if time.monotonic() > deadline or not server.is_alive():
+            server.kill()
+            raise RuntimeError("the stand-in engine did not start")
         time.sleep(0.1)
     return server, url
 
