@@ -321,22 +321,11 @@ def read_sglang_config(path: str) -> list[dict[str, Any]]:
     return models
 
 
-def _override_value(value) -> str | None | bool:
-    """An `overrides` value as a --sglang-* value (True: a bare switch, None; False: not given)."""
-    if value is True:
-        return None
-    if value is False:
-        return False
-    if isinstance(value, list):
-        return " ".join(map(str, value))
-    return json.dumps(value) if isinstance(value, dict) else str(value)
-
-
 def _server_groups(at: str, groups: list[dict], default_gpe: int):
     """--sglang-config's server groups, each checked: (their GPUs, placeholders included; engines
     per worker type; each engine group's GPUs per engine and SGLang overrides by group index;
     the model paths they name, with their YAML keys)."""
-    from agentrl.engines.sglang import OWNED
+    from agentrl.engines.sglang import OWNED, arg_value
 
     total, kinds, gpes, overrides, paths, types = 0, {}, {}, {}, [], {}
     for i, g in enumerate(groups):
@@ -364,7 +353,7 @@ def _server_groups(at: str, groups: list[dict], default_gpe: int):
             if dashed in OWNED:
                 raise ConfigError(f"{here}.overrides.{key}: agentrl sets SGLang's --{dashed} itself "
                                   f"{YAML_OWNED.get(dashed, OWNED[dashed])}")
-        gpes[i], overrides[i] = gpe, {k.replace("_", "-"): _override_value(v) for k, v in extra.items()}
+        gpes[i], overrides[i] = gpe, {k.replace("_", "-"): arg_value(v) for k, v in extra.items()}
         kinds[kind], types[i] = kinds.get(kind, 0) + gpus // gpe, kind
     return total, kinds, gpes, overrides, paths, types
 

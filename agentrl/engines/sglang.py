@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -131,17 +132,29 @@ def validate_sglang_args(args: dict[str, str | None], parser: argparse.ArgumentP
     return argv
 
 
+def arg_value(value) -> str | None | bool:
+    """A YAML/JSON value (slime's --sglang-config overrides, --prefill-sglang-args) as a --sglang-*
+    value: None or true a bare switch (None), false not given (False), a list its words, a mapping
+    its JSON, anything else its text."""
+    if value is None or value is True:
+        return None
+    if value is False:
+        return False
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
 def merged_args(shared: dict[str, str | None], own: dict) -> dict[str, str | None]:
     """--sglang-* arguments with one worker type's own over them (--prefill-sglang-args,
-    --decode-sglang-args: None or true a bare switch, false drops the argument, a list its words)."""
+    --decode-sglang-args, as `arg_value` reads them: false drops the shared argument)."""
     out = normalize_args(shared)
     for name, value in normalize_args(own).items():
+        value = arg_value(value)
         if value is False:
             out.pop(name, None)
-        elif value is None or value is True:
-            out[name] = None
         else:
-            out[name] = " ".join(map(str, value)) if isinstance(value, list) else str(value)
+            out[name] = value
     return out
 
 
