@@ -45,7 +45,6 @@ except ImportError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-
 def sglang_reply(input_ids: list[int], n: int, rid: str, vocab: int, seconds: float) -> dict:
     """What SGLang's /generate answers for `n` new tokens with return_logprob (ids drawn from `rid`)."""
     rng = random.Random(rid)
@@ -127,11 +126,11 @@ async def ours(url: str, tokenizer, groups: int, n: int, tokens: int, sampling: 
     async with EngineClient(url) as client:
         start = time.time()
         t0 = time.perf_counter()
-        samples = await generate_rollout(tasks, make_env=lambda name: (threaded_target_token() if threaded else make("target-token"), "target-token"),
-                                         
-                                         n_samples=n, renderer=Renderer(tokenizer, apply_chat_template=False),
-                                         client=client, settings_for=lambda env: settings, rollout_id=0,
-                                         run_seed=0, max_concurrency=groups * n)
+        new_env = threaded_target_token if threaded else (lambda: make("target-token"))
+        samples = await generate_rollout(tasks, make_env=lambda name: (new_env(), "target-token"), n_samples=n,
+                                         renderer=Renderer(tokenizer, apply_chat_template=False), client=client,
+                                         settings_for=lambda env: settings, rollout_id=0, run_seed=0,
+                                         max_concurrency=groups * n)
         call = time.perf_counter() - t0
         end = time.time()
     bad = [s for s in samples if s.status.value != "completed" or s.num_trained_tokens != tokens]
