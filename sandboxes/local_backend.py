@@ -473,7 +473,7 @@ class LocalSandbox(Sandbox):
         self._own_reservation: Path | None = None
         self.quota: list[str] = []
         self.msgqueue = MSGQUEUE_BYTES
-        self.nproc: int | None = None  # processes of the whole sandbox (the holder's user namespace)
+        self.nproc: int | None = None  # processes of the whole sandbox (set with a holder: its user namespace), <= pids
 
     async def _boot(self) -> None:
         reap_once("local", reap)
@@ -610,7 +610,7 @@ class LocalSandbox(Sandbox):
         rlimits = [f"--nofile={lim.nofile}", "--core=0", f"--msgqueue={self.msgqueue}",
                    f"--fsize={(lim.workdir_mb + lim.tmp_mb) << 20}"]
         if not self.cgroups:
-            rlimits += [f"--as={max(lim.memory_mb, 256) << 20}", f"--nproc={min(lim.pids, self.nproc or lim.pids)}"]
+            rlimits += [f"--as={max(lim.memory_mb, 256) << 20}", f"--nproc={self.nproc or lim.pids}"]
         demote, quota = [], []
         if os.geteuid() == 0:
             demote = ["setpriv", f"--reuid={self.host_uid}", f"--regid={self.host_uid}", "--clear-groups"]
@@ -622,7 +622,7 @@ class LocalSandbox(Sandbox):
             if quota:  # the kernel bounds the sandbox's queues and processes (all its spawns: the holder's
                 # level) by the RLIMIT_MSGQUEUE and RLIMIT_NPROC of the process that makes the spawn's namespace
                 quota = ["prlimit", f"--msgqueue={self.msgqueue}",
-                         *([f"--nproc={self.nproc}"] if self.nproc and self.holder is not None else []), *quota]
+                         *([f"--nproc={self.nproc}"] if self.nproc else []), *quota]
         ipc = []  # where we may own the IPC namespace (root, or the quota namespace's root): capped
         if os.geteuid() == 0 or quota:
             caps = [x for k, v in ipc_sysctls(lim).items() for x in (k.replace(".", "/"), v)]
