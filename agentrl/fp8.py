@@ -45,7 +45,19 @@ QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dyna
 
 
 def fp8_requested(cfg) -> bool:
-    return str(cfg.sglang_args.get("quantization", "")).lower() == "fp8"
+    """Whether the engines serve fp8 (--sglang-quantization, or every worker type's own
+    --prefill/--decode-sglang-args). One weight sync feeds every engine one format: a
+    quantization given to one worker type only, or different per type, is refused."""
+    from agentrl.engines.sglang import engine_arg_values
+
+    values = engine_arg_values(cfg, "quantization")
+    kinds = ("prefill", "decode") if cfg.rollout.prefill_num_servers else ("all",)
+    given = {kind: str(values.get(kind) or "").lower() for kind in kinds}
+    if len(set(given.values())) > 1:
+        raise ConfigError("SGLang quantization differs between worker types ("
+                          + ", ".join(f"{k}: {v or 'none'}" for k, v in given.items()) + "): one weight sync "
+                          "sends every engine the same format; give --sglang-quantization to all of them")
+    return set(given.values()) == {"fp8"}
 
 
 def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

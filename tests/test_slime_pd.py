@@ -329,3 +329,34 @@ def test_launched_prefill_and_decode_engines_take_their_groups_arguments(tmp_pat
             assert got == expected[kinds[url]], (kinds[url], argv)
     finally:
         group.stop()
+
+
+def test_settings_read_from_the_engines_see_each_worker_types_own_arguments():
+    """What agentrl reads back from the engines' arguments (the share of the GPU a colocated
+    trainer leaves them, fp8 serving) sees a value given to one worker type only, as the engines
+    launched with it do; a quantization that differs between types is refused, naming both."""
+    from agentrl.cluster.trainer_actor import engine_memory_fraction, out_of_memory_hint
+    from agentrl.fp8 import fp8_requested
+
+    pd = ["--rollout-engine", "sglang", "--prefill-num-servers", "1", "--rollout-num-gpus", "2", "--colocate"]
+    cfg, _ = parse_config(pd + ["--sglang-mem-fraction-static", "0.5",
+                                "--decode-sglang-args", '{"mem_fraction_static": 0.7}'])
+    assert sg.engine_arg_values(cfg, "mem-fraction-static") == {"prefill": "0.5", "decode": "0.7"}
+    assert engine_memory_fraction(cfg) == 0.7  # the largest any engine takes back
+    hint = out_of_memory_hint(cfg, {"used_gib": 80.0, "mine_gib": 30.0, "total_gib": 140.0}, 64)
+    assert "now 0.7;" in hint
+    cfg, _ = parse_config(pd + ["--prefill-sglang-args", '{"mem-fraction-static": 0.6}'])
+    assert engine_memory_fraction(cfg) == 0.6
+    plain, _ = parse_config(["--rollout-engine", "sglang", "--sglang-mem-fraction-static", "0.4"])
+    assert sg.engine_arg_values(plain, "mem-fraction-static") == {"all": "0.4"}
+
+    both, _ = parse_config(pd + ["--prefill-sglang-args", '{"quantization": "fp8"}',
+                                 "--decode-sglang-args", '{"quantization": "fp8"}'])
+    assert fp8_requested(both)
+    with pytest.raises(ConfigError, match=r"quantization differs between worker types \(prefill: fp8, decode: none\)"):
+        fp8_requested(parse_config(pd + ["--prefill-sglang-args", '{"quantization": "fp8"}'])[0])
+    dropped, _ = parse_config(pd + ["--sglang-quantization", "fp8", "--decode-sglang-args", '{"quantization": false}'])
+    with pytest.raises(ConfigError, match=r"prefill: fp8, decode: none"):
+        fp8_requested(dropped)
+    assert fp8_requested(parse_config(["--rollout-engine", "sglang", "--sglang-quantization", "fp8"])[0])
+    assert not fp8_requested(plain)

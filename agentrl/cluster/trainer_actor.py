@@ -154,8 +154,16 @@ def engine_memory_fraction(cfg: Config) -> float | None:
 
     if cfg.run.colocate_offload != "fit" or cfg.rollout.rollout_engine != "sglang" or cfg.rollout.rollout_engine_urls:
         return None
-    given = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}.get("mem-fraction-static")
-    return float(given) if given else DEFAULT_SHARED_MEM_FRACTION
+    return engines_mem_fraction(cfg) or DEFAULT_SHARED_MEM_FRACTION
+
+
+def engines_mem_fraction(cfg: Config) -> float | None:
+    """The largest --mem-fraction-static any engine type is given (shared --sglang-* or a worker
+    type's own arguments); None where none is given."""
+    from agentrl.engines.sglang import engine_arg_values
+
+    given = [float(v) for v in engine_arg_values(cfg, "mem-fraction-static").values() if v]
+    return max(given) if given else None
 
 
 def gpu_memory() -> dict[str, float]:
@@ -174,7 +182,7 @@ def out_of_memory_hint(cfg: Config, mem: dict[str, float], n_samples: int) -> st
              else f"--micro-batch-size (now {t.micro_batch_size}; or --max-tokens-per-gpu: a token budget)",
              "--rollout-max-response-len (shorter sequences)", "--recompute-granularity full (Megatron)"]
     if cfg.run.colocate:
-        frac = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}.get("mem-fraction-static")
+        frac = engines_mem_fraction(cfg)
         knobs.insert(0, f"--sglang-mem-fraction-static (the engines' share of the GPU, now {frac or 'default'}; "
                         "they keep their weights and CUDA graphs while training)")
     return (f"the trainer ran out of GPU memory training {n_samples} samples: the GPU has {mem['total_gib']:.1f} "
