@@ -10,9 +10,10 @@ change). `--opd-teacher-url URL` attaches to a teacher already serving SGLang's 
 The judge is asked over the OpenAI-compatible path (/v1/chat/completions) that both SGLang and
 the embedded engine serve. The teacher scores the student's sampled tokens by prefill, as
 slime's OPD reward function asks SGLang: /generate with the whole trajectory as input_ids,
-max_new_tokens 0, return_logprob and logprob_start_len = the prompt's length, so
+max_new_tokens 0, return_logprob and logprob_start_len = the prompt's length - 1, so
 meta_info.input_token_logprobs holds [logprob, token id, None] of each response token given
-what precedes it (at temperature 1: SGLang's input logprobs are not temperature-scaled). The
+what precedes it (at temperature 1: SGLang's input logprobs are not temperature-scaled), after
+an entry for the prompt's last token whose logprob SGLang always leaves None. The
 logprobs go on the sample (metadata["teacher_logprobs"], one per response token) and the
 trainer's OPD term reads them there instead of running a teacher itself.
 """
@@ -89,7 +90,8 @@ async def teacher_logprobs(url: str, samples, *, timeout_s: float = 600.0, max_c
         start = len(s.prompt_tokens)
         if start < 1:
             raise EngineError(f"trajectory {s.trajectory_id}: an empty prompt has no context to score its first token")
-        body = {"input_ids": s.tokens, "return_logprob": True, "logprob_start_len": start,
+        # SGLang never scores the token at logprob_start_len (its first entry is padded None): start one before
+        body = {"input_ids": s.tokens, "return_logprob": True, "logprob_start_len": start - 1,
                 "sampling_params": {"max_new_tokens": 0, "temperature": 1.0, "skip_special_tokens": False}}
         async with limit:
             try:
@@ -100,12 +102,17 @@ async def teacher_logprobs(url: str, samples, *, timeout_s: float = 600.0, max_c
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 raise EngineError(f"OPD teacher {url}: {type(exc).__name__}: {exc}") from exc
         entries = (reply.get("meta_info") or {}).get("input_token_logprobs") if isinstance(reply, dict) else None
-        if not isinstance(entries, list) or len(entries) != s.response_length:
+        if not isinstance(entries, list) or len(entries) != s.response_length + 1:
             got = len(entries) if isinstance(entries, list) else "no"
             raise EngineError(f"OPD teacher {url}: {got} input_token_logprobs for trajectory {s.trajectory_id}'s "
-                              f"{s.response_length} response tokens (does it honour logprob_start_len?)")
+                              f"{s.response_length} response tokens and the prompt's last (does it honour "
+                              "logprob_start_len?)")
+        first = entries[0]
+        if not isinstance(first, list) or len(first) < 2 or first[1] != s.tokens[start - 1]:
+            raise EngineError(f"OPD teacher {url}: scored {first!r} where trajectory {s.trajectory_id}'s prompt ends "
+                              f"with token {s.tokens[start - 1]} (SGLang's [logprob, token id, text])")
         out = []
-        for entry, want in zip(entries, s.response_tokens):
+        for entry, want in zip(entries[1:], s.response_tokens):
             lp, tok = (entry[0], entry[1]) if isinstance(entry, list) and len(entry) >= 2 else (None, None)
             if tok != want or isinstance(lp, bool) or not isinstance(lp, (int, float)):
                 raise EngineError(f"OPD teacher {url}: scored {entry!r} where trajectory {s.trajectory_id} has "

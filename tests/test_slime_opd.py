@@ -76,14 +76,14 @@ def _teacher_logprob(position: int, token: int) -> float:
 
 async def _fake_sglang(request):
     """SGLang's /generate with max_new_tokens 0: input_token_logprobs from logprob_start_len on,
-    [logprob, token id, None], the first input token's logprob None (nothing precedes it)."""
+    [logprob, token id, None], the first entry's logprob always None (SGLang's scheduler pads it)."""
     from aiohttp import web
 
     body = await request.json()
     assert body["sampling_params"]["max_new_tokens"] == 0 and body["return_logprob"]
     ids, start = body["input_ids"], body.get("logprob_start_len", 0)
     return web.json_response({"meta_info": {"input_token_logprobs": [
-        [None if p == 0 else _teacher_logprob(p, t), t, None] for p, t in enumerate(ids) if p >= start]}})
+        [None if p == start else _teacher_logprob(p, t), t, None] for p, t in enumerate(ids) if p >= start]}})
 
 
 def test_slimes_opd_functions_and_agentrls_served_teacher_give_the_same_advantages(slime, tmp_path, monkeypatch):

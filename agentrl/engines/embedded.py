@@ -590,13 +590,15 @@ class EmbeddedEngine:
     @torch.no_grad()
     def _input_logprobs(self, input_ids: list[int], start: int) -> list[list]:
         """SGLang's input_token_logprobs from `start` on: [logprob, token id, None] per input token,
-        the logprob of the token given the ones before it (None for the first token, which has
-        no context), at temperature 1 (SGLang's input logprobs are not temperature-scaled)."""
+        the logprob of the token given the ones before it, at temperature 1 (SGLang's input
+        logprobs are not temperature-scaled). The first entry's logprob is always None, as
+        SGLang's scheduler pads it (it computes logits from `start` on, so the token at `start`
+        is never scored): to score token k, ask from k - 1."""
         ids = torch.tensor([input_ids], device=self.device)
         logits = self.model(input_ids=ids).logits[0].float()  # [T, V]: row t predicts token t + 1
         lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
         values = [None, *lp]
-        return [[values[t], input_ids[t], None] for t in range(start, len(input_ids))]
+        return [[None if t == start else values[t], input_ids[t], None] for t in range(start, len(input_ids))]
 
     async def chat_completions(self, request: web.Request) -> web.Response:
         """OpenAI's /v1/chat/completions, as SGLang serves it, for an LLM judge served by an

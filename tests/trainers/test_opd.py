@@ -121,7 +121,7 @@ def test_opd_flags_fail_fast(tmp_path):
 
 def test_an_engine_served_teacher_scores_as_the_in_trainer_one_and_its_step_moves_the_student(tiny_model, teacher):
     """--opd-type sglang: the teacher's engine (here the embedded one) scores the student's sampled
-    tokens by prefill (/generate, max_new_tokens 0, logprob_start_len = the prompt's length); its
+    tokens by prefill (/generate, max_new_tokens 0, logprob_start_len = the prompt's length - 1); its
     logprobs equal the in-trainer teacher's on the same tokens, the OPD gradient from the logprobs
     carried on the samples equals the in-trainer one, and a step along it lowers the held-out KL."""
     from aiohttp.test_utils import TestServer
@@ -176,7 +176,7 @@ def test_an_engine_served_teacher_scores_as_the_in_trainer_one_and_its_step_move
 
 def test_a_served_teacher_reply_that_does_not_score_the_response_is_refused(tiny_model):
     """The embedded engine refuses a logprob_start_len not below the input's length (as SGLang
-    aborts it); a teacher that ignores logprob_start_len (scores the whole input) is an error,
+    aborts it) and, as SGLang, leaves the first entry's logprob None; a teacher that ignores logprob_start_len (scores the whole input) is an error,
     never misaligned logprobs; a sample without carried logprobs fails its step loudly."""
     from aiohttp import web
     from aiohttp.test_utils import TestServer
@@ -208,16 +208,22 @@ def test_a_served_teacher_reply_that_does_not_score_the_response_is_refused(tiny
                                                    "logprob_start_len": 3,
                                                    "sampling_params": {"max_new_tokens": 0}}) as r:
                     refused = (r.status, await r.text())
+                # as SGLang's scheduler: the entry at logprob_start_len is padded None (never scored)
+                async with session.post(url, json={"input_ids": [5, 6, 7, 8], "return_logprob": True,
+                                                   "logprob_start_len": 1,
+                                                   "sampling_params": {"max_new_tokens": 0}}) as r:
+                    padded = (await r.json())["meta_info"]["input_token_logprobs"]
             good = await teacher_logprobs(str(engine_server.make_url("")).rstrip("/"), [s])
             with pytest.raises(EngineError, match="logprob_start_len"):
                 await teacher_logprobs(str(bad_server.make_url("")).rstrip("/"), [s])
-            return refused, good
+            return refused, good, padded
         finally:
             await engine_server.close()
             await bad_server.close()
 
-    (status, text), good = asyncio.run(main())
+    (status, text), good, padded = asyncio.run(main())
     assert status == 400 and "logprob_start_len" in text
+    assert [e[1] for e in padded] == [6, 7, 8] and padded[0][0] is None and all(e[0] < 0 for e in padded[1:])
     assert len(good[0]) == 2 and all(lp < 0 for lp in good[0])
     with pytest.raises(ValueError, match="carries no teacher logprobs"):
         carried_teacher_logprobs([s])
