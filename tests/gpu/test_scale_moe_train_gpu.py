@@ -29,7 +29,10 @@ from scale_moe_worker import random_qwen3_moe  # noqa: E402
 ARGS = ["--env", "target-token", "--device", "cuda", "--dtype", "bfloat16", "--lr", "1e-4",
         "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size", "128",
         "--trainer", "megatron", "--actor-num-gpus-per-node", "4", "--expert-model-parallel-size", "4",
-        # (no --use-distributed-optimizer: its final dist checkpoint failed in megatron-core 0.19.2, 2026-11-26)
+        # the distributed optimizer: its final checkpoint failed here on 2026-11-26 (megatron-core 0.19.2,
+        # "ShardedTensor.flattened_range is not supported"), before agentrl saved the optimizer state itself
+        # (89a3eae); EP=2 + it saves and resumes on the CPU under 0.19.2 (scripts/gpu/kit_megatron_lane.sh)
+        "--use-distributed-optimizer",
         *SGLANG, *COLOCATE, "--rollout-num-gpus-per-engine", "1",
         "--weight-check-interval", "5"]
 
