@@ -108,7 +108,8 @@ def train(cfg: Config) -> Path:
         # the trainer's actors build it (Megatron / torch init, the HF weights) while the engines start
         trainer = None if cfg.run.debug_rollout_only else RemoteTrainer(cfg, model_path, device, placement)
         setup.raise_if_failed()  # a bad data file stops the run before the engines' long start
-        served = start_served_models(cfg, device=device, log_dir=out / "logs")  # --judge-load, a served OPD teacher
+        with timeline.step("startup", "served_models"):  # --judge-load, a served OPD teacher: their own engines
+            served = start_served_models(cfg, device=device, log_dir=out / "logs")
         if not debug_train_only:
             with timeline.step("startup", "engines"):
                 engine_model = engine_model_path(cfg, model_path, out)  # --sglang-quantization fp8: a block-fp8 copy

@@ -42,3 +42,5 @@ def test_train_with_a_served_teacher_and_a_served_judge(tiny_model, tmp_path):
         assert all(lp <= 0 for lp in t["metadata"]["teacher_logprobs"])
         assert t["metadata"]["judge"]["reason"]  # the tiny judge writes no verdict: 0 with the reason
     assert (out / "logs" / "teacher").is_dir() and (out / "logs" / "judge").is_dir()
+    startup = json.loads((out / "run.json").read_text())["startup"]  # their start-up is timed, before the policy's
+    assert startup["served_models"][0] < startup["served_models"][1] <= startup["engines"][0]
