@@ -23,4 +23,5 @@ if ! "$venv/bin/python" -m pip show megatron-core 2>/dev/null | grep -qx "Versio
 fi
 echo "megatron-core $("$venv/bin/python" -m pip show megatron-core | sed -n 's/^Version: //p') in $venv"
 [ $# -gt 0 ] || set -- tests/trainers -k "megatron or moe or routing or cp" -n 2 --dist loadfile
-exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# a temp folder of its own: it may run beside another pytest session (docs/development.md)
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$venv.pytest" "$@"
