@@ -48,11 +48,10 @@ def fp8_requested(cfg) -> bool:
     """Whether the engines serve fp8 (--sglang-quantization, or every worker type's own
     --prefill/--decode-sglang-args). One weight sync feeds every engine one format: a
     quantization given to one worker type only, or different per type, is refused."""
-    from agentrl.engines.sglang import engine_arg_values
+    from agentrl.engines.sglang import engine_arg_values, engine_types
 
     values = engine_arg_values(cfg, "quantization")
-    kinds = ("prefill", "decode") if cfg.rollout.prefill_num_servers else ("all",)
-    given = {kind: str(values.get(kind) or "").lower() for kind in kinds}
+    given = {kind: str(values.get(kind) or "").lower() for kind in engine_types(cfg)}
     if len(set(given.values())) > 1:
         raise ConfigError("SGLang quantization differs between worker types ("
                           + ", ".join(f"{k}: {v or 'none'}" for k, v in given.items()) + "): one weight sync "

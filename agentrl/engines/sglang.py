@@ -158,16 +158,20 @@ def merged_args(shared: dict[str, str | None], own: dict) -> dict[str, str | Non
     return out
 
 
+def engine_types(cfg) -> dict[str, dict]:
+    """The engine types a run launches, each with its own SGLang arguments: {"all": {}}, or with
+    prefill/decode engines {"prefill": --prefill-sglang-args, "decode": --decode-sglang-args}."""
+    r = cfg.rollout
+    return {"prefill": r.prefill_sglang_args, "decode": r.decode_sglang_args} if r.prefill_num_servers else {"all": {}}
+
+
 def engine_arg_values(cfg, name: str) -> dict[str, str | None]:
     """One SGLang argument (`name` as SGLang spells it, e.g. "mem-fraction-static") as each engine
-    type is launched with it: {"all": value}, or with prefill/decode engines {"prefill": ...,
-    "decode": ...} (the type's own --prefill/--decode-sglang-args over the shared --sglang-*).
+    type of `engine_types` is launched with it (the type's own arguments over the shared --sglang-*).
     A type that does not get the argument is left out. Code that reads an engine setting reads it
     here, so a value given for one worker type only is not missed."""
-    r = cfg.rollout
-    kinds = {"prefill": r.prefill_sglang_args, "decode": r.decode_sglang_args} if r.prefill_num_servers else {"all": {}}
     out = {}
-    for kind, own in kinds.items():
+    for kind, own in engine_types(cfg).items():
         args = merged_args(cfg.sglang_args, own)
         if name in args:
             out[kind] = args[name]

@@ -176,8 +176,9 @@ def test_an_engine_served_teacher_scores_as_the_in_trainer_one_and_its_step_move
 
 def test_a_served_teacher_reply_that_does_not_score_the_response_is_refused(tiny_model):
     """The embedded engine refuses a logprob_start_len not below the input's length (as SGLang
-    aborts it) and, as SGLang, leaves the first entry's logprob None; a teacher that ignores logprob_start_len (scores the whole input) is an error,
-    never misaligned logprobs; a sample without carried logprobs fails its step loudly."""
+    aborts it) and, as SGLang, leaves the first entry's logprob None; a teacher that ignores
+    logprob_start_len (scores the whole input) is an error, never misaligned logprobs; a sample
+    without carried logprobs fails its step loudly."""
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
