@@ -327,12 +327,33 @@ class TrainConfig(Section):
     """Size of one weight-sync bucket sent to the engine. Each bucket costs a few ms of fixed
     overhead: 1.5B into SGLang on an H200 took 0.23 s with 64 MB buckets, 0.06 s with 1 GB
     (bench/results/weight_sync.md)."""
-    weight_sync_mode: Literal["auto", "tensor", "distributed", "disk"] = "auto"
+    weight_sync_mode: Literal["auto", "tensor", "distributed", "disk", "delta"] = "auto"
     """How new weights reach the engines: `tensor` (POST the tensors; CUDA IPC handles for SGLang,
     so the engine must share the trainer's GPUs: colocated), `distributed` (a process group with
     the engines: NCCL broadcast to SGLang on other GPUs, gloo to CPU engines), `disk` (an HF
-    checkpoint every engine loads). `auto`: distributed for SGLang engines on GPUs of their own,
-    else tensor."""
+    checkpoint every engine loads), `delta` (only the bytes changed since the last sync, through
+    a shared folder, applied to a full checkpoint on each engine host that the engines then load:
+    engines far from the trainer, not colocated; agentrl/weight_delta.py). `auto`: distributed for
+    SGLang engines on GPUs of their own, else tensor."""
+    weight_sync_dir: str | None = None
+    """--weight-sync-mode disk and delta: the folder the trainer writes the weights to and the engines
+    read them from (shared by every engine host for delta); default <output-dir>/weight_sync
+    (disk) or <output-dir>/weight_delta (delta). slime's --update-weight-disk-dir."""
+    weight_sync_local_dir: str | None = None
+    """--weight-sync-mode delta: a folder on each engine host (the same path on every host; fast local
+    disk) holding a full HF checkpoint, copied from the engines' model path on first use, that the
+    deltas are applied to and the engines load; engines of one host share it. Default
+    <output-dir>/weight_delta_local. slime's --update-weight-local-checkpoint-dir."""
+    weight_delta_encoding: Literal["xor", "overwrite"] = "xor"
+    """--weight-sync-mode delta: xor (new ^ old bytes: smallest, must be applied exactly once on its base,
+    which the engine's version record ensures) or overwrite (changed positions and their new bytes:
+    larger, applying it again changes nothing). slime's --update-weight-delta-encoding."""
+    weight_delta_checksum: Literal["xxh3-128", "blake3", "adler32"] = "xxh3-128"
+    """--weight-sync-mode delta: the checksum of each tensor's new bytes, verified by the engine host after
+    applying (xxh3-128 needs the `xxhash` package, blake3 `blake3`). slime's --update-weight-delta-checksum."""
+    weight_delta_keep_versions: int = Field(4, ge=1)
+    """--weight-sync-mode delta: versions kept in --weight-sync-dir (older ones are deleted); an engine
+    host whose local checkpoint is further behind cannot catch up and is refused, naming the versions."""
     update_weight_buffer_size: int | None = Field(None, ge=1)
     """slime's name for the weight-sync bucket, in bytes; when given it overrides --weight-sync-bucket-mb."""
     weight_check_interval: int = Field(5, ge=0)
@@ -754,6 +775,28 @@ def _given(section: Section, *names: str) -> str | None:
                  if getattr(section, n) != type(section).model_fields[n].default), None)
 
 
+def check_delta_sync(cfg: Config) -> None:
+    """--weight-sync-mode delta: refuse, naming why, the setups it cannot serve."""
+    from agentrl.engines.sglang import engine_arg_values
+    from agentrl.weight_delta import check_checksum
+
+    if cfg.run.colocate:
+        raise ConfigError("--weight-sync-mode delta is for engines apart from the trainer (as slime asserts); with "
+                          "--colocate the weights go by CUDA IPC (--weight-sync-mode tensor), only a handle moves")
+    if cfg.train.lora_rank and cfg.train.lora_sync == "adapter":
+        raise ConfigError("--weight-sync-mode delta patches full checkpoints; --lora-sync adapter sends adapter "
+                          "folders: use --lora-sync merged with delta, or drop --weight-sync-mode delta")
+    if cfg.rollout.rollout_engine == "sglang" and any(str(v).lower() == "fp8"
+                                                      for v in engine_arg_values(cfg, "quantization").values()):
+        raise ConfigError("--weight-sync-mode delta with --sglang-quantization fp8: the engines serve a block-fp8 "
+                          "copy the trainer re-quantizes at every sync, and the deltas patch the bf16 checkpoint: "
+                          "use --weight-sync-mode tensor or distributed")
+    try:
+        check_checksum(cfg.train.weight_delta_checksum)
+    except Exception as exc:
+        raise ConfigError(f"--weight-delta-checksum: {exc}") from None
+
+
 def resolve(layers: dict) -> Config:
     layers = {**layers, "train": dict(layers.get("train", {}))}
     train = layers["train"]
@@ -784,6 +827,11 @@ def resolve(layers: dict) -> Config:
     if whole and cfg.train.lora_rank and cfg.train.lora_sync == "adapter" and cfg.train.weight_sync_mode == "disk":
         raise ConfigError("--lora-sync adapter with --lora-trainable-modules needs --weight-sync-mode tensor or "
                           "distributed (the trained modules go by the full-weight path; disk loads whole checkpoints)")
+    if cfg.train.weight_sync_mode == "delta":
+        check_delta_sync(cfg)
+    elif delta_flag := _given(cfg.train, "weight_sync_local_dir", "weight_delta_encoding", "weight_delta_checksum",
+                              "weight_delta_keep_versions"):
+        raise ConfigError(f"{delta_flag} shapes the delta weight sync, which is off: add --weight-sync-mode delta")
     hook = cfg.rollout.custom_generate_function_path or cfg.rollout.rollout_function_path
     if cfg.train.lora_rank and cfg.train.lora_sync == "adapter" and hook:
         # slime's functions post their own /generate requests, which name no adapter: they would

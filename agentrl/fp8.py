@@ -100,10 +100,10 @@ def check_fp8_model(cfg, model_path: Path) -> None:
     """Refuse, naming the reason, what the fp8 engine path cannot serve."""
     if cfg.rollout.rollout_engine != "sglang":
         raise ConfigError("--sglang-quantization fp8 needs --rollout-engine sglang")
-    if cfg.train.weight_sync_mode == "disk":
+    if cfg.train.weight_sync_mode in ("disk", "delta"):
         raise ConfigError("--sglang-quantization fp8 re-quantizes the weights at every sync in the trainer; "
-                          "--weight-sync-mode disk would load the trainer's bf16 files into the fp8 engine: "
-                          "use tensor or distributed")
+                          f"--weight-sync-mode {cfg.train.weight_sync_mode} would load the trainer's bf16 files into "
+                          "the fp8 engine: use tensor or distributed")
     if cfg.train.lora_rank and cfg.train.lora_sync == "adapter":
         raise ConfigError("--sglang-quantization fp8 with --lora-sync adapter: the adapters would run on fp8 "
                           "base weights that are never re-quantized; use --lora-sync merged")

@@ -2,7 +2,7 @@
 `TrainerSync` picks the path for --weight-sync-mode, holds the process groups with the engines
 and what was last written, and with several trainer ranks has the others take part in each
 export (`LeadingRank`). How the weights travel (buckets, CUDA IPC, NCCL, disk, LoRA adapters):
-agentrl.weight_transfer.
+agentrl.weight_transfer; the delta path's format: agentrl.weight_delta.
 
 With --lora-sync adapter, modules trained whole beside the adapters (--lora-trainable-modules:
 the tiny model's embeddings and final norm by default) go first by the tensor or distributed path
@@ -21,9 +21,10 @@ from typing import Any
 from agentrl.errors import EngineError
 from agentrl.fp8 import engine_tensors  # --sglang-quantization fp8: re-quantized at every sync
 from agentrl.rollout.client import EngineClient
+from agentrl.weight_delta import DeltaPublisher
 from agentrl.weight_transfer import (RankGather, WeightUpdateGroup, engine_tp_size, serve_weights_per_rank,
-                                     sync_lora_adapter, sync_weights_from_disk, sync_weights_from_tensor,
-                                     sync_weights_per_rank)
+                                     sync_lora_adapter, sync_weights_from_delta, sync_weights_from_disk,
+                                     sync_weights_from_tensor, sync_weights_per_rank)
 
 
 CALL_TIMEOUT_S = 120.0  # rank 0's wait for the other ranks' part in an export, once its own is done
@@ -81,11 +82,14 @@ class TrainerSync:
     """The trainer's side of every weight sync, in its Ray actor (agentrl.cluster.trainer_actor),
     so the weights go from the trainer's memory straight to the engines: which path
     (--weight-sync-mode), the process groups held with the engines (distributed), what was last
-    written (disk, --lora-sync adapter). Rank 0 of several leads the others (`lead`), which
-    take part in each of its exports (`take_part`)."""
+    written (disk, delta, --lora-sync adapter). Rank 0 of several leads the others (`lead`), which
+    take part in each of its exports (`take_part`). `model_path`: the checkpoint the engines
+    started from, the base of the delta path's first version."""
 
-    def __init__(self, cfg, trainer):
+    def __init__(self, cfg, trainer, model_path: str | None = None):
         self.cfg = cfg
+        self.model_path = model_path
+        self.delta: DeltaPublisher | None = None  # --weight-sync-mode delta: the bytes last published
         self.trainer = trainer  # what the exports read: a LeadingRank once rank 0 leads others
         self.groups: dict[str, Any] = {}  # engine url -> WeightUpdateGroup (--weight-sync-mode distributed)
         self.group_count = 0
@@ -155,8 +159,11 @@ class TrainerSync:
         mode = self.mode()
         if self.cfg.train.lora_rank and self.cfg.train.lora_sync == "adapter":
             return await self._sync_adapter(clients, version, bucket)
+        if mode == "delta":
+            return await self._sync_delta(clients, version)
         if mode == "disk":
-            folder = Path(self.cfg.run.output_dir or tempfile.gettempdir()) / "weight_sync"
+            folder = Path(self.cfg.train.weight_sync_dir or Path(self.cfg.run.output_dir or tempfile.gettempdir())
+                          / "weight_sync")
             t0 = time.perf_counter()
             if self.saved_version != version:  # once per version: retries and catch-ups load the same folder
                 await asyncio.to_thread(self.trainer.save_hf, folder)
@@ -167,6 +174,26 @@ class TrainerSync:
         if mode == "tensor" and (per_rank := await self._per_rank_sources(clients)):
             return await self._sync_per_rank(clients, version, bucket, *per_rank)
         return await self._send_tensors(clients, version, bucket, self.trainer.named_tensors)
+
+    async def _sync_delta(self, clients, version: int) -> dict[str, float]:
+        """--weight-sync-mode delta: the bytes changed since the last version into the shared folder
+        (once per version: retries and catch-ups apply the same one), then every engine brings its
+        host's local checkpoint up to it and loads it (agentrl.weight_delta)."""
+        t = self.cfg.train
+        run_dir = Path(self.cfg.run.output_dir or tempfile.gettempdir())
+        shared = t.weight_sync_dir or str(run_dir / "weight_delta")
+        local = t.weight_sync_local_dir or str(run_dir / "weight_delta_local")
+        if self.delta is None:
+            if self.model_path is None:
+                raise EngineError("--weight-sync-mode delta needs the engines' model path (the first delta's base)")
+            self.delta = DeltaPublisher(shared, seed=self.model_path, encoding=t.weight_delta_encoding,
+                                        checksum_name=t.weight_delta_checksum, keep=t.weight_delta_keep_versions)
+        published = {}
+        if self.delta.published != version:
+            published = await asyncio.to_thread(self.delta.publish,
+                                                engine_tensors(self.cfg, self.trainer.named_tensors()), version)
+        out = await sync_weights_from_delta(clients, shared, local, version=version)
+        return {**out, **published}
 
     async def _send_tensors(self, clients, version: int, bucket: int, named) -> dict[str, float]:
         """The tensors `named()` yields, by the distributed or the tensor path (--weight-sync-mode)."""

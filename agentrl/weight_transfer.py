@@ -23,6 +23,11 @@ Which path a run takes, and the trainer's part in it, is agentrl.weight_sync's.
   broadcasts each tensor; NCCL for GPU tensors, gloo for CPU ones (the embedded engine).
 - from disk (`sync_weights_from_disk`): the trainer writes an HF checkpoint, every engine
   loads it with /update_weights_from_disk.
+- by deltas (`sync_weights_from_delta`, engines far from the trainer): the trainer publishes the
+  changed bytes to a shared folder (agentrl.weight_delta), every engine brings its host's local
+  checkpoint up to that version with agentrl's POST /agentrl/apply_weight_delta (the embedded
+  engine's, or agentrl's SGLang wrapper's, agentrl.engines.sglang_server) and loads it with
+  /update_weights_from_disk.
 - LoRA adapters only (`sync_lora_adapter`, --lora-sync adapter): the trainer writes the peft
   adapter folder (MBs, not GBs), every engine loads it with /load_lora_adapter under the
   version's name (`lora_adapter_name`), and requests name it in /generate's `lora_path`.
@@ -46,7 +51,9 @@ import torch
 
 from agentrl.engines.embedded import encode_flattened_bucket, encode_named_tensors
 from agentrl.errors import EngineError
+from agentrl.http import HTTPCallError
 from agentrl.rollout.client import EngineClient
+from agentrl.weight_delta import APPLY_ROUTE
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -449,6 +456,27 @@ async def sync_weights_from_disk(clients: list[EngineClient], model_path: str, *
     payload = {"model_path": str(model_path), "weight_version": str(version), "flush_cache": True}
     await _all(clients, "/update_weights_from_disk", [payload] * len(clients))
     return {"weight_sync_s": time.perf_counter() - t0}
+
+
+async def sync_weights_from_delta(clients: list[EngineClient], delta_dir: str, local_dir: str, *,
+                                  version: int) -> dict[str, float]:
+    """Every engine brings its host's local checkpoint `local_dir` to delta version `version` of
+    `delta_dir` (engines of one host share it: the first applies, the others find it done), then
+    loads it."""
+    t0 = time.perf_counter()
+    payload = {"delta_dir": str(delta_dir), "local_dir": str(local_dir), "version": version}
+    try:
+        await _all(clients, APPLY_ROUTE, [payload] * len(clients))
+    except HTTPCallError as exc:
+        if exc.status != 404:
+            raise
+        raise EngineError(f"{exc.url}: HTTP 404, not served: --weight-sync-mode delta needs engines started by "
+                          "agentrl (the embedded engine, or SGLang through `python -m agentrl.engines.sglang_server`, "
+                          "which takes SGLang's arguments)") from None
+    applied = time.perf_counter() - t0
+    out = await sync_weights_from_disk(clients, local_dir, version=version)
+    return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_apply_s": applied,
+            "weight_sync_load_s": out["weight_sync_s"]}
 
 
 def lora_adapter_name(version: int) -> str:

@@ -60,7 +60,7 @@ class TrainerWorker:
         if cfg.run.colocate and device == "cuda":  # pin the offload's host memory while the engines start
             self.pinning = threading.Thread(target=self._pin_ahead, name="pin-host-buffers", daemon=True)
             self.pinning.start()
-        self.weights = TrainerSync(cfg, self.trainer)
+        self.weights = TrainerSync(cfg, self.trainer, model_path=model_path)
 
     def engines_placed(self, urls: list[str], placement: Placement) -> None:
         self.weights.engines_placed(urls, placement)

@@ -26,6 +26,8 @@ Endpoints (SGLang 0.5.15 names, request fields and reply shapes): /generate, /he
 /destroy_weights_update_group, /update_weight_version, /get_weights_by_name,
 /release_memory_occupation, /resume_memory_occupation, /get_load; with --enable-lora,
 /load_lora_adapter, /unload_lora_adapter and /generate's `lora_path` (agentrl/engines/lora.py).
+One route is agentrl's own, not SGLang's: POST /agentrl/apply_weight_delta (the delta weight
+sync's file work, agentrl.weight_delta), which agentrl's SGLang wrapper serves the same way.
 
 Strict where SGLang is: what kills SGLang's scheduler kills this engine too (the reply is a
 500 naming the cause, then the process exits), so a caller that would crash SGLang on a GPU
@@ -77,6 +79,7 @@ from agentrl.engines import ENGINE_HEADER
 from agentrl.engines.lora import LoraAdapter, LoraServing
 from agentrl.engines.prefix_cache import PrefixCache, build_cache, layer_kv
 from agentrl.models import load_model, load_tokenizer
+from agentrl.weight_delta import APPLY_ROUTE, serve_apply
 
 log = logging.getLogger("agentrl.engine")
 
@@ -882,6 +885,13 @@ class EmbeddedEngine:
         return web.json_response({"success": True, "message": "Succeeded to update model weights.",
                                   "num_paused_requests": 0})
 
+    async def apply_weight_delta(self, request: web.Request) -> web.Response:
+        """agentrl's route, not SGLang's (agentrl.engines.sglang_server serves it beside SGLang): the
+        host's local checkpoint brought to a delta version, which /update_weights_from_disk then loads.
+        Only files change here: the served weights stay as they are until that load."""
+        status, reply = await serve_apply(await _json(request))
+        return web.json_response(reply, status=status)
+
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         from agentrl.engines.distributed import init_custom_process_group
 
@@ -1045,6 +1055,7 @@ class EmbeddedEngine:
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post(APPLY_ROUTE, self.apply_weight_delta)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)

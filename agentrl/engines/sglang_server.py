@@ -1,4 +1,5 @@
-"""`python -m sglang.launch_server`, plus one response header: `X-Agentrl-Engine: <id>`.
+"""`python -m sglang.launch_server`, plus one response header: `X-Agentrl-Engine: <id>`, and one
+route of agentrl's own: POST /agentrl/apply_weight_delta.
 
 Usage is SGLang's own: python -m agentrl.engines.sglang_server --model-path DIR --port N ...
 (every argument goes to SGLang unchanged); the engine id comes from $AGENTRL_ENGINE_ID
@@ -12,6 +13,13 @@ through, so a pure-ASGI middleware on SGLang's FastAPI app names the engine on e
 reply. It costs one header per response and touches nothing else. (With
 --tokenizer-worker-num > 1 SGLang re-imports its app in worker processes, which then
 answer without the header; affinity is then reported as unknown, not wrong.)
+
+POST /agentrl/apply_weight_delta (`WeightDeltaRoute`): the delta weight sync's file work on the
+engine's host (agentrl.weight_delta: the host's local checkpoint brought to a published version),
+which SGLang's stock /update_weights_from_disk then loads. Served here, in the engine's own
+process on its own host, because that host's disk is where the local checkpoint lives; slime
+instead patches SGLang (a /pull_weights endpoint), which agentrl's upstream SGLang does not have.
+It runs in a thread, so SGLang keeps serving while the files change.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import runpy
 import sys
 
 from agentrl.engines import ENGINE_HEADER
+from agentrl.weight_delta import APPLY_ROUTE, serve_apply
 
 
 class EngineHeader:
@@ -79,6 +88,40 @@ class RoutedExperts:
                               send)
 
 
+class WeightDeltaRoute:
+    """ASGI middleware: serve POST /agentrl/apply_weight_delta (agentrl.weight_delta.serve_apply,
+    the embedded engine's handler too); every other request goes to SGLang."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http" or scope.get("path") != APPLY_ROUTE:
+            return await self.app(scope, receive, send)
+        if scope.get("method") != "POST":
+            return await _json_reply(send, 405, {"success": False, "message": f"{APPLY_ROUTE} takes POST"})
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        try:
+            body = json.loads(b"".join(chunks) or b"{}")
+        except ValueError:
+            body = None
+        status, reply = await serve_apply(body if isinstance(body, dict) else {})
+        return await _json_reply(send, status, reply)
+
+
+async def _json_reply(send, status: int, reply: dict) -> None:
+    data = json.dumps(reply).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
 def _replay(messages: list[dict], receive):
     """An ASGI receive() that hands out `messages` first, then the real ones."""
     pending = list(messages)
@@ -109,9 +152,10 @@ def main() -> None:
         http_server.app.add_middleware(EngineHeader, engine_id=engine_id)
     except Exception as exc:  # serve anyway: only the affinity metric needs the header
         print(f"agentrl: could not add the X-Agentrl-Engine header ({exc!r}); serving without it", file=sys.stderr)
-    if "--enable-return-routed-experts" in sys.argv[1:]:  # not optional: R3 fails without it
-        from sglang.srt.entrypoints import http_server
+    from sglang.srt.entrypoints import http_server
 
+    http_server.app.add_middleware(WeightDeltaRoute)  # not optional: --weight-sync-mode delta fails without it
+    if "--enable-return-routed-experts" in sys.argv[1:]:  # not optional: R3 fails without it
         http_server.app.add_middleware(RoutedExperts)
     sys.argv[0] = "sglang.launch_server"
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)

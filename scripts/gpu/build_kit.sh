@@ -62,7 +62,8 @@ build_b() {
     "$tmp/r/ray/core/src/ray/gcs/gcs_server" 2>/dev/null || true
   tar -C "$tmp/r" -cf - . | xz -T0 -6 > "$kit/b/ray.tar.xz"
   # what agentrl needs beyond the machine's image and part a (resolved with pip's report against
-  # the image's package list in the device tool's KINDS.md)
+  # the image's package list in the device tool's KINDS.md); --weight-sync-mode delta's zstandard is
+  # part a's (SGLang's pin above) and its xxhash the image's
   "$py" -m pip download -q --no-deps $plat -d "$kit/b/wheels" megatron-core==0.19.2 gymnasium==1.4.0 \
     farama-notifications==0.0.6 mcp==2.3.0 mcp-types==2.3.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
     pyjwt==2.15.1 cryptography==50.0.2 sse-starlette==3.7.0 pydantic-settings python-dotenv httpx-sse \
