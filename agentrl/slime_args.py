@@ -11,7 +11,7 @@ Each such flag is, in this order of preference:
 - passed to Megatron (trainers/megatron/flags.py) or SGLang (`--sglang-*`), list values too;
 - accepted with a one-line notice where it has no effect here (NO_EFFECT says why);
 - refused with the reason (REFUSED: slime hooks agentrl cannot run, and features it does not have:
-  MTP training, multimodal data, delta weight sync);
+  MTP training, multimodal data);
 - or, for slime's YAML files (--custom-config-path, --eval-config, --sglang-config), read as slime
   reads them, onto agentrl's settings, a key that does not map being an error naming it.
 
@@ -120,12 +120,7 @@ NO_EFFECT: dict[str, str] = {
     "use_dynamic_batch_size": "",  # checked in finish(): it needs --max-tokens-per-gpu, which agentrl packs by
     "allgather_cp": "context parallelism is megatron-core's (--context-parallel-size); slime's all-gather "
                     "variant computes the same attention another way",
-    "update_weight_disk_dir": "a disk weight sync (--update-weight-transport disk) writes its checkpoint "
-                              "under the run folder",
 }
-DELTA_WHY = ("slime's delta weight sync is applied by SGLang's /pull_weights, which slime adds by patching SGLang "
-             "(its docker/patch/*/sglang-pull_weights.patch); agentrl's engines are upstream SGLang: weight syncs "
-             "send whole tensors (--update-weight-transport nccl, or disk for a whole checkpoint)")
 # slime options agentrl refuses, each with why
 REFUSED: dict[str, str] = {
     "custom_loss_function_path": "agentrl's losses are its algorithms (--advantage-estimator, --loss-type); "
@@ -173,12 +168,14 @@ REFUSED: dict[str, str] = {
     "multimodal_keys": "agentrl trains text-only models: neither the rollout nor the trainers carry image or video "
                        "inputs, and a run without the rows' media would train on prompts about images the model never "
                        "sees (slime's geo3k example: geometry problems on their figures), another task",
-    "update_weight_local_checkpoint_dir": DELTA_WHY,
-    "update_weight_delta_encoding": DELTA_WHY,
-    "update_weight_delta_checksum": DELTA_WHY,
 }
 # slime flag -> agentrl flag (same meaning, another name)
-RENAMED = {"rollout_seed": "--seed", "sglang_router_request_timeout_secs": "--request-timeout-s"}
+RENAMED = {"rollout_seed": "--seed", "sglang_router_request_timeout_secs": "--request-timeout-s",
+           # disk and delta weight sync (--update-weight-mode, --update-weight-transport: translate())
+           "update_weight_disk_dir": "--weight-sync-dir",
+           "update_weight_local_checkpoint_dir": "--weight-sync-local-dir",
+           "update_weight_delta_encoding": "--weight-delta-encoding",
+           "update_weight_delta_checksum": "--weight-delta-checksum"}
 
 
 @dataclass
@@ -196,6 +193,8 @@ class SlimeFlags:
     custom_config: dict[str, Any] = field(default_factory=dict)  # --custom-config-path's config-field keys
     server_concurrency: int | None = None  # --sglang-server-concurrency: requests in flight per engine
     sglang_config: str | None = None  # --sglang-config's YAML: read in warmup() (apply_sglang_config)
+    update_weight_mode: str | None = None  # --update-weight-mode and --update-weight-transport: together one
+    update_weight_transport: str | None = None  # --weight-sync-mode, set once both are read
 
     def note(self, flag: str, why: str) -> None:
         self.notices.append(f"{flag}: accepted, no effect here: {why}")
@@ -544,13 +543,13 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
                                   "--trainer torch|megatron")
             out += ["--trainer", "megatron"]
         elif name == "update_weight_mode":
-            if value != "full":
-                raise ConfigError(f"{flag} {value}: not supported by agentrl: {DELTA_WHY} (slime's 'full')")
-        elif name == "update_weight_transport":  # nccl: a broadcast to engines on GPUs of their own, as auto picks
-            modes = {"nccl": "auto", "disk": "disk"}
-            if value not in modes:
+            if value not in ("full", "delta"):
+                raise ConfigError(f"{flag} {value}: expected full or delta")
+            flags.update_weight_mode = value
+        elif name == "update_weight_transport":
+            if value not in ("nccl", "disk"):
                 raise ConfigError(f"{flag} {value}: expected nccl or disk")
-            out += ["--weight-sync-mode", modes[value]]
+            flags.update_weight_transport = value
         elif name in REFUSED:
             raise ConfigError(f"{flag}: not supported by agentrl: {REFUSED[name]} (docs/slime.md)")
         elif name in RENAMED:
@@ -586,7 +585,20 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
             out += [arg] if eq else [arg, *values]
         i = nxt
     flags.present = flags.present or bool(flags.shape)
-    return out, flags
+    return out + _weight_sync_mode(flags), flags
+
+
+def _weight_sync_mode(flags: SlimeFlags) -> list[str]:
+    """slime's --update-weight-mode and --update-weight-transport -> --weight-sync-mode: nccl is auto
+    (a broadcast to engines on GPUs of their own, CUDA IPC when colocated, as auto picks), full
+    disk is disk, delta (disk only, as slime checks) is delta."""
+    mode, transport = flags.update_weight_mode, flags.update_weight_transport
+    if mode == "delta":
+        if transport != "disk":
+            raise ConfigError(f"--update-weight-mode delta requires --update-weight-transport disk (as slime), got "
+                              f"{transport or 'nccl, the default'}")
+        return ["--weight-sync-mode", "delta"]
+    return ["--weight-sync-mode", {"nccl": "auto", "disk": "disk"}[transport]] if transport else []
 
 
 MAPPED = {"update_weight_buffer_size", "lr_warmup_fraction", "moe_layer_freq", "wandb_key", "wandb_team",
