@@ -760,10 +760,14 @@ def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: T
         out["train_rollout_logprob_abs_diff"] = sum(mismatch) / len(mismatch) if mismatch else 0.0
     out.setdefault("train_rollout_logprob_abs_diff", 0.0)
     out["old_logprob_pass"] = 0.0 if reuse or rollout_old else 1.0  # 1: the separate forward ran (several steps, --kl-coef, ...)
-    if teacher is not None:  # the mean per-token reverse KL to the teacher, over trained tokens
-        kl = [o - t for s, lo, lt in zip(samples, old, teacher) if s.trainable
-              for o, t, m in zip(lo, lt, s.loss_mask) if m]
-        out["opd_reverse_kl"] = sum(kl) / len(kl) if kl else 0.0
+    if teacher is not None:  # the reverse KL to the teacher on the trained tokens: a token mean, and a response's
+        # sum (the sequence-level KL the loss minimizes; the token mean can rise while it falls, when the student's
+        # responses shorten toward the teacher's and keep their high-KL first tokens)
+        per_seq = [[o - t for o, t, m in zip(lo, lt, s.loss_mask) if m]
+                   for s, lo, lt in zip(samples, old, teacher) if s.trainable]
+        tokens = sum(len(k) for k in per_seq)
+        out["opd_reverse_kl"] = sum(map(sum, per_seq)) / tokens if tokens else 0.0
+        out["opd_reverse_kl_seq"] = sum(map(sum, per_seq)) / len(per_seq) if per_seq else 0.0
     if getattr(algo, "ref_update_interval", None):
         # slime: after rollout k's training, the reference becomes the policy when (k + 1) % N == 0; the
         # trainer counts its rollouts (a resumed run from the checkpoint's rollout id)

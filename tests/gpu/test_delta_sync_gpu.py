@@ -40,6 +40,7 @@ def test_delta_sync_keeps_sglang_on_policy(where):
         f"delta_sync_{where}", "--env", "target-token", "--model", str(model), *trainer, "--dtype", "bfloat16",
         *SGLANG, "--sglang-mem-fraction-static", "0.3", "--weight-sync-mode", "delta", "--weight-delta-encoding",
         "xor", "--weight-delta-checksum", "xxh3-128", "--weight-check-interval", "1", "--lr", "1e-4",
+        "--entropy-coef", "0.01",  # every step moves the weights, even at reward 0 (iteration 0 often is)
         "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--global-batch-size", "32",
         "--num-rollout", str(n), timeout_s=560)
     full_mb = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20

@@ -1,5 +1,5 @@
-"""Issue 16's rollout goal on a GPU: in `agentrl train` with SGLang, the rollout phase's output
-tokens/s at least 0.9x what the same SGLang server does for the same requests driven by a bare
+"""Issue 34's rollout goal on a GPU: in `agentrl train` with SGLang, the rollout phase's output
+tokens/s at least 0.95x (the bench's GOAL) what the same SGLang server does for the same requests driven by a bare
 client. The 1.5B colocated run of test_megatron_1_5b_memory_flat (that scenario's own run when an
 earlier call on the machine made it: start-up, 10 iterations and the bench's SGLang do not fit
 one 600-s call; else a run of AGENTRL_GPU_ITERS iterations, default 3), then
@@ -114,5 +114,7 @@ def test_rollout_phase_vs_bare_client():
     assert stream([sys.executable, str(BENCH.parent / "rollout_breakdown.py"), "--run", str(run), "--bare", str(out),
                    "--out", str(breakdown)], OUT / "rollout_breakdown.log", 120) == 0
     for it in json.loads(breakdown.read_text())["iterations"]:  # the parts add up to the run's rollout seconds
-        assert abs(sum(it["parts_s"].values()) + it["bare_s"] - it["rollout_s"]) < 1e-6, it
-    assert report["ratio_median"] >= 0.9, f"rollout phase / bare client: {report['ratio_median']:.3f} (goal 0.9)"
+        # to the millisecond: the stage figures come from metrics rows (2026-12-02: 1.5e-6 s off in 4.9 s)
+        assert abs(sum(it["parts_s"].values()) + it["bare_s"] - it["rollout_s"]) < 1e-3, it
+    goal = report["goal"]
+    assert report["ratio_median"] >= goal, f"rollout phase / bare client: {report['ratio_median']:.3f} (goal {goal})"

@@ -164,6 +164,9 @@ def test_an_engine_served_teacher_scores_as_the_in_trainer_one_and_its_step_move
         grads.append([p.grad.detach().clone() for p in t.model.parameters() if p.requires_grad])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
     assert metrics["opd_reverse_kl"] > 0
+    trained = [s for s in samples if s.trainable]  # a response's sum: the token mean times its trained tokens
+    tokens_per_response = sum(sum(s.loss_mask) for s in trained) / len(trained)
+    assert abs(metrics["opd_reverse_kl_seq"] - metrics["opd_reverse_kl"] * tokens_per_response) < 1e-6
 
     held_out = torch.randint(3, 500, (8, 10), generator=g)
     with torch.no_grad():
