@@ -111,7 +111,7 @@ def test_the_checked_in_arguments_are_slimes(name, slime):
     if slime is None:
         pytest.skip("no slime checkout (AGENTRL_SLIME_SRC or the git mirror)")
     assert script_args(slime, SCRIPTS[name]) == checked_in(name), \
-        f"refresh tests/data/slime_scripts: python tests/slime_scripts.py SLIME_DIR"
+        "refresh tests/data/slime_scripts: python tests/slime_scripts.py SLIME_DIR"
 
 
 def test_a_model_flag_that_differs_from_config_json_names_both(tmp_path, hooks_importable):

@@ -5,7 +5,6 @@ weights and label tokens with its version."""
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
