@@ -12,6 +12,8 @@
 #                                           (scenarios run side by side on different GPUs install once)
 #   bash scripts/gpu/run.sh weight_sync_1p5b  one GPU, ~3 min: the 1.5B shape's colocated weight sync by
 #                                           payload layout and bucket size (bench/weight_sync_bench.py)
+#   bash scripts/gpu/run.sh "1_5b_memory_flat and micro8"   the 1.5B colocated run, 8 samples a micro-batch;
+#                                           "... and tokens32k": packed to 32k tokens; each prints its train-step MFU
 # Performance scenarios (issue 34, tests/gpu/test_perf_gpu.py), each under 8 minutes:
 #   bash scripts/gpu/run.sh startup_1p5b        a 2-iteration 1.5B colocated run: start-up and stop step by step
 #   bash scripts/gpu/run.sh rollout_phase_vs_bare   the rollout phase's ratio to a bare client, and its gap

@@ -60,7 +60,7 @@ def test_rollout_phase_vs_bare_client():
     t0 = time.time()
     n = iters(3)
     assert n >= 2, "the ratio is taken over iterations >= 1: AGENTRL_GPU_ITERS must be 2 or more"
-    earlier = OUT / "megatron_1_5b"  # test_megatron_1_5b_memory_flat's run, the same arguments, if this
+    earlier = OUT / "megatron_1_5b_micro8"  # test_megatron_1_5b_memory_flat[micro8]'s run, the same arguments, if this
     if (earlier / "metrics.jsonl").exists():  # machine made it: one device call cannot hold both runs
         run, rows = earlier, [json.loads(line) for line in (earlier / "metrics.jsonl").read_text().splitlines()]
         n = len(rows)
