@@ -219,6 +219,7 @@ def test_mtp_flags_are_checked_naming_why(mimo, tiny_model):
 
 
 # -- TP 2 ----------------------------------------------------------------------------------------
+@pytest.mark.slow  # two Megatron ranks
 def test_tp2_sequence_parallel_round_trip_logprobs_and_mtp_loss(mimo, tmp_path):
     """Two gloo ranks, TP 2 with sequence parallelism: the exported model is the checkpoint,
     logprobs equal TP 1's, and the MTP loss of the first step equals TP 1's."""
@@ -237,39 +238,57 @@ def test_tp2_sequence_parallel_round_trip_logprobs_and_mtp_loss(mimo, tmp_path):
 
 
 # -- the MTP layers reach the engines --------------------------------------------------------
-def test_weight_sync_and_save_carry_the_trained_mtp_layers(mimo, tmp_path):
-    """A sync sends `model.mtp_layers.*` and the embedded engine takes them (its MiMo model holds the
-    MTP layers as parameters, unused when serving: agentrl/hf_mimo.py); save_hf writes them."""
+@pytest.fixture(scope="module")
+def trained(mimo):
+    mt = trainer(mimo, TRAIN_MTP)
+    mt.train_rollout(make_samples())
+    return mt
+
+
+def test_the_embedded_engine_takes_the_mtp_tensors_and_save_writes_them(mimo, trained, tmp_path):
+    """The contract: an engine on a MiMo takes `model.mtp_layers.*` by name (its MiMo model holds the
+    MTP layers as parameters, unused when serving: agentrl/hf_mimo.py) and still refuses unknown
+    names; the trained MTP layers are in what the trainer sends and in its save_hf checkpoint."""
     from agentrl.engines.embedded import EmbeddedEngine
+
+    sent = dict(trained.named_tensors())
+    assert any(n.startswith("model.mtp_layers.0.") for n in sent)
+    engine = EmbeddedEngine(str(mimo))
+    engine._load_named(list(sent.items()))
+    state = engine.model.state_dict()
+    assert all(torch.equal(state[n], t) for n, t in sent.items())
+    with pytest.raises(KeyError, match="unknown weight names"):
+        engine._load_named([("model.mtp_layers.7.input_proj.weight", sent["model.mtp_layers.0.input_proj.weight"])])
+
+    trained.save_hf(tmp_path / "hf")
+    saved = HFCheckpoint(tmp_path / "hf")
+    assert sorted(saved.keys()) == sorted(sent)
+    assert all(torch.equal(saved.get(n), t) for n, t in sent.items() if n.startswith("model.mtp_layers."))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "mimo"
+
+
+@pytest.mark.e2e  # an engine process
+def test_a_weight_sync_into_an_embedded_engine_sends_the_mtp_layers(mimo, trained, tmp_path):
     from agentrl.engines.launch import launch_embedded_engine
     from agentrl.rollout.client import EngineClient
     from agentrl.weight_transfer import sync_weights_from_tensor
 
-    mt = trainer(mimo, TRAIN_MTP)
-    mt.train_rollout(make_samples())
-    sent = dict(mt.named_tensors())
-    assert any(n.startswith("model.mtp_layers.0.") for n in sent)
+    sent = []
 
-    local = EmbeddedEngine(str(mimo))  # the contract: the MTP tensors by their names, nothing else unknown
-    local._load_named(list(sent.items()))
-    state = local.model.state_dict()
-    assert all(torch.equal(state[n], t) for n, t in sent.items())
-    with pytest.raises(KeyError, match="unknown weight names"):
-        local._load_named([("model.mtp_layers.7.input_proj.weight", sent["model.mtp_layers.0.input_proj.weight"])])
+    def named():
+        for name, t in trained.named_tensors():
+            sent.append(name)
+            yield name, t
 
     server = launch_embedded_engine(str(mimo), log_dir=tmp_path / "logs", num_threads=1)
     try:
         async def go():
             async with EngineClient(server.url) as client:
-                return await sync_weights_from_tensor([client], mt.named_tensors(), version=1, bucket_bytes=64 * 1024)
-        assert asyncio.run(go())["weight_sync_buckets"] >= 1
+                return await sync_weights_from_tensor([client], named(), version=1, bucket_bytes=64 * 1024)
+        assert asyncio.run(go())["weight_sync_buckets"] >= 1  # (an engine refusing a name fails the sync)
     finally:
         server.stop()
-
-    mt.save_hf(tmp_path / "hf")
-    saved = HFCheckpoint(tmp_path / "hf")
-    assert all(torch.equal(saved.get(n), t) for n, t in sent.items() if n.startswith("model.mtp_layers."))
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "mimo"
+    assert any(n.startswith("model.mtp_layers.0.") for n in sent)
 
 
 def test_a_checkpoint_resumes_the_mtp_layers_exactly(mimo, tmp_path):
