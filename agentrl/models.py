@@ -165,7 +165,10 @@ def _quiet_transformers() -> None:
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
+    from agentrl import hf_mimo
+
     _quiet_transformers()
+    hf_mimo.register()
 
     path = check_model_dir(path)
     try:
@@ -181,7 +184,10 @@ def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "float32")
     import torch
     from transformers import AutoModelForCausalLM
 
+    from agentrl import hf_mimo
+
     _quiet_transformers()
+    hf_mimo.register()  # model_type "mimo": transformers has no class of its own
     path = check_model_dir(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))

@@ -76,7 +76,7 @@ SHAPE_VALUES: dict[str, Callable[[dict], Any]] = {
     "moe_ffn_hidden_size": lambda hf: hf["moe_intermediate_size"],
     "moe_router_topk": lambda hf: hf["num_experts_per_tok"],
     "max_position_embeddings": lambda hf: hf["max_position_embeddings"],
-    "mtp_num_layers": _mtp_layers,  # checked, then not built (a notice says so: MTP_NOT_BUILT)
+    "mtp_num_layers": _mtp_layers,  # checked, and passed to the Megatron trainer (MiMo: it builds them; finish)
     "q_lora_rank": lambda hf: hf["q_lora_rank"],
     "kv_lora_rank": lambda hf: hf["kv_lora_rank"],
     "qk_head_dim": lambda hf: hf["qk_nope_head_dim"],
@@ -93,7 +93,7 @@ SHAPE_SWITCHES: dict[str, Callable[[dict], bool]] = {
     < hf["num_attention_heads"],
     "use_rotary_position_embeddings": lambda hf: _rope_theta(hf) is not None,
     "disable_bias_linear": lambda hf: not hf.get("mlp_bias", False),
-    "add_qkv_bias": lambda hf: hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias")),
+    "add_qkv_bias": lambda hf: hf.get("model_type") in ("qwen2", "mimo") or bool(hf.get("attention_bias")),
     "qk_layernorm": lambda hf: str(hf.get("model_type", "")).startswith("qwen3"),
 }
 # structure flags of families whose layout agentrl reads from config.json alone
@@ -101,9 +101,10 @@ SHAPE_FROM_CONFIG = {"apply_layernorm_1p", "use_gated_attention", "mscale", "msc
                      "use_rope_scaling", "spec", "no_position_embedding", "post_self_attn_layernorm",
                      "post_mlp_layernorm", "multi_latent_attention", "seq_length"}
 
-MTP_NOT_BUILT = ("the Megatron model is built without the checkpoint's multi-token-prediction layers; untrained "
-                 "(slime trains them only with --enable-mtp-training), they keep the checkpoint's weights, which an "
-                 "SGLang speculative draft (--sglang-speculative-algorithm EAGLE) reads from the checkpoint itself")
+MTP_NOT_BUILT = ("the torch trainer builds no multi-token-prediction layers; untrained, they keep the checkpoint's "
+                 "weights, which an SGLang speculative draft (--sglang-speculative-algorithm EAGLE) reads from the "
+                 "checkpoint itself")
+MTP_FAMILIES = ("mimo",)  # model types whose MTP layers the Megatron trainer maps (trainers/megatron/mtp.py)
 # accepted, with the reason it changes nothing here
 NO_EFFECT: dict[str, str] = {
     "use_tensorboard": "tensorboard/ is always written in the run folder",
@@ -160,11 +161,6 @@ REFUSED: dict[str, str] = {
     "sglang_router_port": "slime registers the engines it launches with that running router; agentrl launches its own "
                           "router, or attaches to running engines (or a router in front of them) with "
                           "--rollout-engine-urls URL",
-    "enable_mtp_training": "training the multi-token-prediction layers needs them built in the Megatron model, their "
-                           "loss in its step and their weights synced to the engines' speculative draft; agentrl's "
-                           "Megatron families (qwen2, qwen3, llama, qwen3_moe, qwen2_moe) have no MTP layers in their "
-                           "HF checkpoints, and MiMo and GLM-4.x, the models of slime's scripts that pass it, are "
-                           "not mapped yet",
     "multimodal_keys": "agentrl trains text-only models: neither the rollout nor the trainers carry image or video "
                        "inputs, and a run without the rows' media would train on prompts about images the model never "
                        "sees (slime's geo3k example: geometry problems on their figures), another task",
@@ -528,8 +524,8 @@ def translate(argv: list[str], fields=(), aliases: dict[str, str] | None = None)
             flags.shape[name] = True if name in SHAPE_SWITCHES and value is None else value
             if name in SHAPE_VALUES and value is None:
                 raise ConfigError(f"{flag}: needs a value")
-            if name == "mtp_num_layers":
-                flags.note(flag, MTP_NOT_BUILT)
+            if name == "mtp_num_layers":  # the Megatron trainer builds them (checked in finish)
+                flags.megatron[name] = value
         elif name in SHAPE_FROM_CONFIG:
             flags.note(flag, "the Megatron model is built from the HF config.json, which sets this")
         elif name in NO_EFFECT:
@@ -856,6 +852,36 @@ def finish(cfg, flags: SlimeFlags) -> None:
                           "'Rule-based RM type is not specified' too)")
     if flags.shape:
         check_shape(flags.shape, read_hf_config(cfg.model.model, sorted(flags.shape)), cfg.model.model)
+    check_mtp(cfg, flags)
+
+
+def check_mtp(cfg, flags: SlimeFlags) -> None:
+    """slime's --mtp-num-layers (checked against config.json by check_shape) and --enable-mtp-training
+    (slime: it needs --mtp-num-layers): the Megatron trainer builds and trains the MTP layers of the
+    model types in MTP_FAMILIES; any other model is refused, saying why."""
+    m = cfg.megatron_args
+    layers, training = m.get("mtp_num_layers"), "enable_mtp_training" in m
+    if "mtp_loss_scaling_factor" in m and not training:
+        flags.note("--mtp-loss-scaling-factor", "without --enable-mtp-training no MTP loss is computed")
+    if layers is None and not training:
+        return
+    if cfg.train.trainer != "megatron":
+        if training:
+            raise ConfigError("--enable-mtp-training: the MTP layers are trained by the Megatron trainer only "
+                              "(--trainer megatron)")
+        flags.note("--mtp-num-layers", MTP_NOT_BUILT)
+        return
+    if training and layers is None:
+        raise ConfigError("--enable-mtp-training needs --mtp-num-layers N (as in slime): the MTP layers to build "
+                          "and train")
+    hf = read_hf_config(cfg.model.model, ["mtp_num_layers"])
+    model_type = hf.get("model_type")
+    if model_type not in MTP_FAMILIES:
+        flag = "--enable-mtp-training" if training else "--mtp-num-layers"
+        raise ConfigError(f"{flag}: {cfg.model.model} is model_type {model_type!r}; the Megatron trainer builds and "
+                          f"trains the multi-token-prediction layers of {', '.join(MTP_FAMILIES)} only (MiMo's "
+                          "model.mtp_layers.*; GLM-4.x's and DeepSeek-V3's MTP layers, layer num_hidden_layers + i, "
+                          "are not mapped: docs/slime.md, Multi-token prediction)")
 
 
 def check_pd(r) -> None:

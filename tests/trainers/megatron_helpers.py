@@ -163,3 +163,54 @@ def assert_same_step(a: dict, b: dict) -> None:
         assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-5, abs=1e-7), key
     diff = max(abs(x - y) for ra, rb in zip(a["after"], b["after"]) for x, y in zip(ra, rb))
     assert diff < 1e-5, diff
+
+
+def tiny_mimo_model(folder: Path, tokenizer_from: Path | None = None, *, mtp_layers: int = 1, seed: int = 1,
+                    dtype=None, **shape) -> Path:
+    """A random tiny MiMo checkpoint: a Qwen2 (HF's Qwen2 classes, untied like MiMo-7B) plus
+    `mtp_layers` multi-token-prediction layers written by MiMo's tensor names
+    (`model.mtp_layers.K.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}` and a
+    decoder layer's), config.json with model_type mimo / MiMoForCausalLM (transformers has no
+    MiMo class). `shape`: Qwen2Config fields over the small default."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=640000.0,
+                  tie_word_embeddings=False)
+    fields.update(shape)
+    model = Qwen2ForCausalLM(Qwen2Config(**fields))
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so a missed mapping would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+    model.to(dtype or torch.float32).save_pretrained(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    h = fields["hidden_size"]
+    for k in range(mtp_layers):
+        p = f"model.mtp_layers.{k}."
+        for name, t in list(tensors.items()):
+            if name.startswith("model.layers.0."):  # a decoder layer's tensors, fresh values
+                rest = name.removeprefix("model.layers.0.")
+                fresh = torch.rand_like(t.float()) + 0.5 if "norm" in rest else torch.randn_like(t.float()) * 0.05
+                tensors[p + rest] = fresh.to(t.dtype)
+        for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+            tensors[p + norm + ".weight"] = (torch.rand(h) + 0.5).to(tensors["model.norm.weight"].dtype)
+        tensors[p + "input_proj.weight"] = (torch.randn(h, 2 * h) * 0.05).to(tensors["model.norm.weight"].dtype)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=mtp_layers)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer_from is not None:
+        for f in tokenizer_from.glob("tokenizer*"):
+            shutil.copy(f, folder / f.name)
+        for f in ("special_tokens_map.json", "chat_template.jinja"):
+            if (tokenizer_from / f).exists():
+                shutil.copy(tokenizer_from / f, folder / f)
+    return folder

@@ -139,6 +139,7 @@ TRAINER_FLAGS = frozenset({
     "seq_length", "max_position_embeddings",  # accepted for slime compatibility; the HF config decides
     "num_layers_per_virtual_pipeline_stage",  # slime's way to ask for virtual pipeline stages
     "use_rollout_routing_replay",  # slime's R3: replay the experts the engine routed each token to
+    "enable_mtp_training",  # slime's: train the --mtp-num-layers MTP layers beside the policy (mtp.py)
 })
 
 

@@ -1,5 +1,5 @@
-"""Build megatron-core GPTModels from a Hugging Face config (Qwen2/2.5, Qwen3, Llama 3 dense;
-Qwen3-MoE and Qwen2-MoE with megatron-core's MoE layer).
+"""Build megatron-core GPTModels from a Hugging Face config (Qwen2/2.5, Qwen3, Llama 3, MiMo dense;
+Qwen3-MoE and Qwen2-MoE with megatron-core's MoE layer; MiMo's MTP layers: mtp.py).
 
 Layer spec: Transformer Engine's when it is installed (and not turned off with
 `--transformer-impl local`), else megatron-core's local spec with two modules swapped
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from agentrl.errors import ConfigError
 from agentrl.trainers.megatron.args import MegatronArgs
-from agentrl.trainers.megatron import no_apex
+from agentrl.trainers.megatron import mtp, no_apex
 from agentrl.trainers.megatron.families import family_for
 from agentrl.trainers.megatron.families.common import Family, Layout, head_dim, rope_theta
 
@@ -144,9 +144,10 @@ def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype:
         # MegatronTrainer._batches.)
         kw["batch_p2p_comm"] = False
     kw.update(margs.transformer)
-    if kw.get("mtp_num_layers"):  # GPTModel would read labels it is never given (no MTP block is built here)
-        raise ConfigError("mtp_num_layers: the Megatron trainer builds no multi-token-prediction layers (slime's "
-                          "--mtp-num-layers is checked against config.json and then not built: agentrl/slime_args.py)")
+    # the MTP block is built beside the GPTModel, not by it (mtp.py): its config keeps megatron-core's
+    # MTP fields unset, so its forward returns the logits
+    mtp.check(int(kw.pop("mtp_num_layers", None) or 0), family, hf_config, margs)
+    kw.pop("mtp_loss_scaling_factor", None)
     kw["virtual_pipeline_model_parallel_size"] = vpp
     if margs.flag("use_rollout_routing_replay"):
         if family.moe is None:
@@ -347,7 +348,7 @@ def mark_tensor_parallel(model) -> None:
 
 def hf_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies exactly as the HF model computes them (llama3 scaling etc.)."""
-    mt = hf_config.model_type
+    mt = {"mimo": "qwen2"}.get(hf_config.model_type, hf_config.model_type)  # MiMo: Qwen2's RoPE
     module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
     cls = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
     with torch.device("cpu"):
@@ -384,7 +385,8 @@ def layout_for(hf_config, margs: MegatronArgs, te: bool) -> tuple[Family, Layout
     divisible = int(margs.trainer.get("make_vocab_size_divisible_by", 1))
     experts = family.moe.num_experts if family.moe is not None else 0
     layout = Layout.from_hf(hf_config, margs.tp, padded_vocab_size(hf_config.vocab_size, margs.tp, divisible), te,
-                            ep=margs.ep, etp=margs.etp, num_experts=experts)
+                            ep=margs.ep, etp=margs.etp, num_experts=experts,
+                            mtp_layers=int(margs.transformer.get("mtp_num_layers") or 0))
     if layout.num_groups % margs.tp:
         raise ConfigError(f"--tensor-model-parallel-size {margs.tp} must divide the {layout.num_groups} KV heads")
     if margs.ep > 1 and (not experts or experts % margs.ep):

@@ -33,14 +33,14 @@ from agentrl.errors import ConfigError
 from agentrl.profiling import TrainProfiler
 from agentrl.slime_args import check_reference, megatron_checkpoint_dir
 from agentrl.trainers import rng_state, set_rng_state
-from agentrl.trainers.megatron import no_apex, optimizer_state
+from agentrl.trainers.megatron import mtp, no_apex, optimizer_state
 from agentrl.trainers.megatron.args import parse_megatron_args
 from agentrl.trainers.megatron.context_parallel import rope_without_cp_split
 from agentrl.trainers.megatron.context_parallel import split as cp_split
 from agentrl.trainers.megatron.logprobs import fused_logprobs
 from agentrl.trainers.megatron.model import (DTYPES, build_gpt, enable_position_rope, enable_response_head,
-                                             init_distributed, layer_spec, layout_for, transformer_config,
-                                             use_te_spec)
+                                             init_distributed, layer_spec, layout_for, mark_tensor_parallel,
+                                             transformer_config, use_te_spec)
 from agentrl.trainers.megatron.packing import PackedBatch, micro_batches, pack, padded_length
 from agentrl.trainers.megatron.weights import HFCheckpoint, export_hf, load_hf_weights, model_chunks
 from agentrl.types import Sample
@@ -72,6 +72,9 @@ class MegatronTrainer:
                               "tests/trainers/megatron_cpu_shim.py)")
         if device.startswith("cuda") and device != "cuda":
             device = "cuda"  # the rank's GPU comes from LOCAL_RANK
+        from agentrl import hf_mimo
+
+        hf_mimo.register()  # model_type "mimo": transformers has no config class of its own
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         init_distributed(self.margs, device, seed, num_layers=self.hf_config.num_hidden_layers)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
@@ -89,6 +92,8 @@ class MegatronTrainer:
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.rank = dist.get_rank()
         self.routing_replay = self.margs.flag("use_rollout_routing_replay")  # R3
+        self.mtp_train = self.margs.flag("enable_mtp_training")  # MTP layers: built with --mtp-num-layers (mtp.py)
+        self.mtp_factor = mtp.scaling_factor(self.margs)
         self.max_tokens = train.max_tokens_per_gpu
         self.pad_to = self.margs.tp if self.margs.transformer.get("sequence_parallel") and self.margs.tp > 1 else 1
         self.seq_pad = 2 * self.cp if self.cp > 1 else 1  # each sequence cut into 2 x CP chunks (context_parallel.py)
@@ -135,7 +140,10 @@ class MegatronTrainer:
                                     te=self.te)
         if config.virtual_pipeline_model_parallel_size and (self.lora or value_head):
             raise ConfigError("virtual pipeline stages are not supported with --lora-rank or the PPO critic")
-        chunks = self._model_chunks(config, ckpt, value_head=value_head)
+        if self.lora and self.layout.mtp_layers:
+            raise ConfigError("--mtp-num-layers with --lora-rank: the MTP layers are trained whole or not at all; "
+                              "train without LoRA")
+        chunks = self._model_chunks(config, ckpt, value_head=value_head, with_mtp=not value_head)
         model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
         if self.lora and not value_head:  # frozen base + adapters: only they get grad buffers and optimizer state
             from agentrl.trainers.megatron.lora import add_lora
@@ -163,15 +171,20 @@ class MegatronTrainer:
         scheduler = self._scheduler(optimizer, lr, opt_kw["min_lr"])
         return model, ddp, optimizer, scheduler, config
 
-    def _model_chunks(self, config, ckpt: HFCheckpoint, *, value_head: bool = False) -> list:
+    def _model_chunks(self, config, ckpt: HFCheckpoint, *, value_head: bool = False, with_mtp: bool = False) -> list:
         """This rank's GPTModel, loaded from the HF checkpoint: one, or one per virtual pipeline
-        stage (the interleaved schedule's model chunks)."""
+        stage (the interleaved schedule's model chunks). with_mtp: the policy, with its
+        --mtp-num-layers MTP block (mtp.py)."""
         vpp = config.virtual_pipeline_model_parallel_size
         chunks = []
         for vp_stage in (range(vpp) if vpp else [None]):
-            chunk = build_gpt(self.hf_config, config, layer_spec(config, self.family, self.te, vp_stage),
-                              padded_vocab=self.layout.padded_vocab, value_head=value_head,
-                              vp_stage=vp_stage).to(self.device)
+            spec = layer_spec(config, self.family, self.te, vp_stage)
+            chunk = build_gpt(self.hf_config, config, spec, padded_vocab=self.layout.padded_vocab,
+                              value_head=value_head, vp_stage=vp_stage).to(self.device)
+            if with_mtp and self.layout.mtp_layers:
+                block = mtp.build_block(config, spec, te=self.te, num_layers=self.layout.mtp_layers, vp_stage=vp_stage)
+                mtp.attach(chunk, block.to(self.device), train=self.mtp_train)
+                mark_tensor_parallel(chunk)
             if not self.te:
                 enable_position_rope(chunk)
             if self.cp > 1:
@@ -323,7 +336,12 @@ class MegatronTrainer:
             head = getattr(gpt, "output_layer", None)
             if hasattr(head, "rows"):  # enable_response_head
                 head.rows = mb.logit_index
+            run_mtp = self.mtp_train and not forward_only and getattr(gpt, "mtp", None) is not None
+            if run_mtp:
+                gpt.mtp_run = True
             out = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(by_position))
+            if run_mtp:  # the MTP layers' hidden states, for _step's loss
+                mb.mtp_out, gpt.mtp_run, gpt.mtp_hidden = (gpt, gpt.mtp_hidden), False, None
             return out, partial(loss_fn, mb)
 
         chunks = ddp_or_model if isinstance(ddp_or_model, (list, torch.nn.ModuleList)) else [ddp_or_model]
@@ -451,6 +469,12 @@ class MegatronTrainer:
 
         def loss_fn(mb, output):
             loss, stats = make_loss(mb, output, denom)
+            if getattr(mb, "mtp_out", None) is not None:  # --enable-mtp-training: the MTP layers' loss beside it
+                (gpt, hidden), mb.mtp_out = mb.mtp_out, None
+                mask = mb.flat([s.loss_mask for s in samples], loss.device)
+                extra, more = mtp.mtp_loss(gpt, hidden, mb, mask, denom, factor=self.mtp_factor,
+                                           vocab_size=self.layout.vocab, tp_group=self.tp_group, tp_rank=self.tp_rank)
+                loss, stats = loss + extra, {**stats, **more}
             if getattr(mb, "dummy", False):
                 loss, stats = loss * 0.0, {}
             for k, v in stats.items():
@@ -630,7 +654,7 @@ class MegatronTrainer:
                 weight_map.update({name: len(files) - 1 for name in shard})
             shard, size = {}, 0
 
-        for bucket in self.hf_buckets(bucket_bytes=256 * 2**20, merged=merged):
+        for bucket in [*self.hf_buckets(bucket_bytes=256 * 2**20, merged=merged), self._unbuilt_tensors()]:
             if self.rank != 0:
                 continue
             for name, t in bucket:
@@ -657,9 +681,19 @@ class MegatronTrainer:
             gen = Path(self.model_path) / "generation_config.json"
             if gen.exists():
                 shutil.copy(gen, folder / "generation_config.json")
+            for code in Path(self.model_path).glob("*.py"):  # a config.json auto_map's remote code (MiMo's)
+                shutil.copy(code, folder / code.name)
         if dist.is_initialized():
             dist.barrier()
         return folder
+
+    def _unbuilt_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The start checkpoint's MTP tensors when the model was built without them (MiMo without
+        --mtp-num-layers): unchanged, they go into a saved checkpoint as they are (rank 0 reads them)."""
+        if not self.family.mtp or self.layout.mtp_layers or self.rank != 0:
+            return []
+        ckpt = HFCheckpoint(self.model_path)
+        return [(n, ckpt.get(n)) for n in ckpt.keys() if n.startswith("model.mtp_layers.")]
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _sharded_state(self, is_loading: bool = False) -> dict:

@@ -8,10 +8,10 @@ here and listing it in `FAMILIES`.
 
 from __future__ import annotations
 
-from agentrl.trainers.megatron.families import llama, qwen2, qwen2_moe, qwen3, qwen3_moe
+from agentrl.trainers.megatron.families import llama, mimo, qwen2, qwen2_moe, qwen3, qwen3_moe
 from agentrl.trainers.megatron.families.common import Family
 
-FAMILIES = (qwen2, qwen3, llama, qwen3_moe, qwen2_moe)
+FAMILIES = (qwen2, qwen3, llama, qwen3_moe, qwen2_moe, mimo)
 
 
 def family_for(hf_config) -> Family:

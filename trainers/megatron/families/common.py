@@ -21,6 +21,12 @@ Megatron (local or Transformer Engine layer spec) fuses what HF keeps apart:
   (`mlp.experts.local_experts.E.linear_fc1.weight`, HF `mlp.experts.E.gate_proj.weight`), as
   they carry the global layer index. Qwen2-MoE's shared expert is a TP-split dense MLP
   (`mlp.shared_experts.*`) with a replicated sigmoid gate (`gate_weight`).
+- Multi-token-prediction layers (`Family.mtp`, MiMo: HF `model.mtp_layers.K.*`): megatron-core's
+  MTP block `mtp.layers.K.*` (trainers/megatron/mtp.py). Its norms `enorm`/`hnorm`/`final_layernorm`
+  are HF's `token_layernorm`/`hidden_layernorm`/`final_layernorm`; `eh_proj` (column-parallel) is
+  HF's `input_proj` with the two halves of its input swapped (megatron-core concatenates
+  [embedding; hidden], MiMo [hidden; embedding]); `transformer_layer.*` (megatron-core 0.19:
+  `mtp_model_layer.*`) is a decoder layer named as `model.layers.*`'s, under `model.mtp_layers.K.`.
 
 `to_megatron_shard` and `to_hf` are exact inverses (pure reshapes and slices), so an
 HF -> Megatron -> HF round trip reproduces every tensor bit for bit.
@@ -52,6 +58,7 @@ class Family:
     qkv_bias: bool
     qk_norm: bool
     moe: MoE | None = None
+    mtp: bool = False  # the checkpoint's multi-token-prediction layers map (MiMo's model.mtp_layers.*)
 
 
 def check_dense(hf_config) -> None:
@@ -87,15 +94,16 @@ class Layout:
     num_experts: int = 0  # MoE: routed experts per layer, over `ep` ranks, each split over `etp`
     ep: int = 1
     etp: int = 1
+    mtp_layers: int = 0  # multi-token-prediction layers built in the Megatron model (--mtp-num-layers)
 
     @classmethod
     def from_hf(cls, hf_config, tp: int, padded_vocab: int, te_spec: bool = False, *, ep: int = 1,
-                etp: int | None = None, num_experts: int = 0) -> "Layout":
+                etp: int | None = None, num_experts: int = 0, mtp_layers: int = 0) -> "Layout":
         return cls(num_heads=hf_config.num_attention_heads, num_groups=hf_config.num_key_value_heads,
                    head_dim=head_dim(hf_config), hidden=hf_config.hidden_size, ffn=hf_config.intermediate_size,
                    vocab=hf_config.vocab_size, padded_vocab=padded_vocab, tp=tp,
                    tied=bool(getattr(hf_config, "tie_word_embeddings", False)), te_spec=te_spec,
-                   num_experts=num_experts, ep=ep, etp=tp if etp is None else etp)
+                   num_experts=num_experts, ep=ep, etp=tp if etp is None else etp, mtp_layers=mtp_layers)
 
     @property
     def local_experts(self) -> int:
@@ -114,6 +122,10 @@ _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d
 # ... and TEGroupedMLP's (one weight per local expert): `mlp.experts.linear_fc1.weight3`
 _TE_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$")
 _ANY_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts)\.(\d+)\.(.+)$")
+# multi-token-prediction layers: megatron-core's MTP block (0.16: `transformer_layer`, 0.19: `mtp_model_layer`)
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_OWN = {"enorm.weight": "token_layernorm.weight", "hnorm.weight": "hidden_layernorm.weight",
+            "final_layernorm.weight": "final_layernorm.weight"}
 
 
 def expert_index(name: str) -> int | None:
@@ -130,7 +142,7 @@ def with_expert(name: str, index: int) -> str:
 
 def hf_sources(name: str, family: Family, layout: Layout) -> tuple[str, list[str]]:
     """(kind, HF names) for one Megatron parameter named with its *global* layer index.
-    kind: replicated | column | row | vocab | qkv | qkv_bias | gate_up."""
+    kind: replicated | column | row | vocab | qkv | qkv_bias | gate_up | eh_proj."""
     if name == "embedding.word_embeddings.weight":
         return "vocab", ["model.embed_tokens.weight"]
     if name == "output_layer.weight":
@@ -144,12 +156,25 @@ def hf_sources(name: str, family: Family, layout: Layout) -> tuple[str, list[str
         if which == "linear_fc1":
             return "expert_gate_up", [p + "gate_proj.weight", p + "up_proj.weight"]
         return "expert_row", [p + "down_proj.weight"]
+    mtp = _MTP.match(name)
+    if mtp and family.mtp:
+        k, rest = int(mtp.group(1)), mtp.group(2)
+        p = f"model.mtp_layers.{k}."
+        if rest in _MTP_OWN:
+            return "replicated", [p + _MTP_OWN[rest]]
+        if rest == "eh_proj.weight":
+            return "eh_proj", [p + "input_proj.weight"]
+        rest = rest.removeprefix("transformer_layer.")
+        return _layer_sources(name, _TE_RENAMES.get(rest, rest), p, family)
     m = _LAYER.match(name)
     if not m:
         raise KeyError(f"no HF counterpart for Megatron parameter {name}")
     i, rest = int(m.group(1)), m.group(2)
-    rest = _TE_RENAMES.get(rest, rest)
-    p = f"model.layers.{i}."
+    return _layer_sources(name, _TE_RENAMES.get(rest, rest), f"model.layers.{i}.", family)
+
+
+def _layer_sources(name: str, rest: str, p: str, family: Family) -> tuple[str, list[str]]:
+    """(kind, HF names) of a decoder layer's parameter `rest` (local spec terms), HF prefix p."""
     table = {
         "input_layernorm.weight": ("replicated", [p + "input_layernorm.weight"]),
         "pre_mlp_layernorm.weight": ("replicated", [p + "post_attention_layernorm.weight"]),
@@ -180,12 +205,7 @@ def megatron_names(num_layers: int, family: Family, layout: Layout, *, first: bo
     names = ["embedding.word_embeddings.weight"] if first else []
     for i in (layers if layers is not None else range(num_layers)):
         p = f"decoder.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
-        if family.qkv_bias:
-            names.append(p + "self_attention.linear_qkv.bias")
-        if family.qk_norm:
-            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
-        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
+        names += _attention_names(p, family)
         moe = family.moe
         if moe is None or not moe.layers[i]:
             names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
@@ -201,7 +221,23 @@ def megatron_names(num_layers: int, family: Family, layout: Layout, *, first: bo
         names.append("decoder.final_layernorm.weight")
         if not layout.tied:
             names.append("output_layer.weight")
+        for k in range(layout.mtp_layers):  # megatron-core's MTP block sits on the last stage
+            p = f"mtp.layers.{k}."
+            names += [p + "enorm.weight", p + "hnorm.weight", p + "eh_proj.weight"]
+            names += _attention_names(p + "transformer_layer.", family)
+            names += [p + f"transformer_layer.mlp.linear_fc{j}.weight" for j in (1, 2)]
+            names.append(p + "final_layernorm.weight")
     return names
+
+
+def _attention_names(p: str, family: Family) -> list[str]:
+    """A decoder layer's names (prefix p) up to and with its pre-MLP norm."""
+    names = [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
+    if family.qkv_bias:
+        names.append(p + "self_attention.linear_qkv.bias")
+    if family.qk_norm:
+        names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+    return names + [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
 
 
 def local_spec_name(name: str) -> str:
@@ -212,6 +248,13 @@ def local_spec_name(name: str) -> str:
     m = _LAYER.match(name)
     if m and m.group(2) in _TE_RENAMES:
         return f"decoder.layers.{m.group(1)}.{_TE_RENAMES[m.group(2)]}"
+    mtp = _MTP.match(name)
+    if mtp:
+        rest = mtp.group(2).replace("mtp_model_layer.", "transformer_layer.", 1)
+        inner = rest.removeprefix("transformer_layer.")
+        if inner != rest and inner in _TE_RENAMES:
+            rest = "transformer_layer." + _TE_RENAMES[inner]
+        return f"mtp.layers.{mtp.group(1)}.{rest}"
     return name
 
 
@@ -270,12 +313,22 @@ def to_megatron_shard(kind: str, hf: list[torch.Tensor], layout: Layout, tp_rank
     if kind == "gate_up":
         gate, up = hf
         return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
+    if kind == "eh_proj":
+        return swap_halves(hf[0]).chunk(tp, dim=0)[tp_rank]
     raise ValueError(kind)
+
+
+def swap_halves(w: torch.Tensor) -> torch.Tensor:
+    """An MTP input projection's [out, 2 h] weight with its input halves swapped: MiMo's
+    [hidden; embedding] <-> megatron-core's [embedding; hidden] (its own inverse)."""
+    a, b = w.chunk(2, dim=1)
+    return torch.cat([b, a], dim=1)
 
 
 def gather_dim(kind: str) -> int | None:
     """The dimension TP shards are concatenated along (None: replicated)."""
-    return {"replicated": None, "column": 0, "row": 1, "vocab": 0, "qkv": 0, "gate_up": 0}[kind.removeprefix("expert_")]
+    return {"replicated": None, "column": 0, "row": 1, "vocab": 0, "qkv": 0, "gate_up": 0,
+            "eh_proj": 0}[kind.removeprefix("expert_")]
 
 
 def to_hf(kind: str, full: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
@@ -288,6 +341,8 @@ def to_hf(kind: str, full: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
         return [full[:layout.vocab]]
     if kind == "qkv":
         return list(split_qkv(full, layout))
+    if kind == "eh_proj":
+        return [swap_halves(full)]
     if kind == "gate_up":
         parts = full.reshape(tp, 2, full.shape[0] // (2 * tp), *full.shape[1:])
         return [parts[:, 0].reshape(-1, *full.shape[1:]).contiguous(),
