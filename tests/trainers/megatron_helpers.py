@@ -96,8 +96,6 @@ def tiny_family_model(folder: Path, family: str, tokenizer_from: Path | None = N
     Llama 3: llama3 RoPE scaling, untied; Qwen3-MoE: 8 experts top-2 renormalised, 4 layers,
     the third dense (mlp_only_layers); Qwen2-MoE: qkv bias, shared expert with its gate, top-2
     not renormalised), saved with safetensors."""
-    import shutil
-
     import torch
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -130,12 +128,7 @@ def tiny_family_model(folder: Path, family: str, tokenizer_from: Path | None = N
             elif "bias" in name or "experts" in name or "shared_expert" in name:  # HF may start these at 0
                 p.normal_(0.0, 0.05)
     model.save_pretrained(folder)
-    if tokenizer_from is not None:
-        for f in tokenizer_from.glob("tokenizer*"):
-            shutil.copy(f, folder / f.name)
-        for f in ("special_tokens_map.json", "chat_template.jinja"):
-            if (tokenizer_from / f).exists():
-                shutil.copy(tokenizer_from / f, folder / f)
+    copy_tokenizer(tokenizer_from, folder)
     return folder
 
 
@@ -172,8 +165,6 @@ def tiny_mimo_model(folder: Path, tokenizer_from: Path | None = None, *, mtp_lay
     (`model.mtp_layers.K.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}` and a
     decoder layer's), config.json with model_type mimo / MiMoForCausalLM (transformers has no
     MiMo class). `shape`: Qwen2Config fields over the small default."""
-    import shutil
-
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -207,10 +198,18 @@ def tiny_mimo_model(folder: Path, tokenizer_from: Path | None = None, *, mtp_lay
     config = json.loads((folder / "config.json").read_text())
     config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=mtp_layers)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    if tokenizer_from is not None:
-        for f in tokenizer_from.glob("tokenizer*"):
-            shutil.copy(f, folder / f.name)
-        for f in ("special_tokens_map.json", "chat_template.jinja"):
-            if (tokenizer_from / f).exists():
-                shutil.copy(tokenizer_from / f, folder / f)
+    copy_tokenizer(tokenizer_from, folder)
     return folder
+
+
+def copy_tokenizer(source: Path | None, folder: Path) -> None:
+    """The tokenizer files of `source` (an HF folder) into `folder`; nothing when `source` is None."""
+    import shutil
+
+    if source is None:
+        return
+    for f in source.glob("tokenizer*"):
+        shutil.copy(f, folder / f.name)
+    for f in ("special_tokens_map.json", "chat_template.jinja"):
+        if (source / f).exists():
+            shutil.copy(source / f, folder / f)
