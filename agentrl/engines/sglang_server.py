@@ -67,14 +67,9 @@ class RoutedExperts:
     async def __call__(self, scope, receive, send):
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") != "/generate":
             return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away: let SGLang see it
-                return await self.app(scope, _replay([message], receive), send)
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body, gone = await _read_body(receive)
+        if gone is not None:  # the client went away: let SGLang see it
+            return await self.app(scope, _replay([gone], receive), send)
         try:
             request = json.loads(body)
         except ValueError:
@@ -100,19 +95,28 @@ class WeightDeltaRoute:
             return await self.app(scope, receive, send)
         if scope.get("method") != "POST":
             return await _json_reply(send, 405, {"success": False, "message": f"{APPLY_ROUTE} takes POST"})
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
+        raw, gone = await _read_body(receive)
+        if gone is not None:  # the client went away
+            return
         try:
-            body = json.loads(b"".join(chunks) or b"{}")
+            body = json.loads(raw or b"{}")
         except ValueError:
             body = None
         status, reply = await serve_apply(body if isinstance(body, dict) else {})
         return await _json_reply(send, status, reply)
+
+
+async def _read_body(receive) -> tuple[bytes, dict | None]:
+    """A request's whole body, and None; or what was read and the message that ended it early
+    (the client went away)."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), message
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks), None
 
 
 async def _json_reply(send, status: int, reply: dict) -> None:
