@@ -765,9 +765,9 @@ def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: T
         # responses shorten toward the teacher's and keep their high-KL first tokens)
         per_seq = [[o - t for o, t, m in zip(lo, lt, s.loss_mask) if m]
                    for s, lo, lt in zip(samples, old, teacher) if s.trainable]
-        tokens = sum(len(k) for k in per_seq)
-        out["opd_reverse_kl"] = sum(map(sum, per_seq)) / tokens if tokens else 0.0
-        out["opd_reverse_kl_seq"] = sum(map(sum, per_seq)) / len(per_seq) if per_seq else 0.0
+        tokens, kl_sum = sum(len(k) for k in per_seq), sum(map(sum, per_seq))
+        out["opd_reverse_kl"] = kl_sum / tokens if tokens else 0.0
+        out["opd_reverse_kl_seq"] = kl_sum / len(per_seq) if per_seq else 0.0
     if getattr(algo, "ref_update_interval", None):
         # slime: after rollout k's training, the reference becomes the policy when (k + 1) % N == 0; the
         # trainer counts its rollouts (a resumed run from the checkpoint's rollout id)

@@ -314,7 +314,7 @@ class DeltaPublisher:
             self.snapshot[name] = new
         self.published = version
         self._prune()
-        return {"weight_sync_delta_density": changed / total if total else 0.0,
+        return {"weight_sync_delta_density": index["density"],
                 "weight_sync_delta_mb": wire / 2**20, "weight_sync_delta_tensors": float(len(tensors)),
                 "weight_sync_publish_s": time.perf_counter() - t0}
 
