@@ -146,6 +146,15 @@ def trajectories(run: Path, rollout_id: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+BF16_PEAK_FLOPS = 989e12  # dense bf16 peak of one H100 SXM or H200
+
+
+def train_mfu(row: dict, params: float, gpus: int = 1) -> float:
+    """A metrics row's train-step MFU: 6 x params x its generated (trained response) tokens over its
+    train seconds and the GPUs' bf16 peak; 0 for a row without train seconds."""
+    return 6 * params * row["generated_tokens"] / (row["train_s"] * gpus * BF16_PEAK_FLOPS) if row.get("train_s") else 0.0
+
+
 def mean(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs)

@@ -17,14 +17,13 @@ import threading
 from pathlib import Path
 
 from gpu_helpers import (KIT, OUT, SGLANG, agentrl_train, iters, mean, needs_gpus, random_model, random_qwen2,
-                         tiny_qwen2_config)
+                         tiny_qwen2_config, train_mfu)
 
 pytestmark = needs_gpus(4, "the scale scenarios need 4 GPUs (the device tool's nvidia-h100-x4)")
 
 # Qwen2.5-7B's shape (the tiny tokenizer's 512-token vocabulary: nothing to download)
 SHAPE_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4)
-H100_BF16_FLOPS = 989e12  # dense bf16 peak of one H100 SXM
 
 
 def random_qwen2_7b() -> Path:
@@ -79,7 +78,7 @@ def report(name: str, command: str, rows: list[dict], params: int, gpus: int, me
     for r in rows:
         gb = r.get("weight_sync_mb", 0) / 1024
         rate = gb / r["weight_sync_s"] if r.get("weight_sync_s") else 0.0
-        mfu = 6 * params * r["generated_tokens"] / (r["train_s"] * gpus * H100_BF16_FLOPS) if r.get("train_s") else 0
+        mfu = train_mfu(r, params, gpus)
         mfus.append(mfu)
         rates.append(rate)
         lines.append(f"| {r['rollout_id']} | {r['rollout_s']:.1f} | {r['train_s']:.1f} | {r.get('weight_sync_s', 0):.2f} "

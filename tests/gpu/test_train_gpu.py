@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import COLOCATE, SGLANG, agentrl_train, iters, mean, needs_gpus, random_qwen2, trajectories
+from gpu_helpers import (COLOCATE, SGLANG, agentrl_train, iters, mean, needs_gpus, random_qwen2, train_mfu,
+                         trajectories)
 
 
 pytestmark = needs_gpus()
@@ -53,7 +54,6 @@ def test_colocated_target_token(trainer):
     check_learns_on_policy(run, rows, n)
 
 
-H200_BF16_FLOPS = 989e12  # dense bf16 peak (H100 SXM's too)
 QWEN25_1P5B_PARAMS = 1.54e9  # the real model's count (152k-token vocabulary), as issue 34 counted
 
 
@@ -94,7 +94,7 @@ def test_megatron_1_5b_memory_flat(batching):
     print("\n".join(table.read_text().splitlines()[:30]))
     rows = rows[:-1]  # the profiled step's host memory and time are the profiler's too
     own = model_params(model)
-    mfu = {name: [6 * params * r["generated_tokens"] / (r["train_s"] * H200_BF16_FLOPS) for r in rows[1:]]
+    mfu = {name: [train_mfu(r, params) for r in rows[1:]]
            for name, params in (("own", own), ("1.54B", QWEN25_1P5B_PARAMS))}
     for name, values in mfu.items():
         counted = f"the run's {own / 1e9:.2f}B" if name == "own" else "Qwen2.5-1.5B's 1.54B"
