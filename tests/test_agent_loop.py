@@ -7,7 +7,7 @@ import pytest
 
 import agentrl
 from agentrl.errors import EngineError, TemplateDriftError
-from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory
+from agentrl.rollout.agent_loop import REPLY_DRIFTS_LOUD, LoopSettings, Renderer, run_trajectory
 from agentrl.rollout.client import GenerateResult
 from agentrl.types import SampleStatus
 
@@ -81,9 +81,57 @@ def test_template_that_rewrites_earlier_turns_is_reported(tokenizer):
         "{{ message.content }}",
         "{% if message.role == 'assistant' %}{{ message.content.split('</think>')[-1] }}"
         "{% else %}{{ message.content }}{% endif %}")
-    client = ScriptedClient(drifting, ["<think>hmm</think>yes", "yes", "yes"])
-    with pytest.raises(TemplateDriftError, match=r"turn 1: the chat template re-rendered earlier tokens.*first difference at token \d+"):
-        play(CountEnv(), client, drifting)
+    # a reply it rewrites is the model's doing once (scored 0); in most turns, the template's: the run stops
+    renderer = Renderer(drifting, True)
+    settings = LoopSettings(max_response_len=200, max_turns=3, sampling_params={"temperature": 1.0})
+    n = REPLY_DRIFTS_LOUD
+    with pytest.raises(TemplateDriftError, match=rf"in {n} of {n} turns; the latest: turn 1: the chat template "
+                                                 r"re-rendered earlier tokens.*first difference at token \d+"):
+        for i in range(n):
+            s = asyncio.run(run_trajectory(CountEnv(), {"prompt": "answer yes"}, renderer=renderer,
+                                           client=ScriptedClient(drifting, ["<think>hmm</think>yes"] * 3),
+                                           settings=settings, trajectory_id=f"t{i}", group_id=0, seed=0))
+            assert s.reward == 0.0 and "TemplateDriftError" in s.metadata["agent_fault"]
+
+
+def trimming(tokenizer):
+    """A template that trims the assistant's content, as Llama 3's does (`| trim`)."""
+    out = copy.deepcopy(tokenizer)
+    out.chat_template = tokenizer.chat_template.replace(
+        "{{ message.content }}",
+        "{% if message.role == 'assistant' %}{{ message.content | trim }}{% else %}{{ message.content }}{% endif %}")
+    assert out.chat_template != tokenizer.chat_template
+    return out
+
+
+def test_a_reply_the_template_rewrites_is_the_agents_fault(tokenizer):
+    """The model ends its reply on a space, which a trimming template drops when it renders the
+    turn again: what the model wrote cannot be continued. The trajectory ends scored 0, the
+    reason recorded, and the run goes on (this raised TemplateDriftError out of the loop)."""
+    tok = trimming(tokenizer)
+    s = play(CountEnv(), ScriptedClient(tok, ["yes", "yes ", "yes"]), tok)
+    assert s.status == SampleStatus.COMPLETED and s.reward == 0.0 and s.num_turns == 2
+    assert s.metadata["agent_fault"].startswith("TemplateDriftError: turn 2: the chat template re-rendered")
+    s.validate()
+
+
+def test_a_stop_token_the_template_does_not_render_stays_loud(tokenizer):
+    """The turn stopped at a token the template does not end turns with (a wrong eos, a stray
+    --rollout-stop-token-ids): every multi-turn trajectory drifts there, so it is the run's
+    set-up, and it stops the run with TemplateDriftError, not a score of 0."""
+    stray = tokenizer.encode("!", add_special_tokens=False)[-1]
+
+    class StrayStop(ScriptedClient):
+        async def generate(self, input_ids, sampling_params, **kw):
+            ids = self.tok.encode(self.replies.pop(0), add_special_tokens=False) + [stray]
+            return GenerateResult(ids, [-0.5] * len(ids), "stop", len(input_ids), 0, "3")
+
+    settings = LoopSettings(max_response_len=200, max_turns=3,
+                            sampling_params={"temperature": 1.0, "stop_token_ids": [stray]})
+    with pytest.raises(TemplateDriftError, match="turn 1: the chat template re-rendered"):
+        asyncio.run(run_trajectory(CountEnv(), {"prompt": "answer yes"}, renderer=Renderer(tokenizer, True),
+                                   client=StrayStop(tokenizer, ["yes"] * 3), settings=settings,
+                                   trajectory_id="t", group_id=0, seed=0))
 
 
 def test_length_budget_truncates(tokenizer):

@@ -33,10 +33,57 @@ def test_the_build_is_a_tied_llama_that_answers_the_check(smollm2, capsys):
     assert json.loads((smollm2 / "config.json").read_text())["dtype"] == "bfloat16"
     built = json.loads((smollm2 / MARKER).read_text())
     assert built["name"] == "smollm2-135m-instruct" and "Paris" in built["check"]
+    # a turn ends at the tokenizer's eos (the agent loop, SGLang): the model's, whatever transformers read
+    from agentrl.models import load_tokenizer
+
+    tok = load_tokenizer(smollm2)
+    assert (tok.eos_token, tok.bos_token, tok.pad_token) == ("<|im_end|>", "<|im_start|>", "<|im_end|>")
+    assert tok.eos_token_id == config.eos_token_id == 2
     # a second get reuses the folder: prints its path, builds nothing
     assert main(["get", "smollm2-135m-instruct", str(smollm2)]) == 0
     out, err = capsys.readouterr()
     assert out.strip() == str(smollm2) and "already built" in err
+
+
+def test_a_tokenizer_whose_eos_is_not_the_models_is_refused(smollm2, tmp_path):
+    """transformers 5.12 read the GGUF's eos as <|im_start|> (id 1, the model's bos): turns then
+    ended at <|im_start|> and the agent loop took it for the end of turn. The check refuses it."""
+    import shutil
+
+    from agentrl.model_get import MODELS, verify
+
+    broken = tmp_path / "m"
+    shutil.copytree(smollm2, broken)
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    (broken / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_start|>"}))
+    with pytest.raises(ModelLoadError, match=r"eos token '<\|im_start\|>' \(1\) is not the model's eos_token_id 2"):
+        verify(broken, MODELS["smollm2-135m-instruct"])
+
+
+def test_a_build_of_an_older_recipe_is_rebuilt_in_place(tmp_path, monkeypatch):
+    """A folder this command built under an older recipe (the marker says so) is rebuilt, not
+    refused as someone else's folder; a folder without the marker is still refused."""
+    from agentrl import model_get
+
+    def convert(gguf, spec, out):
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_get, "_gguf_file", lambda spec, source, work, log: work / "x.gguf")
+    monkeypatch.setattr(model_get, "_convert", convert)
+    monkeypatch.setattr(model_get, "verify", lambda path, spec: "Paris")
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "old.safetensors").write_text("old")
+    (out / MARKER).write_text(json.dumps({"name": "smollm2-135m-instruct", "recipe": 0}))
+    logs = []
+    assert get_model("smollm2-135m-instruct", out, log=logs.append) == out
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "config.json"]
+    assert json.loads((out / MARKER).read_text())["recipe"] == model_get.MODELS["smollm2-135m-instruct"]["recipe"]
+    assert any("rebuilding it" in m for m in logs)
+    (out / MARKER).unlink()
+    with pytest.raises(ModelLoadError, match="not empty"):
+        get_model("smollm2-135m-instruct", out)
 
 
 def test_bad_folders_and_sources_are_named(tmp_path):

@@ -5,7 +5,9 @@ messages are rendered by the chat template and only the new suffix is tokenized 
 mask 0): earlier tokens are never re-tokenized. Each time, the template's rendering of
 the whole conversation must extend the text the model saw; if it rewrote earlier turns
 (for example by dropping past <think> blocks), TemplateDriftError names the turn and the
-first differing tokens.
+first differing tokens. A template that cannot reproduce the model's latest reply (it trims a
+trailing space) ends that trajectory as the agent's fault, unless it does so in many turns
+(Renderer.rewrote_reply).
 
 An observation message flagged ``"continuation": True`` does not open a chat turn: its text
 is appended to the assistant's own continuation (Search-R1's form), and the assistant's next
@@ -56,6 +58,7 @@ class LoopSettings:
 
 PROMPT_CACHE_SIZE = 256
 SUFFIX_CACHE_SIZE, SUFFIX_CACHE_MAX_CHARS = 1024, 2048  # encodings of short texts between turns (Renderer._encode_suffix)
+REPLY_DRIFTS_LOUD = 16  # replies rewritten by the template before a quarter of the turns is the template's fault
 PIECE_CACHE_SIZE = 1 << 20  # token id -> its text (Renderer.token_texts): more than any vocabulary
 
 try:  # what tokenizer.apply_chat_template renders with (transformers >= 4.43)
@@ -168,6 +171,7 @@ class Renderer:
         self._prompts: dict[str, tuple[str, list[int]]] = {}  # a group's members share their first rendering
         self._suffixes: dict[str, tuple[int, ...]] = {}  # text between turns -> its tokens (_encode_suffix)
         self._pieces: dict[int, str] = {}  # token id -> its text alone (token_texts)
+        self.extensions = self.reply_drifts = 0  # re-renderings between turns; those that rewrote the reply
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
         """The rendering of the episode's first messages and its tokens. Remembered for a while:
@@ -233,6 +237,24 @@ class Renderer:
             _FAST_TEMPLATES[template] = compiled
         return compiled
 
+    def rewrote_reply(self, messages: list[dict], tools: list[dict] | None, before: str, reply: str,
+                      drift: TemplateDriftError) -> bool:
+        """Whether a drift (`drift`, raised by `extension`) lies in the model's latest reply: the
+        rendering keeps everything before it (`before`) but not the reply's text (`reply`), as a
+        template that trims the content does when the model ends on a space. That is what the
+        model wrote, not how the run is set up: the trajectory ends as the agent's fault. A
+        rewritten history, or a stop token the template does not render at the end of the turn,
+        stays a TemplateDriftError; so do replies rewritten in a quarter of the turns (at least
+        REPLY_DRIFTS_LOUD of them): the template, not the model, is then the cause."""
+        rendered = self.render(messages, tools)
+        if not rendered.startswith(before) or rendered.startswith(before + reply):
+            return False
+        self.reply_drifts += 1
+        if self.reply_drifts >= REPLY_DRIFTS_LOUD and 4 * self.reply_drifts >= self.extensions:
+            raise TemplateDriftError(f"the chat template rewrote the model's reply in {self.reply_drifts} of "
+                                     f"{self.extensions} turns; the latest: {drift}") from drift
+        return True
+
     def continues(self, observation: list[dict]) -> bool:
         """Whether `observation` is appended to the assistant's turn rather than opening a new one."""
         return not self.apply_chat_template or bool(observation and observation[0].get("continuation"))
@@ -268,6 +290,7 @@ class Renderer:
                   turn: int) -> tuple[list[int], str]:
         """Tokens that extend `sample` (whose text is `seen`) to the rendering of `messages`,
         and that rendering; TemplateDriftError if the rendering does not extend `seen`."""
+        self.extensions += 1
         new = self.suffix(sample, seen, messages, tools, turn)
         return self._encode_suffix(new), seen + new
 
@@ -433,7 +456,15 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 sample.retract_generated(len(stopped))
                 seen = seen[:len(seen) - len(stop_text)]
             t0 = clock()
-            extra, rendered = renderer.extension(sample, seen, messages, tools, turn + 1)
+            try:
+                extra, rendered = renderer.extension(sample, seen, messages, tools, turn + 1)
+            except TemplateDriftError as exc:
+                if not renderer.rewrote_reply(messages, tools, before, text, exc):
+                    raise
+                # the template cannot reproduce what the model wrote: the model's doing, scored 0
+                total_reward, reward_parts, status = 0.0, None, SampleStatus.COMPLETED
+                sample.metadata["agent_fault"] = f"TemplateDriftError: {exc}"
+                break
             _add(stages, "render_s", clock() - t0)  # the chat template and the new suffix's tokens
             if sample.response_length + len(extra) >= max_len:
                 truncation = TRUNCATED_NO_ROOM  # the env's message fills the response budget
