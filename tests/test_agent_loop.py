@@ -115,23 +115,51 @@ def test_a_reply_the_template_rewrites_is_the_agents_fault(tokenizer):
     s.validate()
 
 
-def test_a_stop_token_the_template_does_not_render_stays_loud(tokenizer):
-    """The turn stopped at a token the template does not end turns with (a wrong eos, a stray
-    --rollout-stop-token-ids): every multi-turn trajectory drifts there, so it is the run's
-    set-up, and it stops the run with TemplateDriftError, not a score of 0."""
-    stray = tokenizer.encode("!", add_special_tokens=False)[-1]
+class EndsWith(ScriptedClient):
+    """Each reply ends at token `end` (a stop), as SGLang returns it."""
 
-    class StrayStop(ScriptedClient):
-        async def generate(self, input_ids, sampling_params, **kw):
-            ids = self.tok.encode(self.replies.pop(0), add_special_tokens=False) + [stray]
-            return GenerateResult(ids, [-0.5] * len(ids), "stop", len(input_ids), 0, "3")
+    def __init__(self, tokenizer, replies, end):
+        super().__init__(tokenizer, replies)
+        self.end = end
 
-    settings = LoopSettings(max_response_len=200, max_turns=3,
-                            sampling_params={"temperature": 1.0, "stop_token_ids": [stray]})
-    with pytest.raises(TemplateDriftError, match="turn 1: the chat template re-rendered"):
-        asyncio.run(run_trajectory(CountEnv(), {"prompt": "answer yes"}, renderer=Renderer(tokenizer, True),
-                                   client=StrayStop(tokenizer, ["yes"] * 3), settings=settings,
+    async def generate(self, input_ids, sampling_params, **kw):
+        ids = self.tok.encode(self.replies.pop(0), add_special_tokens=False) + [self.end]
+        return GenerateResult(ids, [-0.5] * len(ids), "stop", len(input_ids), 0, "3")
+
+
+def test_a_stop_token_that_does_not_end_turns_stays_in_the_reply(tokenizer):
+    """A turn that stopped at a token the template does not close replies with (here a tokenizer
+    whose eos was read as <|im_start|>, as transformers 5.12 read SmolLM2's GGUF on the GPU; a stray
+    --rollout-stop-token-ids the same) keeps the token in the reply's text: the next rendering
+    extends what the model saw (this raised TemplateDriftError and stopped the run)."""
+    wrong = copy.deepcopy(tokenizer)
+    wrong.eos_token = "<|im_start|>"
+    assert wrong.eos_token_id != tokenizer.eos_token_id
+    s = play(CountEnv(), EndsWith(wrong, ["yes"] * 3, wrong.eos_token_id), wrong)
+    assert s.status == SampleStatus.COMPLETED and s.num_turns == 3, s.metadata
+    assert [m["content"] for m in s.messages if m["role"] == "assistant"] == ["yes<|im_start|>"] * 3
+    assert wrong.apply_chat_template(s.messages, tokenize=False).startswith(wrong.decode(s.tokens))
+
+
+def test_the_models_own_eos_ends_a_turn(tokenizer, tmp_path):
+    """SGLang stops at the model folder's eos ids too (Gemma ends a turn at <end_of_turn>, its
+    generation_config's, not the tokenizer's <eos>): a turn that stopped there is closed by the
+    template once, not twice."""
+    other = copy.deepcopy(tokenizer)
+    other.eos_token = "<|endoftext|>"
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    (tmp_path / "generation_config.json").write_text(f'{{"eos_token_id": [{other.eos_token_id}, {im_end}]}}')
+    other.name_or_path = str(tmp_path)
+    renderer = Renderer(other, True)
+    assert renderer.eos_ids == {other.eos_token_id, im_end} and renderer.ends_turn(im_end)
+    assert not renderer.ends_turn(other.eos_token_id)
+    settings = LoopSettings(max_response_len=200, max_turns=3, sampling_params={"temperature": 1.0})
+    s = asyncio.run(run_trajectory(CountEnv(), {"prompt": "answer yes"}, renderer=renderer,
+                                   client=EndsWith(other, ["yes"] * 3, im_end), settings=settings,
                                    trajectory_id="t", group_id=0, seed=0))
+    assert s.status == SampleStatus.COMPLETED and s.reward == 1.0
+    assert [m["content"] for m in s.messages if m["role"] == "assistant"] == ["yes"] * 3
+    assert "<|im_end|><|im_end|>" not in other.decode(s.tokens)
 
 
 def test_length_budget_truncates(tokenizer):

@@ -83,7 +83,7 @@ class Session:
         self.closed = False
         self.disconnects = 0  # streamed replies whose client went away before the end
         self._lock = asyncio.Lock()
-        self._stops = set(settings.sampling_params.get("stop_token_ids") or []) | {renderer.tokenizer.eos_token_id}
+        self._stops = set(settings.sampling_params.get("stop_token_ids") or []) | renderer.eos_ids
 
     # -- the samples ---------------------------------------------------------------------------
     def close(self) -> list[Sample]:
@@ -223,7 +223,8 @@ class Session:
         sample.metadata.setdefault("cached_tokens", []).append(result.cached_tokens)
         sample.metadata.setdefault("turn_prompt_tokens", []).append(result.prompt_tokens)
         segment.seen += self.renderer.decode(out)
-        content_ids = out[:-1] if result.finish_reason == "stop" and out and out[-1] in self._stops else out
+        ended = result.finish_reason == "stop" and out and out[-1] in self._stops and self.renderer.ends_turn(out[-1])
+        content_ids = out[:-1] if ended else out
         raw = self.renderer.decode(content_ids)
         text = raw
         for stop in request.stop:  # OpenAI leaves the stop sequence out of the content

@@ -24,6 +24,7 @@ import json
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from agentrl.env import SAFETY_MAX_TURNS, Action, Env, as_messages
@@ -172,6 +173,10 @@ class Renderer:
         self._suffixes: dict[str, tuple[int, ...]] = {}  # text between turns -> its tokens (_encode_suffix)
         self._pieces: dict[int, str] = {}  # token id -> its text alone (token_texts)
         self.extensions = self.reply_drifts = 0  # re-renderings between turns; those that rewrote the reply
+        # where SGLang stops: the tokenizer's eos and the model folder's (Gemma ends a turn at <end_of_turn>)
+        self.eos_ids = {tokenizer.eos_token_id} | _model_eos_ids(tokenizer)
+        self.eos_ids.discard(None)
+        self._turn_end: str | None = None  # the template's text right after a reply (ends_turn)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
         """The rendering of the episode's first messages and its tokens. Remembered for a while:
@@ -236,6 +241,24 @@ class Renderer:
                 _FAST_TEMPLATES.pop(next(iter(_FAST_TEMPLATES)), None)  # the oldest
             _FAST_TEMPLATES[template] = compiled
         return compiled
+
+    def ends_turn(self, token: int) -> bool:
+        """Whether the template closes an assistant reply with `token`'s text (<|im_end|> in ChatML):
+        a turn that stopped there leaves the token out of the reply's content, and the template
+        renders it again. A stop token it does not put there (an eos read wrong, <|endoftext|> in a
+        ChatML model) stays in the reply's text, so the next rendering still extends what the
+        model saw. Without a chat template every stop token is taken out, as before."""
+        if not self.apply_chat_template:
+            return True
+        if self._turn_end is None:
+            sentinel = "\x00reply\x00"
+            try:
+                rendered = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": sentinel}], None)
+                self._turn_end = rendered[rendered.index(sentinel) + len(sentinel):]
+            except Exception:  # a template that refuses the probe: the tokenizer's eos ends a turn
+                self._turn_end = self.decode([self.tokenizer.eos_token_id]) if self.tokenizer.eos_token_id is not None else ""
+        text = self.token_texts([token])[0]
+        return bool(text) and self._turn_end.startswith(text)
 
     def rewrote_reply(self, messages: list[dict], tools: list[dict] | None, before: str, reply: str,
                       drift: TemplateDriftError) -> bool:
@@ -324,6 +347,20 @@ class Renderer:
         return rendered[len(seen):]
 
 
+def _model_eos_ids(tokenizer) -> set[int]:
+    """The eos ids of the model folder the tokenizer came from (generation_config.json, config.json):
+    SGLang stops at them as well as at the tokenizer's."""
+    ids: set[int] = set()
+    folder = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((folder / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        ids |= {v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)}
+    return ids
+
+
 def trajectory_sampling_seed(seed: int, trajectory_id: str) -> int:
     """The engine's `sampling_seed` for one trajectory: its tokens then depend on the run's seed
     and which trajectory it is, not on what else the engine batched with it (the embedded engine
@@ -352,7 +389,7 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
         t0 = clock()
         seen, sample.prompt_tokens = renderer.prompt(messages, tools)  # the text of every token so far
         stages["prompt_s"] = clock() - t0
-        stops = set(settings.sampling_params.get("stop_token_ids") or []) | {renderer.tokenizer.eos_token_id}
+        stops = set(settings.sampling_params.get("stop_token_ids") or []) | renderer.eos_ids
         sampling_seed = trajectory_sampling_seed(seed, trajectory_id)
         turn_limit = settings.max_turns or SAFETY_MAX_TURNS
         # the response budget: prompt + response within the context cap, when that is the tighter one
@@ -409,7 +446,8 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 status = SampleStatus.ABORTED
                 break
             t0 = clock()
-            content_ids = out[:-1] if result.finish_reason == "stop" and out and out[-1] in stops else out
+            ended = result.finish_reason == "stop" and out and out[-1] in stops and renderer.ends_turn(out[-1])
+            content_ids = out[:-1] if ended else out
             # the whole turn is `seen` past `before` (decoded just above): not decoded twice
             text = seen[len(before):] if content_ids is out else renderer.decode(content_ids)
             skip = settings.skip_special_tokens  # the env's text only: the template must extend what the model saw
