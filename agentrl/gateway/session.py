@@ -223,8 +223,7 @@ class Session:
         sample.metadata.setdefault("cached_tokens", []).append(result.cached_tokens)
         sample.metadata.setdefault("turn_prompt_tokens", []).append(result.prompt_tokens)
         segment.seen += self.renderer.decode(out)
-        ended = result.finish_reason == "stop" and out and out[-1] in self._stops and self.renderer.ends_turn(out[-1])
-        content_ids = out[:-1] if ended else out
+        content_ids = out[:-1] if result.finish_reason == "stop" and out and out[-1] in self._stops else out
         raw = self.renderer.decode(content_ids)
         text = raw
         for stop in request.stop:  # OpenAI leaves the stop sequence out of the content

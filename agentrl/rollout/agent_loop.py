@@ -174,7 +174,7 @@ class Renderer:
         self._pieces: dict[int, str] = {}  # token id -> its text alone (token_texts)
         self.extensions = self.reply_drifts = 0  # re-renderings between turns; those that rewrote the reply
         # where SGLang stops: the tokenizer's eos and the model folder's (Gemma ends a turn at <end_of_turn>)
-        self.eos_ids = {tokenizer.eos_token_id} | _model_eos_ids(tokenizer)
+        self.eos_ids = {getattr(tokenizer, "eos_token_id", None)} | _model_eos_ids(tokenizer)
         self.eos_ids.discard(None)
         self._turn_end: str | None = None  # the template's text right after a reply (ends_turn)
 
@@ -243,11 +243,11 @@ class Renderer:
         return compiled
 
     def ends_turn(self, token: int) -> bool:
-        """Whether the template closes an assistant reply with `token`'s text (<|im_end|> in ChatML):
-        a turn that stopped there leaves the token out of the reply's content, and the template
-        renders it again. A stop token it does not put there (an eos read wrong, <|endoftext|> in a
-        ChatML model) stays in the reply's text, so the next rendering still extends what the
-        model saw. Without a chat template every stop token is taken out, as before."""
+        """Whether the template closes an assistant reply with `token`'s text (<|im_end|> in ChatML),
+        so that rendering the reply without it gives the token back. A stop token it does not put
+        there (an eos read wrong, <|endoftext|> in a ChatML model, a --rollout-stop-token-ids
+        token) stays in the reply's message, so the next rendering still extends what the model
+        saw; the env reads the reply without it either way. Without a chat template: True."""
         if not self.apply_chat_template:
             return True
         if self._turn_end is None:
@@ -351,10 +351,12 @@ def _model_eos_ids(tokenizer) -> set[int]:
     """The eos ids of the model folder the tokenizer came from (generation_config.json, config.json):
     SGLang stops at them as well as at the tokenizer's."""
     ids: set[int] = set()
-    folder = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    folder = getattr(tokenizer, "name_or_path", None)
+    if not folder or not Path(folder).is_dir():
+        return ids
     for name in ("generation_config.json", "config.json"):
         try:
-            value = json.loads((folder / name).read_text()).get("eos_token_id")
+            value = json.loads((Path(folder) / name).read_text()).get("eos_token_id")
         except (OSError, ValueError, AttributeError):
             continue
         ids |= {v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)}
@@ -446,15 +448,18 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 status = SampleStatus.ABORTED
                 break
             t0 = clock()
-            ended = result.finish_reason == "stop" and out and out[-1] in stops and renderer.ends_turn(out[-1])
-            content_ids = out[:-1] if ended else out
+            content_ids = out[:-1] if result.finish_reason == "stop" and out and out[-1] in stops else out
             # the whole turn is `seen` past `before` (decoded just above): not decoded twice
             text = seen[len(before):] if content_ids is out else renderer.decode(content_ids)
             skip = settings.skip_special_tokens  # the env's text only: the template must extend what the model saw
             action = Action.build(renderer.decode(content_ids, skip_special_tokens=True) if skip else text,
                                   content_ids, renderer.decode, renderer.token_texts)
             _add(stages, "decode_s", clock() - t0)
-            messages.append({"role": "assistant", "content": text})
+            stopped = out[len(content_ids):]  # the stop token that ended the turn, if any
+            # the reply as the template must render it: with the stop token unless the template ends turns with it
+            reply = {"role": "assistant", "content": text if not stopped or renderer.ends_turn(stopped[-1])
+                     else seen[len(before):]}
+            messages.append(reply)
 
             t0 = time.perf_counter()
             try:
@@ -486,18 +491,18 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
             messages += obs
             # tool results shown to the model (metrics: tool_calls_mean)
             sample.metadata["tool_calls"] = sample.metadata.get("tool_calls", 0) + sum(m.get("role") == "tool" for m in obs)
-            stopped = out[len(content_ids):]  # the stop token that ended the turn, if any
             if stopped and renderer.continues(obs):  # the env's text reads on from the model's words
                 stop_text = renderer.decode(stopped)
                 if not seen.endswith(stop_text):
                     raise TemplateDriftError(f"turn {turn}: the text does not end with the stop token {stop_text!r}")
                 sample.retract_generated(len(stopped))
                 seen = seen[:len(seen) - len(stop_text)]
+                reply["content"] = text
             t0 = clock()
             try:
                 extra, rendered = renderer.extension(sample, seen, messages, tools, turn + 1)
             except TemplateDriftError as exc:
-                if not renderer.rewrote_reply(messages, tools, before, text, exc):
+                if not renderer.rewrote_reply(messages, tools, before, reply["content"], exc):
                     raise
                 # the template cannot reproduce what the model wrote: the model's doing, scored 0
                 total_reward, reward_parts, status = 0.0, None, SampleStatus.COMPLETED

@@ -15,7 +15,10 @@
 #   carry [".gpukit/b"]: bash scripts/gpu/run.sh SCENARIO   (scenarios: tests/gpu/, `run.sh list`)
 #   .gpukit/m1/, m2/  (only with `build_kit.sh m`) the GGUF of SmolLM2-135M-Instruct in two halves, for the
 #               real-model scenarios (tests/gpu/test_learning_gpu.py): carry m1, then m2, after a and b
-# Usage: bash scripts/gpu/build_kit.sh [a|b|m]   (default: a and b; a and m are cached once built)
+#   .gpukit/d/  (only with `build_kit.sh d`) the envs' demonstrations for the SFT scenarios, made here by
+#               tests/gpu/make_demos.py (about 3 MB): carry d with any call; the SFT step then skips
+#               `agentrl demos` there (four minutes of device time for code's)
+# Usage: bash scripts/gpu/build_kit.sh [a|b|m|d]   (default: a and b; a, m and d are cached once built)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$(pwd); kit=$root/.gpukit; parts=${1:-a b}
@@ -85,6 +88,11 @@ build_m() {  # SmolLM2-135M-Instruct's GGUF (agentrl model get builds the HF fol
   rm -rf "$kit/m1" "$kit/m2" && mkdir -p "$kit/m1" "$kit/m2"
   head -c "$half" "$gguf" > "$kit/m1/smollm2.gguf.part1"
   tail -c +"$((half + 1))" "$gguf" > "$kit/m2/smollm2.gguf.part2"
+}
+
+build_d() {  # the SFT scenarios' demonstrations, with this tree's agentrl (scripts/setup.sh's .venv)
+  [ -f "$kit/d/done" ] && { echo "kit d: cached ($kit/d)"; return; }
+  mkdir -p "$kit/d" && "${AGENTRL_PYTHON:-$root/.venv/bin/python}" tests/gpu/make_demos.py "$kit/d" && touch "$kit/d/done"
 }
 
 for p in $parts; do "build_$p"; done

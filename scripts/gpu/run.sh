@@ -37,6 +37,8 @@ unpack() {
     for deb in "$repo"/.gpukit/b/debs/*.deb; do [ -f "$deb" ] && dpkg -x "$deb" "$kit/root"; done
     touch "$kit/b.done"
   fi
+  # the SFT scenarios' demonstrations, made on the CPU (build_kit.sh d)
+  if [ -d "$repo/.gpukit/d" ]; then mkdir -p "$kit/demos" && cp "$repo"/.gpukit/d/demos_*.jsonl "$kit/demos/"; fi
   # the real model's GGUF comes in two halves (build_kit.sh m), one a call; the scenarios build it
   [ -f "$repo/.gpukit/m1/smollm2.gguf.part1" ] && cp "$repo/.gpukit/m1/smollm2.gguf.part1" "$kit/"
   if [ -f "$repo/.gpukit/m2/smollm2.gguf.part2" ] && [ -f "$kit/smollm2.gguf.part1" ]; then

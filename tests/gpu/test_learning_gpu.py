@@ -117,8 +117,12 @@ def sft_model(base: Path, env: str) -> Path:
     done = sorted((out / "checkpoints").glob("iter_*/model/config.json"))
     if done:
         return done[-1].parent
-    demos = OUT / f"demos_{env}.jsonl"
-    agentrl_cmd(f"demos_{env}", "demos", "--env", env, *SFT_DEMOS[env], "--out", str(demos), timeout_s=420)
+    demos = KIT / "demos" / f"demos_{env}.jsonl"  # carried (build_kit.sh d: tests/gpu/make_demos.py)
+    if demos.exists():
+        print(f"sft {env}: the carried demonstrations {demos} ({sum(1 for _ in demos.open())} rows)")
+    else:
+        demos = OUT / f"demos_{env}.jsonl"
+        agentrl_cmd(f"demos_{env}", "demos", "--env", env, *SFT_DEMOS[env], "--out", str(demos), timeout_s=420)
     agentrl_cmd(f"sft_{env}", "sft", "--prompt-data", str(demos), "--model", str(base), "--trainer", TRAINER,
                 "--device", "cuda", "--dtype", "bfloat16", "--num-epoch", "2", "--lr", "3e-5",
                 "--global-batch-size", "32", "--micro-batch-size", "16", "--output-dir", str(out), "--no-progress",
