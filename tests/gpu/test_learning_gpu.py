@@ -92,7 +92,9 @@ def test_smollm2_math_python_calls_tools(smollm2):
 # reward 0.000 before and after 43 iterations; 0 tool calls in 8 math-python iterations): the issue's
 # path is `agentrl sft` on demonstrations first (`agentrl demos`, each graded 1.0 by the env), then RL.
 SFT_DEMOS = {"math": ["--n", "1024"], "search-r1": ["--n", "512"],
-             "math-python": ["--n", "256", "--concurrency", "16", "--env-kwargs", '{"sandbox": "local"}'],
+             # 1024, as math: 256 (16 SFT steps, loss 0.33) left the SFT model at 0.005 held-out, under the
+             # constant answer's 0.020, still calling the tool at --max-turns (1x H200, 2026-12-03)
+             "math-python": ["--n", "1024", "--concurrency", "16", "--env-kwargs", '{"sandbox": "local"}'],
              # the generator's train split (its test split is the held-out set below)
              "code": ["--n", "512", "--concurrency", "32", "--env-kwargs", '{"sandbox": "local"}']}
 
@@ -222,9 +224,10 @@ GAIN = {
         "--micro-batch-size", "16", "--rollout-max-response-len", "384", "--eval-interval", "50",
         "--n-samples-per-eval-prompt", "2"]),
     # math's 200 held-out problems (so the two compare), one sample each: tool episodes are the slow ones
-    "math-python": dict(iters=8, data=lambda: heldout_math(200), args=[
+    # (about 11 s an iteration); 8 iterations moved 0.005 -> 0.020 (+- 0.011) on 2026-12-03: 30 now
+    "math-python": dict(iters=30, data=lambda: heldout_math(200), args=[
         "--sandbox", "local", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size",
-        "128", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "8", "--n-samples-per-eval-prompt", "1"]),
+        "128", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "30", "--n-samples-per-eval-prompt", "1"]),
     "code": dict(iters=10, data=lambda: heldout_code(100), args=[
         "--sandbox", "local", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size",
         "128", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "10",
@@ -236,10 +239,11 @@ def summary(env: str, run: Path, rows: list[dict]) -> dict:
     """Held-out before/after with standard errors, train reward trend, tool use; written to OUT."""
     before, after = eval_rows(run, after=False), eval_rows(run, after=True)
     (b, b_se), (a, a_se) = mean_se([reward_of(r) for r in before]), mean_se([reward_of(r) for r in after])
+    (pb, pb_se), (pa, pa_se) = (mean_se([float(reward_of(r) >= 1.0) for r in rs]) for rs in (before, after))
     out = {"env": env, "iterations": len(rows), "heldout_episodes": len(after),
            "heldout_before": b, "heldout_before_se": b_se, "heldout_after": a, "heldout_after_se": a_se,
            "gain": a - b, "gain_se": (a_se ** 2 + b_se ** 2) ** 0.5,
-           "pass_before": mean(reward_of(r) >= 1.0 for r in before), "pass_after": mean(reward_of(r) >= 1.0 for r in after),
+           "pass_before": pb, "pass_after": pa, "pass_gain_se": (pb_se ** 2 + pa_se ** 2) ** 0.5,
            "train_first5": mean(r["reward_mean"] for r in rows[:5]), "train_last5": mean(r["reward_mean"] for r in rows[-5:]),
            "tool_use_after": mean((r.get("metadata") or {}).get("tool_calls", 0) > 0 for r in after),
            "tool_calls_mean_last": rows[-1].get("tool_calls_mean", 0.0)}
@@ -258,7 +262,8 @@ def test_smollm2_heldout_gain(smollm2, env, attempt):
     seed again (compared with the first run's summary when it is on this machine).
     math: gain >= 0.10 and the train reward rising; math-python: a tool in most episodes and the
     held-out reward above the SFT model's or above math's without the tool (math's summary,
-    when its scenario ran on this machine); code (local sandboxes): the pass rate rises."""
+    when its scenario ran on this machine), by two standard errors; code (local sandboxes): the
+    all-tests pass rate rises by two standard errors."""
     cfg = GAIN[env]
     n = iters(cfg["iters"])
     name = f"smollm2_{env.replace('-', '_')}_gain_{attempt}"
@@ -281,7 +286,9 @@ def test_smollm2_heldout_gain(smollm2, env, attempt):
         without_tool = json.loads(math_run.read_text())["heldout_after"] if math_run.exists() else None
         print(f"math-python held-out {out['heldout_after']:.3f}; SFT model {out['heldout_before']:.3f}; math without "
               f"the tool {without_tool if without_tool is None else round(without_tool, 3)}")
-        assert out["heldout_after"] > out["heldout_before"] or (
-            without_tool is not None and out["heldout_after"] > without_tool), out
+        # by two standard errors: 0.005 -> 0.020 (+- 0.011) passed a bare `>` on 2026-12-03 while sitting
+        # on the constant answer's floor
+        assert out["gain"] > 2 * out["gain_se"] or (
+            without_tool is not None and out["heldout_after"] - without_tool > 2 * out["heldout_after_se"]), out
     else:
-        assert out["pass_after"] > out["pass_before"], out
+        assert out["pass_after"] - out["pass_before"] > 2 * out["pass_gain_se"], out
