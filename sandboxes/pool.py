@@ -11,7 +11,10 @@
   `max_active=None`: `default_max_active(backend)`, what the machine holds), and warm ones
   are kept only within that bound: at most `max_active` are alive
   and at most `max_creating` are being created at once, so the Docker daemon is never
-  flooded. `warm` idle sandboxes are kept ready. Local, not root: the pool reserves its
+  flooded. `warm` idle sandboxes are made at start and kept ready; a released one is kept
+  too (reset) while fewer are idle than the most the pool has had out at once, so the next
+  burst of trajectories (a rollout's next iteration) finds them warm instead of making them
+  again `max_creating` at a time. Local, not root: the pool reserves its
   max_active sandboxes' shares of the user's kernel counts (processes, inotify, message
   queues) when it is made, from what live pools left (`local_backend.reserve_slots`; a
   SandboxError naming them where they left none), and frees them at close.
@@ -66,6 +69,7 @@ class SandboxPool:
         self._groups: OrderedDict[str, tuple[bytes, Mapping | None, str | None]] = OrderedDict()
         self._bg: set[asyncio.Task] = set()
         self._unlisted = 0  # alive but in no list: being created by get(), reset or destroyed by release()
+        self._peak_active = 0  # the most handed out at once: release() keeps that many warm
         self._acquire_s: list[float] = []
         self._counts = {"created": 0, "reused": 0, "destroyed": 0, "reset_failures": 0,
                         "create_failures": 0, "acquired": 0, "tainted": 0}
@@ -188,6 +192,7 @@ class SandboxPool:
                     finally:
                         self._unlisted -= 1
                 self._active.add(sb)
+                self._peak_active = max(self._peak_active, len(self._active))
                 self._refill()
                 try:
                     if warm:
@@ -260,7 +265,8 @@ class SandboxPool:
         try:
             if sb.tainted:
                 self._counts["tainted"] += 1
-            elif self.reuse and not self.closed and not sb.closed and len(self._idle) < self.warm_target:
+            elif (self.reuse and not self.closed and not sb.closed
+                  and len(self._idle) < max(self.warm_target, self._peak_active)):
                 try:
                     keep = await sb.reset()
                 except SandboxError:
