@@ -22,6 +22,7 @@ from agentrl.models import load_model, load_tokenizer
 from agentrl.profiling import TrainProfiler
 from agentrl.trainers import rng_state, set_rng_state
 from agentrl.types import Sample
+from agentrl.vision import forward_inputs, is_vision_model, load_processor, pixel_inputs
 
 
 def pad_batch(samples: list[Sample], device: str, pad_id: int = 0):
@@ -50,6 +51,8 @@ class TorchTrainer:
             self.model = wrap_lora(self.model, train)
         self.model.train()
         self.tokenizer = load_tokenizer(model_path)
+        # a vision-language model's processor: the samples' images into pixel values for its forward
+        self.processor = load_processor(model_path) if is_vision_model(model_path) else None
         self.pad_id = self.tokenizer.pad_token_id or 0
         check_algo(algo)
         # --use-kl-loss or --kl-coef: KL against the initial model, or slime's --ref-load (an HF folder here)
@@ -78,7 +81,9 @@ class TorchTrainer:
         """Logprobs of each response token under `model`, temperature-scaled like the engine's.
         Returns ([B, T] logprobs, [B, T] mask, [B, T] entropy or None)."""
         ids, attn, mask = pad_batch(samples, self.device, self.pad_id)
-        logits = model(input_ids=ids, attention_mask=attn).logits.float() / self.temperature  # [B, L, V]
+        inputs = self._vision_inputs(model, samples, ids, attn) if any(s.images for s in samples) \
+            else {"input_ids": ids, "attention_mask": attn}
+        logits = model(**inputs).logits.float() / self.temperature  # [B, L, V]
         T = mask.shape[1]
         # The token at position p is predicted by the logits at p - 1.
         index = torch.zeros((len(samples), T), dtype=torch.long, device=self.device)
@@ -92,6 +97,19 @@ class TorchTrainer:
         logp = torch.log_softmax(gathered, dim=-1).gather(-1, targets[:, :, None]).squeeze(-1)
         entropy = entropy_from_logits(gathered) if with_entropy else None
         return logp, mask, entropy
+
+    def _vision_inputs(self, model, samples: list[Sample], ids, attn) -> dict:
+        """Forward kwargs with the samples' images at their prompt's placeholders (the engine's
+        prefill does the same, agentrl/vision.py); image tokens in a response stay text."""
+        if self.processor is None:
+            raise ValueError("samples with images, and the trainer's model is not a vision-language model")
+        media = pixel_inputs(self.processor, [u for s in samples for u in s.images])
+        prompt = torch.tensor([len(s.prompt_tokens) for s in samples], device=self.device)
+        in_prompt = torch.arange(ids.shape[1], device=self.device)[None, :] < prompt[:, None]
+        image_mask = (ids == self.processor.image_token_id) & in_prompt
+        kwargs, _ = forward_inputs(model, ids, attn, media["pixel_values"].to(self.device),
+                                   media["image_grid_thw"].to(self.device), image_mask)
+        return kwargs
 
     def _response_values(self, samples: list[Sample]):
         """The critic's value at each response position (the state before that token). [B, T]"""

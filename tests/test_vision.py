@@ -1,0 +1,123 @@
+"""Vision-language RL (--multimodal-keys, agentrl/vision.py): a prompt row's images loaded as
+slime loads them, the prompt ids from the model's processor, /generate's `image_data` served by
+the embedded engine as strictly as SGLang takes it, and the trainer's logprobs of the same tokens
+with the same images. The model: a tiny random Qwen2-VL built here (models.build_tiny_vlm)."""
+
+import base64
+import io
+import json
+
+import pytest
+from PIL import Image
+
+from agentrl.data import read_rows
+from agentrl.errors import DatasetError
+from agentrl.models import load_tokenizer
+from agentrl.rollout.agent_loop import Renderer
+from agentrl.vision import load_processor, message_images, open_data_url, placeholder_runs, tokens_per_image
+
+COLOURS = {"red": (230, 20, 20), "blue": (20, 20, 230)}
+
+
+def png(colour, size=(16, 16)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, COLOURS[colour]).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_vlm):
+    return tiny_vlm
+
+
+@pytest.fixture(scope="module")
+def processor(vlm):
+    return load_processor(vlm)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# -- data ------------------------------------------------------------------------------------------
+def test_rows_images_take_their_placeholders_in_any_of_slimes_forms(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "figs").mkdir()
+    (tmp_path / "figs" / "a.png").write_bytes(png("red"))
+    url = "data:image/png;base64," + base64.b64encode(png("blue")).decode()
+    data = write_jsonl(tmp_path / "rows.jsonl", [
+        {"problem": "Left <image> right <image>?", "answer": "x", "images": ["figs/a.png", url]},  # path (by the file), URL
+        {"problem": "Text only", "answer": "y"},  # no images column: a text prompt, as in slime
+        {"problem": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<image> colour?"}],
+         "answer": "z", "images": [{"path": str(tmp_path / "figs" / "a.png"), "bytes": None}]},  # HF dict by path
+    ])
+    tasks = read_rows(str(data), input_key="problem", label_key="answer", multimodal_keys={"image": "images"})
+    first = tasks[0]["prompt"]
+    assert [p["type"] for p in first[0]["content"]] == ["text", "image", "text", "image", "text"]
+    assert [p.get("text") for p in first[0]["content"]] == ["Left ", None, " right ", None, "?"]
+    red, blue = (open_data_url(u).getpixel((3, 3)) for u in message_images(first))
+    assert red == COLOURS["red"] and blue == COLOURS["blue"]
+    assert tasks[1]["prompt"] == "Text only"
+    assert tasks[2]["prompt"][0] == {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
+    assert len(message_images(tasks[2]["prompt"])) == 1
+
+    # geo3k's form: parquet rows whose `images` hold HF datasets' {"bytes", "path"} dicts
+    pq.write_table(pa.Table.from_pylist([{"problem": "<image>Which?", "answer": "red",
+                                          "images": [{"bytes": png("red"), "path": None}]}]), tmp_path / "t.parquet")
+    (task,) = read_rows(str(tmp_path / "t.parquet"), input_key="problem", label_key="answer",
+                        multimodal_keys={"image": "images"})
+    assert open_data_url(message_images(task["prompt"])[0]).getpixel((0, 0)) == COLOURS["red"]
+
+
+@pytest.mark.parametrize("images, problem, error", [
+    (["missing.png"], "<image>", r"rows.jsonl:1: images\[0\]: no such image file 'missing.png'"),
+    (["https://example.com/a.png"], "<image>", r"rows.jsonl:1: images\[0\]: image URLs are not fetched"),
+    (["data:image/png;base64,bm90IGFuIGltYWdl"], "<image>", r"rows.jsonl:1: images\[0\]: cannot read the image"),
+    ([{"bytes": None, "path": None}], "<image>", r"rows.jsonl:1: images\[0\]: an image dict needs 'bytes' or 'path'"),
+    ([7], "<image>", r"rows.jsonl:1: images\[0\]: an image must be a file path, .*got int"),
+    ("a.png", "<image>", r"rows.jsonl:1: 'images' .* must be a list of images, got str"),
+    (["ok.png"], "<image> and <image>", r"rows.jsonl:1: more '<image>' placeholders in the prompt than the 1 images"),
+    (["ok.png", "ok.png"], "<image>", r"rows.jsonl:1: 'images' has 2 images but the prompt has 1 '<image>'"),
+])
+def test_bad_media_names_file_row_and_field(tmp_path, images, problem, error):
+    (tmp_path / "ok.png").write_bytes(png("red"))
+    (tmp_path / "junk.png").write_bytes(b"not a png")
+    data = write_jsonl(tmp_path / "rows.jsonl", [{"problem": problem, "answer": "a", "images": images}])
+    with pytest.raises(DatasetError, match=error):
+        read_rows(str(data), input_key="problem", label_key="answer", multimodal_keys={"image": "images"})
+
+
+def test_the_flag_is_checked_when_the_config_is_read(tmp_path):
+    from agentrl.config import parse_config
+    from agentrl.errors import ConfigError
+
+    data = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "<image>", "label": "a", "images": []}])
+    cfg, _ = parse_config(["--prompt-data", str(data), "--multimodal-keys", '{"image": "images"}'])
+    assert cfg.data.multimodal_keys == {"image": "images"}
+    for extra, error in [(["--multimodal-keys", '{"video": "clips"}'], "images only .*'video'"),
+                         (["--trainer", "megatron"], "--multimodal-keys .* with --trainer megatron: .*text-only"),
+                         (["--no-apply-chat-template"], "chat template"),
+                         (["--advantage-estimator", "ppo"], "critic reads text only")]:
+        with pytest.raises(ConfigError, match=error):
+            parse_config(["--prompt-data", str(data), "--multimodal-keys", '{"image": "images"}', *extra])
+
+
+# -- prompt ----------------------------------------------------------------------------------------
+def test_prompt_ids_are_the_processors_with_each_image_expanded(vlm, processor):
+    tokenizer = load_tokenizer(vlm)
+    renderer = Renderer(tokenizer, processor=processor)
+    url = "data:image/png;base64," + base64.b64encode(png("red", (16, 24))).decode()
+    messages = [{"role": "user", "content": [{"type": "image", "image": url}, {"type": "text", "text": "Which?"}]}]
+    text, ids = renderer.prompt(messages, None)
+    assert text == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Which?<|im_end|>\n<|im_start|>assistant\n"
+    want = processor(text=[text], images=[open_data_url(url)], add_special_tokens=False)["input_ids"][0]
+    assert ids == list(want)
+    grid = processor.image_processor(images=[open_data_url(url)], return_tensors="pt")["image_grid_thw"]
+    (start, n), = placeholder_runs(ids, processor.image_token_id)
+    assert n == tokens_per_image(processor, grid)[0] == 6  # 16x24 pixels: 4x6 patches, merged 2x2
+    # the rest is the tokenizer's text, token for token
+    assert ids[:start] + ids[start + n:] == renderer.encode(text.replace("<|image_pad|>", ""))
+    assert renderer.images(messages) == [url] and Renderer(tokenizer).images(messages) == []
