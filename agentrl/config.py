@@ -824,6 +824,12 @@ def check_multimodal(cfg: Config) -> None:
     if cfg.algo.advantage_estimator == "ppo":
         raise ConfigError(f"{flag} with --advantage-estimator ppo: the critic reads text only; use a critic-free "
                           "estimator (grpo, ...)")
+    if cfg.algo.use_opd:
+        raise ConfigError(f"{flag} with --use-opd: the teacher scores text only (no images in its requests)")
+    for hook in ("custom_generate_function_path", "rollout_function_path"):
+        if getattr(cfg.rollout, hook):
+            raise ConfigError(f"{flag} with --{hook.replace('_', '-')}: slime's hooks get agentrl's slime Sample, "
+                              "which does not carry the images (multimodal_inputs); use agentrl's agent loop")
 
 
 def resolve(layers: dict) -> Config:

@@ -413,7 +413,7 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
         t0 = clock()
         obs, info = await env.areset(seed=seed, options=task or None)  # {}: a seed-only task
         stages["reset_s"] = clock() - t0
-        messages = as_messages(obs)
+        messages = list(as_messages(obs))  # its own list: the task's prompt is shared by the group (and reused)
         tools = info.get("tools")
         t0 = clock()
         seen, sample.prompt_tokens = renderer.prompt(messages, tools)  # the text of every token so far
