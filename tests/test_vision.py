@@ -3,6 +3,7 @@ slime loads them, the prompt ids from the model's processor, /generate's `image_
 the embedded engine as strictly as SGLang takes it, and the trainer's logprobs of the same tokens
 with the same images. The model: a tiny random Qwen2-VL built here (models.build_tiny_vlm)."""
 
+import asyncio
 import base64
 import io
 import json
@@ -10,10 +11,13 @@ import json
 import pytest
 from PIL import Image
 
+import agentrl
 from agentrl.data import read_rows
 from agentrl.errors import DatasetError
 from agentrl.models import load_tokenizer
-from agentrl.rollout.agent_loop import Renderer
+from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory
+from agentrl.rollout.client import GenerateResult
+from agentrl.types import SampleStatus
 from agentrl.vision import load_processor, message_images, open_data_url, placeholder_runs, tokens_per_image
 
 COLOURS = {"red": (230, 20, 20), "blue": (20, 20, 230)}
@@ -121,6 +125,57 @@ def test_prompt_ids_are_the_processors_with_each_image_expanded(vlm, processor):
     # the rest is the tokenizer's text, token for token
     assert ids[:start] + ids[start + n:] == renderer.encode(text.replace("<|image_pad|>", ""))
     assert renderer.images(messages) == [url] and Renderer(tokenizer).images(messages) == []
+
+
+# -- agent loop ------------------------------------------------------------------------------------
+class ImageEnv(agentrl.Env):
+    """Two turns on an image prompt; each reply earns 0.5."""
+
+    max_turns = 2
+
+    def reset(self, *, seed=None, options=None):
+        self.turn = 0
+        return options["prompt"], {}
+
+    def step(self, action):
+        self.turn += 1
+        return "go on", 0.5, self.turn == 2, False, {}
+
+
+class ScriptedClient:
+    """Replies with scripted token ids (then EOS), recording each request's ids and images."""
+
+    def __init__(self, eos, replies):
+        self.eos, self.replies, self.calls = eos, list(replies), []
+
+    async def generate(self, input_ids, sampling_params, *, session_id=None, rid=None, lora_path=None,
+                       image_data=None):
+        self.calls.append((list(input_ids), image_data))
+        ids = self.replies.pop(0) + [self.eos]
+        return GenerateResult(ids, [-0.5] * len(ids), "stop", len(input_ids), 0, "0")
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_every_turn_sends_the_images_and_a_placeholder_the_model_writes_is_its_fault(vlm, processor, written):
+    """Each request of a trajectory carries its prompt's images beside the ids that hold their
+    placeholders; a reply holding a media token (a placeholder with no image) ends the trajectory
+    scored 0 as the agent's fault, before any request could carry it."""
+    tokenizer = load_tokenizer(vlm)
+    url = "data:image/png;base64," + base64.b64encode(png("red")).decode()
+    prompt = [{"role": "user", "content": [{"type": "image", "image": url}, {"type": "text", "text": "Colour?"}]}]
+    word = tokenizer.encode("red", add_special_tokens=False)
+    client = ScriptedClient(tokenizer.eos_token_id, [word + ([processor.image_token_id] if written else []), word])
+    sample = asyncio.run(run_trajectory(
+        ImageEnv(), {"prompt": prompt}, renderer=Renderer(tokenizer, processor=processor), client=client,
+        settings=LoopSettings(max_response_len=64, max_turns=2, sampling_params={"temperature": 1.0}), trajectory_id="t",
+        group_id=0, seed=0))
+    assert sample.images == [url] and sample.status == SampleStatus.COMPLETED
+    assert all(images == [url] and ids.count(processor.image_token_id) == 4 for ids, images in client.calls)
+    if written:
+        assert len(client.calls) == 1 and sample.reward == 0.0
+        assert "media placeholder tokens" in sample.metadata["agent_fault"]
+    else:
+        assert len(client.calls) == 2 and sample.reward == 1.0 and "agent_fault" not in sample.metadata
 
 
 # -- end to end ------------------------------------------------------------------------------------
