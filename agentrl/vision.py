@@ -166,8 +166,18 @@ def load_processor(path: str | Path):
                       video_processor=None, chat_template=getattr(tokenizer, "chat_template", None))
 
 
-def image_token_id(processor) -> int:
-    return int(processor.image_token_id)
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json")
+
+
+def copy_processor_files(src: str | Path, dst: str | Path) -> None:
+    """The processor's own files of checkpoint `src` into `dst` (a checkpoint the trainer saved:
+    the model and tokenizer are there, and the engines and a resumed run load its processor too)."""
+    import shutil
+
+    for name in PROCESSOR_FILES:
+        if (Path(src) / name).exists():
+            shutil.copyfile(Path(src) / name, Path(dst) / name)
 
 
 def vision_token_ids(processor) -> set[int]:

@@ -22,7 +22,7 @@ from agentrl.models import load_model, load_tokenizer
 from agentrl.profiling import TrainProfiler
 from agentrl.trainers import rng_state, set_rng_state
 from agentrl.types import Sample
-from agentrl.vision import forward_inputs, is_vision_model, load_processor, pixel_inputs
+from agentrl.vision import copy_processor_files, forward_inputs, is_vision_model, load_processor, pixel_inputs
 
 
 def pad_batch(samples: list[Sample], device: str, pad_id: int = 0):
@@ -53,6 +53,7 @@ class TorchTrainer:
         self.tokenizer = load_tokenizer(model_path)
         # a vision-language model's processor: the samples' images into pixel values for its forward
         self.processor = load_processor(model_path) if is_vision_model(model_path) else None
+        self.model_path = str(model_path)
         self.pad_id = self.tokenizer.pad_token_id or 0
         check_algo(algo)
         # --use-kl-loss or --kl-coef: KL against the initial model, or slime's --ref-load (an HF folder here)
@@ -274,8 +275,14 @@ class TorchTrainer:
             self.model.get_base_model().save_pretrained(folder, state_dict=dict(self.named_tensors()))
         else:
             self.model.save_pretrained(folder)
-        self.tokenizer.save_pretrained(folder)
+        self._save_tokenizer(folder)
         return Path(folder)
+
+    def _save_tokenizer(self, folder: str | Path) -> None:
+        """The tokenizer, and a vision-language model's processor files, beside saved weights."""
+        self.tokenizer.save_pretrained(folder)
+        if self.processor is not None:
+            copy_processor_files(self.model_path, folder)
 
     def save_adapter(self, folder: str | Path) -> Path:
         """The LoRA adapter alone, in peft's format (adapter_config.json, adapter_model.safetensors):
@@ -311,7 +318,7 @@ class TorchTrainer:
         folder.mkdir(parents=True, exist_ok=True)
         if self.lora:  # model/: the frozen base (what engines start from), adapter/: what trained
             self.model.get_base_model().save_pretrained(folder / "model", state_dict=dict(self._base_tensors()))
-            self.tokenizer.save_pretrained(folder / "model")
+            self._save_tokenizer(folder / "model")
             self.model.save_pretrained(folder / "adapter")  # float32, as it trains: an exact resume
         else:
             self.save_hf(folder / "model")

@@ -15,6 +15,12 @@ cache does. A batch lays each row out as [pad | cached prefix | pad | new suffix
 the pads masked out, so hits and misses decode together. /flush_cache and every weight
 update clear the cache.
 
+Images: a vision-language model (Qwen2-VL family: config.json has a vision_config) takes
+/generate's `image_data` beside input_ids whose image placeholders its processor expanded (see
+`_media`); such a request is prefilled alone, its vision features at its placeholders and its
+multimodal rotary positions (agentrl/vision.py), then decodes beside the others; its KV is never
+put in the prefix cache (ids alone do not name the images).
+
 Identity: every reply carries the header `X-Agentrl-Engine: <engine id>` (sglang-router
 passes response headers through) and `meta_info.engine_id`, so the rollout side can tell
 which engine served each turn.
@@ -612,8 +618,10 @@ class EmbeddedEngine:
     def _media(self, input_ids: list[int], image_data) -> dict | None:
         """`image_data` (SGLang's field: one image or a list, here base64 data URLs) as pixel inputs,
         checked against `input_ids`: one run of image tokens per image, each as long as the processor
-        expands that image (SGLang re-expands each run by its image; a count that differs fails there
-        or changes the prompt silently: here it is an error). None: no images."""
+        expands that image. SGLang (multimodal/processors/base_processor.py, legacy_load_mm_data)
+        raises on a placeholder left without an image, only warns on images left over, and
+        re-expands each placeholder by its image, so a run of another length is served as a prompt
+        other than the caller's tokens: all three are errors here. None: no images."""
         if image_data in (None, []):
             if self.processor is not None and self.processor.image_token_id in input_ids:
                 raise ValueError("input_ids hold image tokens and the request has no image_data")

@@ -97,10 +97,11 @@ def test_image_data_is_sglangs_field_and_the_engine_is_as_strict(vlm, processor,
         assert words in message, message
 
 
-def test_engine_and_trainer_logprobs_agree_on_an_image_prompt(vlm, processor):
+def test_engine_and_trainer_logprobs_agree_on_an_image_prompt(vlm, processor, tmp_path):
     """A probe: the tokens the engine sampled for an image prompt (two images in a batch, beside a
     text-only prompt) have the same logprobs under the trainer's forward with the same images; and
-    a weight sync carries every weight, the vision tower's too, under names the engine loads."""
+    a weight sync carries every weight, the vision tower's too, under names the engine loads; a
+    saved checkpoint keeps the processor."""
     from aiohttp.test_utils import TestServer
 
     from agentrl.config import AlgoConfig, TrainConfig
@@ -149,3 +150,6 @@ def test_engine_and_trainer_logprobs_agree_on_an_image_prompt(vlm, processor):
     swapped = [Sample(prompt_tokens=samples[0].prompt_tokens, images=samples[1].images)]
     swapped[0].append_generated(samples[0].response_tokens, samples[0].rollout_logprobs, 1)
     assert trainer.compute_logprobs(swapped)[0] != pytest.approx(samples[0].rollout_logprobs, abs=1e-4)
+    # a checkpoint the trainer saves is a VLM checkpoint again: the engines and a resumed run load its processor
+    saved = trainer.save_hf(tmp_path / "saved")
+    assert load_processor(saved).image_processor.merge_size == processor.image_processor.merge_size
