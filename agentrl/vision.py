@@ -27,6 +27,9 @@ from agentrl.errors import DatasetError, ModelLoadError
 PLACEHOLDER = "<image>"  # slime's MultimodalTypes.IMAGE.placeholder
 MEDIA_TYPES = ("image",)  # slime also names video and audio; agentrl carries images
 DATA_URL_PREFIX = "data:image/"
+# the families whose forward `forward_inputs` reproduces (image features at the placeholders, multimodal
+# rotary positions); Qwen3-VL adds deepstack features inside the language model, which it would skip
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def _image_error(where: str, why: str) -> DatasetError:
@@ -138,6 +141,10 @@ def load_processor(path: str | Path):
 
     from agentrl.models import load_tokenizer
 
+    family = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    if family not in VISION_FAMILIES:
+        raise ModelLoadError(f"--model {path}: model_type {family!r}: agentrl trains the vision-language families "
+                             f"{', '.join(VISION_FAMILIES)} (agentrl/vision.py's forward reproduces theirs)")
     try:
         return AutoProcessor.from_pretrained(str(path))
     except ImportError as exc:

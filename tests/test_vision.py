@@ -226,3 +226,56 @@ def test_agentrl_train_learns_what_only_the_image_tells(vlm, tmp_path):
     (first,) = [json.loads(line) for line in (out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()][:1]
     assert len(first["images"]) == 1 and open_data_url(first["images"][0]).getpixel((0, 0)) == COLOURS[first["metadata"]["label"]]
     assert first["prompt_tokens"].count(load_processor(vlm).image_token_id) == 4
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_the_forward_with_images_is_the_models_own(processor, family):
+    """vision.forward_inputs (the features put at the placeholders, the multimodal rotary positions:
+    what the engine's prefill and the trainer use, so that image tokens the model writes stay text)
+    gives the logits the HF model's own forward gives with pixel_values, for both families."""
+    import torch
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
+
+    from agentrl.vision import forward_inputs
+
+    urls = ["data:image/png;base64," + base64.b64encode(png(c, size)).decode()
+            for c, size in [("red", (16, 24)), ("blue", (24, 16))]]
+    text = "<|im_start|>user\n" + "<|vision_start|><|image_pad|><|vision_end|>a" * 2 + "<|im_end|>\n"
+    out = processor(text=[text], images=[open_data_url(u) for u in urls], add_special_tokens=False, return_tensors="pt")
+    tok = processor.tokenizer
+    text_config = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    ids = dict(image_token_id=processor.image_token_id, video_token_id=processor.video_token_id,
+               vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+               vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"))
+    vision = dict(num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_vl":
+        model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(
+            text_config=text_config, vision_config=dict(depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, **vision),
+            **ids))
+    else:
+        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config=text_config, vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64,
+                                                        window_size=8, fullatt_block_indexes=[1], **vision), **ids))
+    input_ids = out["input_ids"]
+    with torch.no_grad():
+        own = model.eval()(input_ids=input_ids, pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
+                           mm_token_type_ids=out["mm_token_type_ids"]).logits
+        kwargs, _ = forward_inputs(model, input_ids, torch.ones_like(input_ids), out["pixel_values"],
+                                   out["image_grid_thw"], input_ids == processor.image_token_id)
+        assert torch.allclose(model(**kwargs).logits, own, atol=1e-5)
+
+
+def test_a_family_whose_forward_agentrl_does_not_reproduce_is_refused(vlm, tmp_path):
+    import shutil
+
+    from agentrl.errors import ModelLoadError
+
+    other = tmp_path / "qwen3-vl"
+    shutil.copytree(vlm, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_vl"}))
+    with pytest.raises(ModelLoadError, match="model_type 'qwen3_vl': agentrl trains the vision-language families "
+                                             "qwen2_vl, qwen2_5_vl"):
+        load_processor(other)
