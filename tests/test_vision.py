@@ -155,6 +155,28 @@ class ScriptedClient:
         return GenerateResult(ids, [-0.5] * len(ids), "stop", len(input_ids), 0, "0")
 
 
+def test_an_engine_that_expands_the_images_otherwise_fails_the_trajectory_saying_so(vlm, processor):
+    """SGLang expands image placeholders by its own processor rules (slime sends it text for that
+    reason): a count other than the one sent means the trajectory's tokens are not what the engine
+    saw, an engine failure that names both counts."""
+    tokenizer = load_tokenizer(vlm)
+
+    class Expands(ScriptedClient):
+        async def generate(self, input_ids, sampling_params, **kw):
+            result = await super().generate(input_ids, sampling_params, **kw)
+            result.prompt_tokens += 12
+            return result
+
+    url = "data:image/png;base64," + base64.b64encode(png("red")).decode()
+    prompt = [{"role": "user", "content": [{"type": "image", "image": url}, {"type": "text", "text": "Colour?"}]}]
+    sample = asyncio.run(run_trajectory(
+        ImageEnv(), {"prompt": prompt}, renderer=Renderer(tokenizer, processor=processor),
+        client=Expands(tokenizer.eos_token_id, [[5]]), trajectory_id="t", group_id=0, seed=0,
+        settings=LoopSettings(max_response_len=64, max_turns=2, sampling_params={"temperature": 1.0})))
+    assert sample.status == SampleStatus.FAILED
+    assert "read 37 prompt tokens where 25 were sent with the images" in sample.metadata["error"]
+
+
 @pytest.mark.parametrize("written", [False, True])
 def test_every_turn_sends_the_images_and_a_placeholder_the_model_writes_is_its_fault(vlm, processor, written):
     """Each request of a trajectory carries its prompt's images beside the ids that hold their

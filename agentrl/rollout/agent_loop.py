@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.env import SAFETY_MAX_TURNS, Action, Env, as_messages
-from agentrl.errors import AgentFault, TemplateDriftError
+from agentrl.errors import AgentFault, EngineError, TemplateDriftError
 from agentrl.tools.parsers import valid_unicode
 from agentrl.rollout.client import GenerateClient
 from agentrl.rollout.control import RolloutControl
@@ -454,6 +454,11 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                                                session_id=trajectory_id, rid=f"{trajectory_id}-t{turn}-{len(out)}",
                                                lora_path=control.lora_adapter if control is not None else None,
                                                **media)
+                if media and result.prompt_tokens != len(sample.tokens):
+                    raise EngineError(f"the engine read {result.prompt_tokens} prompt tokens where {len(sample.tokens)} "
+                                      "were sent with the images: it expanded their placeholders otherwise than the "
+                                      "model's processor (its image size limits differ?); the trajectory's tokens would "
+                                      "not be the ones the engine saw")
                 timing.generate_s += clock() - t0
                 stages["last_reply_at"] = time.time()
                 _add(stages, "generate_s", clock() - t0)
