@@ -173,6 +173,20 @@ def load_processor(path: str | Path):
                       video_processor=None, chat_template=getattr(tokenizer, "chat_template", None))
 
 
+def checkpoint_names(model) -> dict[str, str]:
+    """A parameter's name in memory -> the name its checkpoint stores it under, where the two differ:
+    transformers renames a Qwen-VL's weights when it loads them (`visual.*` -> `model.visual.*`,
+    `model.layers.*` -> `model.language_model.layers.*`). Engines load checkpoint names (SGLang's
+    loader, the delta sync's files), so a weight sync sends those. From transformers' own reverse
+    mapping, what save_pretrained writes."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    params = dict(model.named_parameters())
+    name_of = {id(t): n for n, t in params.items()}
+    return {name_of[id(t)]: name for name, t in revert_weight_conversion(model, dict(params)).items()
+            if name_of.get(id(t), name) != name}
+
+
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
                    "chat_template.json")
 

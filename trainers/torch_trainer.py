@@ -22,7 +22,7 @@ from agentrl.models import load_model, load_tokenizer
 from agentrl.profiling import TrainProfiler
 from agentrl.trainers import rng_state, set_rng_state
 from agentrl.types import Sample
-from agentrl.vision import copy_processor_files, forward_inputs, is_vision_model, load_processor, pixel_inputs
+from agentrl.vision import checkpoint_names, copy_processor_files, forward_inputs, is_vision_model, load_processor, pixel_inputs
 
 
 def pad_batch(samples: list[Sample], device: str, pad_id: int = 0):
@@ -54,6 +54,7 @@ class TorchTrainer:
         # a vision-language model's processor: the samples' images into pixel values for its forward
         self.processor = load_processor(model_path) if is_vision_model(model_path) else None
         self.model_path = str(model_path)
+        self.engine_names = checkpoint_names(self.model) if self.processor is not None else {}
         self.pad_id = self.tokenizer.pad_token_id or 0
         check_algo(algo)
         # --use-kl-loss or --kl-coef: KL against the initial model, or slime's --ref-load (an HF folder here)
@@ -250,8 +251,14 @@ class TorchTrainer:
         return bool(self.train_cfg.lora_rank)
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Weights in HF names, as the engine loads them (tied weights once); with LoRA the
-        adapters merged in (W + scale B A), so any engine serves them (--lora-sync merged)."""
+        """Weights in HF names, as the engine loads them (tied weights once): the checkpoint's names
+        (a VLM's differ from the ones in memory: vision.checkpoint_names); with LoRA the adapters
+        merged in (W + scale B A), so any engine serves them (--lora-sync merged)."""
+        for name, tensor in self._merged_tensors():
+            yield self.engine_names.get(name, name), tensor
+
+    def _merged_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """named_tensors in the names of the model in memory."""
         if not self.lora:
             for name, param in self.model.named_parameters():
                 yield name, param.detach()
@@ -272,7 +279,7 @@ class TorchTrainer:
     def save_hf(self, folder: str | Path) -> Path:
         """An HF checkpoint the engines can load (the disk weight-sync path); with LoRA, merged."""
         if self.lora:
-            self.model.get_base_model().save_pretrained(folder, state_dict=dict(self.named_tensors()))
+            self.model.get_base_model().save_pretrained(folder, state_dict=dict(self._merged_tensors()))
         else:
             self.model.save_pretrained(folder)
         self._save_tokenizer(folder)
@@ -353,7 +360,7 @@ class TorchTrainer:
 
     def update_reference(self) -> None:
         """--ref-update-interval: the KL reference takes the policy's current weights (LoRA: merged)."""
-        copy_parameters(self.ref_model, self.named_tensors(), "--ref-update-interval")
+        copy_parameters(self.ref_model, self._merged_tensors(), "--ref-update-interval")
 
     def load(self, folder: Path) -> dict:
         if self.lora:

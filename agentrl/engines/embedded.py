@@ -85,8 +85,8 @@ from agentrl.engines import ENGINE_HEADER
 from agentrl.engines.lora import LoraAdapter, LoraServing
 from agentrl.engines.prefix_cache import PrefixCache, build_cache, layer_kv
 from agentrl.models import load_model, load_tokenizer
-from agentrl.vision import (DATA_URL_PREFIX, forward_inputs, is_vision_model, load_processor, pixel_inputs, placeholder_runs,
-                            tokens_per_image)
+from agentrl.vision import (DATA_URL_PREFIX, checkpoint_names, forward_inputs, is_vision_model, load_processor,
+                            pixel_inputs, placeholder_runs, tokens_per_image)
 from agentrl.weight_delta import APPLY_ROUTE, serve_apply
 
 log = logging.getLogger("agentrl.engine")
@@ -238,6 +238,8 @@ class EmbeddedEngine:
         self.tokenizer = load_tokenizer(model_path)
         # a vision-language model's processor: /generate's image_data into pixel values (agentrl/vision.py)
         self.processor = load_processor(model_path) if is_vision_model(model_path) else None
+        # a weight update names a VLM's weights as its checkpoint does (SGLang loads those): checkpoint -> memory
+        self._memory_names = {v: k for k, v in checkpoint_names(self.model).items()} if self.processor else {}
         self.eos_ids = {self.tokenizer.eos_token_id}
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         self.eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
@@ -916,6 +918,7 @@ class EmbeddedEngine:
 
     def _load_named(self, named: list[tuple[str, torch.Tensor]]) -> None:
         params = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
+        named = [(self._memory_names.get(n, n), t) for n, t in named]
         unknown = [n for n, _ in named if n not in params]
         if unknown:
             raise KeyError(f"unknown weight names: {unknown[:5]}")

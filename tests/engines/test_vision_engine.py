@@ -9,6 +9,7 @@ import io
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
 
 from agentrl.models import load_tokenizer
 from agentrl.rollout.agent_loop import Renderer
@@ -117,16 +118,17 @@ def test_engine_and_trainer_logprobs_agree_on_an_image_prompt(vlm, processor, tm
     with torch.no_grad():  # the trainer's weights move away from the engine's, vision tower included
         for name, p in trainer.model.named_parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    names = [n for n, _ in trainer.model.named_parameters()]
-    assert any(n.startswith("model.visual.") for n in names)
+    # what a sync sends: every weight under its checkpoint's name (SGLang's loader reads those)
+    sent = [n for n, _ in trainer.named_tensors()]
+    assert sorted(sent) == sorted(safe_open(str(vlm / "model.safetensors"), "pt").keys())
+    assert any(n.startswith("visual.") for n in sent)
 
     async def go():
         server = TestServer(engine.app())
         await server.start_server()
         try:
             c = EngineClient(str(server.make_url("")).rstrip("/"))
-            await sync_weights_from_tensor([c], list(trainer.model.named_parameters()), version=1,
-                                           bucket_bytes=1 << 16)
+            await sync_weights_from_tensor([c], list(trainer.named_tensors()), version=1, bucket_bytes=1 << 16)
             prompts = [_prompt(renderer, "red"), _prompt(renderer, "blue"), (renderer.encode("plain text"), [])]
             results = await asyncio.gather(*[c.generate(ids, {"max_new_tokens": 6, "temperature": 1.0,
                                                               "ignore_eos": True}, image_data=imgs)
