@@ -177,6 +177,22 @@ def test_an_engine_that_expands_the_images_otherwise_fails_the_trajectory_saying
     assert "read 37 prompt tokens where 25 were sent with the images" in sample.metadata["error"]
 
 
+def test_images_in_a_later_observation_fail_the_trajectory_saying_so(vlm, processor):
+    tokenizer = load_tokenizer(vlm)
+    url = "data:image/png;base64," + base64.b64encode(png("red")).decode()
+    prompt = [{"role": "user", "content": [{"type": "image", "image": url}, {"type": "text", "text": "Colour?"}]}]
+
+    class ShowsMore(ImageEnv):
+        def step(self, action):
+            return [{"role": "user", "content": [{"type": "image", "image": url}]}], 0.0, False, False, {}
+
+    sample = asyncio.run(run_trajectory(
+        ShowsMore(), {"prompt": prompt}, renderer=Renderer(tokenizer, processor=processor),
+        client=ScriptedClient(tokenizer.eos_token_id, [[5], [5]]), trajectory_id="t", group_id=0, seed=0,
+        settings=LoopSettings(max_response_len=64, max_turns=2, sampling_params={"temperature": 1.0})))
+    assert sample.status == SampleStatus.FAILED and "observation holds images" in sample.metadata["error"]
+
+
 @pytest.mark.parametrize("written", [False, True])
 def test_every_turn_sends_the_images_and_a_placeholder_the_model_writes_is_its_fault(vlm, processor, written):
     """Each request of a trajectory carries its prompt's images beside the ids that hold their

@@ -528,6 +528,9 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                               if sample.response_length >= max_len else limit_reason)
                 break
             obs = [_valid_message(m) for m in as_messages(obs)]
+            if renderer.images(obs):
+                raise ValueError(f"turn {turn + 1}: the env's observation holds images; agentrl carries the prompt's "
+                                 "images only (a later image would need its own processor expansion)")
             messages += obs
             # tool results shown to the model (metrics: tool_calls_mean)
             sample.metadata["tool_calls"] = sample.metadata.get("tool_calls", 0) + sum(m.get("role") == "tool" for m in obs)
