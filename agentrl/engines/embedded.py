@@ -86,7 +86,7 @@ from agentrl.engines.lora import LoraAdapter, LoraServing
 from agentrl.engines.prefix_cache import PrefixCache, build_cache, layer_kv
 from agentrl.models import load_model, load_tokenizer
 from agentrl.vision import (DATA_URL_PREFIX, checkpoint_names, forward_inputs, is_vision_model, load_processor,
-                            pixel_inputs, placeholder_runs, tokens_per_image)
+                            open_data_url, pixel_inputs, placeholder_runs, tokens_per_image)
 from agentrl.weight_delta import APPLY_ROUTE, serve_apply
 
 log = logging.getLogger("agentrl.engine")
@@ -542,7 +542,7 @@ class EmbeddedEngine:
         body = await request.json()
         input_ids = body.get("input_ids")
         if input_ids is None and isinstance(body.get("text"), str):  # as SGLang: text is tokenized here
-            input_ids = self.tokenizer.encode(body["text"])
+            input_ids = await asyncio.to_thread(self._encode_text, body["text"], body.get("image_data"))
         if not input_ids or not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
             return _error("input_ids must be a non-empty list of ints")
         vocab = self.model.config.get_text_config().vocab_size  # a VLM's: its text model's
@@ -616,6 +616,18 @@ class EmbeddedEngine:
         skip = req.params.get("skip_special_tokens", True)
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=skip)
         return web.json_response({"text": text, "output_ids": req.output_ids, "meta_info": meta})
+
+    def _encode_text(self, text: str, image_data) -> list[int]:
+        """/generate's `text` as ids; with images, each placeholder expanded by the processor, as
+        SGLang expands them (slime sends a first multimodal turn so)."""
+        images = image_data if isinstance(image_data, list) else [image_data] if image_data else []
+        if self.processor is None or not images or not all(isinstance(u, str) and u.startswith(DATA_URL_PREFIX)
+                                                            for u in images):
+            return self.tokenizer.encode(text)  # _media says what is wrong with the images, if anything
+        try:
+            return self.processor(text=[text], images=[open_data_url(u) for u in images])["input_ids"][0]
+        except Exception:  # the placeholders and images disagree, or an image is unreadable: _media names it
+            return self.tokenizer.encode(text)
 
     def _media(self, input_ids: list[int], image_data) -> dict | None:
         """`image_data` (SGLang's field: one image or a list, here base64 data URLs) as pixel inputs,

@@ -43,7 +43,8 @@ def _prompt(renderer, colour):
 
 def test_image_data_is_sglangs_field_and_the_engine_is_as_strict(vlm, processor, tiny_model):
     """What the client sends fits SGLang's GenerateReqInput (input_ids + image_data); the embedded
-    engine generates with the images, and refuses what SGLang cannot serve either: more or fewer
+    engine generates with the images, takes slime's form too (text + image_data, each placeholder
+    expanded by the engine), and refuses what SGLang cannot serve either: more or fewer
     images than placeholder runs, a run of the wrong length, images for a text model, image tokens
     without images, a URL it would have to fetch."""
     from aiohttp.test_utils import TestServer
@@ -66,6 +67,11 @@ def test_image_data_is_sglangs_field_and_the_engine_is_as_strict(vlm, processor,
         try:
             c = RecordingClient(str(servers[0].make_url("")).rstrip("/"))
             result = await c.generate(ids, {"max_new_tokens": 4, "temperature": 1.0}, image_data=images)
+            # slime's first multimodal turn: text (one placeholder per image) + image_data, expanded by the engine
+            async with c.session.post(c.base_url + "/generate", json={
+                    "text": renderer.tokenizer.decode(ids[:start + 1] + ids[start + n:]), "image_data": images,
+                    "sampling_params": {"max_new_tokens": 1}}) as r:
+                from_text = (r.status, await r.json())
             bad = []
             for body in [{"input_ids": ids, "image_data": images * 2},  # two images, one placeholder
                          {"input_ids": ids + ids, "image_data": images},  # two placeholders, one image
@@ -79,12 +85,13 @@ def test_image_data_is_sglangs_field_and_the_engine_is_as_strict(vlm, processor,
             async with c.session.post(url + "/generate", json={"input_ids": [5, 6], "image_data": images}) as r:
                 bad.append((r.status, await r.text()))
             await c.close()
-            return result, c.calls, bad
+            return result, c.calls, bad, from_text
         finally:
             for s in servers:
                 await s.close()
 
-    result, calls, bad = asyncio.run(go())
+    result, calls, bad, from_text = asyncio.run(go())
+    assert from_text[0] == 200 and from_text[1]["meta_info"]["prompt_tokens"] == len(ids)
     assert 0 < len(result.output_ids) <= 4 and all(lp <= 0 for lp in result.logprobs)
     for path, payload, status, ctype, body in calls:
         check_request(path, payload)
