@@ -104,7 +104,8 @@ def test_the_flag_is_checked_when_the_config_is_read(tmp_path):
     for extra, error in [(["--multimodal-keys", '{"video": "clips"}'], "images only .*'video'"),
                          (["--trainer", "megatron"], "--multimodal-keys .* with --trainer megatron: .*text-only"),
                          (["--no-apply-chat-template"], "chat template"),
-                         (["--advantage-estimator", "ppo"], "critic reads text only")]:
+                         (["--advantage-estimator", "ppo"], "critic reads text only"),
+                         (["--custom-generate-function-path", "json.loads"], "does not carry the images")]:
         with pytest.raises(ConfigError, match=error):
             parse_config(["--prompt-data", str(data), "--multimodal-keys", '{"image": "images"}', *extra])
 
