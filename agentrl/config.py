@@ -809,7 +809,9 @@ def check_multimodal(cfg: Config) -> None:
     if not keys:
         return
     flag = f"--multimodal-keys '{json.dumps(keys)}'"
-    if other := sorted(set(keys) - {"image"}):
+    from agentrl.vision import MEDIA_TYPES
+
+    if other := sorted(set(keys) - set(MEDIA_TYPES)):
         raise ConfigError(f"{flag}: agentrl carries images only (key 'image'), not {', '.join(map(repr, other))}")
     if not all(isinstance(v, str) and v for v in keys.values()):
         raise ConfigError(f"{flag}: each value is the row key of that media's list")
