@@ -67,16 +67,19 @@ def build_trainer(cfg: Config, model_path: Path, device: str, *, sft: bool = Fal
 
 
 def build_renderer(cfg: Config, tokenizer) -> Renderer:
-    """The conversation renderer; with --multimodal-keys, the model's processor makes the prompt ids."""
-    d, processor = cfg.data, None
-    if d.multimodal_keys:
-        from agentrl.vision import is_vision_model, load_processor
+    """The conversation renderer; a vision-language model's processor makes the prompt ids of prompts
+    with images (--multimodal-keys), and names the media tokens its replies must not hold (text-only
+    prompts too)."""
+    from agentrl.vision import VISION_FAMILIES, is_vision_model, load_processor
 
-        if not cfg.model.model or not is_vision_model(cfg.model.model):
-            raise ConfigError(f"--multimodal-keys: --model {cfg.model.model or '(the tiny default)'} is not a "
-                              "vision-language model (its config.json has no vision_config)")
-        processor = load_processor(cfg.model.model)
-    return Renderer(tokenizer, d.apply_chat_template, d.apply_chat_template_kwargs, processor=processor)
+    d, model = cfg.data, cfg.model.model
+    vision = bool(model) and is_vision_model(model)
+    if d.multimodal_keys and not vision:
+        raise ConfigError(f"--multimodal-keys: --model {model or '(the tiny default)'} is not a vision-language "
+                          f"model agentrl trains (a config.json with a vision_config, of the families "
+                          f"{', '.join(VISION_FAMILIES)})")
+    return Renderer(tokenizer, d.apply_chat_template, d.apply_chat_template_kwargs,
+                    processor=load_processor(model) if vision else None)
 
 
 def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, reward_fn, control: RolloutControl,

@@ -51,7 +51,8 @@ def to_data_url(item: Any, *, where: str, base_dir: Path | None = None) -> str:
         elif item.get("path"):
             item = item["path"]
         else:
-            raise _image_error(where, f"an image dict needs 'bytes' or 'path' (HF datasets' form), got keys {sorted(item)}")
+            raise _image_error(where, f"an image dict needs 'bytes' or 'path' (HF datasets' form), got keys "
+                                      f"{sorted(item)}")
     if isinstance(item, str) and item.startswith(("http://", "https://")):
         raise _image_error(where, f"image URLs are not fetched ({item[:80]}); download the images and give file paths "
                                   "or bytes")
@@ -126,11 +127,14 @@ def message_images(messages: list[dict]) -> list[str]:
 
 
 def is_vision_model(path: str | Path) -> bool:
-    """Whether the checkpoint's config.json has a vision tower (`vision_config`)."""
+    """Whether agentrl runs the checkpoint as a vision-language model: its config.json has a vision
+    tower (`vision_config`) and its family is one of VISION_FAMILIES. Other multimodal checkpoints
+    (Gemma 3, Llama 4, Qwen3.5, ...) load as their text model, as before."""
     try:
-        return "vision_config" in json.loads((Path(path) / "config.json").read_text())
+        config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return False
+    return "vision_config" in config and config.get("model_type") in VISION_FAMILIES
 
 
 def load_processor(path: str | Path):

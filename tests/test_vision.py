@@ -18,7 +18,8 @@ from agentrl.models import load_tokenizer
 from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory
 from agentrl.rollout.client import GenerateResult
 from agentrl.types import SampleStatus
-from agentrl.vision import load_processor, message_images, open_data_url, placeholder_runs, tokens_per_image
+from agentrl.vision import (is_vision_model, load_processor, message_images, open_data_url, placeholder_runs,
+                            tokens_per_image)
 
 COLOURS = {"red": (230, 20, 20), "blue": (20, 20, 230)}
 
@@ -263,7 +264,8 @@ def test_agentrl_train_learns_what_only_the_image_tells(vlm, tmp_path):
     rewards = [m["reward_mean"] for m in metrics]
     assert sum(rewards[-4:]) / 4 > 0.75, rewards  # chance (or any image-blind policy): 0.5
     (first,) = [json.loads(line) for line in (out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()][:1]
-    assert len(first["images"]) == 1 and open_data_url(first["images"][0]).getpixel((0, 0)) == COLOURS[first["metadata"]["label"]]
+    (image,) = first["images"]
+    assert open_data_url(image).getpixel((0, 0)) == COLOURS[first["metadata"]["label"]]
     assert first["prompt_tokens"].count(load_processor(vlm).image_token_id) == 4
 
 
@@ -284,7 +286,8 @@ def test_the_forward_with_images_is_the_models_own(processor, family):
     out = processor(text=[text], images=[open_data_url(u) for u in urls], add_special_tokens=False, return_tensors="pt")
     tok = processor.tokenizer
     text_config = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+                       num_attention_heads=4, num_key_value_heads=2,
+                       rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
     ids = dict(image_token_id=processor.image_token_id, video_token_id=processor.video_token_id,
                vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
                vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"))
@@ -318,3 +321,4 @@ def test_a_family_whose_forward_agentrl_does_not_reproduce_is_refused(vlm, tmp_p
     with pytest.raises(ModelLoadError, match="model_type 'qwen3_vl': agentrl trains the vision-language families "
                                              "qwen2_vl, qwen2_5_vl"):
         load_processor(other)
+    assert is_vision_model(vlm) and not is_vision_model(other)  # loaded as its text model, as before

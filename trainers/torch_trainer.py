@@ -22,7 +22,8 @@ from agentrl.models import load_model, load_tokenizer
 from agentrl.profiling import TrainProfiler
 from agentrl.trainers import rng_state, set_rng_state
 from agentrl.types import Sample
-from agentrl.vision import checkpoint_names, copy_processor_files, forward_inputs, is_vision_model, load_processor, pixel_inputs
+from agentrl.vision import (checkpoint_names, copy_processor_files, forward_inputs, is_vision_model, load_processor,
+                            pixel_inputs)
 
 
 def pad_batch(samples: list[Sample], device: str, pad_id: int = 0):

@@ -560,7 +560,8 @@ class EmbeddedEngine:
         except ValueError as exc:
             return _error(str(exc))
         if media is not None and body.get("logprob_start_len") not in (None, -1):
-            return _error("logprob_start_len with image_data: the embedded engine scores input tokens of text prompts only")
+            return _error("logprob_start_len with image_data: the embedded engine scores input tokens of text "
+                          "prompts only")
         adapter = None
         if body.get("lora_path"):
             try:
