@@ -126,6 +126,20 @@ def message_images(messages: list[dict]) -> list[str]:
             for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
 
 
+def image_refs(messages: list[dict], images: list[str]) -> list[dict]:
+    """`messages` with each image part's data URL replaced by "images[k]", its place in `images`
+    (saved trajectories keep each image once)."""
+    where = {url: k for k, url in enumerate(images)}
+
+    def part(p):
+        if isinstance(p, dict) and p.get("type") == "image" and p.get("image") in where:
+            return {**p, "image": f"images[{where[p['image']]}]"}
+        return p
+
+    return [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
+            for m in messages]
+
+
 def is_vision_model(path: str | Path) -> bool:
     """Whether agentrl runs the checkpoint as a vision-language model: its config.json has a vision
     tower (`vision_config`) and its family is one of VISION_FAMILIES. Other multimodal checkpoints

@@ -266,6 +266,7 @@ def test_agentrl_train_learns_what_only_the_image_tells(vlm, tmp_path):
     (first,) = [json.loads(line) for line in (out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()][:1]
     (image,) = first["images"]
     assert open_data_url(image).getpixel((0, 0)) == COLOURS[first["metadata"]["label"]]
+    assert first["messages"][0]["content"][0] == {"type": "image", "image": "images[0]"}  # saved once
     assert first["prompt_tokens"].count(load_processor(vlm).image_token_id) == 4
 
 
