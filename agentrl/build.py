@@ -66,6 +66,22 @@ def build_trainer(cfg: Config, model_path: Path, device: str, *, sft: bool = Fal
                         dtype=cfg.model.dtype, ref_load=None if sft else cfg.run.ref_load)
 
 
+def build_renderer(cfg: Config, tokenizer) -> Renderer:
+    """The conversation renderer; a vision-language model's processor makes the prompt ids of prompts
+    with images (--multimodal-keys), and names the media tokens its replies must not hold (text-only
+    prompts too)."""
+    from agentrl.vision import VISION_FAMILIES, is_vision_model, load_processor
+
+    d, model = cfg.data, cfg.model.model
+    vision = bool(model) and is_vision_model(model)
+    if d.multimodal_keys and not vision:
+        raise ConfigError(f"--multimodal-keys: --model {model or '(the tiny default)'} is not a vision-language "
+                          f"model agentrl trains (a config.json with a vision_config, of the families "
+                          f"{', '.join(VISION_FAMILIES)})")
+    return Renderer(tokenizer, d.apply_chat_template, d.apply_chat_template_kwargs,
+                    processor=load_processor(model) if vision else None)
+
+
 def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, reward_fn, control: RolloutControl,
                        on_done, *, n_samples: int | None = None, temperature: float | None = None,
                        max_response_len: int | None = None, evaluation: bool = False, top_p: float | None = None,
@@ -96,7 +112,7 @@ def build_group_runner(cfg: Config, tokenizer, client: EngineClient, pool, rewar
             kwargs.pop("sandbox", None)
         return make(name, **kwargs, **extra), name
 
-    renderer = Renderer(tokenizer, cfg.data.apply_chat_template, cfg.data.apply_chat_template_kwargs)
+    renderer = build_renderer(cfg, tokenizer)
     generate_fn = None
     if r.custom_generate_function_path:
         generate_fn = GenerateHook(r.custom_generate_function_path, renderer=renderer, sampling_params=sampling,
@@ -171,7 +187,7 @@ def load_eval_sets(cfg: Config) -> list[tuple]:
         tasks = read_rows(str(spec["path"]), input_key=spec.get("input_key", d.input_key),
                           label_key=spec.get("label_key", d.label_key),
                           metadata_key=spec.get("metadata_key", d.metadata_key),
-                          label_needed_by=label_needed_by(cfg.run.env),
+                          label_needed_by=label_needed_by(cfg.run.env), multimodal_keys=d.multimodal_keys,
                           flag=(f"--eval-config {cfg.eval.eval_config}: dataset {spec['name']!r}:"
                                 if cfg.eval.eval_config else f"--eval-prompt-data {spec['name']}"))
         for task in tasks:
@@ -233,8 +249,7 @@ def drop_long_prompts(tasks: list[dict], cfg: Config) -> list[dict]:
     from agentrl.models import load_tokenizer
 
     limit, d = cfg.rollout.rollout_max_prompt_len, cfg.data
-    renderer = Renderer(load_tokenizer(cfg.model.model or build_tiny_model()), d.apply_chat_template,
-                        d.apply_chat_template_kwargs)
+    renderer = build_renderer(cfg, load_tokenizer(cfg.model.model or build_tiny_model()))
     kept = [t for t in tasks if len(renderer.prompt(as_messages(t["prompt"]), None)[1]) <= limit]
     if not kept:
         raise ConfigError(f"--rollout-max-prompt-len {limit}: every one of the {len(tasks)} prompts of {d.prompt_data} "
@@ -246,7 +261,7 @@ def build_prompt_source(cfg: Config, env_cls) -> PromptSource:
     d = cfg.data
     if d.prompt_data:
         tasks = read_rows(d.prompt_data, input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
-                          label_needed_by=label_needed_by(cfg.run.env))
+                          label_needed_by=label_needed_by(cfg.run.env), multimodal_keys=d.multimodal_keys)
         for task in tasks:  # rows naming their env must name a known one, before any work starts
             if task.get("env"):
                 get_spec(task["env"])

@@ -53,6 +53,11 @@ class DataConfig(Section):
     apply_chat_template_kwargs: dict[str, Any] = {}
     """slime's: extra variables of the chat template, a JSON object such as '{"enable_thinking": false}',
     given to every rendering (each turn's prompt too, not only the first)."""
+    multimodal_keys: dict[str, str] = {}
+    """slime's: a vision-language model's media, a JSON object of media type to row key, such as
+    '{"image": "images"}' (the row's `images` list: file paths, bytes, HF datasets image dicts or data
+    URLs). Each image takes the place of the next <image> in the prompt; the model's processor turns
+    them into prompt tokens and pixel values (agentrl/vision.py). Images only; the torch trainer."""
     rollout_shuffle: bool = True
     """Shuffle the dataset each epoch (seeded)."""
     tool_key: str = "tools"
@@ -734,6 +739,7 @@ def parse_config(argv: list[str], env_defaults_for=None, parser: argparse.Argume
     slime_args.warmup(layers, slime, {"rollout": RolloutConfig, "train": TrainConfig})
     cfg = resolve(layers)
     slime_args.finish(cfg, slime)
+    check_multimodal(cfg)  # after the model's config.json is checked: a slime script gets as far as its model
     ns.slime_notices, ns.slime_environ = slime.notices, slime.environ
     return cfg, ns
 
@@ -795,6 +801,37 @@ def check_delta_sync(cfg: Config) -> None:
         check_checksum(cfg.train.weight_delta_checksum)
     except Exception as exc:
         raise ConfigError(f"--weight-delta-checksum: {exc}") from None
+
+
+def check_multimodal(cfg: Config) -> None:
+    """--multimodal-keys: images, from --prompt-data rows, through the chat template, into the torch trainer."""
+    keys = cfg.data.multimodal_keys
+    if not keys:
+        return
+    flag = f"--multimodal-keys '{json.dumps(keys)}'"
+    from agentrl.vision import MEDIA_TYPES
+
+    if other := sorted(set(keys) - set(MEDIA_TYPES)):
+        raise ConfigError(f"{flag}: agentrl carries images only (key 'image'), not {', '.join(map(repr, other))}")
+    if not all(isinstance(v, str) and v for v in keys.values()):
+        raise ConfigError(f"{flag}: each value is the row key of that media's list")
+    if not cfg.data.prompt_data:
+        raise ConfigError(f"{flag} names columns of --prompt-data's rows; give --prompt-data")
+    if not cfg.data.apply_chat_template:
+        raise ConfigError(f"{flag}: the images' placeholders come from the chat template; drop "
+                          "--no-apply-chat-template")
+    if cfg.train.trainer == "megatron":
+        raise ConfigError(f"{flag} with --trainer megatron: agentrl's Megatron trainer builds text-only models (no "
+                          "vision tower, no image inputs in its forward); train the VLM with --trainer torch")
+    if cfg.algo.advantage_estimator == "ppo":
+        raise ConfigError(f"{flag} with --advantage-estimator ppo: the critic reads text only; use a critic-free "
+                          "estimator (grpo, ...)")
+    if cfg.algo.use_opd:
+        raise ConfigError(f"{flag} with --use-opd: the teacher scores text only (no images in its requests)")
+    for hook in ("custom_generate_function_path", "rollout_function_path"):
+        if getattr(cfg.rollout, hook):
+            raise ConfigError(f"{flag} with --{hook.replace('_', '-')}: slime's hooks get agentrl's slime Sample, "
+                              "which does not carry the images (multimodal_inputs); use agentrl's agent loop")
 
 
 def resolve(layers: dict) -> Config:

@@ -73,9 +73,11 @@ def numbered_rows(path: str, flag: str = "--prompt-data") -> list[tuple[str, dic
 
 def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
               metadata_key: str = "metadata", label_needed_by: str | None = None,
-              flag: str = "--prompt-data") -> list[dict[str, Any]]:
+              flag: str = "--prompt-data", multimodal_keys: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Read a JSONL or parquet prompt file into tasks; a bad row names file and line.
-    `label_needed_by`: the env that grades against the label (its rows must have one)."""
+    `label_needed_by`: the env that grades against the label (its rows must have one).
+    `multimodal_keys` (--multimodal-keys, slime's ``{"image": "images"}``): the row's media, loaded
+    and placed at the prompt's ``<image>`` placeholders as image parts (agentrl/vision.py)."""
     tasks, has_label, keys, unlabelled = [], False, set(), None
     for where, row in numbered_rows(path, flag):
         has_label, keys = has_label or label_key in row, keys | set(row)
@@ -87,7 +89,10 @@ def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
         metadata = row.get(metadata_key) or {}
         if not isinstance(metadata, dict):
             raise DatasetError(f"{where}: {metadata_key!r} must be an object")
-        task = {"prompt": row[input_key], "label": row.get(label_key), "metadata": metadata}
+        prompt = row[input_key]
+        if multimodal_keys:
+            prompt = _with_media(prompt, row, multimodal_keys, where, Path(path).parent)
+        task = {"prompt": prompt, "label": row.get(label_key), "metadata": metadata}
         if row.get("env"):
             task["env"] = row["env"]
         tasks.append(task)
@@ -101,6 +106,23 @@ def read_rows(path: str, *, input_key: str = "prompt", label_key: str = "label",
         raise DatasetError(f"{unlabelled[0]}: no label under {label_key!r} (--label-key), which env "
                            f"{label_needed_by!r} grades against; keys are {unlabelled[1]}")
     return tasks
+
+
+def _with_media(prompt: Any, row: dict, multimodal_keys: dict[str, str], where: str, base_dir: Path) -> Any:
+    """The row's prompt with its images in (vision.prompt_with_images); a row without the field has none."""
+    from agentrl.vision import prompt_with_images, to_data_url
+
+    media = {}
+    for kind, field in multimodal_keys.items():
+        items = row.get(field)
+        if items is None:
+            continue
+        if isinstance(items, (str, bytes, dict)):
+            raise DatasetError(f"{where}: {field!r} (--multimodal-keys {kind}) must be a list of images, got "
+                               f"{type(items).__name__}")
+        media[field] = [to_data_url(item, where=f"{where}: {field}[{i}]", base_dir=base_dir)
+                        for i, item in enumerate(items)]
+    return prompt_with_images(prompt, media, where)
 
 
 def shuffled_epochs(rows: list[dict], seed: int = 0) -> Iterator[dict]:

@@ -245,11 +245,16 @@ class RunLog:
 
 
 def write_trajectories(path: Path, samples: list[Sample], tokenizer=None) -> None:
-    """One `Sample.to_dict()` row per line, with the decoded prompt and response for reading."""
+    """One `Sample.to_dict()` row per line, with the decoded prompt and response for reading; a
+    VLM's images once, in `images` (the messages' image parts say "images[k]")."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for s in samples:
             row = s.to_dict()
+            if s.images:  # each image once: the messages' image parts name it in `images`
+                from agentrl.vision import image_refs
+
+                row["messages"] = image_refs(row["messages"], s.images)
             if tokenizer is not None:
                 row["prompt_text"] = tokenizer.decode(s.prompt_tokens)
                 row["response_text"] = tokenizer.decode(s.response_tokens)

@@ -139,6 +139,56 @@ def build_tiny_model(path: Path | None = None) -> Path:
     return path
 
 
+# The tiny VLM's template: the tiny one, with a message's image parts as Qwen2-VL writes them
+VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ message.content }}",
+    "{% if message.content is string %}{{ message.content }}{% else %}{% for part in message.content %}"
+    "{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part.text }}{% endif %}"
+    "{% endfor %}{% endif %}")
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def build_tiny_vlm(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Qwen2-VL and its processor in `path`: the tiny tokenizer plus the vision
+    tokens, a small vision tower (4-pixel patches, 2x2 merge: a 16x16 image is 4 tokens), a
+    2-layer text model. Nothing is downloaded (tests, CPU demos)."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    _quiet_transformers()
+    tok = AutoTokenizer.from_pretrained(str(build_tiny_model()))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
+    tok.chat_template = VLM_CHAT_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    torch.manual_seed(seed)
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=True,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = Qwen2VLForConditionalGeneration(config)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
+                             max_pixels=64 * 64).save_pretrained(tmp)
+    for name in ("preprocessor_config.json", "processor_config.json"):  # what AutoProcessor builds
+        file = tmp / name
+        config = json.loads(file.read_text()) if file.exists() else {}
+        file.write_text(json.dumps({**config, "processor_class": "Qwen2VLProcessor"}, indent=2))
+    tmp.rename(path)
+    return path
+
+
 def check_model_dir(path: str | Path) -> Path:
     """Fail early, naming what is missing, before any process tries to load the folder."""
     path = Path(path)
@@ -185,12 +235,16 @@ def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "float32")
     from transformers import AutoModelForCausalLM
 
     from agentrl import hf_mimo
+    from agentrl.vision import is_vision_model
 
     _quiet_transformers()
     hf_mimo.register()  # model_type "mimo": transformers has no class of its own
     path = check_model_dir(path)
+    auto = AutoModelForCausalLM
+    if is_vision_model(path):  # a vision-language model: its image-text class (the vision tower included)
+        from transformers import AutoModelForImageTextToText as auto
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+        model = auto.from_pretrained(str(path), dtype=getattr(torch, dtype))
     except Exception as exc:
         raise ModelLoadError(f"--model {path}: cannot load the model: {exc}") from exc
     return model.to(device)

@@ -136,6 +136,9 @@ def sft(cfg: Config) -> Path:
         raise ConfigError("agentrl sft needs --prompt-data FILE.jsonl (rows of chat messages)")
     if cfg.train.loss_type != "sft_loss":
         raise ConfigError(f"agentrl sft trains with --loss-type sft_loss, not {cfg.train.loss_type}")
+    if cfg.data.multimodal_keys:
+        raise ConfigError("--multimodal-keys: agentrl sft trains on text conversations; images are RL's only "
+                          "(agentrl train)")
     out = Path(cfg.run.output_dir or f"runs/sft-{datetime.now():%Y%m%d-%H%M%S}")
     save_dir = Path(cfg.run.save or out / "checkpoints")
     progress = Progress(enabled=False)

@@ -11,7 +11,7 @@ Each such flag is, in this order of preference:
 - passed to Megatron (trainers/megatron/flags.py) or SGLang (`--sglang-*`), list values too;
 - accepted with a one-line notice where it has no effect here (NO_EFFECT says why);
 - refused with the reason (REFUSED: slime hooks agentrl cannot run, and features it does not have:
-  MTP training, multimodal data);
+  MTP training);
 - or, for slime's YAML files (--custom-config-path, --eval-config, --sglang-config), read as slime
   reads them, onto agentrl's settings, a key that does not map being an error naming it.
 
@@ -161,9 +161,6 @@ REFUSED: dict[str, str] = {
     "sglang_router_port": "slime registers the engines it launches with that running router; agentrl launches its own "
                           "router, or attaches to running engines (or a router in front of them) with "
                           "--rollout-engine-urls URL",
-    "multimodal_keys": "agentrl trains text-only models: neither the rollout nor the trainers carry image or video "
-                       "inputs, and a run without the rows' media would train on prompts about images the model never "
-                       "sees (slime's geo3k example: geometry problems on their figures), another task",
 }
 # slime flag -> agentrl flag (same meaning, another name)
 RENAMED = {"rollout_seed": "--seed", "sglang_router_request_timeout_secs": "--request-timeout-s",

@@ -370,7 +370,8 @@ async def train_step(run: Run, samples: list[Sample], weights_lock: asyncio.Lock
         if run.engines is not None:
             run.progress.phase("sync", f"weights version {run.state.policy_version}")
             out |= await update_engines(run.cfg, run.control, run.engines, run.trainer, run.state.policy_version,
-                                        probe_prompts=[s.prompt_tokens for s in samples[:2]])
+                                        probe_prompts=[s.prompt_tokens for s in samples[:2]],
+                                        probe_images=[s.images for s in samples[:2]])
         out |= checked
     return out | {"train_s": t_train}
 

@@ -37,6 +37,9 @@ class Sample:
     # MoE routing replay (R3): the experts the engine routed each token to, [num_tokens - 1][layers][top-k]
     # (every token but the last, as SGLang's return_routed_experts gives them); None when not asked for
     routed_experts: list[list[list[int]]] | None = None
+    # a vision-language model's prompt images, as PNG data URLs in placeholder order (agentrl/vision.py):
+    # every request of the trajectory carries them, and the trainer's forward sees them
+    images: list[str] = field(default_factory=list)
     reward: float | dict[str, float] = 0.0
     status: SampleStatus = SampleStatus.COMPLETED
     group_id: int = 0

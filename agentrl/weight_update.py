@@ -57,7 +57,8 @@ async def colocated(cfg: Config, trainer, engines: EngineGroup, clients: list[En
 
 
 async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGroup, trainer, version: int,
-                         probe_prompts: list[list[int]] | None = None) -> dict:
+                         probe_prompts: list[list[int]] | None = None,
+                         probe_images: list[list[str]] | None = None) -> dict:
     """New weights into every live engine. The gate keeps agent loops from sending requests
     and the engines pause, so no generation sees half-updated weights. With --partial-rollout
     in-flight generations are aborted first and resume under the new weights; without it the
@@ -94,7 +95,9 @@ async def update_engines(cfg: Config, control: RolloutControl, engines: EngineGr
         for url in failed:  # restarted, an engine gets the current weights before it serves again
             engines.quarantine(url)
         if probe_prompts and weight_check_due(cfg, version):
-            engines.probe_prompts = [p[-PROBE_CONTEXT:] for p in probe_prompts[:PROBE_PROMPTS] if p]
+            images = probe_images or [[]] * len(probe_prompts)  # a prompt with images whole: a cut one loses them
+            probes = [(p if im else p[-PROBE_CONTEXT:], im) for p, im in zip(probe_prompts[:PROBE_PROMPTS], images) if p]
+            engines.probe_prompts, engines.probe_images = [p for p, _ in probes], [im for _, im in probes]
             engines.probe_lora = control.lora_adapter  # --lora-sync adapter: the probe names the new adapter
         return out | ({"weight_sync_failed": len(failed)} if failed else {})
     finally:
@@ -120,6 +123,7 @@ async def probe_engines(cfg: Config, engines: EngineGroup | None, clients: list[
     if engines is None or not engines.probe_prompts:
         return
     prompts, engines.probe_prompts = engines.probe_prompts, None
+    images, engines.probe_images = getattr(engines, "probe_images", None) or [[]] * len(prompts), None
     params = {"max_new_tokens": PROBE_TOKENS, "temperature": cfg.rollout.rollout_temperature, "top_p": 1.0,
               "top_k": -1, "min_p": 0.0}
 
@@ -130,12 +134,13 @@ async def probe_engines(cfg: Config, engines: EngineGroup | None, clients: list[
     if replay:  # R3: the trainer replays the engine's routing on the probe too (it refuses a sample without)
         request["return_routed_experts"] = True
 
-    async def one(client: EngineClient, prompt: list[int]):
-        reply = await client.post("/generate", {"input_ids": prompt, **request})
+    async def one(client: EngineClient, prompt: list[int], images: list[str]):
+        media = {"image_data": images} if images else {}
+        reply = await client.post("/generate", {"input_ids": prompt, **request, **media})
         meta = reply["meta_info"]
         pairs = [(int(t), float(lp)) for lp, t, *_ in meta["output_token_logprobs"]]
         sample = Sample(prompt_tokens=list(prompt), response_tokens=[t for t, _ in pairs], loss_mask=[1] * len(pairs),
-                        rollout_logprobs=[lp for _, lp in pairs], policy_versions=[0] * len(pairs))
+                        rollout_logprobs=[lp for _, lp in pairs], policy_versions=[0] * len(pairs), images=images)
         if replay:
             sample.routed_experts = decode_routed_experts(meta.get("routed_experts"), len(prompt) + len(pairs) - 1)
         return client.base_url, str(meta.get("weight_version")), sample
@@ -143,10 +148,12 @@ async def probe_engines(cfg: Config, engines: EngineGroup | None, clients: list[
     if any(e.worker_type != "regular" for e in engines.engines):
         # --prefill-num-servers: a prefill or a decode engine cannot generate alone; the router pairs them
         async with EngineClient(engines.url, request_timeout_s=cfg.rollout.request_timeout_s) as router:
-            replies = await asyncio.gather(*[one(router, p) for p in prompts], return_exceptions=True)
+            replies = await asyncio.gather(*[one(router, p, im) for p, im in zip(prompts, images)],
+                                           return_exceptions=True)
     else:
         serving = set(engines.serving())  # one down or catching up is the monitor's, and holds older weights
-        replies = await asyncio.gather(*[one(c, p) for c in clients if c.base_url in serving for p in prompts],
+        replies = await asyncio.gather(*[one(c, p, im) for c in clients if c.base_url in serving
+                                         for p, im in zip(prompts, images)],
                                        return_exceptions=True)
     for r in replies:
         if isinstance(r, BaseException):  # it went down meanwhile: the monitor takes it out of the pool

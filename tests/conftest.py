@@ -20,6 +20,14 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """A tiny random Qwen2-VL and its processor (agentrl.models.build_tiny_vlm)."""
+    from agentrl.models import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model):
     from agentrl.models import load_tokenizer
 

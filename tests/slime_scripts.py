@@ -45,8 +45,10 @@ def script_args(slime: Path, script: str, scratch: Path | None = None) -> list[s
             raise RuntimeError(f"{script}: the here-document of {name} expands variables; not written as it is")
         path.write_text(doc.group(2) if doc else "")
         lines.append(f"{name}={path}")
-    # the arrays (run-mimo-7B-rl-eagle.sh indents one: ` CKPT_ARGS=(` ... ` )`)
-    lines += [m.group(0) for m in re.finditer(r"^[ \t]*[A-Z_]+=\([ \t]*\n.*?^[ \t]*\)", text, re.M | re.S)]
+    # the arrays (run-mimo-7B-rl-eagle.sh indents one: ` CKPT_ARGS=(` ... ` )`), an empty one too: in file order,
+    # so geo3k's `else WANDB_ARGS=()` (WANDB_API_KEY unset) empties the array its `if` branch fills
+    lines += [m.group(0) for m in re.finditer(r"^[ \t]*[A-Z_]+=\((?:[ \t]*\)[ \t]*$|[ \t]*\n.*?^[ \t]*\))", text,
+                                              re.M | re.S)]
     tail = re.search(r"python3 train(?:_async)?\.py \\\n(.*?)(?:\n\s*\n|\Z)", text, re.S).group(1)
     words = " ".join(line.rstrip("\\").strip() for line in tail.splitlines() if not line.strip().startswith("#"))
     lines.append(f"printf '%s\\n' {words}")

@@ -19,7 +19,8 @@ class ScriptedClient:
         self.tok, self.replies, self.fail_at = tokenizer, list(replies), fail_at
         self.calls = []
 
-    async def generate(self, input_ids, sampling_params, *, session_id=None, rid=None, lora_path=None):
+    async def generate(self, input_ids, sampling_params, *, session_id=None, rid=None, lora_path=None,
+                       image_data=None):
         self.calls.append((list(input_ids), session_id))
         if self.fail_at is not None and len(self.calls) - 1 == self.fail_at:
             raise EngineError("engine died")

@@ -22,6 +22,8 @@ from agentrl.models import load_model, load_tokenizer
 from agentrl.profiling import TrainProfiler
 from agentrl.trainers import rng_state, set_rng_state
 from agentrl.types import Sample
+from agentrl.vision import (checkpoint_names, copy_processor_files, forward_inputs, is_vision_model, load_processor,
+                            pixel_inputs)
 
 
 def pad_batch(samples: list[Sample], device: str, pad_id: int = 0):
@@ -46,10 +48,15 @@ class TorchTrainer:
         self.train_cfg, self.algo, self.device = train, algo, device
         self.temperature = temperature if temperature > 0 else 1.0
         self.model = load_model(model_path, device=device, dtype=dtype)
+        # a VLM's weights go to the engines under its checkpoint's names (taken before LoRA wraps the model)
+        self.engine_names = checkpoint_names(self.model) if is_vision_model(model_path) else {}
         if train.lora_rank:  # peft freezes the base weights: only the adapters get grads and optimizer state
             self.model = wrap_lora(self.model, train)
         self.model.train()
         self.tokenizer = load_tokenizer(model_path)
+        # a vision-language model's processor: the samples' images into pixel values for its forward
+        self.processor = load_processor(model_path) if is_vision_model(model_path) else None
+        self.model_path = str(model_path)
         self.pad_id = self.tokenizer.pad_token_id or 0
         check_algo(algo)
         # --use-kl-loss or --kl-coef: KL against the initial model, or slime's --ref-load (an HF folder here)
@@ -78,7 +85,9 @@ class TorchTrainer:
         """Logprobs of each response token under `model`, temperature-scaled like the engine's.
         Returns ([B, T] logprobs, [B, T] mask, [B, T] entropy or None)."""
         ids, attn, mask = pad_batch(samples, self.device, self.pad_id)
-        logits = model(input_ids=ids, attention_mask=attn).logits.float() / self.temperature  # [B, L, V]
+        inputs = self._vision_inputs(model, samples, ids, attn) if any(s.images for s in samples) \
+            else {"input_ids": ids, "attention_mask": attn}
+        logits = model(**inputs).logits.float() / self.temperature  # [B, L, V]
         T = mask.shape[1]
         # The token at position p is predicted by the logits at p - 1.
         index = torch.zeros((len(samples), T), dtype=torch.long, device=self.device)
@@ -92,6 +101,19 @@ class TorchTrainer:
         logp = torch.log_softmax(gathered, dim=-1).gather(-1, targets[:, :, None]).squeeze(-1)
         entropy = entropy_from_logits(gathered) if with_entropy else None
         return logp, mask, entropy
+
+    def _vision_inputs(self, model, samples: list[Sample], ids, attn) -> dict:
+        """Forward kwargs with the samples' images at their prompt's placeholders (the engine's
+        prefill does the same, agentrl/vision.py); image tokens in a response stay text."""
+        if self.processor is None:
+            raise ValueError("samples with images, and the trainer's model is not a vision-language model")
+        media = pixel_inputs(self.processor, [u for s in samples for u in s.images])
+        prompt = torch.tensor([len(s.prompt_tokens) for s in samples], device=self.device)
+        in_prompt = torch.arange(ids.shape[1], device=self.device)[None, :] < prompt[:, None]
+        image_mask = (ids == self.processor.image_token_id) & in_prompt
+        kwargs, _ = forward_inputs(model, ids, attn, media["pixel_values"].to(self.device),
+                                   media["image_grid_thw"].to(self.device), image_mask)
+        return kwargs
 
     def _response_values(self, samples: list[Sample]):
         """The critic's value at each response position (the state before that token). [B, T]"""
@@ -231,8 +253,14 @@ class TorchTrainer:
         return bool(self.train_cfg.lora_rank)
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Weights in HF names, as the engine loads them (tied weights once); with LoRA the
-        adapters merged in (W + scale B A), so any engine serves them (--lora-sync merged)."""
+        """Weights in HF names, as the engine loads them (tied weights once): the checkpoint's names
+        (a VLM's differ from the ones in memory: vision.checkpoint_names); with LoRA the adapters
+        merged in (W + scale B A), so any engine serves them (--lora-sync merged)."""
+        for name, tensor in self._merged_tensors():
+            yield self.engine_names.get(name, name), tensor
+
+    def _merged_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """named_tensors in the names of the model in memory."""
         if not self.lora:
             for name, param in self.model.named_parameters():
                 yield name, param.detach()
@@ -253,11 +281,17 @@ class TorchTrainer:
     def save_hf(self, folder: str | Path) -> Path:
         """An HF checkpoint the engines can load (the disk weight-sync path); with LoRA, merged."""
         if self.lora:
-            self.model.get_base_model().save_pretrained(folder, state_dict=dict(self.named_tensors()))
+            self.model.get_base_model().save_pretrained(folder, state_dict=dict(self._merged_tensors()))
         else:
             self.model.save_pretrained(folder)
-        self.tokenizer.save_pretrained(folder)
+        self._save_tokenizer(folder)
         return Path(folder)
+
+    def _save_tokenizer(self, folder: str | Path) -> None:
+        """The tokenizer, and a vision-language model's processor files, beside saved weights."""
+        self.tokenizer.save_pretrained(folder)
+        if self.processor is not None:
+            copy_processor_files(self.model_path, folder)
 
     def save_adapter(self, folder: str | Path) -> Path:
         """The LoRA adapter alone, in peft's format (adapter_config.json, adapter_model.safetensors):
@@ -293,7 +327,7 @@ class TorchTrainer:
         folder.mkdir(parents=True, exist_ok=True)
         if self.lora:  # model/: the frozen base (what engines start from), adapter/: what trained
             self.model.get_base_model().save_pretrained(folder / "model", state_dict=dict(self._base_tensors()))
-            self.tokenizer.save_pretrained(folder / "model")
+            self._save_tokenizer(folder / "model")
             self.model.save_pretrained(folder / "adapter")  # float32, as it trains: an exact resume
         else:
             self.save_hf(folder / "model")
@@ -328,7 +362,7 @@ class TorchTrainer:
 
     def update_reference(self) -> None:
         """--ref-update-interval: the KL reference takes the policy's current weights (LoRA: merged)."""
-        copy_parameters(self.ref_model, self.named_tensors(), "--ref-update-interval")
+        copy_parameters(self.ref_model, self._merged_tensors(), "--ref-update-interval")
 
     def load(self, folder: Path) -> dict:
         if self.lora:

@@ -15,6 +15,12 @@ cache does. A batch lays each row out as [pad | cached prefix | pad | new suffix
 the pads masked out, so hits and misses decode together. /flush_cache and every weight
 update clear the cache.
 
+Images: a vision-language model (Qwen2-VL family: config.json has a vision_config) takes
+/generate's `image_data` beside input_ids whose image placeholders its processor expanded (see
+`_media`); such a request is prefilled alone, its vision features at its placeholders and its
+multimodal rotary positions (agentrl/vision.py), then decodes beside the others; its KV is never
+put in the prefix cache (ids alone do not name the images).
+
 Identity: every reply carries the header `X-Agentrl-Engine: <engine id>` (sglang-router
 passes response headers through) and `meta_info.engine_id`, so the rollout side can tell
 which engine served each turn.
@@ -79,6 +85,8 @@ from agentrl.engines import ENGINE_HEADER
 from agentrl.engines.lora import LoraAdapter, LoraServing
 from agentrl.engines.prefix_cache import PrefixCache, build_cache, layer_kv
 from agentrl.models import load_model, load_tokenizer
+from agentrl.vision import (DATA_URL_PREFIX, checkpoint_names, forward_inputs, is_vision_model, load_processor,
+                            open_data_url, pixel_inputs, placeholder_runs, tokens_per_image)
 from agentrl.weight_delta import APPLY_ROUTE, serve_apply
 
 log = logging.getLogger("agentrl.engine")
@@ -106,6 +114,7 @@ class _Request:
     stop_ids: frozenset = frozenset()
     stop_strs: list[str] = field(default_factory=list)
     sampling_seed: int | None = None  # set: its draws depend on (seed, position) only, not on the batch
+    media: dict | None = None  # its images (`image_data`): pixel_values and image_grid_thw (agentrl/vision.py)
 
 
 @dataclass
@@ -227,6 +236,10 @@ class EmbeddedEngine:
         self.engine_id = engine_id
         self.model = load_model(model_path, device=device, dtype=dtype).eval()
         self.tokenizer = load_tokenizer(model_path)
+        # a vision-language model's processor: /generate's image_data into pixel values (agentrl/vision.py)
+        self.processor = load_processor(model_path) if is_vision_model(model_path) else None
+        # a weight update names a VLM's weights as its checkpoint does (SGLang loads those): checkpoint -> memory
+        self._memory_names = {v: k for k, v in checkpoint_names(self.model).items()} if self.processor else {}
         self.eos_ids = {self.tokenizer.eos_token_id}
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         self.eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
@@ -394,28 +407,36 @@ class EmbeddedEngine:
             r.stop_ids = frozenset(p.get("stop_token_ids") or []) | frozenset(() if p.get("ignore_eos") else self.eos_ids)
             r.stop_strs = _stop_strings(p.get("stop"))
             r.sampling_seed = p.get("sampling_seed")
-        ids, mask, positions, past = self._prefill_inputs(joining)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
-                         use_cache=True)
-        fresh = _Decoding(
-            joining, joining[0].adapter, out.past_key_values, mask, positions[:, -1:], out.logits[:, -1].float(),
-            temps=torch.tensor([float(r.params.get("temperature", 1.0)) for r in joining], device=self.device),
-            top_p=torch.tensor([float(r.params.get("top_p", 1.0)) for r in joining], device=self.device),
-            top_k=[int(r.params["top_k"]) if r.params.get("top_k") is not None else -1 for r in joining])
-        if decoding is None or not decoding.rows:
-            merged = fresh
-        else:
-            T = max(decoding.mask.shape[1], mask.shape[1])
-            layers = [(torch.cat([_left_pad(k0, T, 2), _left_pad(k1, T, 2)]),
-                       torch.cat([_left_pad(v0, T, 2), _left_pad(v1, T, 2)]))
-                      for (k0, v0), (k1, v1) in zip(layer_kv(decoding.past), layer_kv(fresh.past))]
-            merged = _Decoding(decoding.rows + joining, decoding.adapter, build_cache(layers),
-                               torch.cat([_left_pad(decoding.mask, T, 1), _left_pad(mask, T, 1)]),
-                               torch.cat([decoding.pos, fresh.pos]), torch.cat([decoding.logits, fresh.logits]),
-                               torch.cat([decoding.temps, fresh.temps]), torch.cat([decoding.top_p, fresh.top_p]),
-                               decoding.top_k + fresh.top_k)
+        merged = decoding if decoding is not None and decoding.rows else None
+        text = [r for r in joining if r.media is None]
+        for rows in ([text] if text else []) + [[r] for r in joining if r.media is not None]:
+            fresh = self._prefill(rows)
+            merged = fresh if merged is None else _merge(merged, fresh)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(merged.rows))
         return merged
+
+    def _prefill(self, rows: list[_Request]) -> _Decoding:
+        """The rows' prompts through the model: text rows together (reusing cached prefixes), a row
+        with images alone, its features at its placeholders and its rotary positions the model's
+        multimodal ones (its decode steps then go on from the last of them)."""
+        if rows[0].media is None:
+            ids, mask, positions, past = self._prefill_inputs(rows)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
+                             use_cache=True)
+            last = positions[:, -1:]
+        else:
+            (r,) = rows
+            ids = torch.tensor([r.input_ids], device=self.device)
+            mask = torch.ones_like(ids)
+            kwargs, _ = forward_inputs(self.model, ids, mask, r.media["pixel_values"].to(self.device),
+                                       r.media["image_grid_thw"].to(self.device), ids == self.processor.image_token_id)
+            out = self.model(**kwargs, use_cache=True)
+            last = kwargs["position_ids"][0, :, -1:]  # [1, 1]: the prompt ends in text, its 3 axes equal
+        return _Decoding(
+            rows, rows[0].adapter, out.past_key_values, mask, last, out.logits[:, -1].float(),
+            temps=torch.tensor([float(r.params.get("temperature", 1.0)) for r in rows], device=self.device),
+            top_p=torch.tensor([float(r.params.get("top_p", 1.0)) for r in rows], device=self.device),
+            top_k=[int(r.params["top_k"]) if r.params.get("top_k") is not None else -1 for r in rows])
 
     @torch.no_grad()
     def _step(self, decoding: _Decoding) -> list[_Request]:
@@ -492,7 +513,7 @@ class EmbeddedEngine:
             return
         kv = layer_kv(past)
         for r, m, i in zip(rows, mask, at):
-            if r.cache_epoch != self._cache_epoch:  # the weights changed under it: its KV is stale
+            if r.cache_epoch != self._cache_epoch or r.media is not None:  # stale KV; KV of images the ids do not name
                 continue
             n = len(r.input_ids) + max(len(r.output_ids) - 1, 0)
             cols = m.nonzero().squeeze(-1)[:n]
@@ -521,10 +542,10 @@ class EmbeddedEngine:
         body = await request.json()
         input_ids = body.get("input_ids")
         if input_ids is None and isinstance(body.get("text"), str):  # as SGLang: text is tokenized here
-            input_ids = self.tokenizer.encode(body["text"])
+            input_ids = await asyncio.to_thread(self._encode_text, body["text"], body.get("image_data"))
         if not input_ids or not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
             return _error("input_ids must be a non-empty list of ints")
-        vocab = self.model.config.vocab_size
+        vocab = self.model.config.get_text_config().vocab_size  # a VLM's: its text model's
         if any(t < 0 or t >= vocab for t in input_ids):
             return _error(f"input_ids out of range [0, {vocab})")
         if body.get("stream"):
@@ -534,6 +555,13 @@ class EmbeddedEngine:
             return _error(f"sampling_params.sampling_seed must be an integer, got {seed!r}")
         if self.released:
             return self._fatal(f"/generate while memory is released ({sorted(self.released)})")
+        try:
+            media = await asyncio.to_thread(self._media, input_ids, body.get("image_data"))
+        except ValueError as exc:
+            return _error(str(exc))
+        if media is not None and body.get("logprob_start_len") not in (None, -1):
+            return _error("logprob_start_len with image_data: the embedded engine scores input tokens of text "
+                          "prompts only")
         adapter = None
         if body.get("lora_path"):
             try:
@@ -557,7 +585,7 @@ class EmbeddedEngine:
         rid = str(body.get("rid") or f"req-{next(self._rid)}")
         req = _Request(rid=rid, input_ids=input_ids, params=body.get("sampling_params") or {},
                        return_logprob=bool(body.get("return_logprob")),
-                       future=asyncio.get_running_loop().create_future(), adapter=adapter)
+                       future=asyncio.get_running_loop().create_future(), adapter=adapter, media=media)
         started = time.perf_counter()
         self.inflight += 1
         try:
@@ -589,6 +617,50 @@ class EmbeddedEngine:
         skip = req.params.get("skip_special_tokens", True)
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=skip)
         return web.json_response({"text": text, "output_ids": req.output_ids, "meta_info": meta})
+
+    def _encode_text(self, text: str, image_data) -> list[int]:
+        """/generate's `text` as ids; with images, each placeholder expanded by the processor, as
+        SGLang expands them (slime sends a first multimodal turn so)."""
+        images = image_data if isinstance(image_data, list) else [image_data] if image_data else []
+        if self.processor is None or not images or not all(isinstance(u, str) and u.startswith(DATA_URL_PREFIX)
+                                                            for u in images):
+            return self.tokenizer.encode(text)  # _media says what is wrong with the images, if anything
+        try:
+            return self.processor(text=[text], images=[open_data_url(u) for u in images])["input_ids"][0]
+        except Exception:  # the placeholders and images disagree, or an image is unreadable: _media names it
+            return self.tokenizer.encode(text)
+
+    def _media(self, input_ids: list[int], image_data) -> dict | None:
+        """`image_data` (SGLang's field: one image or a list, here base64 data URLs) as pixel inputs,
+        checked against `input_ids`: one run of image tokens per image, each as long as the processor
+        expands that image. SGLang (multimodal/processors/base_processor.py, legacy_load_mm_data)
+        raises on a placeholder left without an image, only warns on images left over, and
+        re-expands each placeholder by its image, so a run of another length is served as a prompt
+        other than the caller's tokens: all three are errors here. None: no images."""
+        if image_data in (None, []):
+            if self.processor is not None and self.processor.image_token_id in input_ids:
+                raise ValueError("input_ids hold image tokens and the request has no image_data")
+            return None
+        if self.processor is None:
+            raise ValueError(f"image_data: {self.model_path} is not a vision-language model (no vision_config)")
+        images = image_data if isinstance(image_data, list) else [image_data]
+        if not all(isinstance(u, str) and u.startswith(DATA_URL_PREFIX) for u in images):
+            raise ValueError("image_data: the embedded engine takes images as base64 data URLs "
+                             "(data:image/png;base64,...); not fetched from URLs or files")
+        try:
+            media = pixel_inputs(self.processor, images)
+        except Exception as exc:
+            raise ValueError(f"image_data: cannot read an image: {exc}") from None
+        runs = placeholder_runs(input_ids, self.processor.image_token_id)
+        if len(runs) != len(images):
+            raise ValueError(f"input_ids hold {len(runs)} image placeholders and image_data {len(images)} images "
+                             "(one each)")
+        want = tokens_per_image(self.processor, media["image_grid_thw"])
+        for k, ((start, n), m) in enumerate(zip(runs, want)):
+            if n != m:
+                raise ValueError(f"image {k}: its placeholder at token {start} has {n} image tokens, the image makes "
+                                 f"{m} (expand the prompt with the model's processor)")
+        return media
 
     @torch.no_grad()
     def _input_logprobs(self, input_ids: list[int], start: int) -> list[list]:
@@ -657,7 +729,7 @@ class EmbeddedEngine:
         return web.json_response({
             "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
             "preferred_sampling_params": None, "weight_version": self.weight_version,
-            "has_image_understanding": False, "has_audio_understanding": False,
+            "has_image_understanding": self.processor is not None, "has_audio_understanding": False,
             "model_type": getattr(self.model.config, "model_type", None),
             "architectures": getattr(self.model.config, "architectures", None),
             # not SGLang's: what the rollout side uses to pick the weight encoding
@@ -859,6 +931,7 @@ class EmbeddedEngine:
 
     def _load_named(self, named: list[tuple[str, torch.Tensor]]) -> None:
         params = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
+        named = [(self._memory_names.get(n, n), t) for n, t in named]
         unknown = [n for n, _ in named if n not in params]
         if unknown:
             raise KeyError(f"unknown weight names: {unknown[:5]}")
@@ -1073,6 +1146,17 @@ class EmbeddedEngine:
         app.on_startup.append(start_scheduler)
         app.on_cleanup.append(stop_scheduler)
         return app
+
+
+def _merge(a: _Decoding, b: _Decoding) -> _Decoding:
+    """Rows of `b` laid beside those of `a` (KV and masks left-padded to one length)."""
+    T = max(a.mask.shape[1], b.mask.shape[1])
+    layers = [(torch.cat([_left_pad(k0, T, 2), _left_pad(k1, T, 2)]), torch.cat([_left_pad(v0, T, 2), _left_pad(v1, T, 2)]))
+              for (k0, v0), (k1, v1) in zip(layer_kv(a.past), layer_kv(b.past))]
+    return _Decoding(a.rows + b.rows, a.adapter, build_cache(layers),
+                     torch.cat([_left_pad(a.mask, T, 1), _left_pad(b.mask, T, 1)]), torch.cat([a.pos, b.pos]),
+                     torch.cat([a.logits, b.logits]), torch.cat([a.temps, b.temps]), torch.cat([a.top_p, b.top_p]),
+                     a.top_k + b.top_k)
 
 
 def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:

@@ -83,6 +83,7 @@ class EngineGroup:
     # the weight check (agentrl.weight_update): prompts to probe once the engines can generate, then
     # what each engine sampled, for the trainer to recompute before its next step
     probe_prompts: list[list[int]] | None = None
+    probe_images: list[list[str]] | None = None  # each probe prompt's images (a VLM's), [] for none
     probe_lora: str | None = None  # the adapter the probe names (--lora-sync adapter)
     probe_results: list | None = None
 

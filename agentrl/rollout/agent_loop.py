@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.env import SAFETY_MAX_TURNS, Action, Env, as_messages
-from agentrl.errors import AgentFault, TemplateDriftError
+from agentrl.errors import AgentFault, EngineError, TemplateDriftError
 from agentrl.tools.parsers import valid_unicode
 from agentrl.rollout.client import GenerateClient
 from agentrl.rollout.control import RolloutControl
@@ -160,8 +160,17 @@ def _own_backend(tokenizer):
 class Renderer:
     """Renders a conversation to text, with the chat template or by plain concatenation."""
 
-    def __init__(self, tokenizer, apply_chat_template: bool = True, template_kwargs: dict | None = None):
+    def __init__(self, tokenizer, apply_chat_template: bool = True, template_kwargs: dict | None = None,
+                 processor=None):
         self.tokenizer = tokenizer
+        # a vision-language model's HF processor (--multimodal-keys): the prompt's ids are its, each image's
+        # placeholder expanded to the image's tokens; vision_ids: the tokens that mark media (vision.py)
+        self.processor = processor
+        self.vision_ids: set[int] = set()
+        if processor is not None:
+            from agentrl.vision import vision_token_ids
+
+            self.vision_ids = vision_token_ids(processor)
         self.apply_chat_template = apply_chat_template
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
             raise TemplateDriftError("--apply-chat-template is set but the tokenizer has no chat template")
@@ -189,12 +198,30 @@ class Renderer:
             text, ids = self._prompts[key]
             return text, list(ids)
         text = self.render(messages, tools)
-        ids = self.encode(text)
+        images = self.images(messages)
+        ids = self._processor_ids(text, images) if images else self.encode(text)
         if key is not None:
             if len(self._prompts) >= PROMPT_CACHE_SIZE:
                 self._prompts.pop(next(iter(self._prompts)))  # the oldest
             self._prompts[key] = (text, list(ids))
         return text, ids
+
+    def images(self, messages: list[dict]) -> list[str]:
+        """The messages' images (data URLs), for a vision-language model; [] for a text one."""
+        if self.processor is None:
+            return []
+        from agentrl.vision import message_images
+
+        return message_images(messages)
+
+    def _processor_ids(self, text: str, images: list[str]) -> list[int]:
+        """The prompt's ids as the model's processor makes them: each image placeholder of `text`
+        expanded to that image's tokens (slime's processor(text=prompt, images=...))."""
+        from agentrl.vision import open_data_url
+
+        out = self.processor(text=[text], images=[open_data_url(u) for u in images], add_special_tokens=False,
+                             return_tensors="pt")
+        return out["input_ids"][0].tolist()
 
     def render(self, messages: list[dict], tools: list[dict] | None) -> str:
         if not self.apply_chat_template:
@@ -386,10 +413,11 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
         t0 = clock()
         obs, info = await env.areset(seed=seed, options=task or None)  # {}: a seed-only task
         stages["reset_s"] = clock() - t0
-        messages = as_messages(obs)
+        messages = list(as_messages(obs))  # its own list: the task's prompt is shared by the group (and reused)
         tools = info.get("tools")
         t0 = clock()
         seen, sample.prompt_tokens = renderer.prompt(messages, tools)  # the text of every token so far
+        sample.images = renderer.images(messages)
         stages["prompt_s"] = clock() - t0
         stops = set(settings.sampling_params.get("stop_token_ids") or []) | renderer.eos_ids
         sampling_seed = trajectory_sampling_seed(seed, trajectory_id)
@@ -419,11 +447,18 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                     _add(stages, "gate_wait_s", clock() - t0)
                 t0 = clock()
                 stages.setdefault("first_request_at", time.time())
+                media = {"image_data": sample.images} if sample.images else {}
                 result = await client.generate(sample.tokens, {"sampling_seed": sampling_seed,
                                                                **settings.sampling_params,
                                                                "max_new_tokens": budget - len(out)},
                                                session_id=trajectory_id, rid=f"{trajectory_id}-t{turn}-{len(out)}",
-                                               lora_path=control.lora_adapter if control is not None else None)
+                                               lora_path=control.lora_adapter if control is not None else None,
+                                               **media)
+                if media and result.prompt_tokens != len(sample.tokens):
+                    raise EngineError(f"the engine read {result.prompt_tokens} prompt tokens where {len(sample.tokens)} "
+                                      "were sent with the images: it expanded their placeholders otherwise than the "
+                                      "model's processor (its image size limits differ?); the trajectory's tokens would "
+                                      "not be the ones the engine saw")
                 timing.generate_s += clock() - t0
                 stages["last_reply_at"] = time.time()
                 _add(stages, "generate_s", clock() - t0)
@@ -446,6 +481,11 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 break
             if result.finish_reason == "abort":
                 status = SampleStatus.ABORTED
+                break
+            if written := renderer.vision_ids.intersection(out):  # a placeholder with no image behind it
+                total_reward, reward_parts, status = 0.0, None, SampleStatus.COMPLETED
+                sample.metadata["agent_fault"] = (f"the model wrote media placeholder tokens {sorted(written)}, which "
+                                                  "no request may hold without their image")
                 break
             t0 = clock()
             content_ids = out[:-1] if result.finish_reason == "stop" and out and out[-1] in stops else out
@@ -488,6 +528,9 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                               if sample.response_length >= max_len else limit_reason)
                 break
             obs = [_valid_message(m) for m in as_messages(obs)]
+            if renderer.images(obs):
+                raise ValueError(f"turn {turn + 1}: the env's observation holds images; agentrl carries the prompt's "
+                                 "images only (a later image would need its own processor expansion)")
             messages += obs
             # tool results shown to the model (metrics: tool_calls_mean)
             sample.metadata["tool_calls"] = sample.metadata.get("tool_calls", 0) + sum(m.get("role") == "tool" for m in obs)

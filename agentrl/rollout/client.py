@@ -77,7 +77,8 @@ class GenerateClient(Protocol):
     loaded adapter (None: the base model)."""
 
     async def generate(self, input_ids: list[int], sampling_params: dict, *, session_id: str | None = None,
-                       rid: str | None = None, lora_path: str | None = None) -> GenerateResult: ...
+                       rid: str | None = None, lora_path: str | None = None,
+                       image_data: list[str] | None = None) -> GenerateResult: ...
 
 
 class EngineClient:
@@ -131,9 +132,14 @@ class EngineClient:
         return body, resp_headers.get(ENGINE_HEADER)
 
     async def generate(self, input_ids: list[int], sampling_params: dict, *, session_id: str | None = None,
-                       rid: str | None = None, lora_path: str | None = None) -> GenerateResult:
-        """`lora_path`: the name of a loaded LoRA adapter to generate with (SGLang's field); None: the base model."""
+                       rid: str | None = None, lora_path: str | None = None,
+                       image_data: list[str] | None = None) -> GenerateResult:
+        """`lora_path`: the name of a loaded LoRA adapter to generate with (SGLang's field); None: the base model.
+        `image_data`: the prompt's images (data URLs, SGLang's field), one per image placeholder run of
+        `input_ids`, which hold each image's tokens as the processor expanded them (agentrl/vision.py)."""
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
+        if image_data:
+            payload["image_data"] = list(image_data)
         if rid:
             payload["rid"] = rid
         if lora_path:
