@@ -148,10 +148,12 @@ VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def build_tiny_vlm(path: Path, *, seed: int = 0) -> Path:
+def build_tiny_vlm(path: Path, *, seed: int = 0, text: dict | None = None, vision: dict | None = None) -> Path:
     """A tiny random Qwen2-VL and its processor in `path`: the tiny tokenizer plus the vision
     tokens, a small vision tower (4-pixel patches, 2x2 merge: a 16x16 image is 4 tokens), a
-    2-layer text model. Nothing is downloaded (tests, CPU demos)."""
+    2-layer text model. Nothing is downloaded (tests, CPU demos). `text` / `vision`: config
+    entries over those (the GPU scenario's shape, with SGLang's head sizes); the processor
+    follows the vision tower's patch and merge sizes (images of 2 to 8 merged patches a side)."""
     path = Path(path)
     if (path / "config.json").exists():
         return path
@@ -165,13 +167,15 @@ def build_tiny_vlm(path: Path, *, seed: int = 0) -> Path:
     tok.chat_template = VLM_CHAT_TEMPLATE
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     torch.manual_seed(seed)
+    vision = {**dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4,
+                     spatial_merge_size=2, temporal_patch_size=2, in_channels=3), **(vision or {})}
     config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=True,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4,
-                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        text_config={**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=True,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None),
+                     **(text or {})},
+        vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -179,8 +183,10 @@ def build_tiny_vlm(path: Path, *, seed: int = 0) -> Path:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
-                             max_pixels=64 * 64).save_pretrained(tmp)
+    side = vision["patch_size"] * vision["spatial_merge_size"]  # one image token's pixels a side
+    Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], merge_size=vision["spatial_merge_size"],
+                             temporal_patch_size=vision["temporal_patch_size"], min_pixels=(2 * side) ** 2,
+                             max_pixels=(8 * side) ** 2).save_pretrained(tmp)
     for name in ("preprocessor_config.json", "processor_config.json"):  # what AutoProcessor builds
         file = tmp / name
         config = json.loads(file.read_text()) if file.exists() else {}
