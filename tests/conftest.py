@@ -28,6 +28,19 @@ def tiny_vlm(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlm(tiny_vlm) -> Path:
+    return tiny_vlm
+
+
+@pytest.fixture(scope="session")
+def processor(tiny_vlm):
+    """The tiny VLM's HF processor (agentrl.vision.load_processor)."""
+    from agentrl.vision import load_processor
+
+    return load_processor(tiny_vlm)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model):
     from agentrl.models import load_tokenizer
 

@@ -5,11 +5,9 @@ with the same images. The model: a tiny random Qwen2-VL built here (models.build
 
 import asyncio
 import base64
-import io
 import json
 
 import pytest
-from PIL import Image
 
 import agentrl
 from agentrl.data import read_rows
@@ -20,24 +18,7 @@ from agentrl.rollout.client import GenerateResult
 from agentrl.types import SampleStatus
 from agentrl.vision import (is_vision_model, load_processor, message_images, open_data_url, placeholder_runs,
                             tokens_per_image)
-
-COLOURS = {"red": (230, 20, 20), "blue": (20, 20, 230)}
-
-
-def png(colour, size=(16, 16)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, COLOURS[colour]).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def vlm(tiny_vlm):
-    return tiny_vlm
-
-
-@pytest.fixture(scope="module")
-def processor(vlm):
-    return load_processor(vlm)
+from vision_helpers import COLOURS, png
 
 
 def write_jsonl(path, rows):

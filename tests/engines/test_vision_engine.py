@@ -4,35 +4,16 @@ same images (a tiny random Qwen2-VL, tests/conftest.py's tiny_vlm)."""
 
 import asyncio
 import base64
-import io
 
 import pytest
 import torch
-from PIL import Image
 from safetensors import safe_open
 
 from agentrl.models import load_tokenizer
 from agentrl.rollout.agent_loop import Renderer
 from agentrl.types import Sample
 from agentrl.vision import load_processor, placeholder_runs
-
-COLOURS = {"red": (230, 20, 20), "blue": (20, 20, 230)}
-
-
-def png(colour, size=(16, 16)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, COLOURS[colour]).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def vlm(tiny_vlm):
-    return tiny_vlm
-
-
-@pytest.fixture(scope="module")
-def processor(vlm):
-    return load_processor(vlm)
+from vision_helpers import png
 
 
 def _prompt(renderer, colour):
