@@ -352,6 +352,100 @@ def _code() -> Target:
 
 
 # ---- graders ----------------------------------------------------------------------------------------
+# ---- the agent loop, fed tokens -------------------------------------------------------------------------
+class _TokenEngine:
+    """Answers /generate with the example's token ids for each turn, as SGLang would hand them
+    out: cut after the first stop token (the tokenizer's eos or a stop_token_id), else at
+    max_new_tokens; a reply that reaches neither ends at the eos (the engine would go on)."""
+
+    def __init__(self, turns: list[list[int]], eos: int):
+        self.turns, self.eos = [list(t) for t in turns], eos
+
+    async def generate(self, input_ids, sampling_params, *, session_id=None, rid=None, lora_path=None,
+                       image_data=None):
+        from agentrl.rollout.client import GenerateResult
+
+        ids = self.turns.pop(0) if self.turns else []
+        stops = {self.eos, *sampling_params.get("stop_token_ids", [])}
+        cut = next((i + 1 for i, t in enumerate(ids) if t in stops), None)
+        limit = sampling_params["max_new_tokens"]
+        if cut is not None and cut <= limit:
+            ids, finish = ids[:cut], "stop"
+        elif len(ids) >= limit:
+            ids, finish = ids[:limit], "length"
+        else:
+            ids, finish = ids + [self.eos], "stop"
+        return GenerateResult(ids, [-1.0] * len(ids), finish, len(input_ids), 0, "0")
+
+
+def _agent_loop_tokens() -> Target:
+    """run_trajectory (rendering, stop tokens, the template's checks, a tool env, the VLM path's
+    media tokens) fed token ids, not text: special tokens (the template's turn markers, eos, the
+    vision placeholders), the ids of tool-call tags, and any id of the vocabulary. Whatever the
+    ids, the trajectory ends COMPLETED or TRUNCATED with a reward in [0, 1] (a fault scored 0 with
+    its reason), never FAILED (that would veto its group) and never an exception out of the loop."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from agentrl.models import build_tiny_model, build_tiny_vlm, load_tokenizer
+    from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory
+    from agentrl.tools.env import ToolEnv
+    from agentrl.types import SampleStatus
+    from agentrl.vision import load_processor
+
+    class EchoEnv(ToolEnv):
+        function_tools = (echo,)
+        max_turns = 4
+
+    text_tok = load_tokenizer(build_tiny_model())
+    vlm = build_tiny_vlm(Path(tempfile.mkdtemp(prefix="agentrl-fuzz-vlm-")) / "vlm")
+    processor = load_processor(vlm)
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(buf, format="PNG")
+    image = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    tasks = {"text": {"prompt": "Echo hi, then answer."},
+             "vlm": {"prompt": [{"role": "user", "content": [{"type": "image", "image": image},
+                                                             {"type": "text", "text": "Echo the colour."}]}]}}
+    tokenizers = {"text": text_tok, "vlm": processor.tokenizer}
+    loop = Loop()
+
+    def ids_of(tok) -> st.SearchStrategy[int]:
+        marked = sorted(set(tok.all_special_ids) | {i for text in ("<tool_call>", "</tool_call>", '{"name": "echo"',
+                                                                   "<|im_start|>", "<|im_end|>", "assistant", "\n")
+                                                    for i in tok.encode(text, add_special_tokens=False)})
+        return st.one_of(st.sampled_from(marked), st.integers(0, len(tok) - 1))
+
+    def turn_of(tok) -> st.SearchStrategy[list[int]]:
+        """Random ids, or a well-formed echo call with random ids around it (so episodes go on)."""
+        call = tok.encode('<tool_call>{"name": "echo", "arguments": {"text": "x"}}</tool_call>', add_special_tokens=False)
+        noise = st.lists(ids_of(tok), max_size=40)
+        return st.one_of(noise, st.tuples(noise, noise).map(lambda t: t[0][:8] + call + t[1]))
+
+    strategy = st.sampled_from(["text", "vlm"]).flatmap(lambda kind: st.tuples(
+        st.just(kind), st.lists(turn_of(tokenizers[kind]), min_size=1, max_size=5)))
+
+    def check(example):
+        kind, turns = example
+        tok = tokenizers[kind]
+        renderer = Renderer(tok, processor=processor if kind == "vlm" else None)  # one trajectory's
+        settings = LoopSettings(max_response_len=400, max_turns=4, sampling_params={"temperature": 1.0})
+        with within(20, f"run_trajectory ({kind}) on {sum(map(len, turns))} tokens"):
+            sample = loop.run(run_trajectory(EchoEnv(), tasks[kind], renderer=renderer,
+                                             client=_TokenEngine(turns, tok.eos_token_id), settings=settings,
+                                             trajectory_id="fuzz", group_id=0, seed=0), 60)
+        assert sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED), \
+            f"{sample.status}: {sample.metadata.get('error')}"
+        score = sample.reward.get("score", 0.0) if isinstance(sample.reward, dict) else sample.reward
+        assert 0.0 <= float(score) <= 1.0, sample.reward
+        assert len(sample.loss_mask) == len(sample.response_tokens)
+
+    return Target("agent loop fed token ids (text and VLM renderers, a tool env)", check, strategy,
+                  suite_examples=60, examples=[("vlm", [[processor.image_token_id]]), ("text", [[]])],
+                  start=loop.start, stop=loop.stop)
+
+
 def _graders() -> Target:
     from agentrl.envs.code_env import code_blocks
     from agentrl.envs.math_env import last_boxed
@@ -512,6 +606,7 @@ FACTORIES: dict[str, Callable[[], Target]] = {
     "mcp-host-server": _mcp_host_server,
     "files-server": _files_server,
     "python-bash-arguments": _python_bash_arguments,
+    "agent-loop-tokens": _agent_loop_tokens,
 }
 
 
