@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -400,7 +401,8 @@ def _agent_loop_tokens() -> Target:
         max_turns = 4
 
     text_tok = load_tokenizer(build_tiny_model())
-    vlm = build_tiny_vlm(Path(tempfile.mkdtemp(prefix="agentrl-fuzz-vlm-")) / "vlm")
+    folder = Path(tempfile.mkdtemp(prefix="agentrl-fuzz-vlm-"))
+    vlm = build_tiny_vlm(folder / "vlm")
     processor = load_processor(vlm)
     buf = io.BytesIO()
     Image.new("RGB", (16, 16), (200, 30, 30)).save(buf, format="PNG")
@@ -443,7 +445,7 @@ def _agent_loop_tokens() -> Target:
 
     return Target("agent loop fed token ids (text and VLM renderers, a tool env)", check, strategy,
                   suite_examples=60, examples=[("vlm", [[processor.image_token_id]]), ("text", [[]])],
-                  start=loop.start, stop=loop.stop)
+                  start=loop.start, stop=lambda: (loop.stop(), shutil.rmtree(folder, ignore_errors=True)))
 
 
 def _graders() -> Target:
