@@ -70,7 +70,8 @@ def build_renderer(cfg: Config, tokenizer) -> Renderer:
     """The conversation renderer; a vision-language model's processor makes the prompt ids of prompts
     with images (--multimodal-keys), and names the media tokens its replies must not hold (text-only
     prompts too)."""
-    from agentrl.vision import VISION_FAMILIES, is_vision_model, load_processor
+    from agentrl.models import VISION_FAMILIES, is_vision_model
+    from agentrl.vision import load_processor
 
     d, model = cfg.data, cfg.model.model
     vision = bool(model) and is_vision_model(model)

@@ -236,12 +236,28 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
+# the vision-language families agentrl trains: those whose forward agentrl/vision.py reproduces (image features
+# at the placeholders, multimodal rotary positions); Qwen3-VL adds deepstack features inside the language
+# model, which it would skip
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def is_vision_model(path: str | Path) -> bool:
+    """Whether agentrl runs the checkpoint as a vision-language model: its config.json has a vision
+    tower (`vision_config`) and its family is one of VISION_FAMILIES. Other multimodal checkpoints
+    (Gemma 3, Llama 4, Qwen3.5, ...) load as their text model, as before."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return "vision_config" in config and config.get("model_type") in VISION_FAMILIES
+
+
 def load_model(path: str | Path, *, device: str = "cpu", dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
     from agentrl import hf_mimo
-    from agentrl.vision import is_vision_model
 
     _quiet_transformers()
     hf_mimo.register()  # model_type "mimo": transformers has no class of its own

@@ -23,13 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import DatasetError, ModelLoadError
+from agentrl.models import VISION_FAMILIES, load_tokenizer
 
 PLACEHOLDER = "<image>"  # slime's MultimodalTypes.IMAGE.placeholder
 MEDIA_TYPES = ("image",)  # slime also names video and audio; agentrl carries images
 DATA_URL_PREFIX = "data:image/"
-# the families whose forward `forward_inputs` reproduces (image features at the placeholders, multimodal
-# rotary positions); Qwen3-VL adds deepstack features inside the language model, which it would skip
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def _image_error(where: str, why: str) -> DatasetError:
@@ -140,24 +138,12 @@ def image_refs(messages: list[dict], images: list[str]) -> list[dict]:
             for m in messages]
 
 
-def is_vision_model(path: str | Path) -> bool:
-    """Whether agentrl runs the checkpoint as a vision-language model: its config.json has a vision
-    tower (`vision_config`) and its family is one of VISION_FAMILIES. Other multimodal checkpoints
-    (Gemma 3, Llama 4, Qwen3.5, ...) load as their text model, as before."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return "vision_config" in config and config.get("model_type") in VISION_FAMILIES
-
-
 def load_processor(path: str | Path):
     """The checkpoint's HF processor (AutoProcessor, as slime loads it). Where transformers cannot
     build its video processor (they need torchvision, which a CPU install may lack), the processor
     is built without one: agentrl feeds it images only."""
     from transformers import AutoImageProcessor, AutoProcessor
 
-    from agentrl.models import load_tokenizer
 
     family = json.loads((Path(path) / "config.json").read_text()).get("model_type")
     if family not in VISION_FAMILIES:

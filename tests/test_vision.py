@@ -12,11 +12,11 @@ import pytest
 import agentrl
 from agentrl.data import read_rows
 from agentrl.errors import DatasetError
-from agentrl.models import load_tokenizer
+from agentrl.models import is_vision_model, load_tokenizer
 from agentrl.rollout.agent_loop import LoopSettings, Renderer, run_trajectory
 from agentrl.rollout.client import GenerateResult
 from agentrl.types import SampleStatus
-from agentrl.vision import (is_vision_model, load_processor, message_images, open_data_url, placeholder_runs,
+from agentrl.vision import (load_processor, message_images, open_data_url, placeholder_runs,
                             tokens_per_image)
 from vision_helpers import COLOURS, png
 

@@ -18,11 +18,11 @@ from agentrl.algorithms import (check_algo, copy_parameters, entropy_from_logits
                                 policy_objective, sft_loss, teacher_in_trainer, train_iteration, value_loss)
 from agentrl.config import AlgoConfig, TrainConfig
 from agentrl.errors import ConfigError
-from agentrl.models import load_model, load_tokenizer
+from agentrl.models import is_vision_model, load_model, load_tokenizer
 from agentrl.profiling import TrainProfiler
 from agentrl.trainers import rng_state, set_rng_state
 from agentrl.types import Sample
-from agentrl.vision import (checkpoint_names, copy_processor_files, forward_inputs, is_vision_model, load_processor,
+from agentrl.vision import (checkpoint_names, copy_processor_files, forward_inputs, load_processor,
                             pixel_inputs)
 
 

@@ -84,8 +84,8 @@ from aiohttp import web
 from agentrl.engines import ENGINE_HEADER
 from agentrl.engines.lora import LoraAdapter, LoraServing
 from agentrl.engines.prefix_cache import PrefixCache, build_cache, layer_kv
-from agentrl.models import load_model, load_tokenizer
-from agentrl.vision import (DATA_URL_PREFIX, checkpoint_names, forward_inputs, is_vision_model, load_processor,
+from agentrl.models import is_vision_model, load_model, load_tokenizer
+from agentrl.vision import (DATA_URL_PREFIX, checkpoint_names, forward_inputs, load_processor,
                             open_data_url, pixel_inputs, placeholder_runs, tokens_per_image)
 from agentrl.weight_delta import APPLY_ROUTE, serve_apply
 
