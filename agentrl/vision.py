@@ -16,6 +16,7 @@ trainer (the agent loop ends such a trajectory as the agent's fault, see agent_l
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import re
@@ -144,7 +145,6 @@ def load_processor(path: str | Path):
     is built without one: agentrl feeds it images only."""
     from transformers import AutoImageProcessor, AutoProcessor
 
-
     family = json.loads((Path(path) / "config.json").read_text()).get("model_type")
     if family not in VISION_FAMILIES:
         raise ModelLoadError(f"--model {path}: model_type {family!r}: agentrl trains the vision-language families "
@@ -219,9 +219,19 @@ def vision_token_ids(processor) -> set[int]:
 
 
 def pixel_inputs(processor, images: list[str]) -> dict:
-    """pixel_values [patches, dim] and image_grid_thw [n, 3] of the images (data URLs)."""
-    out = processor.image_processor(images=[open_data_url(u) for u in images], return_tensors="pt")
-    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    """pixel_values [patches, dim] and image_grid_thw [n, 3] of the images (data URLs). Each image
+    is processed alone (Qwen-VL's processor does so in a batch too) and remembered: a group's
+    samples share their prompt's image, and the trainer's passes and the engine's turns see it again."""
+    import torch
+
+    parts = [_image_pixels(processor, u) for u in images]
+    return {"pixel_values": torch.cat([p for p, _ in parts]), "image_grid_thw": torch.cat([g for _, g in parts])}
+
+
+@functools.lru_cache(maxsize=128)  # a rollout batch's distinct images, about; never written to by callers
+def _image_pixels(processor, url: str):
+    out = processor.image_processor(images=[open_data_url(url)], return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"]
 
 
 def tokens_per_image(processor, grid) -> list[int]:

@@ -49,13 +49,14 @@ class TorchTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.model = load_model(model_path, device=device, dtype=dtype)
         # a VLM's weights go to the engines under its checkpoint's names (taken before LoRA wraps the model)
-        self.engine_names = checkpoint_names(self.model) if is_vision_model(model_path) else {}
+        vision = is_vision_model(model_path)
+        self.engine_names = checkpoint_names(self.model) if vision else {}
         if train.lora_rank:  # peft freezes the base weights: only the adapters get grads and optimizer state
             self.model = wrap_lora(self.model, train)
         self.model.train()
         self.tokenizer = load_tokenizer(model_path)
         # a vision-language model's processor: the samples' images into pixel values for its forward
-        self.processor = load_processor(model_path) if is_vision_model(model_path) else None
+        self.processor = load_processor(model_path) if vision else None
         self.model_path = str(model_path)
         self.pad_id = self.tokenizer.pad_token_id or 0
         check_algo(algo)
