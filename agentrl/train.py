@@ -279,6 +279,9 @@ async def _loop(run: Run) -> None:
             metrics = (rollout_metrics(rollout_id, samples, t_rollout) | stages | before_train | trained
                        | {"iteration_s": time.perf_counter() - t_start, "policy_version": state.policy_version,
                           "stale_dropped": len(stale), "trained_samples": len(fresh) if run.trainer is not None else 0,
+                          # prompt and response: every token the trainer's passes run through (an MFU's count)
+                          "trained_tokens": sum(len(s.prompt_tokens) + len(s.response_tokens) for s in fresh)
+                          if run.trainer is not None else 0,
                           "offpolicy_tokens_masked": masked} | batches.metrics() | run.source.metrics())
             before_train = {}
             last = rollout_id + 1 == r.num_rollout

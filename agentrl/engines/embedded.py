@@ -221,6 +221,12 @@ def decode_flattened_bucket(data: str) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _data_urls(image_data) -> list[str] | None:
+    """SGLang's `image_data` (one image or a list) as a list of base64 data URLs; [] for none, None
+    when one is anything else (a URL or a path: the embedded engine reads no files or URLs)."""
+    images = image_data if isinstance(image_data, list) else [] if image_data is None else [image_data]
+    return images if all(isinstance(u, str) and u.startswith(DATA_URL_PREFIX) for u in images) else None
+
 def _abort(message: str = "aborted") -> dict:
     return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
@@ -621,9 +627,8 @@ class EmbeddedEngine:
     def _encode_text(self, text: str, image_data) -> list[int]:
         """/generate's `text` as ids; with images, each placeholder expanded by the processor, as
         SGLang expands them (slime sends a first multimodal turn so)."""
-        images = image_data if isinstance(image_data, list) else [image_data] if image_data else []
-        if self.processor is None or not images or not all(isinstance(u, str) and u.startswith(DATA_URL_PREFIX)
-                                                            for u in images):
+        images = _data_urls(image_data)
+        if self.processor is None or not images:
             return self.tokenizer.encode(text)  # _media says what is wrong with the images, if anything
         try:
             return self.processor(text=[text], images=[open_data_url(u) for u in images])["input_ids"][0]
@@ -643,8 +648,8 @@ class EmbeddedEngine:
             return None
         if self.processor is None:
             raise ValueError(f"image_data: {self.model_path} is not a vision-language model (no vision_config)")
-        images = image_data if isinstance(image_data, list) else [image_data]
-        if not all(isinstance(u, str) and u.startswith(DATA_URL_PREFIX) for u in images):
+        images = _data_urls(image_data)
+        if images is None:
             raise ValueError("image_data: the embedded engine takes images as base64 data URLs "
                              "(data:image/png;base64,...); not fetched from URLs or files")
         try:

@@ -94,13 +94,15 @@ def test_megatron_1_5b_memory_flat(batching):
     print("\n".join(table.read_text().splitlines()[:30]))
     rows = rows[:-1]  # the profiled step's host memory and time are the profiler's too
     own = model_params(model)
-    mfu = {name: [train_mfu(r, params) for r in rows[1:]]
-           for name, params in (("own", own), ("1.54B", QWEN25_1P5B_PARAMS))}
-    for name, values in mfu.items():
-        counted = f"the run's {own / 1e9:.2f}B" if name == "own" else "Qwen2.5-1.5B's 1.54B"
-        print(f"train-step MFU ({batching}) on {counted} parameters, iterations 1-{len(rows) - 1}: median "
-              f"{100 * sorted(values)[len(values) // 2]:.1f}% [{100 * min(values):.1f}, {100 * max(values):.1f}]",
-              flush=True)
+    prompt_share = 1 - sum(r["generated_tokens"] for r in rows) / sum(r["trained_tokens"] for r in rows)
+    print(f"prompt tokens: {100 * prompt_share:.1f}% of the tokens trained", flush=True)
+    for tokens in ("trained_tokens", "generated_tokens"):
+        for name, params in (("own", own), ("1.54B", QWEN25_1P5B_PARAMS)):
+            values = [train_mfu(r, params, tokens=tokens) for r in rows[1:]]
+            counted = f"the run's {own / 1e9:.2f}B" if name == "own" else "Qwen2.5-1.5B's 1.54B"
+            print(f"train-step MFU ({batching}) on {counted} parameters x {tokens}, iterations 1-{len(rows) - 1}: "
+                  f"median {100 * sorted(values)[len(values) // 2]:.1f}% [{100 * min(values):.1f}, "
+                  f"{100 * max(values):.1f}]", flush=True)
     for key in ("gpu/trainer_peak_gib", "gpu/trainer_reserved_gib", "gpu/used_rollout_gib", "gpu/used_train_gib"):
         later = [r[key] for r in rows[1:]]
         assert max(later) <= 1.05 * min(later), (key, later)
