@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -724,6 +725,7 @@ def train_iteration(trainer, samples, algo, global_batch_size: int) -> dict[str,
 def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: TrainProfiler) -> dict[str, float]:
     rollout_old = getattr(algo, "use_rollout_logprobs", False)  # slime's: the engine's logprobs are the old policy's
     reuse = not rollout_old and reuses_training_logprobs(trainer, samples, algo, global_batch_size)
+    t0 = time.perf_counter()
     with profiler.section("train_log_probs"):
         with profiler.label("old_logprobs"):
             old = (rollout_logprobs_as_old(samples) if rollout_old
@@ -740,7 +742,9 @@ def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: T
     with profiler.label("advantages"):
         adv = compute_advantages(samples, algo, old_logprobs=old, ref_logprobs=ref, values=values,
                                  teacher_logprobs=teacher)
+    t_logprobs = time.perf_counter() - t0
     metrics: dict[str, list[float]] = {}
+    t0 = time.perf_counter()
     with profiler.section("train_actor"):
         for start in range(0, len(samples), global_batch_size):
             idx = list(range(start, min(start + global_batch_size, len(samples))))
@@ -751,7 +755,10 @@ def _train_iteration(trainer, samples, algo, global_batch_size: int, profiler: T
                     step |= trainer.critic_step(idx, samples, values, adv.returns)
             for k, v in step.items():
                 metrics.setdefault(k, []).append(v)
-    out = {k: sum(v) / len(v) for k, v in metrics.items()}
+    # the step's parts (each ends reading its results back, so wall clock is device time): the passes
+    # before the optimizer steps (old, reference, values, teacher; advantages) and the steps themselves
+    out = {k: sum(v) / len(v) for k, v in metrics.items()} | {
+        "train/logprobs_s": t_logprobs, "train/actor_s": time.perf_counter() - t0}
     if "rs_veto_seqs" in metrics:  # a count: the rollout's vetoed sequences, over all its steps
         out["rs_veto_seqs"] = sum(metrics["rs_veto_seqs"])
     if old is not None and not rollout_old:  # else the steps' losses measured it (a token mean over the same tokens)

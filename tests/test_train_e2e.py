@@ -65,6 +65,7 @@ def test_target_token_learns_the_task_not_one_word(tmp_path):
     traj = [json.loads(x) for x in (out / "trajectories" / "rollout_00049.jsonl").read_text().splitlines()]
     assert len(traj) == 128 and {"response_tokens", "loss_mask", "rollout_logprobs", "reward", "status",
                                  "response_text"} <= set(traj[0])
+    assert all(0 < r["train/actor_s"] and r["train/logprobs_s"] + r["train/actor_s"] <= r["train_s"] for r in rows)
     assert rows[-1]["trained_tokens"] == sum(len(t["prompt_tokens"]) + len(t["response_tokens"]) for t in traj)
     assert (out / "reward.png").stat().st_size > 1000
     assert (out / "checkpoints" / "iter_000050" / "model" / "config.json").exists()
