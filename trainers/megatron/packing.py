@@ -103,7 +103,7 @@ class PackedBatch:
         from megatron.core.packed_seq_params import PackedSeqParams
         one = None
         if rope_by_position:
-            one = torch.tensor([0, self.num_tokens], dtype=torch.int32, device=self.cu_seqlens.device)
+            one = torch.tensor([0, self.num_tokens], dtype=torch.int32).to(self.cu_seqlens.device, non_blocking=True)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                                  cu_seqlens_q_padded=one, cu_seqlens_kv_padded=one,
                                  max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
@@ -113,7 +113,9 @@ class PackedBatch:
     def flat(self, per_sample: list[list[float]], device=None, dtype=torch.float32) -> torch.Tensor:
         """Per-sample response-token values (e.g. old logprobs) in this batch's flat order. [N]"""
         rows = [per_sample[i] for i in self.indices]
-        return torch.tensor([x for row in rows for x in row], dtype=dtype, device=device)
+        # built on the host, copied without a stream sync: the loss asks for these after the forward was
+        # queued, and a blocking copy would idle the GPU until that forward ended, once per micro-batch
+        return torch.tensor([x for row in rows for x in row], dtype=dtype).to(device, non_blocking=True)
 
     def split(self, flat: torch.Tensor) -> list[list[float]]:
         values = flat.tolist()
