@@ -16,6 +16,8 @@
 #                                           (--multimodal-keys), trained by the PyTorch trainer (issue 33)
 #   bash scripts/gpu/run.sh weight_sync_1p5b  one GPU, ~3 min: the 1.5B shape's colocated weight sync by
 #                                           payload layout and bucket size (bench/weight_sync_bench.py)
+#   AGENTRL_DEMOS_BESIDE="math-python code" bash scripts/gpu/run.sh SCENARIO   the SFT scenarios' demonstrations
+#                                           made on the machine's CPUs beside a GPU scenario (tests/gpu/make_demos.py)
 #   bash scripts/gpu/run.sh "1_5b_memory_flat and micro8"   the 1.5B colocated run, 8 samples a micro-batch;
 #                                           "... and tokens32k": packed to 32k tokens; each prints its train-step MFU
 # Performance scenarios (issue 34, tests/gpu/test_perf_gpu.py), each under 8 minutes:
@@ -86,6 +88,15 @@ case "${1:-}" in
     # outside the tree: its agentrl/ folder must not shadow the installed package
     work=$(mktemp -d); cd "$work"
     nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader || true
+    if [ -n "${AGENTRL_DEMOS_BESIDE:-}" ]; then
+      # the SFT scenarios' demonstrations (CPU and sandboxes only) made beside a GPU scenario, into the kit
+      # where sft_model looks, so a later call's SFT finds them; the call ends when both have
+      python3 "$repo/tests/gpu/make_demos.py" "$kit/demos" $AGENTRL_DEMOS_BESIDE > "$AGENTRL_GPU_OUT/demos_beside.log" 2>&1 &
+      demos=$!
+      rc=0; python3 -m pytest "$repo/tests/gpu" -k "$scenario" -x -v -s -p no:cacheprovider --rootdir "$repo" "$@" || rc=$?
+      wait "$demos" || { echo "demonstrations beside: failed (demos_beside.log)"; [ "$rc" = 0 ] && rc=1; }
+      tail -n 4 "$AGENTRL_GPU_OUT/demos_beside.log"; exit "$rc"
+    fi
     exec python3 -m pytest "$repo/tests/gpu" -k "$scenario" -x -v -s -p no:cacheprovider --rootdir "$repo" "$@"
     ;;
 esac

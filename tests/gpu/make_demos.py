@@ -23,10 +23,11 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for env in argv[1:] or list(SFT_DEMOS):
         t0 = time.time()
-        path = out / f"demos_{env}.jsonl"
+        path, part = out / f"demos_{env}.jsonl", out / f"demos_{env}.jsonl.part"
         concurrency = os.environ.get("AGENTRL_DEMOS_CONCURRENCY")  # the last --concurrency counts
         subprocess.run([sys.executable, "-m", "agentrl.cli", "demos", "--env", env, *SFT_DEMOS[env], "--out",
-                        str(path), *(["--concurrency", concurrency] if concurrency else [])], check=True, timeout=3600)
+                        str(part), *(["--concurrency", concurrency] if concurrency else [])], check=True, timeout=3600)
+        part.replace(path)  # whole or absent: the SFT scenario takes a file it finds as done
         print(f"{env}: {sum(1 for _ in path.open())} demonstrations in {time.time() - t0:.0f} s -> {path}", flush=True)
     return 0
 
