@@ -70,7 +70,7 @@ def test_the_step_is_the_same_with_the_profiler(tiny_model, tmp_path):
                        profile_step_end=1).train_rollout(samples)
     assert len(profiled.pop("profile_summaries")) == 1
     assert plain.keys() == profiled.keys()
-    for k in plain:
+    for k in plain.keys() - {"train/logprobs_s", "train/actor_s"}:  # the figures, not the clock
         assert profiled[k] == pytest.approx(plain[k], rel=1e-5, abs=1e-7), k
 
 
