@@ -182,6 +182,11 @@ def build_tiny_vlm(path: Path, *, seed: int = 0, text: dict | None = None, visio
     model = Qwen2VLForConditionalGeneration(config)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
+    # the published Qwen2-VL config.json names the channels `in_chans` (transformers 5 writes `in_channels`,
+    # and SGLang 0.5.15's qwen2_vl reads vision_config.in_chans): both, as a real checkpoint loads everywhere
+    saved = json.loads((tmp / "config.json").read_text())
+    saved["vision_config"]["in_chans"] = saved["vision_config"].get("in_channels", 3)
+    (tmp / "config.json").write_text(json.dumps(saved, indent=2))
     tok.save_pretrained(tmp)
     side = vision["patch_size"] * vision["spatial_merge_size"]  # one image token's pixels a side
     Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], merge_size=vision["spatial_merge_size"],

@@ -93,6 +93,19 @@ def test_the_flag_is_checked_when_the_config_is_read(tmp_path):
 
 
 # -- prompt ----------------------------------------------------------------------------------------
+def test_the_tiny_vlm_config_has_what_sglang_reads(vlm):
+    """SGLang 0.5.15's Qwen2VisionTransformer reads these of vision_config (as a published Qwen2-VL
+    config.json holds them); `in_chans` is the one transformers 5 no longer writes (the GPU scenario
+    vlm_sglang failed on it, 2026-12-03)."""
+    from transformers import AutoConfig
+
+    vision = AutoConfig.from_pretrained(str(vlm)).vision_config
+    for key in ("patch_size", "temporal_patch_size", "spatial_merge_size", "in_chans", "hidden_size", "embed_dim",
+                "depth", "num_heads", "mlp_ratio"):
+        assert getattr(vision, key, None) is not None, key
+    assert vision.in_chans == vision.in_channels == 3
+
+
 def test_prompt_ids_are_the_processors_with_each_image_expanded(vlm, processor):
     tokenizer = load_tokenizer(vlm)
     renderer = Renderer(tokenizer, processor=processor)
