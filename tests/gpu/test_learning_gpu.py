@@ -228,11 +228,13 @@ GAIN = {
     "math-python": dict(iters=30, data=lambda: heldout_math(200), args=[
         "--sandbox", "local", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size",
         "128", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "30", "--n-samples-per-eval-prompt", "1"]),
-    # 10 iterations were 7 in 320 s on 2026-12-03 (train reward 0.147 -> 0.248; ~6 s of each ~11-s rollout was
-    # the sandbox pool remaking what it had destroyed, since fixed): 24 now
+    # 128 episodes an iteration ran as two waves (the pool's 62 sandboxes on a 128-GB machine) and a tool call
+    # could hold an iteration 60 s: 12-27 s an iteration on 1x H200 (2026-12-03, two machines), 11 of 24 iterations
+    # in a device call. Now one wave of 64 with 10-s tool calls (the hidden tests have 10 s a call too)
     "code": dict(iters=24, data=lambda: heldout_code(100), args=[
-        "--sandbox", "local", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size",
-        "128", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "24",
+        "--sandbox", "local", "--sandbox-max-active", "64", "--env-kwargs", '{"tool_timeout": 10}',
+        "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--global-batch-size",
+        "64", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "24",
         "--n-samples-per-eval-prompt", "2"]),
 }
 
