@@ -35,7 +35,9 @@ def two_nodes():
     port, worker_port = _port(), _port()
     env = {**run_env(), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0",
            "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "4",
-           "RAY_health_check_initial_delay_ms": "0"}
+           "RAY_health_check_initial_delay_ms": "0",
+           # a loaded CI machine registered the worker's raylet after `ray start`'s default wait (CI, 2026-12-03)
+           "RAY_raylet_start_wait_time_s": "180"}
     ray = str(BIN / "ray")
     temp = f"/tmp/ray-t{port}"
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--disable-usage-stats"]

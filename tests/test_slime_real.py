@@ -67,17 +67,25 @@ def slime_source(tmp: Path) -> Path | None:
     return tmp
 
 
+def installed_slime(env: dict) -> Path | None:
+    """slime's __init__.py as a fresh interpreter with `env` finds it, or None. Not this process's
+    find_spec: other tests' stand-in `slime` hook packages may be on its sys.path (xdist workers share one)."""
+    probe = subprocess.run([sys.executable, "-c", "import importlib.util as u; s = u.find_spec('slime'); "
+                            "print(s.origin if s and s.origin else '')"], env=env, capture_output=True, text=True,
+                           timeout=60)
+    return Path(probe.stdout.strip()) if probe.returncode == 0 and probe.stdout.strip() else None
+
+
 @pytest.fixture(scope="module")
 def slime_env(tmp_path_factory):
     """The environment of `agentrl train` with slime and its search-r1 example importable."""
-    import importlib.util
-
     tmp = tmp_path_factory.mktemp("slime")
     src = slime_source(tmp)
-    if src is None and importlib.util.find_spec("slime") is None:
-        pytest.skip(f"no slime source: set AGENTRL_SLIME_SRC, or fetch THUDM/slime into {SLIME_GIT}")
     env = run_env()
-    example = (src or Path(importlib.util.find_spec("slime").origin).parents[1]) / "examples" / "search-r1"
+    installed = None if src is not None else installed_slime(env)
+    if src is None and installed is None:
+        pytest.skip(f"no slime source: set AGENTRL_SLIME_SRC, or fetch THUDM/slime into {SLIME_GIT}")
+    example = (src or installed.parents[1]) / "examples" / "search-r1"
     (tmp / "half_env.py").write_text(HALF_ENV)
     # slime's search-r1 README: point SEARCH_R1_CONFIGS' local search_url at the retrieval server
     (tmp / "search_r1_config.py").write_text(textwrap.dedent('''
