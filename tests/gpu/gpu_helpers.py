@@ -149,13 +149,14 @@ def trajectories(run: Path, rollout_id: int) -> list[dict]:
 BF16_PEAK_FLOPS = 989e12  # dense bf16 peak of one H100 SXM or H200
 
 
-def train_mfu(row: dict, params: float, gpus: int = 1, tokens: str = "trained_tokens") -> float:
-    """A metrics row's train-step MFU: 6 x params x tokens over its train seconds and the GPUs' bf16
-    peak; 0 for a row without train seconds. `tokens`: "trained_tokens" (prompts and responses: every
-    token the passes run through; rows from before that metric fall back to the responses) or
-    "generated_tokens" (the responses alone, as the first in-loop figures counted)."""
+def train_mfu(row: dict, params: float, gpus: int = 1, tokens: str = "trained_tokens",
+              seconds: str = "train_s") -> float:
+    """A metrics row's train-step MFU: 6 x params x tokens over its `seconds` (the whole step, or a
+    part: "train/actor_s") and the GPUs' bf16 peak; 0 for a row without them. `tokens`: "trained_tokens"
+    (prompts and responses: every token the passes run through; rows from before that metric fall back
+    to the responses) or "generated_tokens" (the responses alone, as the first in-loop figures counted)."""
     n = row.get(tokens, row["generated_tokens"])
-    return 6 * params * n / (row["train_s"] * gpus * BF16_PEAK_FLOPS) if row.get("train_s") else 0.0
+    return 6 * params * n / (row[seconds] * gpus * BF16_PEAK_FLOPS) if row.get(seconds) else 0.0
 
 
 def mean(xs) -> float:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import (BF16_PEAK_FLOPS, COLOCATE, SGLANG, agentrl_train, iters, mean, needs_gpus, random_qwen2,
-                         train_mfu, trajectories)
+from gpu_helpers import (COLOCATE, SGLANG, agentrl_train, iters, mean, needs_gpus, random_qwen2, train_mfu,
+                         trajectories)
 
 
 pytestmark = needs_gpus()
@@ -97,8 +97,7 @@ def test_megatron_1_5b_memory_flat(batching):
     parts = [(r["train_s"], r["train/logprobs_s"], r["train/actor_s"]) for r in rows[1:]]
     print("train step, iterations 1-: whole / logprob passes / optimizer steps / the rest (s): " + ", ".join(
         f"{t:.2f}/{lp:.2f}/{a:.2f}/{t - lp - a:.2f}" for t, lp, a in parts), flush=True)
-    actor = sorted(6 * QWEN25_1P5B_PARAMS * r["trained_tokens"] / (r["train/actor_s"] * BF16_PEAK_FLOPS)
-                   for r in rows[1:])
+    actor = sorted(train_mfu(r, QWEN25_1P5B_PARAMS, seconds="train/actor_s") for r in rows[1:])
     print(f"optimizer steps alone, MFU on 1.54B x trained_tokens: median {100 * actor[len(actor) // 2]:.1f}%", flush=True)
     prompt_share = 1 - sum(r["generated_tokens"] for r in rows) / sum(r["trained_tokens"] for r in rows)
     print(f"prompt tokens: {100 * prompt_share:.1f}% of the tokens trained", flush=True)
