@@ -186,6 +186,14 @@ class Env(gymnasium.Env):
     async def astep(self, action: str):
         return await asyncio.to_thread(self.step, action)
 
+    async def atruncated(self, reason: str) -> float | dict | None:
+        """The reward for the work of an episode that a limit of the agent loop cut off (`reason`:
+        "max_turns", "max_response_len", "max_context_len", ...), added to what its steps gave.
+        None, the default: nothing more (an unfinished answer is worth nothing). An env whose
+        work lies in its state rather than in a final answer returns it here: the code env grades
+        the file the agent wrote, as SWE-style envs grade the repository at the turn limit."""
+        return None
+
     async def aclose(self) -> None:
         if type(self).close is Env.close and self.__dict__.get("_sync_loop") is None:
             return  # Env.close would do nothing: no worker thread for it (one per trajectory)

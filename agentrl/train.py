@@ -39,7 +39,8 @@ from agentrl.engines.group import EngineGroup, start_engines
 from agentrl.evaluation import evaluate
 from agentrl.fp8 import engine_model_path
 from agentrl.judge import close_judges
-from agentrl.metrics import RunContext, RunLog, Timeline, engine_log_steps, rollout_stage_metrics, start_wandb
+from agentrl.metrics import (RunContext, RunLog, Timeline, engine_log_steps, rollout_stage_metrics, start_wandb,
+                             triton_cache_kernels)
 from agentrl.models import load_tokenizer
 from agentrl.progress import Progress
 from agentrl.rollout.client import EngineClient
@@ -79,6 +80,12 @@ def train(cfg: Config) -> Path:
             context.record(chance_reward=chance)
         reward_fn = build_reward_fn(cfg)
         check_hooks(cfg)  # slime's generate / rollout functions: loadable, with slime's arguments
+        if cfg.rollout.rollout_engine == "sglang" and not cfg.rollout.rollout_engine_urls:
+            # SGLang imported here, on the only thread: imported beside the driver's set-up thread
+            # (transformers) it met accelerate half-initialized once (1x H200, 2026-12-03)
+            from agentrl.engines.sglang import validate_sglang_args
+
+            validate_sglang_args(engine_sglang_args(cfg))
         model_path = resolve_model(cfg, progress)
         device = resolve_device(cfg)
     state = RunState()
@@ -111,6 +118,7 @@ def train(cfg: Config) -> Path:
         with timeline.step("startup", "served_models"):  # --judge-load, a served OPD teacher: their own engines
             served = start_served_models(cfg, device=device, log_dir=out / "logs")
         if not debug_train_only:
+            kernels = triton_cache_kernels()  # a cold cache: the engines compile theirs while starting
             with timeline.step("startup", "engines"):
                 engine_model = engine_model_path(cfg, model_path, out)  # --sglang-quantization fp8: a block-fp8 copy
                 engines = start_engines(cfg.rollout, model_path=str(engine_model), device=device, seed=cfg.run.seed,
@@ -123,7 +131,8 @@ def train(cfg: Config) -> Path:
             if trainer is not None:  # which trainer rank sits on each engine TP rank's GPU (weight sync)
                 trainer.engines_placed(engines.engine_urls)
             context.record(engines={"kind": engines.kind, "urls": engines.engine_urls, "generate_url": engines.url,
-                                    "router": engines.router is not None})
+                                    "router": engines.router is not None},
+                           triton_cache_kernels={"before_engines": kernels, "engines_ready": triton_cache_kernels()})
         if trainer is not None and cfg.run.load:  # queued behind the trainer's build, waited for here
             with timeline.step("startup", "trainer_load"):
                 trainer.load(latest_checkpoint(Path(cfg.run.load)))

@@ -169,6 +169,39 @@ def test_length_budget_truncates(tokenizer):
     assert s.status == SampleStatus.TRUNCATED and s.response_length == 6 and s.num_turns == 1
 
 
+class WorkEnv(CountEnv):
+    """Scores its state when a limit cuts the episode off: the 'yes' count so far (a code env's file)."""
+
+    max_turns = 5
+
+    async def atruncated(self, reason):
+        self.reasons = [*getattr(self, "reasons", []), reason]
+        if self.score == 0:
+            from agentrl.errors import AgentFault
+            raise AgentFault("nothing to grade: the agent broke its workspace")
+        return {"score": self.score / 10, "yes": float(self.score)}
+
+
+def test_a_cut_off_episode_is_scored_by_the_env(tokenizer):
+    # the turn limit (2 of the env's 3 turns): the state is graded, once, and the parts kept
+    env = WorkEnv()
+    s = play(env, ScriptedClient(tokenizer, ["yes", "yes"]), tokenizer, max_turns=2)
+    assert s.status == SampleStatus.TRUNCATED and s.metadata["truncation"] == "max_turns"
+    assert env.reasons == ["max_turns"] and s.reward == {"yes": 2.0, "score": 0.2}
+    assert s.metadata["truncated_reward"] == 0.2
+    # the token budget too; and the env's own fault while grading scores 0, not FAILED
+    env = WorkEnv()
+    s = play(env, ScriptedClient(tokenizer, ["no no no no no no no"]), tokenizer, max_len=4)
+    assert env.reasons == ["max_response_len"] and s.status == SampleStatus.TRUNCATED and s.reward == 0.0
+    assert s.metadata["agent_fault"] == "AgentFault: nothing to grade: the agent broke its workspace"
+    # a finished episode is not asked again; an env without the hook gives nothing more
+    env = WorkEnv()
+    s = play(env, ScriptedClient(tokenizer, ["yes", "no", "yes"]), tokenizer, max_turns=5)
+    assert s.status == SampleStatus.COMPLETED and s.reward == 2 / 3 and not hasattr(env, "reasons")
+    s = play(CountEnv(), ScriptedClient(tokenizer, ["yes", "yes"]), tokenizer, max_turns=2)
+    assert s.status == SampleStatus.TRUNCATED and s.reward == 0.0 and "truncated_reward" not in s.metadata
+
+
 def test_env_exception_marks_failed_with_traceback(tokenizer):
     class Broken(CountEnv):
         def step(self, action):

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from agentrl.metrics import RunContext, Timeline, engine_log_steps, rollout_stage_metrics
+from agentrl.metrics import RunContext, Timeline, engine_log_steps, rollout_stage_metrics, triton_cache_kernels
 from agentrl.cluster.engine_actor import stop_engines
 from agentrl.rollout.control import RolloutControl
 from agentrl.train import Background
@@ -90,6 +90,16 @@ def test_sglang_start_up_steps_from_its_log(tmp_path):
     steps = engine_log_steps(tmp_path, since=t)
     assert steps == {"sglang-0/weights": (t, t + 4), "sglang-0/kv_cache": (t + 4, t + 6),
                      "sglang-0/cuda_graphs": (t + 7, t + 31), "sglang-0/warmup": (t + 31, t + 40)}
+
+
+def test_the_triton_cache_is_counted(tmp_path, monkeypatch):
+    """A cold cache (the engines compiled their kernels while starting) is told from a warm one."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "none"))
+    assert triton_cache_kernels() is None
+    for name in ("a1", "b2", "c3"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert triton_cache_kernels() == 3
 
 
 def sample(stages: dict) -> Sample:

@@ -73,6 +73,7 @@ def test_target_token_learns_the_task_not_one_word(tmp_path):
     context = json.loads((out / "run.json").read_text())
     assert context["outcome"] == "completed" and context["device"] == "cpu" and context["command"][1] == "train"
     assert context["engines"]["kind"] == "embedded" and len(context["engines"]["urls"]) == 1
+    assert set(context["triton_cache_kernels"]) == {"before_engines", "engines_ready"}
     placement = context["placement"]
     assert {k: placement[k] for k in ("trainer_gpus", "engine_gpus", "gpu_sharing")} == {
         "trainer_gpus": [[]], "engine_gpus": [[]], "gpu_sharing": None}
@@ -132,6 +133,20 @@ def test_bad_input_gets_a_clear_error(tmp_path, args, message):
     proc = train(*args, "--output-dir", str(tmp_path / "out"), timeout=120)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sglang_is_checked_before_anything_starts(tmp_path):
+    """SGLang is imported (and its --sglang-* flags checked) among the start-up checks, on the only
+    thread: before Ray, the engines and the driver's set-up thread (imported beside that thread it
+    met a half-initialized accelerate once)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is installed here")
+    out = tmp_path / "out"
+    proc = train("--rollout-engine", "sglang", "--num-rollout", "1", "--output-dir", str(out), *SMALL, timeout=120)
+    assert proc.returncode == 2 and "SGLang is not importable here" in proc.stderr and "Traceback" not in proc.stderr
+    assert list(json.loads((out / "run.json").read_text())["startup"]) == ["python", "checks"]
 
 
 def test_model_folder_and_plain_prompts(tmp_path, tiny_model):

@@ -123,6 +123,54 @@ def test_prompt_ids_are_the_processors_with_each_image_expanded(vlm, processor):
     assert renderer.images(messages) == [url] and Renderer(tokenizer).images(messages) == []
 
 
+def test_the_sglang_wrapper_sends_one_image_token_per_image(vlm, processor, tmp_path):
+    """SGLang 0.5.15 takes a pre-tokenized prompt with one image token per image and expands it
+    (an expanded run: HTTP 500 on an H200, 2026-12-03); agentrl's SGLang wrapper turns the agent
+    loop's expanded ids into that form. SGLang's expansion of what it gets (each image token by its
+    image's count, SGLANG_MM_AVOID_RETOKENIZE) is the caller's prompt again, token for token."""
+    from agentrl.engines.sglang_server import ImagePlaceholders, image_token_id
+
+    assert image_token_id(["--port", "1", "--model-path", str(vlm)]) == processor.image_token_id
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "image_token_id": 5}))
+    assert image_token_id(["--model-path", str(tmp_path)]) is None and image_token_id([]) is None
+    image = processor.image_token_id
+    urls = ["data:image/png;base64," + base64.b64encode(png(c, size)).decode()
+            for c, size in (("red", (16, 24)), ("blue", (16, 16)))]
+    text = "<|vision_start|><|image_pad|><|vision_end|>a<|vision_start|><|image_pad|><|vision_end|>b"
+    ids = list(processor(text=[text], images=[open_data_url(u) for u in urls])["input_ids"][0])
+    assert [n for _, n in placeholder_runs(ids, image)] == [6, 4]
+    seen = []
+
+    async def sglang(scope, receive, send):
+        message = await receive()
+        seen.append((dict(scope["headers"]), json.loads(message["body"])))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def post(path, request):
+        body = json.dumps(request).encode()
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            pass
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-length", b"%d" % len(body))]}
+        await ImagePlaceholders(sglang, image_token_id=image)(scope, receive, send)
+
+    asyncio.run(post("/generate", {"input_ids": ids, "image_data": urls, "rid": "r"}))
+    headers, sent = seen[-1]
+    assert [n for _, n in placeholder_runs(sent["input_ids"], image)] == [1, 1] and sent["rid"] == "r"
+    assert int(headers[b"content-length"]) == len(json.dumps(sent).encode())
+    counts = iter(tokens_per_image(processor, processor.image_processor(
+        images=[open_data_url(u) for u in urls], return_tensors="pt")["image_grid_thw"]))
+    assert [x for t in sent["input_ids"] for x in ([t] * next(counts) if t == image else [t])] == ids
+    for request in ({"input_ids": ids}, {"text": text, "image_data": urls}):  # no images, or text: as sent
+        asyncio.run(post("/generate", request))
+        assert seen[-1][1] == request
+
+
 # -- agent loop ------------------------------------------------------------------------------------
 class ImageEnv(agentrl.Env):
     """Two turns on an image prompt; each reply earns 0.5."""

@@ -638,10 +638,11 @@ class EmbeddedEngine:
     def _media(self, input_ids: list[int], image_data) -> dict | None:
         """`image_data` (SGLang's field: one image or a list, here base64 data URLs) as pixel inputs,
         checked against `input_ids`: one run of image tokens per image, each as long as the processor
-        expands that image. SGLang (multimodal/processors/base_processor.py, legacy_load_mm_data)
-        raises on a placeholder left without an image, only warns on images left over, and
-        re-expands each placeholder by its image, so a run of another length is served as a prompt
-        other than the caller's tokens: all three are errors here. None: no images."""
+        expands that image (agentrl's form). SGLang 0.5.15 takes one image token per image and
+        expands it by its image; agentrl's SGLang wrapper (engines/sglang_server.py, ImagePlaceholders)
+        turns these runs into that form, so a run of another length would be served as a prompt
+        other than the caller's tokens. A placeholder without an image, an image left over, or a run
+        of another length: errors here. None: no images."""
         if image_data in (None, []):
             if self.processor is not None and self.processor.image_token_id in input_ids:
                 raise ValueError("input_ids hold image tokens and the request has no image_data")

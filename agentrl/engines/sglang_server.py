@@ -1,5 +1,6 @@
-"""`python -m sglang.launch_server`, plus one response header: `X-Agentrl-Engine: <id>`, and one
-route of agentrl's own: POST /agentrl/apply_weight_delta.
+"""`python -m sglang.launch_server`, plus one response header: `X-Agentrl-Engine: <id>`, one
+route of agentrl's own: POST /agentrl/apply_weight_delta, and, for a vision-language model, its
+/generate input_ids in SGLang's form (`ImagePlaceholders`).
 
 Usage is SGLang's own: python -m agentrl.engines.sglang_server --model-path DIR --port N ...
 (every argument goes to SGLang unchanged); the engine id comes from $AGENTRL_ENGINE_ID
@@ -28,6 +29,7 @@ import json
 import os
 import runpy
 import sys
+from pathlib import Path
 
 from agentrl.engines import ENGINE_HEADER
 from agentrl.weight_delta import APPLY_ROUTE, serve_apply
@@ -65,22 +67,79 @@ class RoutedExperts:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") != "/generate":
-            return await self.app(scope, receive, send)
-        body, gone = await _read_body(receive)
-        if gone is not None:  # the client went away: let SGLang see it
-            return await self.app(scope, _replay([gone], receive), send)
-        try:
-            request = json.loads(body)
-        except ValueError:
-            request = None  # SGLang answers a malformed body with its own error
-        if isinstance(request, dict) and "return_routed_experts" not in request:
-            request["return_routed_experts"] = True
-            body = json.dumps(request).encode()
-            headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
-            scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
-        return await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive),
-                              send)
+        return await _edit_generate(self.app, scope, receive, send, self.edit)
+
+    @staticmethod
+    def edit(request: dict) -> bool:
+        if "return_routed_experts" in request:
+            return False
+        request["return_routed_experts"] = True
+        return True
+
+
+class ImagePlaceholders:
+    """ASGI middleware: in a /generate request with `image_data`, each run of the image token in
+    `input_ids` becomes one token.
+
+    Why: agentrl's prompt ids hold each image's placeholder as the model's processor expanded it
+    (the tokens the trainer scores), but SGLang 0.5.15 takes pre-tokenized input with one image
+    token per image and expands it itself: its fast path (multimodal/processors/base_processor.py)
+    decodes the ids and runs the HF processor on that text, which fails on an expanded run (HTTP
+    500, seen on an H200 on 2026-12-03). With SGLANG_MM_AVOID_RETOKENIZE=1 (`main` sets it) SGLang
+    keeps every other token as sent and expands each image's token by that image's count, so it
+    serves the caller's prompt token for token, and meta_info.prompt_tokens is the expanded length
+    the agent loop checks against its own."""
+
+    def __init__(self, app, image_token_id: int):
+        self.app, self.image_token_id = app, image_token_id
+
+    async def __call__(self, scope, receive, send):
+        return await _edit_generate(self.app, scope, receive, send, self.edit)
+
+    def edit(self, request: dict) -> bool:
+        ids = request.get("input_ids")
+        if not request.get("image_data") or not isinstance(ids, list):
+            return False
+        one = one_token_per_image(ids, self.image_token_id)
+        request["input_ids"] = one
+        return len(one) != len(ids)
+
+
+def one_token_per_image(ids: list, image_token_id: int) -> list:
+    """`ids` with each run of `image_token_id` as one token (SGLang's form of a pre-tokenized
+    multimodal prompt)."""
+    return [t for k, t in enumerate(ids) if t != image_token_id or k == 0 or ids[k - 1] != image_token_id]
+
+
+def image_token_id(argv: list[str]) -> int | None:
+    """The image token of the --model-path checkpoint's config.json when it is a vision-language
+    model (a `vision_config` beside it), else None."""
+    path = next((v for f, v in zip(argv, argv[1:]) if f == "--model-path"), None)
+    try:
+        config = json.loads((Path(path) / "config.json").read_text()) if path else {}
+    except (OSError, ValueError):
+        return None
+    token = config.get("image_token_id")
+    return token if "vision_config" in config and isinstance(token, int) else None
+
+
+async def _edit_generate(app, scope, receive, send, edit):
+    """Run `app` on the request, a POST /generate's JSON body first given to `edit(request)`,
+    which changes it in place and says whether it did."""
+    if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") != "/generate":
+        return await app(scope, receive, send)
+    body, gone = await _read_body(receive)
+    if gone is not None:  # the client went away: let SGLang see it
+        return await app(scope, _replay([gone], receive), send)
+    try:
+        request = json.loads(body)
+    except ValueError:
+        request = None  # SGLang answers a malformed body with its own error
+    if isinstance(request, dict) and edit(request):
+        body = json.dumps(request).encode()
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
+    return await app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
 
 
 class WeightDeltaRoute:
@@ -161,6 +220,10 @@ def main() -> None:
     http_server.app.add_middleware(WeightDeltaRoute)  # not optional: --weight-sync-mode delta fails without it
     if "--enable-return-routed-experts" in sys.argv[1:]:  # not optional: R3 fails without it
         http_server.app.add_middleware(RoutedExperts)
+    image_token = image_token_id(sys.argv[1:])
+    if image_token is not None:  # not optional: SGLang answers an expanded image placeholder with HTTP 500
+        os.environ.setdefault("SGLANG_MM_AVOID_RETOKENIZE", "1")
+        http_server.app.add_middleware(ImagePlaceholders, image_token_id=image_token)
     sys.argv[0] = "sglang.launch_server"
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 

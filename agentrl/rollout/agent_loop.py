@@ -515,11 +515,7 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                     counts[name] = counts.get(name, 0.0) + float(value)
             if isinstance(info, dict) and info.get("agent_fault"):  # the agent broke its own episode: scored, not FAILED
                 sample.metadata["agent_fault"] = info["agent_fault"]
-            if isinstance(reward, dict):
-                reward_parts = {k: float(v) for k, v in reward.items()}
-                total_reward += float(reward.get("score", 0.0))
-            else:
-                total_reward += float(reward)
+            total_reward, reward_parts = _added(reward, total_reward, reward_parts)
             if terminated:
                 status = SampleStatus.COMPLETED
                 break
@@ -557,6 +553,16 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
                 break
             sample.append_observation(extra)
             seen = rendered
+        if status == SampleStatus.TRUNCATED and truncation != TRUNCATED_BY_ENV and hasattr(env, "atruncated"):
+            t0 = clock()
+            try:  # what the work of a cut-off episode is worth (the code env grades the file written)
+                late = await env.atruncated(truncation)
+            except AgentFault as exc:
+                late, sample.metadata["agent_fault"] = 0.0, f"{type(exc).__name__}: {exc}"
+            if late is not None:
+                sample.metadata["truncated_reward"] = float(late.get("score", 0.0)) if isinstance(late, dict) else float(late)
+                total_reward, reward_parts = _added(late, total_reward, reward_parts)
+            stages["truncated_reward_s"] = clock() - t0
         sample.status = status
         if status == SampleStatus.TRUNCATED:
             sample.metadata["truncation"] = truncation
@@ -579,6 +585,14 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
     if sample.prompt_tokens:
         sample.validate()
     return sample
+
+
+def _added(reward, total: float, parts: dict | None) -> tuple[float, dict | None]:
+    """The episode's reward so far and its parts after one more reward (a number, or a dict
+    whose "score" counts and whose other keys are the latest parts)."""
+    if isinstance(reward, dict):
+        return total + float(reward.get("score", 0.0)), {k: float(v) for k, v in reward.items()}
+    return total + float(reward), parts
 
 
 def _add(stages: dict, key: str, value: float) -> None:

@@ -4,7 +4,8 @@ A task is a problem statement plus hidden tests. Per trajectory the agent gets a
 (agentrl.sandboxes, backend "auto": docker when an engine answers, else bubblewrap) with
 the `python`, `bash` and `files` MCP tools running inside it; it works over several turns
 (hermes tool calls) and writes its solution to ``solution.py``; a reply without a tool call
-ends the episode. The grader then copies the solution file(s) -- only those -- into a NEW
+ends the episode, and so does the turn limit or the token budget (the file written so far is
+graded all the same: ``grade_truncated``). The grader then copies the solution file(s) -- only those -- into a NEW
 sandbox the agent never touched (from the run's pool when ``sandbox`` is a SandboxPool), where
 a process holding only the solution answers calls; the hidden tests run on the host against
 those answers (envs/code_env/grader.py says how); reward = share of tests passed, or 1/0 with
@@ -151,7 +152,9 @@ class CodeEnv(ToolEnv):
     grader; the first is the module the tests load), ``answer_in_message`` (True: with no
     solution file, the last ```python block of the final message is graded), ``show_example``
     (True: show the first test as an example), ``max_turns`` (8), ``test_timeout`` (s per call of
-    the solution), ``grade_timeout`` (s for the whole grading of one solution)."""
+    the solution), ``grade_timeout`` (s for the whole grading of one solution), ``grade_truncated``
+    (True: an episode the turn limit or the token budget cut off is graded on the file it wrote,
+    as SWE-style envs grade the repository; False: it scores 0)."""
 
     description = "Sandboxed code agent (python/bash/files tools); hidden tests run in a fresh sandbox."
     builtin_tools = ("python", "bash", "files")
@@ -166,7 +169,8 @@ class CodeEnv(ToolEnv):
                  all_or_nothing: bool = False, solution_files: list[str] | tuple[str, ...] = ("solution.py",),
                  answer_in_message: bool = True, show_example: bool = True, max_turns: int | None = None,
                  test_timeout: float = 10, grade_timeout: float = 60, system_prompt: str | None = None,
-                 split: str = "train", families: list[str] | None = None, **tool_env_kwargs):
+                 split: str = "train", families: list[str] | None = None, grade_truncated: bool = True,
+                 **tool_env_kwargs):
         super().__init__(system_prompt=system_prompt, **tool_env_kwargs)
         self.sandbox = sandbox
         self.grader_sandbox = sandbox if grader_sandbox == "same" else grader_sandbox
@@ -181,6 +185,7 @@ class CodeEnv(ToolEnv):
             self.max_turns = int(max_turns)
         self.test_timeout = float(test_timeout)
         self.grade_timeout = float(grade_timeout)
+        self.grade_truncated = bool(grade_truncated)
         if split not in SPLITS:
             raise ValueError(f"code: split must be one of {SPLITS}, got {split!r}")
         # reset() without a task draws one from them
@@ -219,6 +224,14 @@ class CodeEnv(ToolEnv):
         obs, reward, terminated, truncated, info = await super().astep(action)
         self.tool_calls += info.get("tool_calls", 0)
         return obs, reward, terminated, truncated, info
+
+    async def atruncated(self, reason: str) -> float | None:
+        """A limit cut the episode off: the solution file written so far is graded all the same
+        (0 without one); a final message's code block is not (there was no final message)."""
+        if not self.grade_truncated:
+            return None
+        _, reward, _, _, _ = await self.final_answer("")
+        return reward
 
     async def collect_solution(self, action: str) -> tuple[dict[str, str], str, list[str]]:
         """The solution files from the agent's sandbox ({path: text}), where they came from, and

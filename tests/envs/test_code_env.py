@@ -108,6 +108,25 @@ def test_no_solution_and_solution_in_message(run_async, backend):
     assert final[1] == 1.0 and final[4]["solution_from"] == "message"
 
 
+@pytest.mark.slow
+def test_a_cut_off_episode_is_graded_on_its_file(run_async, backend):
+    """The turn limit or the token budget ended it before a final message: the file written is
+    graded all the same (unless grade_truncated=False); no file scores 0."""
+    async def cut(env, actions):
+        try:
+            await env.areset(seed=0, options=TASK)
+            for action in actions:
+                await env.astep(action)
+            return await env.atruncated("max_turns")
+        finally:
+            await env.aclose()
+
+    half = [call("write_file", path="solution.py", content=HALF)]
+    assert run_async(cut(CodeEnv(sandbox=backend), half)) == 0.5
+    assert run_async(cut(CodeEnv(sandbox=backend, grade_truncated=False), half)) is None
+    assert run_async(cut(CodeEnv(sandbox=backend), [call("bash", command="ls")])) == 0.0
+
+
 def test_malformed_tool_call_is_an_observation(run_async, backend):
     env = CodeEnv(sandbox=backend)
     _, bad, final = run_async(_episode(env, ['<tool_call>{"name": "bash", "arguments": </tool_call>', "bye"]))

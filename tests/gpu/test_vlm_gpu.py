@@ -61,7 +61,9 @@ def test_vlm_sglang_learns_what_only_the_image_tells(monkeypatch):
     n = iters(20)
     run, rows = agentrl_train(
         "vlm_sglang", "--model", str(model), "--trainer", "torch", "--device", "cuda", "--dtype", "bfloat16",
-        *SGLANG, *COLOCATE, "--prompt-data", str(data / "train.parquet"), "--input-key", "problem",
+        # the vision tower's attention: triton (the kit's sgl_kernel has no FA3, SGLang's default there)
+        *SGLANG, "--sglang-mm-attention-backend", "triton_attn", *COLOCATE,
+        "--prompt-data", str(data / "train.parquet"), "--input-key", "problem",
         "--label-key", "answer", "--multimodal-keys", '{"image": "images"}', "--env", "slime",
         "--custom-rm-path", "colour_rm.parity", "--num-rollout", str(n), "--rollout-batch-size", "16",
         "--n-samples-per-prompt", "8", "--global-batch-size", "128", "--rollout-max-response-len", "1",
