@@ -2,17 +2,22 @@
 by `agentrl model get` from the GGUF the kit carries: build_kit.sh m, then carry .gpukit/m1
 and .gpukit/m2 one call each), `agentrl train` with SGLang, colocated, evaluated on held-out
 data before training and every few iterations. Figures: bench/results/learning.md.
-Iterations: AGENTRL_GPU_ITERS; trainer: AGENTRL_GPU_TRAINER (default megatron)."""
+Iterations: AGENTRL_GPU_ITERS; trainer: AGENTRL_GPU_TRAINER (default megatron); the held-out gain
+runs stop themselves after AGENTRL_GPU_BUDGET_S (510) and go on from their last checkpoint when the
+same command runs again on the machine."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from gpu_helpers import COLOCATE, KIT, OUT, SGLANG, agentrl_train, iters, mean, needs_gpus, trajectories
+from gpu_helpers import (COLOCATE, KIT, OUT, SGLANG, agentrl_train, iters, mean, needs_gpus, stream,
+                         trajectories)
 
 pytestmark = needs_gpus()
 
@@ -52,6 +57,44 @@ def real_model_run(name: str, model: Path, *args: str, n: int, timeout_s: float 
         print(f"iter {r['rollout_id']}: " + "  ".join(f"{k} {r[k]:.3f}" for k in keys if k in r) + f"  {evals}")
     assert len(rows) == n
     assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 0.05  # on policy: engine vs trainer, bf16
+    return run, rows
+
+
+def resumable_run(name: str, model: Path, *args: str, n: int, save_interval: int = 2) -> tuple[Path, list[dict]]:
+    """`real_model_run` over as many device calls as it takes: the run folder and its checkpoints stay
+    on the machine's disk (KIT/runs/NAME); a call goes on from the last checkpoint and stops the run
+    (SIGTERM) past AGENTRL_GPU_BUDGET_S; a call that finds the run finished only reads it. -> (run
+    folder, its iterations' rows so far: a re-run iteration's last row, partial ones left out)."""
+    run = KIT / "runs" / name
+    checkpoints = run / "checkpoints"
+
+    def rows_so_far() -> list[dict]:
+        metrics = run / "metrics.jsonl"
+        rows = {}
+        for line in metrics.read_text().splitlines() if metrics.exists() else []:
+            row = json.loads(line)
+            if not row.get("partial"):
+                rows[row["rollout_id"]] = row
+        return [rows[k] for k in sorted(rows)]
+
+    done = len(rows_so_far())
+    if done < n:
+        resume = ["--load", str(checkpoints)] if any(checkpoints.glob("iter_*/trainer_state.json")) else []
+        print(f"{name}: {done} of {n} iterations on this machine" + (f"; going on from {checkpoints}" if resume else ""))
+        cmd = [sys.executable, "-m", "agentrl.cli", "train", "--model", str(model), "--trainer", TRAINER, "--device",
+               "cuda", "--dtype", "bfloat16", *SGLANG, *COLOCATE, "--num-rollout", str(n), *args, *resume,
+               "--save", str(checkpoints), "--save-interval", str(save_interval), "--output-dir", str(run),
+               "--no-progress"]
+        budget = float(os.environ.get("AGENTRL_GPU_BUDGET_S", 510))
+        try:
+            returncode = stream(cmd, OUT / f"{name}.log", budget, what=name)
+            assert returncode == 0, f"{name}: agentrl train exited {returncode} (log: {OUT / (name + '.log')})"
+        except TimeoutError:
+            print(f"{name}: stopped after this call's {budget:.0f} s; the same command goes on from the last "
+                  f"checkpoint", flush=True)
+    rows = rows_so_far()
+    if (run / "metrics.jsonl").exists():
+        shutil.copy2(run / "metrics.jsonl", OUT / f"{name}.metrics.jsonl")
     return run, rows
 
 
@@ -278,8 +321,11 @@ def test_smollm2_heldout_gain(smollm2, env, attempt):
     cfg = GAIN[env]
     n = iters(cfg["iters"])
     name = f"smollm2_{env.replace('-', '_')}_gain_{attempt}"
-    run, rows = real_model_run(name, sft_model(smollm2, env), "--env", env, "--lr", "1e-5", "--seed", "0",
-                               *cfg["args"], "--eval-prompt-data", "heldout", str(cfg["data"]()), n=n)
+    run, rows = resumable_run(name, sft_model(smollm2, env), "--env", env, "--lr", "1e-5", "--seed", "0",
+                              *cfg["args"], "--eval-prompt-data", "heldout", str(cfg["data"]()), n=n)
+    if len(rows) < n:
+        pytest.skip(f"{name}: {len(rows)} of {n} iterations so far: run the same command again to go on")
+    assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 0.05  # on policy: engine vs trainer, bf16
     assert all(r["status_failed"] == 0 for r in rows)
     out = summary(env, run, rows)
     (OUT / f"{name}.summary.json").write_text(json.dumps(out, indent=1))
