@@ -108,10 +108,15 @@ class Timeline:
 
 # SGLang's start-up log lines (`[YYYY-MM-DD HH:MM:SS TP0] message`) that begin and end its own
 # steps: step -> (first line's words, last line's words)
+# SGLang 0.5.15 captures prefill CUDA graphs (58 token counts: 29-35 s on a 1x H200, 2026-12-03),
+# then decode ones ("Capture target prefill / decode CUDA graph begin"); earlier ones decode graphs
+# alone ("Capture cuda graph begin")
 SGLANG_STEPS = {"weights": ("Load weight begin", "Load weight end"),
                 "kv_cache": ("Load weight end", ("KV Cache is allocated", "Memory pool end")),
-                "cuda_graphs": ("Capture cuda graph begin", ("Capture cuda graph end", "CUDA graph end")),
-                "warmup": (("Capture cuda graph end", "CUDA graph end"), "The server is fired up")}
+                "prefill_graphs": ("prefill CUDA graph begin", "prefill CUDA graph end"),
+                "cuda_graphs": (("decode CUDA graph begin", "Capture cuda graph begin"),
+                                ("decode CUDA graph end", "Capture cuda graph end")),
+                "warmup": (("decode CUDA graph end", "Capture cuda graph end"), "The server is fired up")}
 _LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?: TP(\d+))?[^\]]*\]\s*(.*)")
 
 

@@ -92,6 +92,24 @@ def test_sglang_start_up_steps_from_its_log(tmp_path):
                      "sglang-0/cuda_graphs": (t + 7, t + 31), "sglang-0/warmup": (t + 31, t + 40)}
 
 
+def test_sglang_0_5_15s_graph_steps_from_its_log(tmp_path):
+    """SGLang 0.5.15's lines (a 1x H200 run, 2026-12-03): prefill graphs, then decode graphs."""
+    t = float(int(time.time()))
+    (tmp_path / "sglang-0.log").write_text("\n".join([
+        f"[{stamp(t)}] Load weight begin. avail mem=136.48 GB",
+        f"[{stamp(t)}] Load weight end. elapsed=0.16 s, type=LlamaForCausalLM, avail mem=136.21 GB, mem usage=0.27 GB.",
+        f"[{stamp(t + 1)}] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 3165267, K size: 33.96 GB",
+        f"[{stamp(t + 2)}] Capture target prefill CUDA graph begin. backend=breakable, num_tokens=[4, 8, 12]",
+        f"[{stamp(t + 31)}] Capture target prefill CUDA graph end. elapsed=29.44 s, mem usage=0.46 GB",
+        f"[{stamp(t + 31)}] Capture target decode CUDA graph begin. backend=full, num_tokens_per_bs=1, bs=[1, 2]",
+        f"[{stamp(t + 34)}] Capture target decode CUDA graph end. elapsed=2.99 s, mem usage=0.13 GB",
+        f"[{stamp(t + 41)}] The server is fired up and ready to roll!",
+    ]) + "\n")
+    assert engine_log_steps(tmp_path, since=t) == {
+        "sglang-0/weights": (t, t), "sglang-0/kv_cache": (t, t + 1), "sglang-0/prefill_graphs": (t + 2, t + 31),
+        "sglang-0/cuda_graphs": (t + 31, t + 34), "sglang-0/warmup": (t + 34, t + 41)}
+
+
 def test_the_triton_cache_is_counted(tmp_path, monkeypatch):
     """A cold cache (the engines compiled their kernels while starting) is told from a warm one."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "none"))
