@@ -421,6 +421,34 @@ def test_a_second_signal_exits_at_once(signum):
             proc.wait()
 
 
+STACKS = """
+import threading, time
+from agentrl.cluster.ray_session import stop_on_signals
+
+stop_on_signals()
+threading.Thread(target=lambda: time.sleep(60), name="sleeper", daemon=True).start()
+print("ready", flush=True)
+time.sleep(1.5)
+print("went on", flush=True)
+"""
+
+
+def test_sigusr2_prints_every_threads_stack_and_the_run_goes_on():
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", STACKS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGUSR2)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and out == "went on\n", err
+    assert err.lower().count("thread 0x") == 2 and "in <lambda>" in err and "in <module>" in err, err
+
+
 @pytest.mark.e2e
 def test_a_run_survives_sigpipe_and_a_listing_ends_quietly_in_a_closed_pipe(tmp_path):
     """`agentrl train` keeps Python's SIGPIPE handling (ignored: a write into the pipe of a child

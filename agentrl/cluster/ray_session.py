@@ -11,6 +11,7 @@ light actors ask for no CPU slots so 2 cores never deadlock. Across machines,
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import re
@@ -51,7 +52,8 @@ def start_ray(cfg: Config) -> None:
 def stop_on_signals() -> None:
     """SIGTERM (timeout, schedulers, Kubernetes) stops a run as Ctrl-C does: KeyboardInterrupt,
     so every `finally` stops what the run started (engines, router, sandboxes, tool servers,
-    Ray). A second SIGINT or SIGTERM exits at once, cleanup or not."""
+    Ray). A second SIGINT or SIGTERM exits at once, cleanup or not. SIGUSR2 prints every
+    thread's stack and changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -65,6 +67,8 @@ def stop_on_signals() -> None:
 
     signal.signal(signal.SIGINT, first)
     signal.signal(signal.SIGTERM, first)
+    # `kill -USR2 PID`: every thread's Python stack on stderr, the run going on (a hang's diagnosis)
+    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
 
 
 def stop_ray() -> None:

@@ -3,8 +3,8 @@ by `agentrl model get` from the GGUF the kit carries: build_kit.sh m, then carry
 and .gpukit/m2 one call each), `agentrl train` with SGLang, colocated, evaluated on held-out
 data before training and every few iterations. Figures: bench/results/learning.md.
 Iterations: AGENTRL_GPU_ITERS; trainer: AGENTRL_GPU_TRAINER (default megatron); the held-out gain
-runs stop themselves after AGENTRL_GPU_BUDGET_S (510) and go on from their last checkpoint when the
-same command runs again on the machine."""
+runs stop themselves AGENTRL_GPU_BUDGET_S (510) after the call started and go on from their last
+checkpoint when the same command runs again on the machine."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from gpu_helpers import (COLOCATE, KIT, OUT, SGLANG, agentrl_train, iters, mean,
 pytestmark = needs_gpus()
 
 TRAINER = os.environ.get("AGENTRL_GPU_TRAINER", "megatron")
+CALL_STARTED = time.time()  # the device call's clock: collection runs at its start
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,11 @@ def resumable_run(name: str, model: Path, *args: str, n: int, save_interval: int
     run = KIT / "runs" / name
     checkpoints = run / "checkpoints"
 
+    def prune() -> None:  # the latest whole checkpoint is all a later call needs (each ~2 GB at 135M)
+        whole = sorted(c.parent for c in checkpoints.glob("iter_*/trainer_state.json"))
+        for old in whole[:-1]:
+            shutil.rmtree(old, ignore_errors=True)
+
     def rows_so_far() -> list[dict]:
         metrics = run / "metrics.jsonl"
         rows = {}
@@ -85,13 +93,21 @@ def resumable_run(name: str, model: Path, *args: str, n: int, save_interval: int
                "cuda", "--dtype", "bfloat16", *SGLANG, *COLOCATE, "--num-rollout", str(n), *args, *resume,
                "--save", str(checkpoints), "--save-interval", str(save_interval), "--output-dir", str(run),
                "--no-progress"]
-        budget = float(os.environ.get("AGENTRL_GPU_BUDGET_S", 510))
+        # what is left of the call's budget (an SFT step before it took its share)
+        budget = max(60.0, float(os.environ.get("AGENTRL_GPU_BUDGET_S", 510)) - (time.time() - CALL_STARTED))
+        stop = threading.Event()
+        pruner = threading.Thread(target=lambda: [prune() for _ in iter(lambda: stop.wait(20), True)], daemon=True)
+        pruner.start()
         try:
             returncode = stream(cmd, OUT / f"{name}.log", budget, what=name)
             assert returncode == 0, f"{name}: agentrl train exited {returncode} (log: {OUT / (name + '.log')})"
         except TimeoutError:
-            print(f"{name}: stopped after this call's {budget:.0f} s; the same command goes on from the last "
+            print(f"{name}: stopped after {budget:.0f} s of this call; the same command goes on from the last "
                   f"checkpoint", flush=True)
+        finally:
+            stop.set()
+            pruner.join()
+    prune()
     rows = rows_so_far()
     if (run / "metrics.jsonl").exists():
         shutil.copy2(run / "metrics.jsonl", OUT / f"{name}.metrics.jsonl")
