@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import signal
+import sys
 import threading
 
 from agentrl.config import Config
@@ -67,8 +68,12 @@ def stop_on_signals() -> None:
 
     signal.signal(signal.SIGINT, first)
     signal.signal(signal.SIGTERM, first)
-    # `kill -USR2 PID`: every thread's Python stack on stderr, the run going on (a hang's diagnosis)
-    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
+    # `kill -USR2 PID`: every thread's Python stack on stderr, the run going on (a hang's diagnosis);
+    # the process's own stderr, as a captured sys.stderr (pytest's, an IDE's) has no file descriptor
+    try:
+        faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True, chain=False)
+    except (AttributeError, ValueError, OSError):  # no stderr descriptor at all: nothing to print to
+        pass
 
 
 def stop_ray() -> None:
