@@ -123,8 +123,9 @@ _LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?: TP(\d+))?[^\]]*\
 def triton_cache_kernels() -> int | None:
     """How many compiled kernels Triton's on-disk cache holds (TRITON_CACHE_DIR, else
     ~/.triton/cache; one folder each). A machine's first SGLang start with the triton attention
-    backend compiles its kernels there during the CUDA-graph capture (30-35 s of a 1x H200's
-    start-up on 2026-12-03, against 6 s with them cached); later starts find them. None: no cache."""
+    backend compiles its kernels there while it captures its CUDA graphs; later starts find them:
+    the count before and after the engines start tells a cold machine's start-up from a warm one's.
+    None: no cache."""
     folder = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     try:
         return sum(1 for _ in folder.iterdir())

@@ -80,7 +80,7 @@ def train(cfg: Config) -> Path:
             context.record(chance_reward=chance)
         reward_fn = build_reward_fn(cfg)
         check_hooks(cfg)  # slime's generate / rollout functions: loadable, with slime's arguments
-        if cfg.rollout.rollout_engine == "sglang" and not cfg.rollout.rollout_engine_urls:
+        if cfg.rollout.rollout_engine == "sglang" and not cfg.rollout.rollout_engine_urls and not cfg.run.debug_train_only:
             # SGLang imported here, on the only thread: imported beside the driver's set-up thread
             # (transformers) it met accelerate half-initialized once (1x H200, 2026-12-03)
             from agentrl.engines.sglang import validate_sglang_args

@@ -151,8 +151,9 @@ def test_debug_rollout_only_then_train_only_replays(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (a / "checkpoints").exists()
     assert all(policy_versions(t) == {0} for i in range(2) for t in trajectories(a, i))
+    # the engine flags of the rollout run may stay: no engine starts, so SGLang need not be here
     proc = train("--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", str(a),
-                 "--output-dir", str(b), *SMALL)
+                 "--rollout-engine", "sglang", "--output-dir", str(b), *SMALL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (b / "logs" / "engine.log").exists()  # no engine started
     assert all("loss" in r for r in metrics(b))

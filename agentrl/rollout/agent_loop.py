@@ -560,9 +560,10 @@ async def run_trajectory(env: Env, task: dict[str, Any], *, renderer: Renderer, 
             except AgentFault as exc:
                 late, sample.metadata["agent_fault"] = 0.0, f"{type(exc).__name__}: {exc}"
             if late is not None:
-                sample.metadata["truncated_reward"] = float(late.get("score", 0.0)) if isinstance(late, dict) else float(late)
+                before = total_reward
                 total_reward, reward_parts = _added(late, total_reward, reward_parts)
-            stages["truncated_reward_s"] = clock() - t0
+                sample.metadata["truncated_reward"] = total_reward - before
+            _add(stages, "env_s", clock() - t0)  # the env's work, as a final answer's grading in its step
         sample.status = status
         if status == SampleStatus.TRUNCATED:
             sample.metadata["truncation"] = truncation

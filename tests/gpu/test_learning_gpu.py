@@ -59,8 +59,12 @@ def real_model_run(name: str, model: Path, *args: str, n: int, timeout_s: float 
         evals = "  ".join(f"{k} {v:.3f}" for k, v in r.items() if k.startswith("eval") and k.endswith("reward_mean"))
         print(f"iter {r['rollout_id']}: " + "  ".join(f"{k} {r[k]:.3f}" for k in keys if k in r) + f"  {evals}")
     assert len(rows) == n
-    assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 0.05  # on policy: engine vs trainer, bf16
+    assert_on_policy(rows)
     return run, rows
+
+
+def assert_on_policy(rows: list[dict]) -> None:
+    assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 0.05  # engine vs trainer, bf16
 
 
 def resumable_run(name: str, model: Path, *args: str, n: int, save_interval: int = 2) -> tuple[Path, list[dict]]:
@@ -332,8 +336,8 @@ def test_smollm2_heldout_gain(smollm2, env, attempt):
     seed again (compared with the first run's summary when it is on this machine).
     math: gain >= 0.10 and the train reward rising; math-python: a tool in most episodes and the
     held-out reward above the SFT model's or above math's without the tool (math's summary when
-    its scenario ran on this machine, else its recorded run), by two standard errors; code (local sandboxes): the
-    all-tests pass rate rises by two standard errors."""
+    its scenario ran on this machine, else its recorded run), by two standard errors; code (local
+    sandboxes): the all-tests pass rate rises by two standard errors."""
     cfg = GAIN[env]
     n = iters(cfg["iters"])
     name = f"smollm2_{env.replace('-', '_')}_gain_{attempt}"
@@ -341,7 +345,7 @@ def test_smollm2_heldout_gain(smollm2, env, attempt):
                               *cfg["args"], "--eval-prompt-data", "heldout", str(cfg["data"]()), n=n)
     if len(rows) < n:
         pytest.skip(f"{name}: {len(rows)} of {n} iterations so far: run the same command again to go on")
-    assert max(r["train_rollout_logprob_abs_diff"] for r in rows) < 0.05  # on policy: engine vs trainer, bf16
+    assert_on_policy(rows)
     assert all(r["status_failed"] == 0 for r in rows)
     out = summary(env, run, rows)
     (OUT / f"{name}.summary.json").write_text(json.dumps(out, indent=1))

@@ -2,7 +2,8 @@
 
 - startup_1p5b: a short 1.5B colocated `agentrl train` (Megatron, SGLang), twice in one call (the
   first may meet a cold Triton cache, the second does not), its start-up and stop steps from
-  run.json (Ray, placement, SGLang's weights / KV pool / CUDA graphs / warm-up, the trainer rank's process, imports and build, the driver's data set-up, the first rollout request,
+  run.json (Ray, placement, SGLang's weights / KV pool / prefill and decode CUDA graphs / warm-up,
+  the trainer rank's process, imports and build, the driver's data set-up, the first rollout request,
   the final checkpoint, engines, trainer and Ray stopped) and the command's wall time. Goals
   (reported, not asserted): the first rollout request <= 75 s after the command, the stop
   <= 20 s plus the final checkpoint's write.
