@@ -28,6 +28,7 @@ import asyncio
 import json
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -253,6 +254,7 @@ def make_demos(env_name: str, n: int, *, seed: int = 0, env_kwargs: dict | None 
         sem = asyncio.Semaphore(concurrency)
         out: list[dict] = []
         failed: list[dict] = []
+        t0, every = time.monotonic(), max(1, n // 10)
 
         async def one(task, ctx):
             async with sem:
@@ -260,6 +262,9 @@ def make_demos(env_name: str, n: int, *, seed: int = 0, env_kwargs: dict | None 
                     return
                 row = await play(agentrl.make(env_name, **kwargs), task, POLICIES[env_name], ctx)
                 (out if row is not None else failed).append(row or task)
+                if row is not None and len(out) % every == 0:  # long runs show progress (stderr: --out is the data)
+                    print(f"{env_name}: {len(out)}/{n} demonstrations, {len(failed)} not scored 1.0, "
+                          f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
 
         await asyncio.gather(*(one(t, c) for t, c in tasks))
         return out[:n], failed

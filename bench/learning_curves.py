@@ -37,9 +37,18 @@ def main() -> None:
     files = args.files or sorted((RESULTS / "learning").glob("*.metrics.jsonl"))
     base_file = RESULTS / "learning_baselines.json"  # python bench/learning_baselines.py
     baselines = json.loads(base_file.read_text()) if base_file.exists() else {}
-    fig, axes = plt.subplots(1, len(files), figsize=(4.2 * len(files), 3.4), squeeze=False)
-    for ax, path in zip(axes[0], files):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    cols = min(5, len(files))
+    grid = -(-len(files) // cols)
+    fig, axes = plt.subplots(grid, cols, figsize=(4.2 * cols, 3.4 * grid), squeeze=False)
+    for ax in axes.flat[len(files):]:
+        ax.set_visible(False)
+    for ax, path in zip(axes.flat, files):
+        by_iteration = {}  # a run resumed across calls re-runs an iteration: its last whole row counts
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if row and not row.get("partial"):
+                by_iteration[row["rollout_id"]] = row
+        rows = [by_iteration[k] for k in sorted(by_iteration)]
         ax.plot([r["rollout_id"] for r in rows], [r["reward_mean"] for r in rows], label="train reward")
         evals = [(r["rollout_id"] if k.startswith("eval/") else -1, v) for r in rows for k, v in r.items()
                  if k.startswith("eval") and k.endswith("/reward_mean")]

@@ -3,7 +3,7 @@ batch holds, each acquiring a sandbox, running its tools, releasing it. This ben
 shape against one SandboxPool (local backend by default) and prints, per burst, its wall time,
 the sandboxes made and reused, and the acquire latency.
 
-    python bench/sandbox_pool_bursts.py [--bursts 3] [--trajectories 32] [--max-active 16] [--backend local]
+    python bench/sandbox_pool_bursts.py [--bursts 3] [--trajectories 32] [--max-active 16] [--backend local] [--grade]
 
 What it shows: after the first burst, whether the pool hands out kept (reset) sandboxes or makes
 them again, `max_creating` at a time (the code env's GPU run, 2026-12-03: ~60 made an iteration,
@@ -23,12 +23,19 @@ from pathlib import Path
 from agentrl.sandboxes import SandboxPool
 
 
-async def trajectory(pool: SandboxPool, rng: random.Random) -> float:
+async def trajectory(pool: SandboxPool, rng: random.Random, grade: bool) -> float:
     t0 = time.perf_counter()
     async with pool.acquire() as sb:
         waited = time.perf_counter() - t0
         await sb.exec("echo work > f && python3 -c 'print(1)'")
         await asyncio.sleep(rng.uniform(0.2, 3.0))  # the model's turns: trajectories end apart
+    if grade:  # the code env's grader: a sandbox of the same pool, tainted after (destroyed, replaced)
+        sb = await pool.get()
+        try:
+            await sb.exec("python3 -c 'print(2)'")
+            sb.taint("it ran a solution for grading")
+        finally:
+            await pool.release(sb)
     return waited
 
 
@@ -39,7 +46,7 @@ async def main(args) -> dict:
         for burst in range(args.bursts):
             before = pool.metrics()
             t0 = time.perf_counter()
-            waits = await asyncio.gather(*[trajectory(pool, rng) for _ in range(args.trajectories)])
+            waits = await asyncio.gather(*[trajectory(pool, rng, args.grade) for _ in range(args.trajectories)])
             after = pool.metrics()
             rows.append({"burst": burst, "wall_s": round(time.perf_counter() - t0, 3),
                          "created": after["created"] - before["created"], "reused": after["reused"] - before["reused"],
@@ -47,7 +54,7 @@ async def main(args) -> dict:
                          "warm_after": after["warm"]})
             print(rows[-1], flush=True)
             await asyncio.sleep(0.5)  # the train step between rollouts
-    return {"backend": args.backend, "trajectories": args.trajectories, "max_active": args.max_active,
+    return {"backend": args.backend, "trajectories": args.trajectories, "max_active": args.max_active, "grade": args.grade,
             "machine": f"{platform.machine()}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores",
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
             "bursts": rows}
@@ -59,6 +66,7 @@ if __name__ == "__main__":
     p.add_argument("--trajectories", type=int, default=32)
     p.add_argument("--max-active", type=int, default=16)
     p.add_argument("--backend", default="local")
+    p.add_argument("--grade", action="store_true", help="each trajectory then grades in a tainted sandbox (code env)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "sandbox_pool_bursts.json"))
     a = p.parse_args()
     result = asyncio.run(main(a))

@@ -10,11 +10,13 @@
 * At most `max_active` sandboxes are handed out at once (acquire waits, with a timeout;
   `max_active=None`: `default_max_active(backend)`, what the machine holds), and warm ones
   are kept only within that bound: at most `max_active` are alive
-  and at most `max_creating` are being created at once, so the Docker daemon is never
-  flooded. `warm` idle sandboxes are made at start and kept ready; a released one is kept
-  too (reset) while fewer are idle than the most the pool has had out at once, so the next
-  burst of trajectories (a rollout's next iteration) finds them warm instead of making them
-  again `max_creating` at a time. Local, not root: the pool reserves its
+  and at most `max_creating` are being created at once (default: 4 for Docker, so its daemon
+  is never flooded; the cores for local sandboxes, plain process spawns). `warm` idle
+  sandboxes are made at start and kept ready; a released one is kept too (reset) while fewer
+  are idle than the most the pool has had out at once, and one destroyed (tainted, as a
+  grader's always is) is replaced in the background up to that many, so the next burst of
+  trajectories (a rollout's next iteration) finds them warm instead of making them again
+  `max_creating` at a time. Local, not root: the pool reserves its
   max_active sandboxes' shares of the user's kernel counts (processes, inotify, message
   queues) when it is made, from what live pools left (`local_backend.reserve_slots`; a
   SandboxError naming them where they left none), and frees them at close.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import statistics
 import time
 import weakref
@@ -47,7 +50,7 @@ from .base import Sandbox, SandboxError, SandboxLimits, default_max_active, log
 
 class SandboxPool:
     def __init__(self, backend: str = "auto", *, warm: int = 2, max_active: int | None = 8,
-                 max_creating: int = 4, image: str | None = None,
+                 max_creating: int | None = None, image: str | None = None,
                  limits: SandboxLimits | None = None, network: bool = False,
                  mounts: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
                  reuse: bool = True, acquire_timeout_s: float = 600.0, max_groups: int = 256,
@@ -65,6 +68,8 @@ class SandboxPool:
         self._idle: list[Sandbox] = []
         self._active: set[Sandbox] = set()
         self._slots = asyncio.Semaphore(max_active)
+        if max_creating is None:
+            max_creating = 4 if self.backend == "docker" else max(4, os.cpu_count() or 4)
         self._creating = asyncio.Semaphore(max_creating)
         self._groups: OrderedDict[str, tuple[bytes, Mapping | None, str | None]] = OrderedDict()
         self._bg: set[asyncio.Task] = set()
@@ -128,8 +133,10 @@ class SandboxPool:
         return len(self._active) + len(self._idle) + len(self._bg) + self._unlisted
 
     def _refill(self) -> None:
-        # warm ones count against max_active too: never more than max_active sandboxes alive
-        if self.closed or len(self._idle) + len(self._bg) >= self.warm_target or self._alive() >= self.max_active:
+        # as many ready as the last burst took (release() keeps that many reset ones); warm ones count
+        # against max_active too: never more than max_active sandboxes alive
+        if (self.closed or len(self._idle) + len(self._bg) >= max(self.warm_target, self._peak_active)
+                or self._alive() >= self.max_active):
             return
 
         async def one():

@@ -74,7 +74,9 @@ def test_the_commands_chain(tmp_path, capsys):
 
     out = tmp_path / "demos.jsonl"
     assert main(["demos", "--env", "search-r1", "--n", "4", "--out", str(out)]) == 0
-    assert "search-r1: 4 demonstrations (reward 1.0)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "search-r1: 4 demonstrations (reward 1.0)" in err
+    assert "search-r1: 2/4 demonstrations, 0 not scored 1.0" in err  # progress as it goes
     assert len(out.read_text().splitlines()) == 4
     assert main(["sft", "--prompt-data", str(out), "--global-batch-size", "2", "--output-dir", str(tmp_path / "sft")]) == 0
     assert (tmp_path / "sft" / "checkpoints" / "iter_000002" / "model" / "config.json").exists()

@@ -252,9 +252,10 @@ def stand_in_sglang_parser():
     p = argparse.ArgumentParser(add_help=False)
     for name in ("--model-path", "--host", "--port", "--tp-size", "--random-seed", "--dtype", "--mem-fraction-static",
                  "--chunked-prefill-size", "--cuda-graph-max-bs", "--deepep-mode", "--max-running-requests",
-                 "--disaggregation-mode", "--disaggregation-bootstrap-port"):
+                 "--disaggregation-mode", "--disaggregation-bootstrap-port", "--cuda-graph-backend-prefill"):
         p.add_argument(name)
     p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--disable-prefill-cuda-graph", action="store_true")
     p.add_argument("--enable-dp-attention", action="store_true")
     return p
 
@@ -295,7 +296,8 @@ def test_launched_prefill_and_decode_engines_take_their_groups_arguments(tmp_pat
     yaml = tmp_path / "sglang.yaml"
     yaml.write_text("sglang:\n  - name: actor\n    server_groups:\n"
                     "      - {worker_type: prefill, num_gpus: 1, overrides: {enable_dp_attention: true, "
-                    "chunked_prefill_size: 131072, max_running_requests: 512, deepep_mode: auto}}\n"
+                    "chunked_prefill_size: 131072, max_running_requests: 512, deepep_mode: auto, "
+                    "cuda_graph_backend_prefill: breakable}}\n"
                     "      - {worker_type: decode, num_gpus: 2, overrides: {enable_dp_attention: true, "
                     "max_running_requests: 768, cuda_graph_max_bs: 12, deepep_mode: low_latency, "
                     "disable_overlap_schedule: true}}\n")
@@ -316,10 +318,12 @@ def test_launched_prefill_and_decode_engines_take_their_groups_arguments(tmp_pat
                       enable_dp_attention=True)
         expected = {"prefill": dict(common, chunked_prefill_size="131072", max_running_requests="512",
                                     deepep_mode="auto", cuda_graph_max_bs=None, disable_overlap_schedule=False,
-                                    disaggregation_mode="prefill"),
+                                    disaggregation_mode="prefill",  # prefill graphs asked for: kept
+                                    cuda_graph_backend_prefill="breakable", disable_prefill_cuda_graph=False),
                     "decode": dict(common, chunked_prefill_size=None, max_running_requests="768",
                                    deepep_mode="low_latency", cuda_graph_max_bs="12", disable_overlap_schedule=True,
-                                   disaggregation_mode="decode", disaggregation_bootstrap_port=None)}
+                                   disaggregation_mode="decode", disaggregation_bootstrap_port=None,
+                                   cuda_graph_backend_prefill=None, disable_prefill_cuda_graph=True)}  # agentrl's default
         for url, argv in launched.items():
             assert argv[1:3] == ["-m", "agentrl.engines.sglang_server"]
             got = vars(stand_in_sglang_parser().parse_args(argv[3:]))

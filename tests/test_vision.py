@@ -171,6 +171,35 @@ def test_the_sglang_wrapper_sends_one_image_token_per_image(vlm, processor, tmp_
         assert seen[-1][1] == request
 
 
+def test_a_vlm_engine_takes_weight_updates_only_with_sglangs_image_cache_off(vlm, monkeypatch):
+    """SGLang caches a VLM's image embeddings by image (SGLANG_VLM_CACHE_SIZE_MB, 100 by default) and
+    no weight update or flush clears them: after a sync it served the old vision tower's features
+    (the weight check failed on an H200, 2026-12-03). agentrl starts every engine with the cache off;
+    the embedded engine refuses an update with it on, where SGLang would drift silently."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from agentrl.engines.embedded import EmbeddedEngine, encode_named_tensors
+    from agentrl.engines.launch import ENGINE_ENV
+
+    assert ENGINE_ENV["SGLANG_VLM_CACHE_SIZE_MB"] == "0"
+    engine = EmbeddedEngine(str(vlm), prefix_cache_tokens=0)
+    name, weight = next((n, p) for n, p in engine.model.named_parameters() if "visual" in n)
+
+    async def update(version):
+        async with TestClient(TestServer(engine.app())) as client:
+            r = await client.post("/update_weights_from_tensor", json={
+                "serialized_named_tensors": [encode_named_tensors([(name, weight.detach().clone())])],
+                "weight_version": version})
+            return r.status, await r.json()
+
+    monkeypatch.delenv("SGLANG_VLM_CACHE_SIZE_MB", raising=False)
+    status, reply = asyncio.run(update("1"))
+    assert status == 400 and not reply["success"] and "SGLANG_VLM_CACHE_SIZE_MB=100 (the default)" in reply["message"]
+    monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "0")
+    assert asyncio.run(update("2")) == (200, {"success": True, "message": "Succeeded to update 1 tensors."})
+    assert engine.weight_version == "2"
+
+
 # -- agent loop ------------------------------------------------------------------------------------
 class ImageEnv(agentrl.Env):
     """Two turns on an image prompt; each reply earns 0.5."""

@@ -42,7 +42,9 @@ fails here on the CPU first: resuming a memory tag that is not released (SGLang:
 is fully idle), generating while memory is released (SGLang's kernels read freed memory),
 and a weight update that flushes the cache (SGLang's default) while requests are paused in
 place (SGLang asserts the flush after an update). /health runs a one-token generation as SGLang's does, unless
-SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (agentrl starts engines so).
+SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (agentrl starts engines so). A vision-language
+model's weight update is refused unless SGLANG_VLM_CACHE_SIZE_MB is 0 (agentrl starts engines so):
+SGLang's image-embedding cache survives updates and flushes and would serve the old vision tower.
 
 `serialized_named_tensors` format: SGLang's own is a CUDA-IPC `MultiprocessingSerializer`
 pickle, which only works between processes sharing a GPU. The embedded engine takes one
@@ -891,6 +893,14 @@ class EmbeddedEngine:
         does not while requests paused in place hold KV of the old weights."""
         # KV computed under the old weights is never reused, whatever `flush_cache` says
         self._clear_prefix_cache()
+        if self.processor is not None and os.environ.get("SGLANG_VLM_CACHE_SIZE_MB", "100").strip() != "0":
+            # SGLang would go on serving the old vision tower's image embeddings from its cache (not
+            # cleared by updates or flushes) and drift silently: refused here, on the CPU, instead
+            return web.json_response({"success": False, "message": (
+                f"weights updated ({what}) with SGLANG_VLM_CACHE_SIZE_MB="
+                f"{os.environ.get('SGLANG_VLM_CACHE_SIZE_MB', '100 (the default)')}: SGLang keeps serving image "
+                "embeddings of the old vision tower from that cache; start the engine with SGLANG_VLM_CACHE_SIZE_MB=0 "
+                "(agentrl's launcher does)")}, status=400)
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
         log.info("weights updated (%s), version %s", what, self.weight_version)

@@ -202,9 +202,10 @@ def _launch_embedded(cfg: RolloutConfig, *, model_path: str, device: str, seed: 
 
 def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: Path, sglang_args: dict,
                    launch=_local_launcher, gpu_ids: list[int] | None = None):
-    from agentrl.engines.sglang import merged_args, plan_engines, sglang_log_hint, validate_sglang_args, visible_gpus
+    from agentrl.engines.sglang import (merged_args, plan_engines, sglang_log_hint, validate_sglang_args, visible_gpus,
+                                        with_rollout_defaults)
 
-    argv = validate_sglang_args(sglang_args)
+    argv = with_rollout_defaults(validate_sglang_args(sglang_args))
     worker_argv = {}
     for kind, own in (("prefill", cfg.prefill_sglang_args), ("decode", cfg.decode_sglang_args)):
         if own and not cfg.prefill_num_servers:
@@ -212,7 +213,7 @@ def _launch_sglang(cfg: RolloutConfig, *, model_path: str, seed: int, log_dir: P
                               "--prefill-num-servers (prefill/decode engines)")
         if cfg.prefill_num_servers:
             try:
-                worker_argv[kind] = validate_sglang_args(merged_args(sglang_args, own))
+                worker_argv[kind] = with_rollout_defaults(validate_sglang_args(merged_args(sglang_args, own)))
             except ConfigError as exc:
                 raise ConfigError(f"--{kind}-sglang-args {json.dumps(own)}: {exc}") from None
     gpu_ids = visible_gpus() if gpu_ids is None else gpu_ids

@@ -24,7 +24,11 @@ from agentrl.parent_death import die_with_parent
 # The environment of every engine server agentrl starts. SGLang's /health runs a one-token
 # generation by default, which crashes its scheduler while the KV cache is released
 # (--colocate); false makes /health a liveness check (the monitor's and the router's polls).
-ENGINE_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
+# SGLANG_VLM_CACHE_SIZE_MB: SGLang caches a VLM's image embeddings by image (100 MB by default) and
+# neither a weight update nor /flush_cache clears that cache, so after a sync it serves the old vision
+# tower's features for every image it saw before (the engine drifted from the trainer until the weight
+# check failed, 1x H200, 2026-12-03); SGLang itself turns it off for RL (rl_on_policy_target).
+ENGINE_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false", "SGLANG_VLM_CACHE_SIZE_MB": "0"}
 
 
 # its own generator, seeded by the OS: the global one is seeded by --seed, so two runs with the

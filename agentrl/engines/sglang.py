@@ -132,6 +132,29 @@ def validate_sglang_args(args: dict[str, str | None], parser: argparse.ArgumentP
     return argv
 
 
+# SGLang 0.5.15 captures prefill CUDA graphs for 58 token counts by default: 23 s of a 1.5B engine's
+# start-up (65 s of a 7B TP=2 one) for no rollout gain: 54.3k / 52.5k tok/s with them, 54.2k / 54.1k
+# without (1.5B colocated, 256 x 1024 tokens, 1x H200, 2026-12-03, `startup_1p5b`). Off unless one of
+# these is given; --sglang-cuda-graph-backend-prefill breakable is SGLang's default back.
+PREFILL_GRAPH_FLAGS = frozenset(
+    "--" + f for f in ("disable-prefill-cuda-graph", "cuda-graph-backend-prefill", "cuda-graph-config",
+                       "cuda-graph-max-bs-prefill", "cuda-graph-bs-prefill", "cuda-graph-tc-compiler",
+                       "disable-cuda-graph", "enable-breakable-cuda-graph", "disable-piecewise-cuda-graph",
+                       "enforce-piecewise-cuda-graph", "piecewise-cuda-graph-tokens", "piecewise-cuda-graph-compiler",
+                       "piecewise-cuda-graph-max-tokens"))
+
+
+def with_rollout_defaults(argv: list[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """An engine's checked SGLang argv with agentrl's rollout defaults where the user set nothing
+    of the kind and the installed SGLang has the flag: prefill CUDA graphs off (PREFILL_GRAPH_FLAGS)."""
+    parser = parser or _installed_parser()
+    known = {s for a in parser._actions for s in a.option_strings}
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    if "--disable-prefill-cuda-graph" in known and not given & PREFILL_GRAPH_FLAGS:
+        argv = [*argv, "--disable-prefill-cuda-graph"]
+    return argv
+
+
 def arg_value(value) -> str | None | bool:
     """A YAML/JSON value (slime's --sglang-config overrides, --prefill-sglang-args) as a --sglang-*
     value: None or true a bare switch (None), false not given (False), a list its words, a mapping

@@ -21,7 +21,7 @@
 #   bash scripts/gpu/run.sh "1_5b_memory_flat and micro8"   the 1.5B colocated run, 8 samples a micro-batch;
 #                                           "... and tokens32k": packed to 32k tokens; each prints its train-step MFU
 # Performance scenarios (issue 34, tests/gpu/test_perf_gpu.py), each under 8 minutes:
-#   bash scripts/gpu/run.sh "startup_1p5b and not no_prefill"   a 2-iteration 1.5B colocated run, twice (cold and warm caches; "... and no_prefill": without prefill CUDA graphs)
+#   bash scripts/gpu/run.sh "startup_1p5b and not prefill_graphs"   a 2-iteration 1.5B colocated run, twice (cold and warm caches; "... and prefill_graphs": with SGLang's prefill CUDA graphs)
 #   bash scripts/gpu/run.sh rollout_phase_vs_bare   the rollout phase's ratio to a bare client, and its gap
 #                                               part by part (bench/rollout_breakdown.py)
 #   bash scripts/gpu/run.sh async_repeats       (2 GPUs) sync vs async repeated, median and spread;

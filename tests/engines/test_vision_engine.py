@@ -86,7 +86,7 @@ def test_image_data_is_sglangs_field_and_the_engine_is_as_strict(vlm, processor,
         assert words in message, message
 
 
-def test_engine_and_trainer_logprobs_agree_on_an_image_prompt(vlm, processor, tmp_path):
+def test_engine_and_trainer_logprobs_agree_on_an_image_prompt(vlm, processor, tmp_path, monkeypatch):
     """A probe: the tokens the engine sampled for an image prompt (two images in a batch, beside a
     text-only prompt) have the same logprobs under the trainer's forward with the same images; and
     a weight sync carries every weight, the vision tower's too, under names the engine loads; a
@@ -100,6 +100,7 @@ def test_engine_and_trainer_logprobs_agree_on_an_image_prompt(vlm, processor, tm
     from agentrl.weight_transfer import sync_weights_from_tensor
 
     torch.set_num_threads(1)
+    monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "0")  # as agentrl starts engines (ENGINE_ENV)
     renderer = Renderer(load_tokenizer(vlm), processor=processor)
     engine = EmbeddedEngine(str(vlm))
     trainer = TorchTrainer(str(vlm), train=TrainConfig(lr=0.05), algo=AlgoConfig(), temperature=1.0)

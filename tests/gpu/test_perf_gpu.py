@@ -34,14 +34,14 @@ REPO = Path(__file__).resolve().parents[2]
 FIRST_REQUEST_GOAL_S, STOP_GOAL_S = 75.0, 20.0
 
 
-@pytest.mark.parametrize("attempt", ["first", "again", "no_prefill_graphs"])
+@pytest.mark.parametrize("attempt", ["first", "again", "prefill_graphs"])
 def test_startup_1p5b(attempt):
     """`first`: the machine's Triton cache may be cold (SGLang's triton attention kernels compiled
     while it starts: run.json's triton_cache_kernels says); `again`, in the same call, starts with
-    them cached; `no_prefill_graphs` (its own call: `startup_1p5b and no_prefill`) skips SGLang
-    0.5.15's prefill CUDA graphs (29-35 s of its start on an H200), the rollout's tok/s printed
-    beside, to weigh them."""
-    extra = ["--sglang-disable-prefill-cuda-graph"] if attempt == "no_prefill_graphs" else []
+    them cached; `prefill_graphs` (its own call: `startup_1p5b and prefill_graphs`) captures SGLang
+    0.5.15's prefill CUDA graphs, SGLang's default that agentrl turns off (23 s of the start on an
+    H200 for the same rollout tok/s, 2026-12-03), the rollout's tok/s printed beside, to weigh them."""
+    extra = ["--sglang-cuda-graph-backend-prefill", "breakable"] if attempt == "prefill_graphs" else []
     model = random_qwen2("1.5b")  # built (or found) before the clock starts: not part of a run's start-up
     save = Path(tempfile.mkdtemp(prefix="agentrl-startup-"))  # the final checkpoint (GBs) outside OUT
     name = f"startup_1p5b_{attempt}"

@@ -168,6 +168,29 @@ def test_pool_keeps_a_burst_warm_for_the_next_one():
     run(go(), timeout=120)
 
 
+def test_pool_replaces_tainted_sandboxes_up_to_the_burst_before_it_is_needed():
+    """A grader's sandbox is always tainted and destroyed (the code env: one an episode), so a burst
+    kept warm by reset alone shrinks by its size every iteration and the next one waited for
+    replacements (reset 6.9 s a trajectory on 1x H200, 2026-12-03). They are made in the
+    background, up to the burst's size, as the tainted ones go."""
+    backend = backend_or_skip("local")
+
+    async def go():
+        async with SandboxPool(backend, warm=1, max_active=4, limits=SMALL, acquire_timeout_s=60) as pool:
+            held = await asyncio.gather(*[pool.get() for _ in range(4)])
+            for sb in held:
+                sb.taint("it ran a solution for grading")
+                await pool.release(sb)
+            await await_until(lambda: pool.metrics()["warm"] == 4, timeout_s=60,
+                              what=lambda: f"four replacements warm ({pool.metrics()})")
+            made = pool.metrics()["created"]
+            held = await asyncio.gather(*[pool.get() for _ in range(4)])
+            assert pool.metrics()["created"] == made == 8, pool.metrics()  # none made while they waited
+            for sb in held:
+                await pool.release(sb)
+    run(go(), timeout=120)
+
+
 @pytest.mark.slow
 def test_pool_never_holds_more_than_max_active(backend):
     """Trajectories coming and going (reset and reused, or tainted and replaced) never make the
