@@ -44,9 +44,9 @@ def main() -> None:
         ax.set_visible(False)
     for ax, path in zip(axes.flat, files):
         by_iteration = {}  # a run resumed across calls re-runs an iteration: its last whole row counts
-        for line in path.read_text().splitlines():
-            row = json.loads(line) if line.strip() else {}
-            if row and not row.get("partial"):
+        for line in filter(str.strip, path.read_text().splitlines()):
+            row = json.loads(line)
+            if not row.get("partial"):
                 by_iteration[row["rollout_id"]] = row
         rows = [by_iteration[k] for k in sorted(by_iteration)]
         ax.plot([r["rollout_id"] for r in rows], [r["reward_mean"] for r in rows], label="train reward")

@@ -893,12 +893,12 @@ class EmbeddedEngine:
         does not while requests paused in place hold KV of the old weights."""
         # KV computed under the old weights is never reused, whatever `flush_cache` says
         self._clear_prefix_cache()
-        if self.processor is not None and os.environ.get("SGLANG_VLM_CACHE_SIZE_MB", "100").strip() != "0":
+        image_cache_mb = os.environ.get("SGLANG_VLM_CACHE_SIZE_MB", "100 (the default)")
+        if self.processor is not None and image_cache_mb.strip() != "0":
             # SGLang would go on serving the old vision tower's image embeddings from its cache (not
             # cleared by updates or flushes) and drift silently: refused here, on the CPU, instead
             return web.json_response({"success": False, "message": (
-                f"weights updated ({what}) with SGLANG_VLM_CACHE_SIZE_MB="
-                f"{os.environ.get('SGLANG_VLM_CACHE_SIZE_MB', '100 (the default)')}: SGLang keeps serving image "
+                f"weights updated ({what}) with SGLANG_VLM_CACHE_SIZE_MB={image_cache_mb}: SGLang keeps serving image "
                 "embeddings of the old vision tower from that cache; start the engine with SGLANG_VLM_CACHE_SIZE_MB=0 "
                 "(agentrl's launcher does)")}, status=400)
         if body.get("weight_version") is not None:
