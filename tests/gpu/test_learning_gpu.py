@@ -277,6 +277,24 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return m, (var / len(xs)) ** 0.5
 
 
+def paired_gain(before: list[dict], after: list[dict], score) -> tuple[float, float, int]:
+    """The gain over the tasks evaluated both times, and its paired standard error: each task's mean
+    score after minus before (a task is its prompt), the std of those differences / sqrt(tasks). The same
+    held-out tasks are scored twice, so their spread in difficulty is no noise in the gain; and a task's
+    samples count once, as one difference, where the unpaired se took them as independent."""
+    def by_task(rows):
+        out: dict[tuple, list[float]] = {}
+        for r in rows:
+            out.setdefault(tuple(r["prompt_tokens"]), []).append(score(r))
+        return {k: mean(v) for k, v in out.items()}
+
+    b, a = by_task(before), by_task(after)
+    diffs = [a[k] - b[k] for k in b if k in a]
+    if not diffs:
+        raise AssertionError("no held-out task was evaluated both before and after training")
+    return (*mean_se(diffs), len(diffs))
+
+
 # per env: RL flags (search-r1's: lr 1e-5, 8 samples per prompt, --eval-interval 10), default
 # iterations (each scenario one device call, about 8 minutes on one H100), held-out set
 GAIN = {
@@ -324,10 +342,15 @@ def summary(env: str, run: Path, rows: list[dict]) -> dict:
            "train_first5": mean(r["reward_mean"] for r in rows[:5]), "train_last5": mean(r["reward_mean"] for r in rows[-5:]),
            "tool_use_after": mean((r.get("metadata") or {}).get("tool_calls", 0) > 0 for r in after),
            "tool_calls_mean_last": rows[-1].get("tool_calls_mean", 0.0)}
+    for key, score in (("gain", reward_of), ("pass_gain", lambda r: float(reward_of(r) >= 1.0))):
+        g, se, tasks = paired_gain(before, after, score)
+        out.update({f"{key}_paired": g, f"{key}_paired_se": se, "heldout_tasks_paired": tasks})
     print(f"{env}: held-out {b:.3f} +- {b_se:.3f} -> {a:.3f} +- {a_se:.3f} (gain {a - b:+.3f} +- {out['gain_se']:.3f}, "
           f"{len(after)} episodes); all tests passed {out['pass_before']:.3f} -> {out['pass_after']:.3f}; train reward "
           f"first 5 {out['train_first5']:.3f}, last 5 {out['train_last5']:.3f}; episodes using a tool "
-          f"{out['tool_use_after']:.2f}", flush=True)
+          f"{out['tool_use_after']:.2f}; paired over {out['heldout_tasks_paired']} tasks: gain "
+          f"{out['gain_paired']:+.3f} +- {out['gain_paired_se']:.3f}, all tests passed {out['pass_gain_paired']:+.3f} +- "
+          f"{out['pass_gain_paired_se']:.3f}", flush=True)
     return out
 
 
@@ -340,7 +363,7 @@ def test_smollm2_heldout_gain(smollm2, env, attempt):
     math: gain >= 0.10 and the train reward rising; math-python: a tool in most episodes and the
     held-out reward above the SFT model's or above math's without the tool (math's summary when
     its scenario ran on this machine, else its recorded run), by two standard errors; code (local
-    sandboxes): the all-tests pass rate rises by two standard errors."""
+    sandboxes): the all-tests pass rate rises by two paired standard errors (the same tasks before and after)."""
     cfg = GAIN[env]
     n = iters(cfg["iters"])
     name = f"smollm2_{env.replace('-', '_')}_gain_{attempt}"
@@ -369,5 +392,5 @@ def test_smollm2_heldout_gain(smollm2, env, attempt):
         # by two standard errors: 0.005 -> 0.020 (+- 0.011) passed a bare `>` on 2026-12-03 while sitting
         # on the constant answer's floor
         assert out["gain"] > 2 * out["gain_se"] or out["heldout_after"] - without_tool > 2 * out["heldout_after_se"], out
-    else:
-        assert out["pass_after"] - out["pass_before"] > 2 * out["pass_gain_se"], out
+    else:  # the same 100 tasks before and after: the paired test (paired_gain)
+        assert out["pass_gain_paired"] > 2 * out["pass_gain_paired_se"], out
