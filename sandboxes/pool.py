@@ -26,6 +26,12 @@
   empty: local not root), if a server in it was restarted (`Sandbox.tainted`: the agent may
   have planted something there), or with `reuse=False`, it is destroyed and a fresh one is
   made in the background.
+* `keep_ready(key, start, stop)` makes warm sandboxes ready for a kind of trajectory in the
+  background (a ToolEnv: its tool servers, whose start was most of a code-env reset): a
+  `get(ready=key)` prefers one made ready and `take_ready()` hands over what `start` made, a
+  plain get() (a grader's) prefers one that is not. Each sandbox a `get(ready=key)` gave out
+  and got back (a trajectory ended: its batch's own resets are done) makes one idle sandbox
+  ready, itself when it was kept; every start is for one trajectory.
 * Every member of a GRPO group starts from the same state: the first acquire of a
   `group_id` writes `setup_files` and runs `setup_cmd`, then snapshots /work (a tar);
   later members of the group get that snapshot unpacked, byte for byte, whatever
@@ -76,8 +82,14 @@ class SandboxPool:
         self._unlisted = 0  # alive but in no list: being created by get(), reset or destroyed by release()
         self._peak_active = 0  # the most handed out at once: release() keeps that many warm
         self._acquire_s: list[float] = []
+        # keep_ready(): (key, start, stop); each idle sandbox made ready -> (key, the start's task)
+        self._ready_with = None
+        self._ready: dict[Sandbox, tuple[object, asyncio.Task]] = {}
+        self._ready_out: set[Sandbox] = set()  # handed out by get(ready=...)
+        self._ready_due = 0  # such sandboxes given back whose successor is not being made ready yet
+        self._ready_bg: set[asyncio.Task] = set()  # starts and stops under way
         self._counts = {"created": 0, "reused": 0, "destroyed": 0, "reset_failures": 0,
-                        "create_failures": 0, "acquired": 0, "tainted": 0}
+                        "create_failures": 0, "acquired": 0, "tainted": 0, "ready_taken": 0, "ready_wasted": 0}
         self.closed = False
         # local, not root: the pool reserves its max_active sandboxes' shares of the user's kernel counts in
         # the ledger (local_backend.reserve_slots) from what earlier pools left, so that all the live
@@ -110,6 +122,9 @@ class SandboxPool:
         for t in list(self._bg):
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)
+        for sb in list(self._ready):
+            self._unready(sb)
+        await asyncio.gather(*self._ready_bg, return_exceptions=True)
         doomed = self._idle + list(self._active)
         self._idle, self._active = [], set()
         await asyncio.gather(*[sb.close() for sb in doomed], return_exceptions=True)
@@ -149,9 +164,89 @@ class SandboxPool:
                 await sb.close()  # closed, or a get() made its own meanwhile: the bound holds
             else:
                 self._idle.append(sb)
+                self._ready_more()
         task = asyncio.get_running_loop().create_task(one())
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
+
+    # ---- ready-made state (keep_ready) ----------------------------------------------
+    def keep_ready(self, key, start, stop) -> None:
+        """Make released sandboxes ready for `get(ready=key)` in the background: `await start(sb)` gives
+        the handle `take_ready` returns, `await stop(handle)` ends one that a get() of another kind
+        took, or that the pool closes. Same key again: nothing changes; another key replaces it."""
+        if self._ready_with is not None and self._ready_with[0] == key:
+            return
+        self._ready_with = (key, start, stop)
+
+    def _spawn_ready(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._ready_bg.add(task)
+        task.add_done_callback(self._ready_bg.discard)
+        return task
+
+    def _ready_more(self, prefer: Sandbox | None = None) -> None:
+        """For each sandbox a get(ready=...) had and gave back, make one idle sandbox ready (the one
+        given back when it was kept). Only then: a trajectory has ended, so its batch's own resets are
+        done (a start made while they run takes their CPU: on 2 cores a first burst's resets took 15 s
+        instead of 6.5), and only as many, so a grader's plain get() finds the others."""
+        if self._ready_with is None or self.closed:
+            return
+        key, start, _ = self._ready_with
+        for sb in ([prefer] if prefer in self._idle else []) + self._idle:
+            if self._ready_due <= 0:
+                return
+            if sb not in self._ready:
+                self._ready[sb] = (key, self._spawn_ready(start(sb)))
+                self._ready_due -= 1
+
+    def _unready(self, sb: Sandbox) -> None:
+        """End what was made ready in `sb` (if anything), in the background."""
+        entry = self._ready.pop(sb, None)
+        if entry is None:
+            return
+        task = entry[1]
+        stop = self._ready_with[2] if self._ready_with is not None else None
+
+        async def end():  # (a start is bounded by its own timeout: not cancelled, so it ends cleanly)
+            with contextlib.suppress(Exception):
+                handle = await task
+                if stop is not None:
+                    await stop(handle)
+        self._spawn_ready(end())
+
+    async def take_ready(self, sb: Sandbox, key):
+        """What keep_ready's start made in `sb` for `key` (waiting for it to finish), or None: none
+        was made, it was for another key, or its start failed (the caller starts its own)."""
+        entry = self._ready.get(sb)
+        if entry is None:
+            return None
+        if entry[0] != key:
+            self._unready(sb)
+            return None
+        del self._ready[sb]
+        try:
+            handle = await asyncio.shield(entry[1])  # a cancelled caller must not cut a start short
+        except asyncio.CancelledError:
+            self._ready[sb] = entry
+            self._unready(sb)  # stopped once it has started
+            raise
+        except Exception as e:
+            log.warning("sandbox pool: making sandbox %s ready failed (%s); the trajectory starts its own", sb.id, e)
+            return None
+        self._counts["ready_taken"] += 1
+        return handle
+
+    def _pick_idle(self, ready) -> Sandbox:
+        """An idle sandbox: one made ready for `ready`, or for a plain get() one not made ready."""
+        for i in range(len(self._idle) - 1, -1, -1):
+            entry = self._ready.get(self._idle[i])
+            if (entry is not None and entry[0] == ready) if ready is not None else entry is None:
+                return self._idle.pop(i)
+        sb = self._idle.pop()
+        if sb in self._ready and (ready is None or self._ready[sb][0] != ready):
+            self._counts["ready_wasted"] += 1
+            self._unready(sb)
+        return sb
 
     # ---- acquire / release ---------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -169,8 +264,9 @@ class SandboxPool:
 
     async def get(self, group_id: str | None = None,
                   setup_files: Mapping[str, bytes | str] | None = None,
-                  setup_cmd: str | None = None) -> Sandbox:
-        """acquire() without the context manager: pair with release()."""
+                  setup_cmd: str | None = None, ready=None) -> Sandbox:
+        """acquire() without the context manager: pair with release(). `ready`: a keep_ready key, for
+        a sandbox made ready for it where one is (take_ready then gives what was made)."""
         if self.closed:
             raise SandboxError("sandbox pool is closed")
         t0 = time.perf_counter()
@@ -191,7 +287,7 @@ class SandboxPool:
                     await asyncio.wait(set(self._bg), timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 warm = bool(self._idle)
                 if warm:
-                    sb = self._idle.pop()
+                    sb = self._pick_idle(ready)
                 else:
                     self._unlisted += 1  # holds a slot already: counts as alive for _refill
                     try:
@@ -200,6 +296,8 @@ class SandboxPool:
                         self._unlisted -= 1
                 self._active.add(sb)
                 self._peak_active = max(self._peak_active, len(self._active))
+                if ready is not None:
+                    self._ready_out.add(sb)
                 self._refill()
                 try:
                     if warm:
@@ -214,12 +312,16 @@ class SandboxPool:
                     # a warm sandbox that died while idle: replace it once
                     log.warning("sandbox pool: idle sandbox %s is broken (%s); replacing it", sb.id, e)
                     self._active.discard(sb)
+                    self._ready_out.discard(sb)
+                    self._unready(sb)
                     await sb.close()
                     self._counts["destroyed"] += 1
                     sb = None
         except BaseException:
             if sb is not None:
                 self._active.discard(sb)
+                self._ready_out.discard(sb)
+                self._unready(sb)
                 await sb.close()
             self._slots.release()
             raise
@@ -267,6 +369,9 @@ class SandboxPool:
         if sb not in self._active:
             return
         self._active.discard(sb)
+        was_ready = sb in self._ready_out
+        self._ready_out.discard(sb)
+        self._unready(sb)  # made ready and never taken: its start was for the trajectory that ended
         self._unlisted += 1
         keep = False
         try:
@@ -291,6 +396,9 @@ class SandboxPool:
             self._slots.release()
         if not keep:
             self._refill()
+        if was_ready:
+            self._ready_due = min(self._ready_due + 1, self.max_active)
+            self._ready_more(prefer=sb if keep else None)
 
     def metrics(self) -> dict:
         """Pool state for logging: active/idle counts, acquire latency, lifetime counters."""

@@ -127,8 +127,18 @@ class ToolEnv(Env):
 
     async def start_tools(self) -> ToolSet:
         specs = self.server_specs()
+        toolset = None
         if hasattr(self.sandbox, "get") and hasattr(self.sandbox, "release"):  # a SandboxPool
-            self.sandbox_instance, self._own_sandbox = await self.sandbox.get(), self.sandbox
+            pool = self.sandbox
+            if hasattr(pool, "keep_ready") and any(s.in_sandbox for s in specs):
+                # the pool starts the next trajectories' tool servers while this one runs: their
+                # start (~1 s of CPU each) was most of a reset when a batch began at once
+                key, start = self._tool_starter(specs)
+                pool.keep_ready(key, start, ToolSet.close)
+                self.sandbox_instance, self._own_sandbox = await pool.get(ready=key), pool
+                toolset = await pool.take_ready(self.sandbox_instance, key)
+            else:
+                self.sandbox_instance, self._own_sandbox = await pool.get(), pool
         elif self.sandbox is not None and not isinstance(self.sandbox, str):
             self.sandbox_instance, self._own_sandbox = self.sandbox, False
         elif self.sandbox and any(s.in_sandbox for s in specs):
@@ -140,14 +150,26 @@ class ToolEnv(Env):
         elif not self.sandbox and {"python", "bash"} & set(self.builtin_tools):
             _warn_once(f"{type(self).__name__}: the built-in python/bash tools run on the host, unconfined (no "
                        "sandbox); set `sandbox = \"auto\"` (or local / docker) to confine the model's code")
-        self.toolset = ToolSet(specs, self.function_tools, sandbox=self.sandbox_instance,
-                               call_timeout=self.tool_timeout, max_output_chars=self.max_tool_output)
+        self.toolset = toolset or ToolSet(specs, self.function_tools, sandbox=self.sandbox_instance,
+                                          call_timeout=self.tool_timeout, max_output_chars=self.max_tool_output)
         try:
-            await self.toolset.start()
+            await self.toolset.start()  # (one the pool started is started: nothing to do)
         except BaseException:
             await self.close_tools()
             raise
         return self.toolset
+
+    def _tool_starter(self, specs: list[MCPServerSpec]):
+        """(key, start): what a pool needs to start this env's tool servers in a sandbox ahead of a
+        trajectory. The key is everything the ToolSet is made of, so envs that differ get their own."""
+        functions, timeout, max_output = tuple(self.function_tools), self.tool_timeout, self.max_tool_output
+        key = (repr(specs), tuple(map(id, functions)), timeout, max_output)
+
+        async def start(sb) -> ToolSet:
+            toolset = ToolSet(specs, functions, sandbox=sb, call_timeout=timeout, max_output_chars=max_output)
+            await toolset.start()
+            return toolset
+        return key, start
 
     async def close_tools(self) -> None:
         toolset, self.toolset = self.toolset, None

@@ -315,9 +315,11 @@ GAIN = {
     # in a device call. Now one wave of 64 with 10-s tool calls (the hidden tests have 10 s a call too).
     # 20 iterations (11-22 s each) left the all-tests rate at 0.165 -> 0.160 and the share of tests
     # 0.230 -> 0.269 (+- 0.036), train reward flat (1x H200, 2026-12-03, fourth session); math needed 100
-    # for +0.13: 60 now, three device calls
+    # for +0.13: 60 now, three device calls. An endless loop the model wrote cost an iteration 20 s (its 10-s
+    # tool call, then its 10-s hidden-test call: 2 of 6 iterations took 54 s, 2026-12-03, fifth session); the
+    # generator's reference solutions run in milliseconds, so 5 s a tool call and 2 s a test call now
     "code": dict(iters=60, data=lambda: heldout_code(100), args=[
-        "--sandbox", "local", "--sandbox-max-active", "64", "--env-kwargs", '{"tool_timeout": 10}',
+        "--sandbox", "local", "--sandbox-max-active", "64", "--env-kwargs", '{"tool_timeout": 5, "test_timeout": 2}',
         "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--global-batch-size",
         "64", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "30",
         "--n-samples-per-eval-prompt", "2"]),

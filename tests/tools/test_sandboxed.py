@@ -93,3 +93,60 @@ def test_env_takes_sandboxes_from_a_pool(arun):
         assert pool.metrics()["active"] == 0
     finally:
         arun(pool.close())
+
+
+def test_the_pool_starts_the_next_trajectorys_tool_servers_ahead_and_a_grader_gets_a_plain_sandbox(arun):
+    """A trajectory's reset takes tool servers the pool started when the previous trajectory gave its
+    sandbox back (a fresh interpreter all the same: started after the sandbox's reset, for one
+    trajectory); nothing is started while a batch's resets run; a plain get() (the code env's grader)
+    takes a sandbox that was not made ready, so no start is wasted; the pool's close ends the servers
+    it started."""
+    sandbox_backend_or_skip("local")
+    import asyncio
+
+    from agentrl.sandboxes import SandboxPool
+    from agentrl.tools.spec import tool_sandbox_options
+
+    class PythonEnv(ToolEnv):
+        builtin_tools = ("python",)
+
+    async def settled(pool):
+        for _ in range(600):  # the pool's background starts end within a minute even on a loaded machine
+            if not pool._ready_bg and not pool._bg:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError("the pool's background work did not end")
+
+    async def scenario():
+        mounts, env_vars = tool_sandbox_options()
+        pool = await SandboxPool("local", warm=2, max_active=3, mounts=mounts, env=env_vars).start()
+        try:
+            env = PythonEnv(sandbox=pool)
+            await env.areset(options={"prompt": "hi"})  # the first: nothing ready yet
+            assert pool.metrics()["ready_taken"] == 0
+            obs, *_ = await env.astep(call("python", code="x = 41\nprint(x + 1)"))
+            assert obs[0]["content"].startswith("42")
+            await settled(pool)
+            assert not pool._ready  # nothing made ready while the batch's resets may still run
+            await env.aclose()  # it ended: one idle sandbox made ready for the next trajectory (itself
+            await settled(pool)  # when it was kept; here two were idle already, so it was closed)
+            assert len(pool._ready) == 1 and set(pool._ready) <= set(pool._idle), pool.metrics()
+            first = next(iter(pool._ready))
+            taken = pool.metrics()["ready_taken"]
+            grader = await pool.get()  # a plain get: not the ready one
+            assert grader is not first and first in pool._ready
+            await pool.release(grader)
+            await settled(pool)
+            await env.areset(options={"prompt": "again"})
+            assert pool.metrics()["ready_taken"] == taken + 1 and pool.metrics()["ready_wasted"] == 0
+            assert env.sandbox_instance is first
+            obs, *_ = await env.astep(call("python", code="print('x' in globals())"))
+            assert obs[0]["content"].startswith("False"), obs  # a fresh interpreter
+            await env.aclose()
+            await settled(pool)
+            assert pool._ready  # made ready again, for the next trajectory
+        finally:
+            await pool.close()
+        assert not pool._ready and not pool._ready_bg
+
+    arun(scenario())
