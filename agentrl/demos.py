@@ -215,10 +215,22 @@ async def play(env, task: dict, policy, ctx: dict) -> dict | None:
     return row
 
 
+EPISODE_TRIES = 3  # an episode that raised (a sandbox or tool server that did not start) is played again
+
+
+class DemosError(RuntimeError):
+    """Too many episodes raised: the env's machinery (sandboxes, tool servers) is failing, not one task."""
+
+
 def make_demos(env_name: str, n: int, *, seed: int = 0, env_kwargs: dict | None = None, concurrency: int = 4,
-               max_tries: int | None = None) -> tuple[list[dict], list[dict]]:
+               max_tries: int | None = None, out: Path | None = None) -> tuple[list[dict], list[dict]]:
     """Up to `n` demonstrations of `env_name` (rows as `agentrl sft` reads them), and the tasks
-    whose episode the env did not score 1.0 (or the policy could not finish)."""
+    whose episode the env did not score 1.0 (or the policy could not finish). With `out`, each row is
+    appended to that file as it is made, so a run that stops keeps what it did.
+
+    An episode that raises (under load a tool server can miss its start timeout) is played again, up to
+    EPISODE_TRIES times, then left out; more than max(3, n // 20) such episodes end the run with
+    DemosError, the rows made so far kept."""
     import agentrl
     from agentrl.registry import get_spec
 
@@ -250,26 +262,63 @@ def make_demos(env_name: str, n: int, *, seed: int = 0, env_kwargs: dict | None 
         if solutions and len(tasks) >= len(solutions) and len(tasks) >= n:  # a task file: each task is in
             break
 
-    async def run_all():
+    max_errors = max(3, n // 20)
+
+    async def run_all(sink):
         sem = asyncio.Semaphore(concurrency)
-        out: list[dict] = []
+        rows: list[dict] = []
         failed: list[dict] = []
+        errors: list[str] = []
         t0, every = time.monotonic(), max(1, n // 10)
+
+        async def episode(task, ctx):
+            for attempt in range(1, EPISODE_TRIES + 1):
+                if len(errors) > max_errors:  # the run is stopping: no new tries
+                    return None
+                try:
+                    return await play(agentrl.make(env_name, **kwargs), task, POLICIES[env_name], ctx)
+                except Exception as exc:  # the env's machinery; a policy or grading miss returns None
+                    why = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    print(f"{env_name}: an episode raised (try {attempt} of {EPISODE_TRIES}): {why}", file=sys.stderr,
+                          flush=True)
+            errors.append(why)
+            if len(errors) > max_errors:
+                raise DemosError(f"agentrl demos --env {env_name}: {len(errors)} episodes raised {EPISODE_TRIES} times "
+                                 f"each (more than {max_errors}); the last: {why}")
+            return None
 
         async def one(task, ctx):
             async with sem:
-                if len(out) >= n:
+                if len(rows) >= n or len(errors) > max_errors:
                     return
-                row = await play(agentrl.make(env_name, **kwargs), task, POLICIES[env_name], ctx)
-                (out if row is not None else failed).append(row or task)
-                if row is not None and len(out) % every == 0:  # long runs show progress (stderr: --out is the data)
-                    print(f"{env_name}: {len(out)}/{n} demonstrations, {len(failed)} not scored 1.0, "
+                row = await episode(task, ctx)
+                if row is None:
+                    failed.append(task)
+                    return
+                if len(rows) >= n:  # others finished first
+                    return
+                rows.append(row)
+                if sink is not None:
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                if len(rows) % every == 0:  # long runs show progress (stderr: --out is the data)
+                    print(f"{env_name}: {len(rows)}/{n} demonstrations, {len(failed)} not scored 1.0, "
                           f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
 
-        await asyncio.gather(*(one(t, c) for t, c in tasks))
-        return out[:n], failed
+        jobs = [asyncio.ensure_future(one(t, c)) for t, c in tasks]
+        try:
+            await asyncio.gather(*jobs)
+        finally:
+            for job in jobs:  # DemosError: the episodes still in flight close their envs
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+        return rows, failed
 
-    return asyncio.run(run_all())
+    if out is None:
+        return asyncio.run(run_all(None))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as sink:
+        return asyncio.run(run_all(sink))
 
 
 def main(argv: list[str]) -> int:
@@ -291,10 +340,14 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--env-kwargs: expected a JSON object, got {args.env_kwargs!r}")
     if args.n < 1:
         raise ConfigError(f"--n must be at least 1, got {args.n}")
-    rows, failed = make_demos(args.env, args.n, seed=args.seed, env_kwargs=env_kwargs, concurrency=args.concurrency)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    try:
+        rows, failed = make_demos(args.env, args.n, seed=args.seed, env_kwargs=env_kwargs,
+                                  concurrency=args.concurrency, out=out)
+    except DemosError as exc:
+        kept = sum(1 for _ in out.open()) if out.exists() else 0
+        print(f"{exc}\n{args.env}: the {kept} demonstrations made before it are in {out}", file=sys.stderr)
+        return 1
     print(f"{args.env}: {len(rows)} demonstrations (reward 1.0) -> {out}; {len(failed)} episodes not scored 1.0 "
           f"(left out){': ' if failed else ''}{', '.join(str(t.get('prompt'))[-60:] for t in failed[:3])}",
           file=sys.stderr)

@@ -295,7 +295,7 @@ def paired_gain(before: list[dict], after: list[dict], score) -> tuple[float, fl
     return (*mean_se(diffs), len(diffs))
 
 
-# per env: RL flags (search-r1's: lr 1e-5, 8 samples per prompt, --eval-interval 10), default
+# per env: RL flags (search-r1's: lr 1e-5 unless `lr` says, 8 samples per prompt, --eval-interval 10), default
 # iterations (each scenario one device call, about 8 minutes on one H100), held-out set
 GAIN = {
     # 100 iterations (~3.5 s each): at 40 the gain was +0.085 and +0.102, at 70 +0.0975 (+- 0.034), the
@@ -317,11 +317,14 @@ GAIN = {
     # 0.230 -> 0.269 (+- 0.036), train reward flat (1x H200, 2026-12-03, fourth session); math needed 100
     # for +0.13: 60 now, three device calls. An endless loop the model wrote cost an iteration 20 s (its 10-s
     # tool call, then its 10-s hidden-test call: 2 of 6 iterations took 54 s, 2026-12-03, fifth session); the
-    # generator's reference solutions run in milliseconds, so 5 s a tool call and 2 s a test call now
-    "code": dict(iters=60, data=lambda: heldout_code(100), args=[
+    # generator's reference solutions run in milliseconds, so 5 s a tool call and 2 s a test call now.
+    # A step moved the policy too little: at lr 1e-5, one Adam step an iteration (no clipping: clipfrac 0, grad
+    # norm 0.16-0.27), 20 iterations left the train reward flat (0.236 -> 0.239); 60 of them were three device
+    # calls and never finished. lr 2e-5 for 40 iterations moves it as far as 80 at 1e-5, in one or two calls
+    "code": dict(iters=40, lr="2e-5", data=lambda: heldout_code(100), args=[
         "--sandbox", "local", "--sandbox-max-active", "64", "--env-kwargs", '{"tool_timeout": 5, "test_timeout": 2}',
         "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--global-batch-size",
-        "64", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "30",
+        "64", "--micro-batch-size", "8", "--max-turns", "4", "--eval-interval", "20",
         "--n-samples-per-eval-prompt", "2"]),
 }
 
@@ -369,8 +372,8 @@ def test_smollm2_heldout_gain(smollm2, env, attempt):
     cfg = GAIN[env]
     n = iters(cfg["iters"])
     name = f"smollm2_{env.replace('-', '_')}_gain_{attempt}"
-    run, rows = resumable_run(name, sft_model(smollm2, env), "--env", env, "--lr", "1e-5", "--seed", "0",
-                              *cfg["args"], "--eval-prompt-data", "heldout", str(cfg["data"]()), n=n)
+    run, rows = resumable_run(name, sft_model(smollm2, env), "--env", env, "--lr", cfg.get("lr", "1e-5"),
+                              "--seed", "0", *cfg["args"], "--eval-prompt-data", "heldout", str(cfg["data"]()), n=n)
     if len(rows) < n:
         pytest.skip(f"{name}: {len(rows)} of {n} iterations so far: run the same command again to go on")
     assert_on_policy(rows)
