@@ -1,0 +1,145 @@
+"""The Megatron trainer on a vision-language model (one CPU process, gloo; megatron_cpu_shim.py):
+a tiny random Qwen2-VL (models.build_tiny_vlm) built as megatron-core's GPTModel with multimodal
+RoPE plus the HF vision tower (trainers/megatron/vision.py). Its logprobs with an image equal the
+HF model's own (Qwen2VLForConditionalGeneration with pixel_values) on a micro-batch packing a
+sample with an image and one without; HF weights load and export exactly, `visual.*` included;
+a training step moves the loss and the tower."""
+
+import base64
+
+import pytest
+import torch
+
+megatron_trainer = pytest.importorskip("agentrl.trainers.megatron.trainer")  # imports megatron-core
+
+import megatron_cpu_shim  # noqa: E402
+
+megatron_cpu_shim.apply()
+
+from agentrl.config import AlgoConfig, TrainConfig  # noqa: E402
+from agentrl.errors import ConfigError  # noqa: E402
+from agentrl.types import Sample  # noqa: E402
+from agentrl.vision import open_data_url  # noqa: E402
+from vision_helpers import png  # noqa: E402
+
+MegatronTrainer = megatron_trainer.MegatronTrainer
+LOGPROB_TOL = 1e-5
+TEMPERATURE = 0.8
+
+
+def url(colour: str, size=(16, 24)) -> str:  # 16 wide, 24 high: 2 x 3 image tokens (distinct h/w positions)
+    return "data:image/png;base64," + base64.b64encode(png(colour, size)).decode()
+
+
+def image_sample(processor, colour: str, response: list[int]) -> Sample:
+    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Which colour?<|im_end|>\n<|im_start|>assistant\n"
+    image = url(colour)
+    ids = processor(text=[text], images=[open_data_url(image)], add_special_tokens=False)["input_ids"][0]
+    s = Sample(prompt_tokens=list(ids), images=[image], trajectory_id=colour)
+    s.append_generated(response, [-1.0] * len(response), 0)
+    return s
+
+
+def text_sample(processor, response: list[int]) -> Sample:
+    ids = processor.tokenizer("<|im_start|>user\nthe red city<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    s = Sample(prompt_tokens=list(ids), trajectory_id="text")
+    s.append_generated(response, [-1.0] * len(response), 0)
+    return s
+
+
+def make(vlm, **train) -> MegatronTrainer:
+    tc = TrainConfig(lr=1e-2, global_batch_size=2, **{"max_tokens_per_gpu": 512, **train})
+    return MegatronTrainer(str(vlm), train=tc, algo=AlgoConfig(), temperature=TEMPERATURE, device="cpu",
+                           dtype="float32")
+
+
+def hf_logprobs(model, processor, samples) -> list[list[float]]:
+    """The HF model's own forward, one sample at a time (an image sample: pixel_values,
+    image_grid_thw and the processor's mm_token_type_ids, as transformers runs it)."""
+    from agentrl.vision import pixel_inputs
+
+    out = []
+    for s in samples:
+        ids = torch.tensor([s.tokens])
+        kwargs = {}
+        if s.images:
+            kwargs = dict(pixel_inputs(processor, s.images), mm_token_type_ids=(ids == processor.image_token_id).int())
+        with torch.no_grad():
+            logits = model(input_ids=ids, **kwargs).logits[0].float() / TEMPERATURE
+        p = len(s.prompt_tokens)
+        logp = torch.log_softmax(logits[p - 1:-1], -1).gather(-1, torch.tensor(s.response_tokens)[:, None])
+        out.append(logp[:, 0].tolist())
+    return out
+
+
+def max_diff(a, b):
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def test_logprobs_with_an_image_equal_the_hf_models_in_one_packed_micro_batch(vlm, processor):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    mt = make(vlm)
+    samples = [image_sample(processor, "red", [40, 41, 42, 43]), text_sample(processor, [50, 51, 52])]
+    (batch,) = mt._batches(samples, [0, 1])  # both samples in one packed micro-batch
+    assert batch.indices == [0, 1] and batch.position_ids.shape == (3, 1, batch.num_tokens)
+    assert int(batch.images.mask.sum()) == 6 and batch.images.grid_thw.tolist() == [[1, 6, 4]]
+    ours = mt.compute_logprobs(samples)
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(str(vlm), dtype=torch.float32).eval()
+    ref = hf_logprobs(hf, processor, samples)
+    print(f"tiny qwen2-vl: max |megatron - hf| logprob = {max_diff(ours, ref):.2e}")
+    assert max_diff(ours, ref) < LOGPROB_TOL
+    # the image is read: another colour, other logprobs (the text sample's stay the same)
+    blue = mt.compute_logprobs([image_sample(processor, "blue", [40, 41, 42, 43]), samples[1]])
+    assert max_diff(blue[:1], ours[:1]) > 1e-3 and max_diff(blue[1:], ours[1:]) < 1e-6
+
+
+def test_an_image_token_the_model_wrote_stays_text(vlm, processor):
+    """As the engine fed it (and the torch trainer computes it): only the prompt's placeholders are images."""
+    from agentrl.trainers.torch_trainer import TorchTrainer
+
+    mt = make(vlm)
+    samples = [image_sample(processor, "red", [40, processor.image_token_id, 42]), text_sample(processor, [50, 51])]
+    (batch,) = mt._batches(samples, [0, 1])
+    assert int(batch.images.mask.sum()) == 6
+    tt = TorchTrainer(str(vlm), train=TrainConfig(lr=1e-3), algo=AlgoConfig(), temperature=TEMPERATURE)
+    assert max_diff(mt.compute_logprobs(samples), tt.compute_logprobs(samples)) < LOGPROB_TOL
+
+
+def test_hf_weights_load_and_export_exactly_and_a_step_moves_the_loss_and_the_tower(vlm, processor, tmp_path):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from agentrl.trainers.megatron.weights import HFCheckpoint
+
+    mt = make(vlm)
+    ckpt = HFCheckpoint(vlm)
+    exported = dict(mt.named_tensors())  # what the weight sync sends: the checkpoint's names, visual.* too
+    assert sorted(exported) == sorted(ckpt.keys()) and any(n.startswith("visual.") for n in exported)
+    assert all(torch.equal(exported[n], ckpt.get(n)) for n in exported)
+
+    samples = [image_sample(processor, "red", [40, 41, 42, 43]), text_sample(processor, [50, 51, 52])]
+    before = mt.compute_logprobs(samples)
+    metrics = mt.train_sft(samples)  # one optimizer step on the NLL of the response tokens
+    after = mt.compute_logprobs(samples)
+    mean = lambda rows: sum(x for r in rows for x in r) / sum(len(r) for r in rows)  # noqa: E731
+    print(f"sft step: loss {metrics['loss']:.4f}, mean logprob {mean(before):.4f} -> {mean(after):.4f}")
+    assert mean(after) > mean(before) + 0.05
+    moved = {n for n, t in mt.named_tensors() if not torch.equal(t, ckpt.get(n))}
+    assert any(n.startswith("visual.") for n in moved) and "model.embed_tokens.weight" in moved
+
+    # the trained model saved as an HF checkpoint: transformers loads it and gives the trainer's logprobs
+    folder = mt.save_hf(tmp_path / "hf")
+    assert (folder / "preprocessor_config.json").exists()
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert max_diff(hf_logprobs(hf, processor, samples), after) < LOGPROB_TOL
+
+
+def test_layouts_the_vision_tower_is_not_wired_for_are_refused(vlm):
+    for margs, flag in [({"pipeline_model_parallel_size": "2"}, "--pipeline-model-parallel-size"),
+                        ({"context_parallel_size": "2"}, "--context-parallel-size")]:
+        with pytest.raises(ConfigError, match=flag):
+            MegatronTrainer(str(vlm), train=TrainConfig(), algo=AlgoConfig(), temperature=1.0, device="cpu",
+                            dtype="float32", megatron_args=margs)
+    with pytest.raises(ConfigError, match="--lora-rank with a vision-language model"):
+        MegatronTrainer(str(vlm), train=TrainConfig(lora_rank=4), algo=AlgoConfig(), temperature=1.0, device="cpu",
+                        dtype="float32")
