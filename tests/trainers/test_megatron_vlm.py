@@ -143,3 +143,25 @@ def test_layouts_the_vision_tower_is_not_wired_for_are_refused(vlm):
     with pytest.raises(ConfigError, match="--lora-rank with a vision-language model"):
         MegatronTrainer(str(vlm), train=TrainConfig(lora_rank=4), algo=AlgoConfig(), temperature=1.0, device="cpu",
                         dtype="float32")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_agentrl_train_with_the_megatron_trainer_learns_what_only_the_image_tells(vlm, tmp_path):
+    """tests/test_vision.py's colour-parity run (vision_helpers.colour_parity_task: an image-blind
+    policy scores 0.5) with `--trainer megatron` (in its Ray actor on CPU: megatron_cpu_shim.child_env):
+    the reward climbs well above 0.5, and every weight check finds the engine's logprobs (weights
+    synced from the Megatron model's HF export, `visual.*` included) equal to the trainer's."""
+    import subprocess
+
+    from spine_helpers import agentrl_cli, run_env
+    from vision_helpers import assert_learned_the_colours, colour_parity_task
+
+    env = megatron_cpu_shim.child_env(run_env())
+    env["PYTHONPATH"] = ":".join([env["PYTHONPATH"], str(tmp_path)])
+    out = tmp_path / "run"
+    proc = subprocess.run([agentrl_cli(), "train", *colour_parity_task(tmp_path, vlm, out), "--trainer", "megatron",
+                           "--max-tokens-per-gpu", "4096"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rewards = assert_learned_the_colours(out)
+    print("megatron colour parity rewards:", [round(r, 3) for r in rewards])
