@@ -32,7 +32,8 @@ def url(colour: str, size=(16, 24)) -> str:  # 16 wide, 24 high: 2 x 3 image tok
 
 
 def image_sample(processor, colour: str, response: list[int]) -> Sample:
-    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Which colour?<|im_end|>\n<|im_start|>assistant\n"
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Which colour?<|im_end|>\n"
+            "<|im_start|>assistant\n")
     image = url(colour)
     ids = processor(text=[text], images=[open_data_url(image)], add_special_tokens=False)["input_ids"][0]
     s = Sample(prompt_tokens=list(ids), images=[image], trajectory_id=colour)

@@ -146,6 +146,11 @@ def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype:
         # MegatronTrainer._batches.)
         kw["batch_p2p_comm"] = False
     kw.update(margs.transformer)
+    if family.vision and te and kw.get("apply_rope_fusion"):
+        # (the local spec's fused kernel, rope_kernels.py, takes per-token frequencies)
+        raise ConfigError("--apply-rope-fusion with Transformer Engine and a vision-language model: TE's packed-sequence "
+                          "RoPE kernel indexes frequencies per sequence, not by the multimodal per-token positions; "
+                          "drop the flag or use --transformer-impl local")
     # the MTP block is built beside the GPTModel, not by it (mtp.py): its config keeps megatron-core's
     # MTP fields unset, so its forward returns the logits
     mtp.check(int(kw.pop("mtp_num_layers", None) or 0), family, hf_config, margs)
@@ -273,7 +278,8 @@ def build_gpt(hf_config, config, spec, *, padded_vocab: int, value_head: bool = 
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         parallel_output=True, share_embeddings_and_output_weights=tied,
-        position_embedding_type="mrope" if config.mrope_section else "rope", rotary_percent=float(params.get("partial_rotary_factor", 1.0)),
+        position_embedding_type="mrope" if config.mrope_section else "rope",  # mrope: a Qwen-VL's decoder
+        rotary_percent=float(params.get("partial_rotary_factor", 1.0)),
         rotary_base=int(rope_theta(hf_config)), vp_stage=vp_stage,
     )
     inv_freq, scaling = hf_inv_freq(hf_config)

@@ -95,7 +95,8 @@ def add_images(batch, samples, processor, rope_index: RopeIndex) -> None:
         ids = torch.tensor([s.tokens])
         in_prompt = (ids == processor.image_token_id) & (torch.arange(len(s.tokens)) < len(s.prompt_tokens))
         media = pixel_inputs(processor, s.images)
-        pos, _ = rope_index.get_rope_index(ids, mm_token_type_ids=in_prompt.int(), image_grid_thw=media["image_grid_thw"])
+        pos, _ = rope_index.get_rope_index(ids, mm_token_type_ids=in_prompt.int(),
+                                           image_grid_thw=media["image_grid_thw"])
         start = int(batch.cu_seqlens[k])
         positions[:, 0, start:start + len(s.tokens)] = pos[:, 0]
         mask[start:start + len(s.tokens)] = in_prompt[0]
