@@ -95,6 +95,49 @@ def test_logprobs_with_an_image_equal_the_hf_models_in_one_packed_micro_batch(vl
     assert max_diff(blue[:1], ours[:1]) > 1e-3 and max_diff(blue[1:], ours[1:]) < 1e-6
 
 
+def tiny_qwen2_5_vl(folder, vlm):
+    """A random tiny Qwen2.5-VL (windowed vision attention, an RMSNorm'd tower, untied LM head) with
+    the tiny Qwen2-VL's tokenizer and processor."""
+    import json
+    import shutil
+
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    shutil.copytree(vlm, folder)
+    qwen2 = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").unlink()
+    (folder / "model.safetensors").unlink()
+    text = {k: qwen2["text_config"][k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                "num_attention_heads", "num_key_value_heads", "rope_parameters",
+                                                "eos_token_id", "pad_token_id")}
+    torch.manual_seed(2)
+    config = Qwen2_5_VLConfig(
+        text_config={**text, "tie_word_embeddings": False}, tie_word_embeddings=False,
+        vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=8, fullatt_block_indexes=[1]),
+        **{k: qwen2[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")})
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(folder)
+    return folder
+
+
+def test_qwen2_5_vl_logprobs_equal_the_hf_models(vlm, processor, tmp_path):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from agentrl.trainers.megatron.weights import HFCheckpoint
+
+    path = tiny_qwen2_5_vl(tmp_path / "qwen2_5_vl", vlm)
+    mt = make(path)
+    assert mt.family.name == "qwen2_5_vl" and not mt.layout.tied
+    samples = [text_sample(processor, [50, 51, 52]), image_sample(processor, "blue", [40, 41, 42, 43])]
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    diff = max_diff(mt.compute_logprobs(samples), hf_logprobs(hf, processor, samples))
+    print(f"tiny qwen2.5-vl: max |megatron - hf| logprob = {diff:.2e}")
+    assert diff < LOGPROB_TOL
+    exported, ckpt = dict(mt.named_tensors()), HFCheckpoint(path)
+    assert sorted(exported) == sorted(ckpt.keys()) and "lm_head.weight" in exported
+    assert all(torch.equal(exported[n], ckpt.get(n)) for n in exported)
+
+
 def test_an_image_token_the_model_wrote_stays_text(vlm, processor):
     """As the engine fed it (and the torch trainer computes it): only the prompt's placeholders are images."""
     from agentrl.trainers.torch_trainer import TorchTrainer
@@ -133,6 +176,24 @@ def test_hf_weights_load_and_export_exactly_and_a_step_moves_the_loss_and_the_to
     assert (folder / "preprocessor_config.json").exists()
     hf = Qwen2VLForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
     assert max_diff(hf_logprobs(hf, processor, samples), after) < LOGPROB_TOL
+
+
+def test_a_checkpoint_resumes_exactly_the_tower_included(vlm, processor, tmp_path):
+    """The distributed checkpoint holds the tower (`visual.*`, replicated) and its optimizer state: a
+    trainer started from the checkpoint's HF copy and loaded from it takes the same next step."""
+    from megatron.core import dist_checkpointing
+
+    samples = [image_sample(processor, "red", [40, 41, 42, 43]), text_sample(processor, [50, 51, 52])]
+    a = make(vlm)
+    a.train_sft(samples)
+    a.save(tmp_path / "ckpt", {"rollout_id": 1})
+    saved = dist_checkpointing.load_tensors_metadata(str(tmp_path / "ckpt" / "megatron"))
+    assert any(k.startswith("visual.") for k in saved)
+    a.train_sft(samples)
+    b = make(tmp_path / "ckpt" / "model")
+    b.load(tmp_path / "ckpt")
+    b.train_sft(samples)
+    assert max_diff(b.compute_logprobs(samples), a.compute_logprobs(samples)) < 1e-6
 
 
 def test_layouts_the_vision_tower_is_not_wired_for_are_refused(vlm):
