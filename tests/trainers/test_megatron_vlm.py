@@ -2,10 +2,10 @@
 a tiny random Qwen2-VL (models.build_tiny_vlm) built as megatron-core's GPTModel with multimodal
 RoPE plus the HF vision tower (trainers/megatron/vision.py). Its logprobs with an image equal the
 HF model's own (Qwen2VLForConditionalGeneration with pixel_values) on a micro-batch packing a
-sample with an image and one without; HF weights load and export exactly, `visual.*` included;
-a training step moves the loss and the tower."""
-
-import base64
+sample with an image and one without (Qwen2.5-VL too); HF weights load and export exactly,
+`visual.*` included; a training step moves the loss and the tower; a distributed checkpoint resumes
+exactly; TP=2 with sequence parallelism and DP=2 (two gloo ranks) take the one-process step; and
+`agentrl train --trainer megatron` learns the colour-parity task only the image tells."""
 
 import pytest
 import torch
@@ -18,34 +18,12 @@ megatron_cpu_shim.apply()
 
 from agentrl.config import AlgoConfig, TrainConfig  # noqa: E402
 from agentrl.errors import ConfigError  # noqa: E402
-from agentrl.types import Sample  # noqa: E402
-from agentrl.vision import open_data_url  # noqa: E402
-from vision_helpers import png  # noqa: E402
+from megatron_helpers import (image_sample, make_vlm_samples, one_process_reference, run_ranks,  # noqa: E402
+                              text_sample)
 
 MegatronTrainer = megatron_trainer.MegatronTrainer
 LOGPROB_TOL = 1e-5
 TEMPERATURE = 0.8
-
-
-def url(colour: str, size=(16, 24)) -> str:  # 16 wide, 24 high: 2 x 3 image tokens (distinct h/w positions)
-    return "data:image/png;base64," + base64.b64encode(png(colour, size)).decode()
-
-
-def image_sample(processor, colour: str, response: list[int]) -> Sample:
-    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Which colour?<|im_end|>\n"
-            "<|im_start|>assistant\n")
-    image = url(colour)
-    ids = processor(text=[text], images=[open_data_url(image)], add_special_tokens=False)["input_ids"][0]
-    s = Sample(prompt_tokens=list(ids), images=[image], trajectory_id=colour)
-    s.append_generated(response, [-1.0] * len(response), 0)
-    return s
-
-
-def text_sample(processor, response: list[int]) -> Sample:
-    ids = processor.tokenizer("<|im_start|>user\nthe red city<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
-    s = Sample(prompt_tokens=list(ids), trajectory_id="text")
-    s.append_generated(response, [-1.0] * len(response), 0)
-    return s
 
 
 def make(vlm, **train) -> MegatronTrainer:
@@ -205,6 +183,32 @@ def test_layouts_the_vision_tower_is_not_wired_for_are_refused(vlm):
     with pytest.raises(ConfigError, match="--lora-rank with a vision-language model"):
         MegatronTrainer(str(vlm), train=TrainConfig(lora_rank=4), algo=AlgoConfig(), temperature=1.0, device="cpu",
                         dtype="float32")
+
+
+# -- two ranks (gloo), against the one-process trainer -----------------------------------------------
+ALGO = {"entropy_coef": 0.01, "use_tis": True, "tis_clip": 1.5}  # a loss that is not ~0 on-policy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2_sp", "dp2"])
+def test_two_ranks_take_the_one_process_step(vlm, processor, tmp_path, layout):
+    """TP=2 with sequence parallelism (the image embeddings scattered with the sequence; every TP rank
+    runs the tower on every image, its gradient the whole one) and DP=2 (each rank its share of the
+    samples, the tower's gradients all-reduced): the one-process logprobs, loss, grad norm and step."""
+    import json
+
+    reference = one_process_reference(vlm, ALGO, make_vlm_samples(processor))
+    megatron = {"tensor_model_parallel_size": "2", "sequence_parallel": None} if layout == "tp2_sp" else {}
+    result = run_ranks(2, ["--model", str(vlm), "--vision", "--megatron", json.dumps(megatron), "--algo",
+                           json.dumps(ALGO)], tmp_path / f"{layout}.json")
+    m, r = result["metrics"], reference["metrics"]
+    print(f"{layout}: loss {m['loss']:.6f} vs {r['loss']:.6f}; grad norm {m['grad_norm']:.6f} vs "
+          f"{r['grad_norm']:.6f}; logprobs after the step {max_diff(result['after'], reference['after']):.1e}")
+    assert result["roundtrip"] and result["names"] == reference["names"]
+    assert max_diff(result["before"], reference["before"]) < LOGPROB_TOL
+    for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+        assert m[key] == pytest.approx(r[key], rel=1e-5, abs=1e-7), key
+    assert max_diff(result["after"], reference["after"]) < 1e-4
 
 
 @pytest.mark.e2e
