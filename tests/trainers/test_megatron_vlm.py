@@ -156,6 +156,26 @@ def test_hf_weights_load_and_export_exactly_and_a_step_moves_the_loss_and_the_to
     assert max_diff(hf_logprobs(hf, processor, samples), after) < LOGPROB_TOL
 
 
+def test_a_checkpoint_in_transformers_4_5x_names_loads_the_same(vlm, processor, tmp_path):
+    """`model.language_model.*` / `model.visual.*` (what transformers 4.52-4.57 saved): the same
+    weights; the export keeps the names the engines take (`model.layers.*`, `visual.*`)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    old = tmp_path / "old-names"
+    shutil.copytree(vlm, old)
+    tensors = load_file(str(old / "model.safetensors"))
+    renamed = {("model.language_model." + n[6:] if n.startswith("model.") else "model." + n): t
+               for n, t in tensors.items()}
+    assert len(renamed) == len(tensors) and "model.visual.patch_embed.proj.weight" in renamed
+    save_file(renamed, str(old / "model.safetensors"), metadata={"format": "pt"})
+    samples = [image_sample(processor, "red", [40, 41, 42, 43]), text_sample(processor, [50, 51, 52])]
+    a, b = make(vlm), make(old)
+    assert max_diff(a.compute_logprobs(samples), b.compute_logprobs(samples)) == 0
+    assert sorted(n for n, _ in b.named_tensors()) == sorted(tensors)
+
+
 def test_a_checkpoint_resumes_exactly_the_tower_included(vlm, processor, tmp_path):
     """The distributed checkpoint holds the tower (`visual.*`, replicated) and its optimizer state: a
     trainer started from the checkpoint's HF copy and loaded from it takes the same next step."""

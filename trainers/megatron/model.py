@@ -1,5 +1,6 @@
 """Build megatron-core GPTModels from a Hugging Face config (Qwen2/2.5, Qwen3, Llama 3, MiMo dense;
-Qwen3-MoE and Qwen2-MoE with megatron-core's MoE layer; MiMo's MTP layers: mtp.py).
+Qwen3-MoE and Qwen2-MoE with megatron-core's MoE layer; MiMo's MTP layers: mtp.py; Qwen2-VL /
+Qwen2.5-VL's decoder with multimodal RoPE, its HF vision tower beside: vision.py).
 
 Layer spec: Transformer Engine's when it is installed (and not turned off with
 `--transformer-impl local`), else megatron-core's local spec with two modules swapped
