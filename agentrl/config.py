@@ -57,7 +57,8 @@ class DataConfig(Section):
     """slime's: a vision-language model's media, a JSON object of media type to row key, such as
     '{"image": "images"}' (the row's `images` list: file paths, bytes, HF datasets image dicts or data
     URLs). Each image takes the place of the next <image> in the prompt; the model's processor turns
-    them into prompt tokens and pixel values (agentrl/vision.py). Images only; the torch trainer."""
+    them into prompt tokens and pixel values (agentrl/vision.py). Images only; either trainer (Megatron:
+    Qwen2-VL / Qwen2.5-VL at pipeline and context parallel size 1)."""
     rollout_shuffle: bool = True
     """Shuffle the dataset each epoch (seeded)."""
     tool_key: str = "tools"
@@ -804,7 +805,8 @@ def check_delta_sync(cfg: Config) -> None:
 
 
 def check_multimodal(cfg: Config) -> None:
-    """--multimodal-keys: images, from --prompt-data rows, through the chat template, into the torch trainer."""
+    """--multimodal-keys: images, from --prompt-data rows, through the chat template, into the trainer (torch, or
+    megatron for the Qwen2-VL / Qwen2.5-VL families: trainers/megatron/vision.py)."""
     keys = cfg.data.multimodal_keys
     if not keys:
         return
@@ -820,9 +822,6 @@ def check_multimodal(cfg: Config) -> None:
     if not cfg.data.apply_chat_template:
         raise ConfigError(f"{flag}: the images' placeholders come from the chat template; drop "
                           "--no-apply-chat-template")
-    if cfg.train.trainer == "megatron":
-        raise ConfigError(f"{flag} with --trainer megatron: agentrl's Megatron trainer builds text-only models (no "
-                          "vision tower, no image inputs in its forward); train the VLM with --trainer torch")
     if cfg.algo.advantage_estimator == "ppo":
         raise ConfigError(f"{flag} with --advantage-estimator ppo: the critic reads text only; use a critic-free "
                           "estimator (grpo, ...)")

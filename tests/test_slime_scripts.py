@@ -380,7 +380,7 @@ def test_every_train_line_of_slimes_scripts_gets_to_the_model(slime, monkeypatch
     as bash builds them, run from slime's root (its relative paths) through the parse: each gets as
     far as the model's config.json (absent here: /root/...), or stops at a refusal listed above:
     of slime 624b824's 41 such lines, 40 reach the model and 1 is refused (geo3k's VLM run, with
-    --multimodal-keys, reaches it too: its Qwen3.5 family is then issue #30's; MiMo's and GLM-4.7's
+    --multimodal-keys and the Megatron trainer it selects, reaches it too: its Qwen3.5 family is then issue #30's; MiMo's and GLM-4.7's
     --enable-mtp-training reach it: MiMo's MTP layers are trained, GLM-4.x's refused once its config.json
     says glm4_moe, tests/test_slime_mtp.py)."""
     import re

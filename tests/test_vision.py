@@ -18,7 +18,7 @@ from agentrl.rollout.client import GenerateResult
 from agentrl.types import SampleStatus
 from agentrl.vision import (load_processor, message_images, open_data_url, placeholder_runs,
                             tokens_per_image)
-from vision_helpers import COLOURS, png
+from vision_helpers import COLOURS, assert_learned_the_colours, colour_parity_task, png
 
 
 def write_jsonl(path, rows):
@@ -83,8 +83,10 @@ def test_the_flag_is_checked_when_the_config_is_read(tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "<image>", "label": "a", "images": []}])
     cfg, _ = parse_config(["--prompt-data", str(data), "--multimodal-keys", '{"image": "images"}'])
     assert cfg.data.multimodal_keys == {"image": "images"}
+    cfg, _ = parse_config(["--prompt-data", str(data), "--multimodal-keys", '{"image": "images"}',
+                           "--trainer", "megatron"])
+    assert cfg.train.trainer == "megatron"  # Qwen2-VL / Qwen2.5-VL (tests/trainers/test_megatron_vlm.py)
     for extra, error in [(["--multimodal-keys", '{"video": "clips"}'], "images only .*'video'"),
-                         (["--trainer", "megatron"], "--multimodal-keys .* with --trainer megatron: .*text-only"),
                          (["--no-apply-chat-template"], "chat template"),
                          (["--advantage-estimator", "ppo"], "critic reads text only"),
                          (["--custom-generate-function-path", "json.loads"], "does not carry the images")]:
@@ -290,50 +292,25 @@ def test_every_turn_sends_the_images_and_a_placeholder_the_model_writes_is_its_f
 
 
 # -- end to end ------------------------------------------------------------------------------------
-PARITY_RM = '''
-async def parity(args, sample, **kwargs):
-    """1 when the reply's first token's parity is the image's colour (red: even, blue: odd)."""
-    return float(bool(sample.response_tokens) and sample.response_tokens[0] % 2 == (sample.label == "blue"))
-'''
-
-
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_agentrl_train_learns_what_only_the_image_tells(vlm, tmp_path):
-    """`agentrl train` with geo3k's flags (--input-key problem --label-key answer --multimodal-keys
-    '{"image": "images"}', parquet rows of HF image dicts) on a tiny random Qwen2-VL: every prompt
-    reads "<image>Which colour is this?", the image is red or blue, and the reward asks for an even
-    first token on red and an odd one on blue. A policy blind to the image scores 0.5 whatever it
-    does; the run climbs well above that. Trajectories carry their image; the weight check's probe
-    (with its images) finds the engine's and the trainer's logprobs equal."""
-    import json
+    """`agentrl train` with geo3k's flags on a tiny random Qwen2-VL, the colour-parity task
+    (vision_helpers.colour_parity_task: a policy blind to the image scores 0.5 whatever it does); the
+    run climbs well above that. Trajectories carry their image; the weight check's probe (with its
+    images) finds the engine's and the trainer's logprobs equal. (The Megatron trainer's run:
+    tests/trainers/test_megatron_vlm.py.)"""
     import subprocess
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from spine_helpers import agentrl_cli, run_env
 
-    rows = [{"problem": "<image>Which colour is this?", "answer": colour,
-             "images": [{"bytes": png(colour), "path": None}]} for colour in ("red", "blue") * 4]
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
-    (tmp_path / "colour_rm.py").write_text(PARITY_RM)
     env = run_env()
     env["PYTHONPATH"] = ":".join([str(tmp_path), *[p for p in [env.get("PYTHONPATH")] if p]])
     out = tmp_path / "run"
-    proc = subprocess.run([agentrl_cli(), "train", "--model", str(vlm), "--prompt-data", str(tmp_path / "train.parquet"),
-                           "--input-key", "problem", "--label-key", "answer", "--multimodal-keys", '{"image": "images"}',
-                           "--env", "slime", "--custom-rm-path", "colour_rm.parity", "--num-rollout", "20",
-                           "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--global-batch-size", "64",
-                           "--rollout-max-response-len", "1", "--lr", "0.01", "--output-dir", str(out), "--no-progress"],
+    proc = subprocess.run([agentrl_cli(), "train", *colour_parity_task(tmp_path, vlm, out)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 20
-    checks = [m["weight_check/mean_abs_diff"] for m in metrics if "weight_check/mean_abs_diff" in m]
-    assert checks and max(checks) < 1e-3
-    rewards = [m["reward_mean"] for m in metrics]
-    assert sum(rewards[-4:]) / 4 > 0.75, rewards  # chance (or any image-blind policy): 0.5
+    assert_learned_the_colours(out)
     (first,) = [json.loads(line) for line in (out / "trajectories" / "rollout_00000.jsonl").read_text().splitlines()][:1]
     (image,) = first["images"]
     assert open_data_url(image).getpixel((0, 0)) == COLOURS[first["metadata"]["label"]]

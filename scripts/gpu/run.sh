@@ -12,8 +12,9 @@
 #                                           (scenarios run side by side on different GPUs install once)
 #   bash scripts/gpu/run.sh "mtp_training and plain"   one GPU: MiMo's MTP layer trained colocated (issue 33);
 #                                           "mtp_training and eagle": the same with SGLang's EAGLE draft on it
-#   bash scripts/gpu/run.sh vlm_sglang      one GPU, ~3 min: a random Qwen2-VL served by SGLang with images
-#                                           (--multimodal-keys), trained by the PyTorch trainer (issue 33)
+#   bash scripts/gpu/run.sh vlm_sglang      one GPU, ~3 min each: a random Qwen2-VL served by SGLang with images
+#                                           (--multimodal-keys), trained by the PyTorch trainer and by the
+#                                           Megatron one ("vlm_sglang and torch" / "vlm_sglang and megatron") (issue 33)
 #   bash scripts/gpu/run.sh weight_sync_1p5b  one GPU, ~3 min: the 1.5B shape's colocated weight sync by
 #                                           payload layout and bucket size (bench/weight_sync_bench.py)
 #   AGENTRL_DEMOS_BESIDE="math-python code" bash scripts/gpu/run.sh SCENARIO   the SFT scenarios' demonstrations

@@ -1,7 +1,9 @@
 """`vlm_sglang`: vision-language RL (--multimodal-keys, agentrl/vision.py) against real SGLang
 0.5.15 on one GPU: a random Qwen2-VL with Qwen2-VL's own image geometry (14-pixel patches, 2x2
 merge: a 56x56 image is 4 tokens) and SGLang's head size (64), served colocated by SGLang, trained
-by the PyTorch trainer on the GPU. The CPU end-to-end test's task (tests/test_vision.py): every
+on the GPU by the PyTorch trainer (`torch`) or the Megatron trainer (`megatron`: megatron-core's
+GPTModel with multimodal RoPE and the HF vision tower inside, trainers/megatron/vision.py, its
+micro-batches packed). The CPU end-to-end test's task (tests/test_vision.py): every
 prompt reads "<image>Which colour is this?", the image is red or blue, and the reward asks for an
 even first token on red and an odd one on blue, so any policy blind to the image scores 0.5.
 
@@ -10,7 +12,8 @@ trajectory where it does not, so every trajectory completing says so), the train
 SGLang's tokens with the images agree with SGLang's, the weight check's probe (with its images)
 too, and the reward climbs above the image-blind 0.5.
 
-    bash scripts/gpu/run.sh vlm_sglang
+    bash scripts/gpu/run.sh vlm_sglang                    (both trainers)
+    bash scripts/gpu/run.sh "vlm_sglang and megatron"     (the Megatron trainer's)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import io
 import json
 import os
 
+import pytest
 from gpu_helpers import COLOCATE, KIT, OUT, SGLANG, agentrl_train, iters, mean, needs_gpus, trajectories
 
 pytestmark = needs_gpus()
@@ -43,7 +47,12 @@ def png(colour: str) -> bytes:
     return buf.getvalue()
 
 
-def test_vlm_sglang_learns_what_only_the_image_tells(monkeypatch):
+# the Megatron trainer packs each step's 128 samples (~30 tokens each) into one micro-batch
+TRAINERS = {"torch": [], "megatron": ["--max-tokens-per-gpu", "8192"]}
+
+
+@pytest.mark.parametrize("trainer", list(TRAINERS))
+def test_vlm_sglang_learns_what_only_the_image_tells(monkeypatch, trainer):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -59,8 +68,10 @@ def test_vlm_sglang_learns_what_only_the_image_tells(monkeypatch):
     (data / "colour_rm.py").write_text(PARITY_RM)
     monkeypatch.setenv("PYTHONPATH", ":".join(p for p in [str(data), os.environ.get("PYTHONPATH")] if p))
     n = iters(20)
+    name = "vlm_sglang" if trainer == "torch" else f"vlm_sglang_{trainer}"
     run, rows = agentrl_train(
-        "vlm_sglang", "--model", str(model), "--trainer", "torch", "--device", "cuda", "--dtype", "bfloat16",
+        name, "--model", str(model), "--trainer", trainer, *TRAINERS[trainer], "--device", "cuda",
+        "--dtype", "bfloat16",
         # the vision tower's attention: triton (the kit's sgl_kernel has no FA3, SGLang's default there)
         *SGLANG, "--sglang-mm-attention-backend", "triton_attn", *COLOCATE,
         "--prompt-data", str(data / "train.parquet"), "--input-key", "problem",
@@ -71,10 +82,10 @@ def test_vlm_sglang_learns_what_only_the_image_tells(monkeypatch):
     rewards = [r["reward_mean"] for r in rows]
     diffs = [r["train_rollout_logprob_abs_diff"] for r in rows if "train_rollout_logprob_abs_diff" in r]
     checks = [r["weight_check/mean_abs_diff"] for r in rows if "weight_check/mean_abs_diff" in r]
-    (OUT / "vlm_sglang.json").write_text(json.dumps({"reward_mean": rewards, "logprob_abs_diff": diffs,
-                                                     "weight_check": checks}))
-    print("reward:", " ".join(f"{x:.2f}" for x in rewards), "; engine-vs-trainer logprob diff:",
-          " ".join(f"{x:.4f}" for x in diffs), "; weight check:", " ".join(f"{x:.4f}" for x in checks))
+    (OUT / f"{name}.json").write_text(json.dumps({"reward_mean": rewards, "logprob_abs_diff": diffs,
+                                                  "weight_check": checks}))
+    print(f"{trainer} trainer: reward:", " ".join(f"{x:.2f}" for x in rewards),
+          "; engine-vs-trainer logprob diff:", " ".join(f"{x:.4f}" for x in diffs), "; weight check:", " ".join(f"{x:.4f}" for x in checks))
     assert len(rows) == n and all(r["status_failed"] == 0 for r in rows), [r.get("status_failed") for r in rows]
     assert diffs and max(diffs) < 0.05, diffs  # bf16 on both sides
     assert checks and max(checks) < 0.05, checks

@@ -33,6 +33,53 @@ def make_samples(n: int = 6, vocab: int = 500, seed: int = 0):
     return out
 
 
+def image_url(colour: str, size=(16, 24)) -> str:
+    """A one-colour PNG data URL; 16 wide, 24 high: 2 x 3 tokens of the tiny VLM's (models.build_tiny_vlm)."""
+    import base64
+
+    from vision_helpers import png
+
+    return "data:image/png;base64," + base64.b64encode(png(colour, size)).decode()
+
+
+def image_sample(processor, colour: str, response: list[int], **fields):
+    """A VLM sample: a prompt with one image (the processor's ids) and a response."""
+    from agentrl.types import Sample
+    from agentrl.vision import open_data_url
+
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Which colour?<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    image = image_url(colour)
+    ids = processor(text=[text], images=[open_data_url(image)], add_special_tokens=False)["input_ids"][0]
+    s = Sample(prompt_tokens=list(ids), images=[image], **{"trajectory_id": colour, **fields})
+    s.append_generated(response, [-1.0] * len(response), 0)
+    return s
+
+
+def text_sample(processor, response: list[int], **fields):
+    """A VLM sample with no image."""
+    from agentrl.types import Sample
+
+    ids = processor.tokenizer("<|im_start|>user\nthe red city<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    s = Sample(prompt_tokens=list(ids), **{"trajectory_id": "text", **fields})
+    s.append_generated(response, [-1.0] * len(response), 0)
+    return s
+
+
+def make_vlm_samples(processor):
+    """make_samples' shape for a VLM: 6 samples in two groups, rewards alternating 0/1, two of each
+    group's three with an image (red or blue), rollout logprobs off the trainer's (TIS has work)."""
+    out = []
+    for i in range(6):
+        response = [40 + i, 41, 42 + i % 3][:2 + i % 2]
+        fields = dict(group_id=i // 3, reward=float(i % 2), trajectory_id=f"t{i}")
+        s = text_sample(processor, response, **fields) if i % 3 == 2 else \
+            image_sample(processor, ("red", "blue")[i % 2], response, **fields)
+        s.rollout_logprobs = [-6.0] * len(response)
+        out.append(s)
+    return out
+
+
 def leave_together() -> None:
     """A worker's last line: every rank reaches the barrier, then the process group goes. A rank
     that exits while another still holds its gloo connection can abort at exit ("terminate
@@ -132,7 +179,7 @@ def tiny_family_model(folder: Path, family: str, tokenizer_from: Path | None = N
     return folder
 
 
-def one_process_reference(model, algo: dict) -> dict:
+def one_process_reference(model, algo: dict, samples=None) -> dict:
     """The one-process Megatron trainer on make_samples(): logprobs before and after one step,
     the step's metrics and the exported tensor names (what the multi-rank layouts are held to).
     The caller has applied megatron_cpu_shim."""
@@ -141,7 +188,7 @@ def one_process_reference(model, algo: dict) -> dict:
 
     trainer = MegatronTrainer(str(model), train=TrainConfig(lr=1e-3, global_batch_size=6, micro_batch_size=2),
                               algo=AlgoConfig(**algo), temperature=0.8, device="cpu", dtype="float32")
-    samples = make_samples()
+    samples = samples or make_samples()
     before = trainer.compute_logprobs(samples)
     metrics = trainer.train_rollout(samples)
     return {"before": before, "metrics": metrics, "after": trainer.compute_logprobs(samples),

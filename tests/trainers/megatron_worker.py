@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: vision_helpers
 
 from agentrl.trainers.megatron.trainer import MegatronTrainer  # noqa: E402  (imports megatron-core)
 
@@ -20,7 +21,7 @@ import torch  # noqa: E402
 from agentrl.config import AlgoConfig, TrainConfig  # noqa: E402
 from agentrl.models import build_tiny_model  # noqa: E402
 from agentrl.trainers.megatron.weights import HFCheckpoint  # noqa: E402
-from megatron_helpers import leave_together, make_samples  # noqa: E402
+from megatron_helpers import leave_together, make_samples, make_vlm_samples  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -29,6 +30,7 @@ parser.add_argument("--algo", default="{}", help="AlgoConfig fields as JSON")
 parser.add_argument("--max-tokens", type=int, default=None)
 parser.add_argument("--train", default="{}", help="more TrainConfig fields as JSON")
 parser.add_argument("--model", default=None, help="an HF checkpoint folder (default: the tiny Qwen2)")
+parser.add_argument("--vision", action="store_true", help="--model is a VLM: make_vlm_samples' rollout")
 args = parser.parse_args()
 
 path = args.model or build_tiny_model()
@@ -39,7 +41,11 @@ trainer = MegatronTrainer(str(path), train=TrainConfig(lr=1e-3, global_batch_siz
 ckpt = HFCheckpoint(path)
 exported = {n: t for b in trainer.hf_buckets(bucket_bytes=64 * 1024) for n, t in b}
 roundtrip = sorted(exported) == sorted(ckpt.keys()) and all(torch.equal(exported[k], ckpt.get(k)) for k in exported)
-samples = make_samples()
+if args.vision:
+    from agentrl.vision import load_processor
+    samples = make_vlm_samples(load_processor(path))
+else:
+    samples = make_samples()
 before = trainer.compute_logprobs(samples)
 metrics = trainer.train_rollout(samples)
 after = trainer.compute_logprobs(samples)

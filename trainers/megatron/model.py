@@ -1,5 +1,6 @@
 """Build megatron-core GPTModels from a Hugging Face config (Qwen2/2.5, Qwen3, Llama 3, MiMo dense;
-Qwen3-MoE and Qwen2-MoE with megatron-core's MoE layer; MiMo's MTP layers: mtp.py).
+Qwen3-MoE and Qwen2-MoE with megatron-core's MoE layer; MiMo's MTP layers: mtp.py; Qwen2-VL /
+Qwen2.5-VL's decoder with multimodal RoPE, its HF vision tower beside: vision.py).
 
 Layer spec: Transformer Engine's when it is installed (and not turned off with
 `--transformer-impl local`), else megatron-core's local spec with two modules swapped
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from agentrl.errors import ConfigError
 from agentrl.trainers.megatron.args import MegatronArgs
 from agentrl.trainers.megatron import mtp, no_apex
-from agentrl.trainers.megatron.families import family_for
+from agentrl.trainers.megatron.families import family_for, language_config
 from agentrl.trainers.megatron.families.common import Family, Layout, head_dim, rope_theta
 
 
@@ -134,6 +135,8 @@ def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype:
     )
     if family.moe is not None:
         kw.update(moe_config(family, te))
+    if family.vision:
+        kw["mrope_section"] = mrope_section(hf_config)
     vpp = margs.vpp(hf_config.num_hidden_layers)
     if vpp and margs.pp == 2:
         # Two stages in a ring: a rank's previous and next stage are the same peer, and a
@@ -144,6 +147,11 @@ def transformer_config(hf_config, family: Family, margs: MegatronArgs, *, dtype:
         # MegatronTrainer._batches.)
         kw["batch_p2p_comm"] = False
     kw.update(margs.transformer)
+    if family.vision and te and kw.get("apply_rope_fusion"):
+        # (the local spec's fused kernel, rope_kernels.py, takes per-token frequencies)
+        raise ConfigError("--apply-rope-fusion with Transformer Engine and a vision-language model: TE's packed-sequence "
+                          "RoPE kernel indexes frequencies per sequence, not by the multimodal per-token positions; "
+                          "drop the flag or use --transformer-impl local")
     # the MTP block is built beside the GPTModel, not by it (mtp.py): its config keeps megatron-core's
     # MTP fields unset, so its forward returns the logits
     mtp.check(int(kw.pop("mtp_num_layers", None) or 0), family, hf_config, margs)
@@ -181,6 +189,14 @@ def moe_config(family: Family, te: bool) -> dict:
     if moe.shared_ffn:
         kw.update(moe_shared_expert_intermediate_size=moe.shared_ffn, moe_shared_expert_gate=moe.shared_gate)
     return kw
+
+
+def mrope_section(hf_config) -> list[int]:
+    """A Qwen-VL decoder's multimodal RoPE split: rotary channel pairs per temporal, height, width position."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if not params.get("mrope_section"):
+        raise ConfigError(f"{hf_config.model_type}: no mrope_section in its rope parameters")
+    return [int(x) for x in params["mrope_section"]]
 
 
 def _moe_without_te() -> None:
@@ -263,7 +279,8 @@ def build_gpt(hf_config, config, spec, *, padded_vocab: int, value_head: bool = 
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         parallel_output=True, share_embeddings_and_output_weights=tied,
-        position_embedding_type="rope", rotary_percent=float(params.get("partial_rotary_factor", 1.0)),
+        position_embedding_type="mrope" if config.mrope_section else "rope",  # mrope: a Qwen-VL's decoder
+        rotary_percent=float(params.get("partial_rotary_factor", 1.0)),
         rotary_base=int(rope_theta(hf_config)), vp_stage=vp_stage,
     )
     inv_freq, scaling = hf_inv_freq(hf_config)
@@ -349,6 +366,7 @@ def mark_tensor_parallel(model) -> None:
 def hf_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies exactly as the HF model computes them (llama3 scaling etc.)."""
     mt = {"mimo": "qwen2"}.get(hf_config.model_type, hf_config.model_type)  # MiMo: Qwen2's RoPE
+    mt = mt.removesuffix("_text")  # a VLM's decoder config (qwen2_vl_text): its model's module
     module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
     cls = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
     with torch.device("cpu"):
@@ -382,6 +400,7 @@ class ValueHead(torch.nn.Module):
 
 def layout_for(hf_config, margs: MegatronArgs, te: bool) -> tuple[Family, Layout]:
     family = family_for(hf_config)
+    hf_config = language_config(hf_config)
     divisible = int(margs.trainer.get("make_vocab_size_divisible_by", 1))
     experts = family.moe.num_experts if family.moe is not None else 0
     layout = Layout.from_hf(hf_config, margs.tp, padded_vocab_size(hf_config.vocab_size, margs.tp, divisible), te,

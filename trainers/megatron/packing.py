@@ -52,7 +52,7 @@ class PackedBatch:
     """One micro-batch, packed. Response tokens of all its samples are laid out flat (N)."""
     indices: list[int]  # the samples (indices into the rollout)
     tokens: torch.Tensor  # [1, T] token ids, T padded to a multiple of `pad_to`
-    position_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]; a vision-language model's multimodal ones [3, 1, T] (vision.add_images)
     cu_seqlens: torch.Tensor  # [n + 1] int32 (a padding segment at the end when T was padded)
     max_seqlen: int
     logit_index: torch.Tensor  # [N] packed position whose logits predict each response token
@@ -61,6 +61,7 @@ class PackedBatch:
     resp_slices: list[tuple[int, int]]  # per sample, its [start, end) in the flat N
     dummy: bool = False  # a stand-in run with zero loss weight (a data-parallel rank with no samples)
     routing: torch.Tensor | None = None  # [T, layers, top-k] the engine's experts per token (routing replay)
+    images: "object | None" = None  # vision.ImageInputs: the samples' images and where their embeddings go
     # Context parallelism (context_parallel.split): this rank's share of the packed tokens. Then
     # tokens/position_ids/logit_index/targets/routing are this rank's, while seq_ids,
     # resp_slices and flat() stay over every response token, and `gather` turns this rank's
@@ -76,6 +77,8 @@ class PackedBatch:
             setattr(self, name, getattr(self, name).to(device, non_blocking=True))
         if self.cp is not None:
             self.cp.to(device)
+        if self.images is not None:
+            self.images.to(device)
         return self
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:

@@ -33,10 +33,11 @@ from agentrl.errors import ConfigError
 from agentrl.profiling import TrainProfiler
 from agentrl.slime_args import check_reference, megatron_checkpoint_dir
 from agentrl.trainers import rng_state, set_rng_state
-from agentrl.trainers.megatron import mtp, no_apex, optimizer_state
+from agentrl.trainers.megatron import mtp, no_apex, optimizer_state, vision
 from agentrl.trainers.megatron.args import parse_megatron_args
 from agentrl.trainers.megatron.context_parallel import rope_without_cp_split
 from agentrl.trainers.megatron.context_parallel import split as cp_split
+from agentrl.trainers.megatron.families import family_for, language_config
 from agentrl.trainers.megatron.logprobs import fused_logprobs
 from agentrl.trainers.megatron.model import (DTYPES, build_gpt, enable_position_rope, enable_response_head,
                                              init_distributed, layer_spec, layout_for, mark_tensor_parallel,
@@ -76,7 +77,10 @@ class MegatronTrainer:
 
         hf_mimo.register()  # model_type "mimo": transformers has no config class of its own
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
-        init_distributed(self.margs, device, seed, num_layers=self.hf_config.num_hidden_layers)
+        self.lm_config = language_config(self.hf_config)  # the decoder's (a VLM's text_config)
+        if family_for(self.hf_config).vision:
+            vision.check_layout(self.margs, lora=bool(train.lora_rank))
+        init_distributed(self.margs, device, seed, num_layers=self.lm_config.num_hidden_layers)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self.dtype = DTYPES[dtype]
         self.tokenizer = load_tokenizer(self.model_path)
@@ -84,6 +88,10 @@ class MegatronTrainer:
         self.te = use_te_spec(self.margs, device)
         self.cp = self.margs.cp
         self.family, self.layout = layout_for(self.hf_config, self.margs, self.te)
+        self.processor = self.rope_index = None
+        if self.family.vision:  # the samples' images into pixel values and multimodal positions (vision.py)
+            from agentrl.vision import load_processor
+            self.processor, self.rope_index = load_processor(self.model_path), vision.RopeIndex(self.hf_config)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
@@ -136,7 +144,7 @@ class MegatronTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         device = "cpu" if self.device.type == "cpu" else "cuda"
-        config = transformer_config(self.hf_config, self.family, self.margs, dtype=self._dtype_name(), device=device,
+        config = transformer_config(self.lm_config, self.family, self.margs, dtype=self._dtype_name(), device=device,
                                     te=self.te)
         if config.virtual_pipeline_model_parallel_size and (self.lora or value_head):
             raise ConfigError("virtual pipeline stages are not supported with --lora-rank or the PPO critic")
@@ -179,13 +187,16 @@ class MegatronTrainer:
         chunks = []
         for vp_stage in (range(vpp) if vpp else [None]):
             spec = layer_spec(config, self.family, self.te, vp_stage)
-            chunk = build_gpt(self.hf_config, config, spec, padded_vocab=self.layout.padded_vocab,
-                              value_head=value_head, vp_stage=vp_stage).to(self.device)
+            chunk = build_gpt(self.lm_config, config, spec, padded_vocab=self.layout.padded_vocab,
+                              value_head=value_head, vp_stage=vp_stage)
+            if self.family.vision:
+                vision.attach(chunk, vision.build_tower(self.hf_config, config.params_dtype))
+            chunk = chunk.to(self.device)
             if with_mtp and self.layout.mtp_layers:
                 block = mtp.build_block(config, spec, te=self.te, num_layers=self.layout.mtp_layers, vp_stage=vp_stage)
                 mtp.attach(chunk, block.to(self.device), train=self.mtp_train)
                 mark_tensor_parallel(chunk)
-            if not self.te:
+            if not self.te and not self.family.vision:  # (multimodal RoPE: positions per token already)
                 enable_position_rope(chunk)
             if self.cp > 1:
                 rope_without_cp_split(chunk)
@@ -219,7 +230,7 @@ class MegatronTrainer:
         mine, dp_rank, dp_size = indices, self.dp_rank, self.dp_size
         by_flops = self.train_cfg.balance_by_flops and self.max_tokens is not None
         if by_flops or self.train_cfg.balance_data:  # slime's: shares and micro-batches weighed by estimated FLOPs
-            hf = self.hf_config.to_dict()
+            hf = self.lm_config.to_dict()
             lengths = {i: padded_length(len(samples[i].tokens), self.seq_pad) for i in indices}
             costs = {i: forward_flops(n, hf) for i, n in lengths.items()}
             if dp_size > 1:  # this rank's share by Karmarkar-Karp on the costs
@@ -247,6 +258,11 @@ class MegatronTrainer:
         if self.routing_replay:
             for b in batches:
                 b.routing = self._recorded_routing(samples, b)
+        if self.family.vision:
+            for b in batches:
+                vision.add_images(b, samples, self.processor, self.rope_index)
+        elif any(samples[i].images for b in batches for i in b.indices):
+            raise ValueError("samples with images, and the trainer's model is not a vision-language model")
         if self.cp > 1:  # this CP rank's chunks of every sequence
             from megatron.core import parallel_state as ps
             batches = [cp_split(b, self.cp, ps.get_context_parallel_rank(), ps.get_context_parallel_group())
@@ -328,8 +344,11 @@ class MegatronTrainer:
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
             gpt = getattr(m, "module", m)
-            by_position = not self.te and hasattr(gpt.rotary_pos_emb, "positions")
-            if by_position:
+            # RoPE frequencies per token: enable_position_rope's, or the multimodal ones (from position_ids)
+            by_position = not self.te and (self.family.vision or hasattr(gpt.rotary_pos_emb, "positions"))
+            if self.family.vision:
+                gpt.embedding.images = mb.images  # vision.attach: the image embeddings at their tokens
+            elif by_position:
                 gpt.rotary_pos_emb.positions = (mb.position_ids[0], mb.max_seqlen)
             if self.routing_replay:
                 self._replay_routing(gpt, mb)
@@ -382,7 +401,7 @@ class MegatronTrainer:
         """A model of the policy's shape and layout (its virtual stages too) with the weights of
         `source`, for logprobs only (reference, teacher): an HF folder, or a Megatron distributed
         checkpoint (slime's torch_dist, an agentrl checkpoint) read into this layout."""
-        cfg = transformer_config(self.hf_config, self.family, self.margs, dtype=dtype, device=device.split(":")[0],
+        cfg = transformer_config(self.lm_config, self.family, self.margs, dtype=dtype, device=device.split(":")[0],
                                  te=self.te)
         dist_dir = megatron_checkpoint_dir(source)
         chunks = self._model_chunks(cfg, HFCheckpoint(self.model_path if dist_dir else source))
@@ -508,7 +527,7 @@ class MegatronTrainer:
         """Training-mode dropout (--lora-dropout, the HF config's attention_dropout), or sinkhorn MoE routing
         (it routes differently in training): then the training forward is not compute_logprobs' and the old
         logprobs cannot come from it (reuses_training_logprobs)."""
-        return (has_dropout([self.model], float(getattr(self.hf_config, "attention_dropout", 0.0) or 0.0))
+        return (has_dropout([self.model], float(getattr(self.lm_config, "attention_dropout", 0.0) or 0.0))
                 or getattr(self.config, "moe_router_load_balancing_type", None) == "sinkhorn")
 
     def policy_step(self, idx, samples, advantages, old, ref) -> dict[str, float]:
@@ -683,6 +702,9 @@ class MegatronTrainer:
                 shutil.copy(gen, folder / "generation_config.json")
             for code in Path(self.model_path).glob("*.py"):  # a config.json auto_map's remote code (MiMo's)
                 shutil.copy(code, folder / code.name)
+            if self.processor is not None:  # a VLM's processor files: the engines and a resume load them
+                from agentrl.vision import copy_processor_files
+                copy_processor_files(self.model_path, folder)
         if dist.is_initialized():
             dist.barrier()
         return folder

@@ -23,6 +23,12 @@ from agentrl.trainers.megatron.families.common import (Family, Layout, expert_in
 from agentrl.weight_transfer import buckets
 
 
+# A Qwen-VL checkpoint saved by transformers 4.52 to 4.57 names its tensors by the module paths
+# (`model.language_model.layers.*`, `model.visual.*`); published ones and transformers 5 write
+# `model.layers.*`, `visual.*`, the names the trainer reads and exports (and the engines take).
+_VLM_ALIASES = (("model.", "model.language_model."), ("visual.", "model.visual."))
+
+
 class HFCheckpoint:
     """Lazy access to the tensors of an HF checkpoint folder (safetensors, sharded or not;
     pytorch_model.bin as a fallback)."""
@@ -50,6 +56,9 @@ class HFCheckpoint:
         return self.where.keys()
 
     def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            name = next((new + name[len(old):] for old, new in _VLM_ALIASES
+                         if name.startswith(old) and new + name[len(old):] in self.where), name)
         if name not in self.where:
             raise KeyError(f"{self.folder}: the checkpoint has no tensor {name}")
         path = self.where[name]

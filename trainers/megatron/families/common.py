@@ -21,6 +21,9 @@ Megatron (local or Transformer Engine layer spec) fuses what HF keeps apart:
   (`mlp.experts.local_experts.E.linear_fc1.weight`, HF `mlp.experts.E.gate_proj.weight`), as
   they carry the global layer index. Qwen2-MoE's shared expert is a TP-split dense MLP
   (`mlp.shared_experts.*`) with a replicated sigmoid gate (`gate_weight`).
+- Vision-language models (`Family.vision`, Qwen2-VL / Qwen2.5-VL): the vision tower is the HF
+  module itself inside the Megatron model, so its parameters keep their checkpoint names
+  (`visual.*`) and are copied whole (replicated on every rank).
 - Multi-token-prediction layers (`Family.mtp`, MiMo: HF `model.mtp_layers.K.*`): megatron-core's
   MTP block `mtp.layers.K.*` (trainers/megatron/mtp.py). Its norms `enorm`/`hnorm`/`final_layernorm`
   are HF's `token_layernorm`/`hidden_layernorm`/`final_layernorm`; `eh_proj` (column-parallel) is
@@ -59,6 +62,7 @@ class Family:
     qk_norm: bool
     moe: MoE | None = None
     mtp: bool = False  # the checkpoint's multi-token-prediction layers map (MiMo's model.mtp_layers.*)
+    vision: bool = False  # a vision-language model: multimodal RoPE and an HF vision tower (`visual.*`)
 
 
 def check_dense(hf_config) -> None:
@@ -149,6 +153,8 @@ def hf_sources(name: str, family: Family, layout: Layout) -> tuple[str, list[str
         return "vocab", ["model.embed_tokens.weight" if layout.tied else "lm_head.weight"]
     if name == "decoder.final_layernorm.weight":
         return "replicated", ["model.norm.weight"]
+    if family.vision and name.startswith("visual."):
+        return "replicated", [name]
     e = _EXPERT.match(name)
     if e:
         i, x, which = int(e.group(1)), int(e.group(2)), e.group(3)
