@@ -18,33 +18,23 @@ too, and the reward climbs above the image-blind 0.5.
 
 from __future__ import annotations
 
-import io
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from gpu_helpers import COLOCATE, KIT, OUT, SGLANG, agentrl_train, iters, mean, needs_gpus, trajectories
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the CPU test's colours and reward
+from vision_helpers import COLOURS, PARITY_RM, png  # noqa: E402
+
 pytestmark = needs_gpus()
 
-COLOURS = {"red": (230, 20, 20), "blue": (20, 20, 230)}
-PARITY_RM = '''
-async def parity(args, sample, **kwargs):
-    """1 when the reply's first token's parity is the image's colour (red: even, blue: odd)."""
-    return float(bool(sample.response_tokens) and sample.response_tokens[0] % 2 == (sample.label == "blue"))
-'''
 # SGLang's kernels want head sizes of 64 and up; Qwen2-VL's mrope sections sum to half of it
 TEXT = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]})
 VISION = dict(depth=2, embed_dim=128, hidden_size=256, num_heads=2, patch_size=14)
-
-
-def png(colour: str) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (56, 56), COLOURS[colour]).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 # the Megatron trainer packs each step's 128 samples (~30 tokens each) into one micro-batch
@@ -63,7 +53,7 @@ def test_vlm_sglang_learns_what_only_the_image_tells(monkeypatch, trainer):
     data = OUT / "vlm_data"
     data.mkdir(parents=True, exist_ok=True)
     rows = [{"problem": "<image>Which colour is this?", "answer": colour,
-             "images": [{"bytes": png(colour), "path": None}]} for colour in ("red", "blue") * 8]
+             "images": [{"bytes": png(colour, (56, 56)), "path": None}]} for colour in ("red", "blue") * 8]
     pq.write_table(pa.Table.from_pylist(rows), data / "train.parquet")
     (data / "colour_rm.py").write_text(PARITY_RM)
     monkeypatch.setenv("PYTHONPATH", ":".join(p for p in [str(data), os.environ.get("PYTHONPATH")] if p))

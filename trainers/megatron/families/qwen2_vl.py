@@ -7,9 +7,10 @@ module itself (trainers/megatron/vision.py), replicated on every rank. Checkpoin
 decoder's are Qwen2's (`model.layers.*`, `model.embed_tokens.weight`, `lm_head.weight`), the
 tower's are `visual.*`, copied as they are."""
 
+from agentrl.models import VISION_FAMILIES
 from agentrl.trainers.megatron.families.common import Family, check_dense
 
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+MODEL_TYPES = VISION_FAMILIES  # the families agentrl/vision.py serves and the torch trainer trains
 
 
 def family_config(hf_config) -> Family:
