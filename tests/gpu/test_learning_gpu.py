@@ -106,8 +106,9 @@ def resumable_run(name: str, model: Path, *args: str, n: int, save_interval: int
             returncode = stream(cmd, OUT / f"{name}.log", budget, what=name)
             assert returncode == 0, f"{name}: agentrl train exited {returncode} (log: {OUT / (name + '.log')})"
         except TimeoutError:
-            print(f"{name}: stopped after {budget:.0f} s of this call; the same command goes on from the last "
-                  f"checkpoint", flush=True)
+            left = ("its iterations were done: the stop steps after them were cut" if len(rows_so_far()) >= n
+                    else "the same command goes on from the last checkpoint")
+            print(f"{name}: stopped after {budget:.0f} s of this call; {left}", flush=True)
         finally:
             stop.set()
             pruner.join()
