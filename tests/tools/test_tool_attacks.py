@@ -4,6 +4,7 @@ trajectory as the agent's fault (reward 0, reason recorded) rather than as an in
 import json
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -371,7 +372,7 @@ def test_exhausted_fds_and_a_full_disk_are_the_agents_problem(arun, backend):
         arun(env.aclose())
 
 
-@pytest.mark.e2e  # about 60 s a backend: waits out stopped servers and their restarts
+@pytest.mark.e2e  # about 25 s a backend: waits out stopped servers and their restarts
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stopping_the_tool_server_is_bounded_and_the_agents_fault(arun, backend):
     """SIGSTOP to the tool server (its process and every process of the agent's uid): no answer
@@ -382,6 +383,12 @@ def test_stopping_the_tool_server_is_bounded_and_the_agents_fault(arun, backend)
 
     class Short(AttackEnv):
         tool_timeout = 2.0
+
+        def server_specs(self):
+            # the client waits tool_timeout plus a grace for an answer (builtin_spec: 30 s, for a
+            # loaded machine); a stopped server never answers, so each stop waited out 32 s. 8 s of
+            # grace here: a stop still takes the whole wait, an honest call is done well within it
+            return [replace(s, timeout_s=self.tool_timeout + 8) for s in super().server_specs()]
 
     env = Short(sandbox=backend)
     try:
