@@ -176,6 +176,20 @@ def label_needed_by(name: str) -> str | None:
     return name if getattr(get_spec(name).load(), "needs_label", False) else None
 
 
+def check_data_files(cfg: Config) -> None:
+    """--prompt-data and --eval-prompt-data name files that exist: a cheap check among the start-up
+    checks, so a mistyped path fails before Ray starts (their rows are read beside Ray's start,
+    build_prompt_source and load_eval_sets; those name a missing file the same way)."""
+    from agentrl.data import numbered_rows_path_check
+
+    if cfg.data.prompt_data:
+        numbered_rows_path_check(cfg.data.prompt_data, "--prompt-data")
+    if not cfg.eval.eval_config:
+        pairs = cfg.eval.eval_prompt_data
+        for name, path in zip(pairs[::2], pairs[1::2]):
+            numbered_rows_path_check(str(path), f"--eval-prompt-data {name}")
+
+
 def load_eval_sets(cfg: Config) -> list[tuple]:
     """--eval-prompt-data NAME PATH ... (or --eval-config's datasets): read (and so check) every
     eval set before any work. Each is (name, tasks) or, from --eval-config, (name, tasks,

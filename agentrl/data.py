@@ -54,12 +54,18 @@ def json_list_label(label: Any) -> Any:
     return label
 
 
-def numbered_rows(path: str, flag: str = "--prompt-data") -> list[tuple[str, dict[str, Any]]]:
-    """(where, row) for each row of a JSONL or parquet file; `where` names file and line (or row),
-    a missing file the flag that named it."""
+def numbered_rows_path_check(path: str, flag: str = "--prompt-data") -> Path:
+    """The data file's Path; DatasetError naming the flag when there is no such file."""
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"{flag} {path}: no such file")
+    return p
+
+
+def numbered_rows(path: str, flag: str = "--prompt-data") -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) for each row of a JSONL or parquet file; `where` names file and line (or row),
+    a missing file the flag that named it."""
+    p = numbered_rows_path_check(path, flag)
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
 

@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 from agentrl.batches import BatchSource, HookBatches, ProducerBatches, ReplayBatches, rollout_metrics
 from agentrl.build import (build_env_lookup, build_group_filter, build_group_runner, build_prompt_source,
-                           build_reward_fn, build_rollout_hook, latest_checkpoint, load_debug_rollouts,
-                           engine_sglang_args, load_eval_sets, lora_engine_args, resolve_device, resolve_model,
-                           seed_everything, start_sandbox_pool, turn_budget_warning)
+                           build_reward_fn, build_rollout_hook, check_data_files, latest_checkpoint,
+                           load_debug_rollouts, engine_sglang_args, load_eval_sets, lora_engine_args, resolve_device,
+                           resolve_model, seed_everything, start_sandbox_pool, turn_budget_warning)
 from agentrl.cluster.engine_actor import stop_engines
 from agentrl.cluster.node_watch import NodeWatch
 from agentrl.cluster.placement import reserve_placement
@@ -73,6 +73,7 @@ def train(cfg: Config) -> Path:
 
     with timeline.step("startup", "checks"):  # what fails fast on a bad flag: before anything starts
         env_cls = build_env_lookup(cfg)
+        check_data_files(cfg)  # a missing data file: before Ray, not in the set-up thread beside it
         if warning := turn_budget_warning(cfg, env_cls):
             progress.note(f"warning: {warning}")
         if (chance := getattr(env_cls, "chance_reward", None)) and (chance := chance(**cfg.run.env_kwargs)) is not None:
