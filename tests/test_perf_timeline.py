@@ -232,8 +232,10 @@ def test_background_result_and_failure():
 @pytest.mark.e2e
 def test_train_records_start_up_stop_and_rollout_stages(tmp_path):
     run = tmp_path / "run"
-    # with slime's profiler on the second train step (tests/trainers/test_profiling.py has the rest)
+    # with slime's profiler on the second train step (tests/trainers/test_profiling.py has the rest);
+    # small batches (4 prompts x 2 samples, one optimizer step): the stages are there at any size
     proc = subprocess.run([agentrl_cli(), "train", "--num-rollout", "2", "--no-progress", "--output-dir", str(run),
+                           "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
                            "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "2"],
                           capture_output=True, text=True, timeout=300, env=run_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
