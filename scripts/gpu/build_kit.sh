@@ -16,9 +16,10 @@
 #   .gpukit/m1/, m2/  (only with `build_kit.sh m`) the GGUF of SmolLM2-135M-Instruct in two halves, for the
 #               real-model scenarios (tests/gpu/test_learning_gpu.py): carry m1, then m2, after a and b
 #   .gpukit/d/  (only with `build_kit.sh d`) the envs' demonstrations for the SFT scenarios, made here by
-#               tests/gpu/make_demos.py (about 5 MB): carry d with any call; the SFT step then skips
-#               `agentrl demos` there (code's 512 and math-python's 1024 take 5 and 8.5 minutes of device
-#               time). Here, on 2 cores: AGENTRL_DEMOS_CONCURRENCY=6, about 27 minutes for both (2026-12-07)
+#               tests/gpu/make_demos.py (about 4 MB): carry d with m1 or m2 (a, 54 MB, and the 9-MB tree leave
+#               it no room); the SFT step then skips `agentrl demos` there (code's 512 and math-python's 1024
+#               take 5 and 8.5 minutes of device time). Here, on 2 cores: AGENTRL_DEMOS_CONCURRENCY=6, about 27
+#               minutes for both one after the other (2026-12-07); math-python's alone 24 minutes beside a test run
 # Usage: bash scripts/gpu/build_kit.sh [a|b|m|d]   (default: a and b; a, m and d are cached once built)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
