@@ -180,14 +180,14 @@ def check_data_files(cfg: Config) -> None:
     """--prompt-data and --eval-prompt-data name files that exist: a cheap check among the start-up
     checks, so a mistyped path fails before Ray starts (their rows are read beside Ray's start,
     build_prompt_source and load_eval_sets; those name a missing file the same way)."""
-    from agentrl.data import numbered_rows_path_check
+    from agentrl.data import existing_data_file
 
     if cfg.data.prompt_data:
-        numbered_rows_path_check(cfg.data.prompt_data, "--prompt-data")
+        existing_data_file(cfg.data.prompt_data, "--prompt-data")
     if not cfg.eval.eval_config:
         pairs = cfg.eval.eval_prompt_data
         for name, path in zip(pairs[::2], pairs[1::2]):
-            numbered_rows_path_check(str(path), f"--eval-prompt-data {name}")
+            existing_data_file(str(path), f"--eval-prompt-data {name}")
 
 
 def load_eval_sets(cfg: Config) -> list[tuple]:

@@ -54,7 +54,7 @@ def json_list_label(label: Any) -> Any:
     return label
 
 
-def numbered_rows_path_check(path: str, flag: str = "--prompt-data") -> Path:
+def existing_data_file(path: str, flag: str = "--prompt-data") -> Path:
     """The data file's Path; DatasetError naming the flag when there is no such file."""
     p = Path(path)
     if not p.is_file():
@@ -65,7 +65,7 @@ def numbered_rows_path_check(path: str, flag: str = "--prompt-data") -> Path:
 def numbered_rows(path: str, flag: str = "--prompt-data") -> list[tuple[str, dict[str, Any]]]:
     """(where, row) for each row of a JSONL or parquet file; `where` names file and line (or row),
     a missing file the flag that named it."""
-    p = numbered_rows_path_check(path, flag)
+    p = existing_data_file(path, flag)
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
