@@ -177,34 +177,38 @@ def label_needed_by(name: str) -> str | None:
 
 
 def check_data_files(cfg: Config) -> None:
-    """--prompt-data and --eval-prompt-data name files that exist: a cheap check among the start-up
-    checks, so a mistyped path fails before Ray starts (their rows are read beside Ray's start,
-    build_prompt_source and load_eval_sets; those name a missing file the same way)."""
+    """--prompt-data and the eval sets' files exist: a cheap check among the start-up checks, so a
+    mistyped path fails before Ray starts (their rows are read beside Ray's start, build_prompt_source
+    and load_eval_sets; those name a missing file the same way)."""
     from agentrl.data import existing_data_file
 
     if cfg.data.prompt_data:
         existing_data_file(cfg.data.prompt_data, "--prompt-data")
-    if not cfg.eval.eval_config:
-        pairs = cfg.eval.eval_prompt_data
-        for name, path in zip(pairs[::2], pairs[1::2]):
-            existing_data_file(str(path), f"--eval-prompt-data {name}")
+    for spec, flag in eval_set_specs(cfg):
+        existing_data_file(str(spec["path"]), flag)
+
+
+def eval_set_specs(cfg: Config) -> list[tuple[dict, str]]:
+    """(spec, the flag that named it) of each eval set: --eval-config's datasets, or the NAME PATH
+    pairs of --eval-prompt-data as {"name", "path"}."""
+    if cfg.eval.eval_config:
+        return [(spec, f"--eval-config {cfg.eval.eval_config}: dataset {spec['name']!r}:")
+                for spec in read_eval_config(cfg.eval.eval_config)]
+    pairs = cfg.eval.eval_prompt_data
+    return [({"name": name, "path": path}, f"--eval-prompt-data {name}") for name, path in zip(pairs[::2], pairs[1::2])]
 
 
 def load_eval_sets(cfg: Config) -> list[tuple]:
     """--eval-prompt-data NAME PATH ... (or --eval-config's datasets): read (and so check) every
     eval set before any work. Each is (name, tasks) or, from --eval-config, (name, tasks,
     n_samples_per_eval_prompt or None); a set's rm_type goes into its rows' metadata (a row's own wins)."""
-    d, pairs = cfg.data, cfg.eval.eval_prompt_data
-    specs = (read_eval_config(cfg.eval.eval_config) if cfg.eval.eval_config
-             else [{"name": name, "path": path} for name, path in zip(pairs[::2], pairs[1::2])])
+    d = cfg.data
     sets = []
-    for spec in specs:
+    for spec, flag in eval_set_specs(cfg):
         tasks = read_rows(str(spec["path"]), input_key=spec.get("input_key", d.input_key),
                           label_key=spec.get("label_key", d.label_key),
                           metadata_key=spec.get("metadata_key", d.metadata_key),
-                          label_needed_by=label_needed_by(cfg.run.env), multimodal_keys=d.multimodal_keys,
-                          flag=(f"--eval-config {cfg.eval.eval_config}: dataset {spec['name']!r}:"
-                                if cfg.eval.eval_config else f"--eval-prompt-data {spec['name']}"))
+                          label_needed_by=label_needed_by(cfg.run.env), multimodal_keys=d.multimodal_keys, flag=flag)
         for task in tasks:
             if task.get("env"):
                 get_spec(task["env"])

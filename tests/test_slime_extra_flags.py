@@ -295,6 +295,23 @@ def _eval_config(tmp_path, extra=""):
     return path
 
 
+def test_a_missing_eval_config_dataset_is_named_among_the_start_up_checks(tmp_path):
+    """train's start-up checks (before Ray) name an --eval-config dataset whose file is missing, as
+    load_eval_sets would beside Ray's start."""
+    import re
+
+    from agentrl.build import check_data_files
+    from agentrl.errors import DatasetError
+
+    path = _eval_config(tmp_path)
+    cfg, _ = parse_config(["--eval-config", str(path), "--rm-type", "deepscaler"])
+    check_data_files(cfg)  # both files there
+    (tmp_path / "gpqa.jsonl").unlink()
+    with pytest.raises(DatasetError, match=re.escape(f"--eval-config {path}: dataset 'gpqa': {tmp_path / 'gpqa.jsonl'}: "
+                                                     "no such file")):
+        check_data_files(cfg)
+
+
 def test_eval_config_gives_the_eval_sets_with_their_own_settings(tmp_path):
     from agentrl.build import load_eval_sets
     from agentrl.evaluation import evaluate
