@@ -28,6 +28,9 @@
 #   bash scripts/gpu/run.sh async_repeats       (2 GPUs) sync vs async repeated, median and spread;
 #                                               AGENTRL_ASYNC_APPEND=1 on later calls adds repeats to one report
 set -euo pipefail
+# the call's clock for AGENTRL_GPU_BUDGET_S: unpacking part b and installing agentrl take ~30-60 s before
+# pytest starts (a budget counted from there let `timeout 595` cut a run before its own stop, 2026-12-07)
+export AGENTRL_CALL_STARTED=${AGENTRL_CALL_STARTED:-$(date +%s)}
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 kit=${AGENTRL_KIT:-/root/agentrl-kit}; site=$kit/site
 mkdir -p "$site"

@@ -24,7 +24,8 @@ from gpu_helpers import (COLOCATE, KIT, OUT, SGLANG, agentrl_train, iters, mean,
 pytestmark = needs_gpus()
 
 TRAINER = os.environ.get("AGENTRL_GPU_TRAINER", "megatron")
-CALL_STARTED = time.time()  # the device call's clock: collection runs at its start
+# the device call's clock: scripts/gpu/run.sh sets it before unpacking and installing; else collection's start
+CALL_STARTED = float(os.environ.get("AGENTRL_CALL_STARTED") or time.time())
 
 
 @pytest.fixture(scope="module")
